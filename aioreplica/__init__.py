@@ -1,0 +1,65 @@
+"""aioreplica: run one step function on many replicas at once, as coroutines on one event loop.
+
+The public surface is re-exported here; every other module is private. See ``README.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import nest as nest
+from ._backends import Device as Device
+from ._backends import list_devices as list_devices
+from ._context import ReplicaContext as ReplicaContext
+from ._context import get_replica_context as get_replica_context
+from ._context import get_strategy as get_strategy
+from ._context import has_strategy as has_strategy
+from ._context import in_cross_replica_context as in_cross_replica_context
+from ._errors import AioreplicaInternalError as AioreplicaInternalError
+from ._errors import ReplicaSyncError as ReplicaSyncError
+from ._scheduler import SchedulerStatistics as SchedulerStatistics
+from ._strategy import MirroredStrategy as MirroredStrategy
+from ._strategy import StrategyExtended as StrategyExtended
+from ._values import DistributedValues as DistributedValues
+from ._values import Mirrored as Mirrored
+from ._values import PerReplica as PerReplica
+from ._values import regroup as regroup
+from ._values import select_replica as select_replica
+from ._values import select_replica_mirrored as select_replica_mirrored
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AioreplicaInternalError",
+    "Device",
+    "DistributedValues",
+    "Mirrored",
+    "MirroredStrategy",
+    "PerReplica",
+    "ReplicaContext",
+    "ReplicaSyncError",
+    "SchedulerStatistics",
+    "StrategyExtended",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "list_devices",
+    "nest",
+    "regroup",
+    "select_replica",
+    "select_replica_mirrored",
+]
+
+
+def _fixup_module_metadata() -> None:
+    """Show the public path (``aioreplica.PerReplica``) in reprs, tracebacks and pickles."""
+    for name in __all__:
+        obj = globals()[name]
+        if getattr(obj, "__module__", "").startswith("aioreplica.") and name != "nest":
+            with contextlib.suppress(AttributeError, TypeError):  # read-only on some objects
+                obj.__module__ = __name__
+
+
+_fixup_module_metadata()
+del _fixup_module_metadata

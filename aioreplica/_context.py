@@ -1,0 +1,311 @@
+"""Replica and cross-replica contexts.
+
+Code runs in one of three contexts, each found from two ``ContextVar``s (never from the
+thread: every replica is a task on one thread, and both asyncio and trio copy the context into
+each task, so the replica id travels with its coroutine and concurrent ``run()`` calls never
+see each other):
+
+- **replica context**: inside a replica of ``strategy.run``. ``get_replica_context()``
+  returns that replica's ``ReplicaContext``.
+- **cross-replica context**: inside ``merge_fn`` or ``with strategy.scope():``.
+  ``get_replica_context()`` returns ``None`` and ``in_cross_replica_context()`` is true.
+- **default context**: anywhere else. As in TensorFlow, there is a default single-replica
+  strategy with a default ``ReplicaContext`` whose ``merge_call`` runs ``merge_fn`` at once,
+  so code written for replicas also runs without any strategy.
+
+Exactly one of ``get_replica_context() is not None`` and ``in_cross_replica_context()`` holds.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Generator, Mapping
+
+    from ._backends import Device
+    from ._strategy import MirroredStrategy
+
+__all__ = [
+    "ReplicaContext",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class ContextState:
+    """Where the running code is: in a replica, in cross-replica context, or neither.
+
+    Attributes:
+        replica: the replica whose code is running, or None.
+        strategy: the strategy of the enclosing ``scope()`` or ``merge_fn``, or None.
+        merging: true inside ``merge_fn`` (cross-replica, but ``run()`` may not nest there).
+    """
+
+    replica: ReplicaContext | None = None
+    strategy: MirroredStrategy | None = None
+    merging: bool = False
+
+
+#: One variable, so entering a replica or a merge is one ``set`` and leaving it one ``reset``.
+context_state: ContextVar[ContextState] = ContextVar(
+    "aioreplica.context_state", default=ContextState()
+)
+
+_default_strategy: MirroredStrategy | None = None
+_default_strategy_factory: Callable[[], MirroredStrategy] | None = None
+
+
+class MergePoint(Protocol):
+    """The scheduler's side of one replica: where ``merge_call`` leaves its request.
+
+    ``merge_call`` checks ``stepping`` (true only while the scheduler is running this
+    replica's own coroutine), stores its request here, and awaits ``MERGE_TRAP``; the
+    scheduler sees the trap, runs the round, stores ``merge_result`` and resumes it.
+    """
+
+    stepping: bool
+    merge_fn: Callable[..., Any] | None
+    merge_args: tuple[Any, ...]
+    merge_kwargs: Mapping[str, Any] | None
+    merge_result: Any
+
+    def misuse_message(self) -> str: ...
+
+
+class _MergeTrap:
+    """The one private primitive replica code awaits: it yields ``MERGE`` to the driver.
+
+    Awaiting it costs one tuple iterator: the driver resumes the replica with ``send(None)``
+    and leaves the result on the replica's ``MergePoint``.
+    """
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(_MERGE_ONCE)  # type: ignore[return-value]  # only ever driven by send(None)
+
+
+#: What a replica coroutine yields to its driver at a merge point.
+MERGE: Final = object()
+_MERGE_ONCE: Final = (MERGE,)
+MERGE_TRAP: Final = _MergeTrap()
+
+
+@final
+class ReplicaContext:
+    """The view of one replica from inside its code (``get_replica_context()``).
+
+    Example:
+        >>> import anyio, aioreplica
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> async def step():
+        ...     ctx = aioreplica.get_replica_context()
+        ...     replica_id = ctx.replica_id_in_sync_group
+        ...     return await ctx.merge_call(lambda s, v: sum(v.values), args=(replica_id,))
+        >>> anyio.run(strategy.run, step)
+        1
+    """
+
+    __slots__ = ("_device", "_merge_point", "_replica_id", "_strategy")
+
+    def __init__(
+        self,
+        strategy: MirroredStrategy,
+        replica_id: int,
+        device: Device,
+        merge_point: MergePoint | None,
+    ) -> None:
+        self._strategy = strategy
+        self._replica_id = replica_id
+        self._device = device
+        self._merge_point = merge_point
+
+    @property
+    def strategy(self) -> MirroredStrategy:
+        """The strategy this replica belongs to."""
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's id, ``0 <= id < num_replicas_in_sync``."""
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run in sync."""
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def device(self) -> Device:
+        """The device this replica runs on."""
+        return self._device
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The canonical names of this replica's devices (one device per replica)."""
+        return (self._device.name,)
+
+    async def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Wait for every replica, run ``merge_fn`` once, and return this replica's part.
+
+        When every replica of the step has reached its ``merge_call``, the ``args`` and
+        ``kwargs`` of all replicas are regrouped (a value that differs between replicas becomes
+        a ``PerReplica``), ``merge_fn(strategy, *args, **kwargs)`` runs once in cross-replica
+        context (awaited if it returns an awaitable), and each replica resumes with
+        ``select_replica(its_id, result)``.
+
+        Args:
+            merge_fn: called as ``merge_fn(strategy, *args, **kwargs)``; every replica must pass
+                the same function (the same code) in the same round.
+            args: this replica's positional arguments for ``merge_fn``.
+            kwargs: this replica's keyword arguments for ``merge_fn``.
+
+        Returns:
+            This replica's slice of ``merge_fn``'s result.
+
+        Raises:
+            RuntimeError: called outside this replica's own coroutine: from cross-replica
+                context, after ``run()`` returned, or from a task the replica spawned (such as
+                ``asyncio.wait_for`` on Python 3.11; use ``anyio.fail_after`` instead).
+            Exception: whatever ``merge_fn`` raises; ``run()`` then raises it once and cancels
+                every replica.
+
+        Example:
+            >>> async def step():
+            ...     ctx = aioreplica.get_replica_context()
+            ...     return await ctx.merge_call(lambda strategy: "merged")
+        """
+        point = self._merge_point
+        if point is None:
+            return await _merge_now(merge_fn, args, kwargs)
+        if not point.stepping:
+            raise RuntimeError(point.misuse_message())
+        point.merge_fn = merge_fn
+        point.merge_args = args
+        point.merge_kwargs = kwargs
+        await MERGE_TRAP
+        return point.merge_result
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync} "
+            f"on {self._device.name}>"
+        )
+
+
+async def _merge_now(
+    merge_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None,
+) -> Any:
+    """The default replica context's merge: with one replica, merge at once."""
+    if in_cross_replica_context():
+        raise RuntimeError(
+            "merge_call() was called in cross-replica context (inside merge_fn or "
+            "strategy.scope()); call it from replica code, or call the merge function "
+            "directly"
+        )
+    strategy = get_default_strategy()
+    token = context_state.set(ContextState(strategy=strategy, merging=True))
+    try:
+        result = merge_fn(strategy, *args, **(kwargs or {}))
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+    finally:
+        context_state.reset(token)
+
+
+def set_default_strategy_factory(factory: Callable[[], MirroredStrategy]) -> None:
+    """Let ``_strategy`` say how to make the default strategy (imports point down only)."""
+    global _default_strategy_factory
+    _default_strategy_factory = factory
+
+
+def get_default_strategy() -> MirroredStrategy:
+    """The process-wide default single-replica strategy, made on first use."""
+    global _default_strategy
+    if _default_strategy is None:
+        if _default_strategy_factory is None:  # pragma: no cover - _strategy is always imported
+            raise RuntimeError("aioreplica._strategy was not imported")
+        _default_strategy = _default_strategy_factory()
+    return _default_strategy
+
+
+_default_replica_context: ReplicaContext | None = None
+
+
+def _get_default_replica_context() -> ReplicaContext:
+    global _default_replica_context
+    if _default_replica_context is None:
+        strategy = get_default_strategy()
+        _default_replica_context = ReplicaContext(
+            strategy, 0, strategy.extended.replica_devices[0], None
+        )
+    return _default_replica_context
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """Return the current replica's context, or ``None`` in cross-replica context.
+
+    Returns:
+        Inside a replica of ``strategy.run``: that replica's ``ReplicaContext``. Inside
+        ``merge_fn`` or ``with strategy.scope():``: ``None``. Anywhere else: the default
+        single-replica context, whose ``merge_call`` runs ``merge_fn`` at once.
+
+    Example:
+        >>> get_replica_context().num_replicas_in_sync
+        1
+    """
+    state = context_state.get()
+    if state.replica is not None:
+        return state.replica
+    if state.strategy is not None:
+        return None
+    return _get_default_replica_context()
+
+
+def in_cross_replica_context() -> bool:
+    """Return whether the caller is in cross-replica context (``merge_fn`` or ``scope()``).
+
+    Example:
+        >>> in_cross_replica_context()
+        False
+    """
+    state = context_state.get()
+    return state.replica is None and state.strategy is not None
+
+
+def get_strategy() -> MirroredStrategy:
+    """Return the current strategy: of this replica, ``merge_fn`` or ``scope()``, else the default.
+
+    Example:
+        >>> get_strategy().num_replicas_in_sync
+        1
+    """
+    state = context_state.get()
+    if state.replica is not None:
+        return state.replica.strategy
+    return state.strategy if state.strategy is not None else get_default_strategy()
+
+
+def has_strategy() -> bool:
+    """Return whether a strategy other than the default one is current.
+
+    Example:
+        >>> has_strategy()
+        False
+    """
+    return get_strategy() is not get_default_strategy()

@@ -1,0 +1,64 @@
+"""Every exception aioreplica raises of its own.
+
+Each class subclasses the nearest builtin, so ``except RuntimeError:`` in existing code keeps
+working, and builds its message from fields that tests and callers can read.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+__all__ = ["AioreplicaInternalError", "ReplicaSyncError"]
+
+
+def _replica_list(ids: Sequence[int]) -> str:
+    """Format replica ids for a message, e.g. ``replicas 0, 1 and 3``."""
+    ids = sorted(ids)
+    if len(ids) == 1:
+        return f"replica {ids[0]}"
+    if len(ids) > 12:
+        head = ", ".join(map(str, ids[:10]))
+        return f"replicas {head}, ... ({len(ids)} in all)"
+    return "replicas " + ", ".join(map(str, ids[:-1])) + f" and {ids[-1]}"
+
+
+class ReplicaSyncError(RuntimeError):
+    """Replicas stopped agreeing on their ``merge_call`` sequence, or one left the others waiting.
+
+    Raised out of ``MirroredStrategy.run()`` after every replica has been cancelled, never
+    from inside a replica.
+
+    Attributes:
+        merge_number: the 1-based number of the ``merge_call`` round where it went wrong.
+        replicas: the replicas at fault (those that finished early, differ, or are late).
+        waiting: the replicas that were waiting at that merge point.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        merge_number: int,
+        replicas: Sequence[int] = (),
+        waiting: Sequence[int] = (),
+    ) -> None:
+        super().__init__(message)
+        self.merge_number = merge_number
+        self.replicas = tuple(sorted(replicas))
+        self.waiting = tuple(sorted(waiting))
+
+
+class AioreplicaInternalError(RuntimeError):
+    """aioreplica broke one of its own invariants: this is a bug in aioreplica, not in your code.
+
+    Please report it with the traceback; the message says which invariant failed.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            f"{message}\nThis is a bug in aioreplica, not in your code; please report it with "
+            "this traceback."
+        )

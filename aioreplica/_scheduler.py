@@ -1,0 +1,625 @@
+"""The scheduler: the only code that pauses and resumes replicas.
+
+The protocol, in plain words
+----------------------------
+``run_replicas`` starts one task per replica. Each task runs a *driver*, a generator that steps
+the replica's coroutine by hand (``send``/``throw``). Before every step it enters the replica's
+device and after it leaves it; whatever the coroutine awaits (an asyncio future, a trio trap)
+it passes up to the event loop unchanged, and it passes the loop's answer back down. So a
+replica's device follows it across every await, whatever the other replicas do in between
+(invariant 1), and replica code needs no cooperation for it.
+
+Replica code has exactly one way into the scheduler: ``ReplicaContext.merge_call`` yields the
+private ``MERGE`` trap, with its request stored on the replica's ``_Replica``. The driver sees
+the trap instead of passing it to the loop and *arrives* at the current round:
+
+- the replica is appended to the round and parks;
+- the last replica to arrive checks that every replica passed the same merge function (the
+  same code), regroups the arguments of all replicas by replica id, runs ``merge_fn`` once in
+  cross-replica context, stores the result and wakes the others (invariant 2);
+- each replica resumes with ``select_replica(its id, result)``.
+
+Every replica must make the same sequence of merge calls (invariant 3). A replica that finishes
+while others wait, a replica that arrives where a finished one can never join it, a merge
+function that differs, or (with ``sync_timeout``) a round that does not fill in time, becomes a
+``ReplicaSyncError``: the run fails, every replica is cancelled, nothing hangs.
+
+Failures (invariant 5): the first failure, a replica's own exception, an exception from
+``merge_fn`` or a ``ReplicaSyncError``, is what ``run()`` raises, unwrapped, with a note saying
+where it came from and notes summarising any later failures. Replicas are spawned in one task
+group (on asyncio a lean native equivalent, see ``_loop``), so no task outlives ``run()`` and
+cancelling the caller cancels every replica.
+
+Order: with ``interleave="ordered"`` replicas start in id order and resume from every merge
+point in id order (on trio, which deliberately runs tasks woken together in a random order,
+the order is trio's); with ``"random"`` both orders are a seeded shuffle.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+import types
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from . import _loop
+from ._context import (
+    MERGE,
+    ContextState,
+    ReplicaContext,
+    context_state,
+)
+from ._errors import AioreplicaInternalError, ReplicaSyncError, _replica_list
+from ._values import regroup, select_replica
+
+if TYPE_CHECKING:
+    import random
+    from collections.abc import Iterable
+
+    from ._backends import Device
+    from ._strategy import MirroredStrategy
+
+__all__ = ["Scheduler", "SchedulerStatistics"]
+
+_Step = Generator[Any, Any, Any]
+
+
+def _merge_fn_identity(fn: Callable[..., Any]) -> object:
+    """What must agree between replicas: the code of the merge function, not the object.
+
+    A lambda or closure defined inside the step function is a new object in every replica
+    but shares its code; partials and bound methods compare by the function they wrap.
+    """
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:  # a callable object: compare the code of its class's __call__
+        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)  # noqa: B004
+    return code if code is not None else fn
+
+
+def _describe_fn(fn: Callable[..., Any]) -> str:
+    inner: Any = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    name = getattr(inner, "__qualname__", type(inner).__qualname__)
+    code = getattr(getattr(inner, "__func__", inner), "__code__", None)
+    where = f" ({code.co_filename}:{code.co_firstlineno})" if code is not None else ""
+    return f"{name}{where}"
+
+
+class _Round:
+    """One merge round: who has arrived, and once done, what ``merge_fn`` returned.
+
+    ``future`` is the one future all its replicas park on, where the run uses one (asyncio,
+    ``interleave="ordered"``); otherwise each replica parks on its own waker.
+    """
+
+    __slots__ = ("arrived", "done", "future", "number", "result")
+
+    def __init__(self, number: int, future: Any) -> None:
+        self.number = number
+        self.arrived: list[_Replica] = []
+        self.done = False
+        self.result: Any = None
+        self.future = future
+
+
+class _Replica:
+    """One replica of one ``run()``: its context, its driver and its merge request."""
+
+    __slots__ = (
+        "context",
+        "device",
+        "id",
+        "merge_args",
+        "merge_fn",
+        "merge_kwargs",
+        "merge_result",
+        "run",
+        "stepping",
+        "waker",
+    )
+
+    def __init__(self, run: _Run, replica_id: int, device: Device) -> None:
+        self.run = run
+        self.id = replica_id
+        self.device = device
+        self.context = ReplicaContext(run.strategy, replica_id, device, self)
+        self.stepping = False  # true only while the driver is inside this replica's coroutine
+        self.merge_fn: Callable[..., Any] | None = None
+        self.merge_args: tuple[Any, ...] = ()
+        self.merge_kwargs: Mapping[str, Any] | None = None
+        self.merge_result: Any = None
+        self.waker: Any = None  # the loop's handle for waking this replica while parked
+
+    def misuse_message(self) -> str:
+        state = context_state.get()
+        if state.replica is not self.context:
+            if state.merging:
+                return (
+                    f"merge_call() was called inside merge_fn (cross-replica context) with the "
+                    f"context of replica {self.id}; merge functions cannot nest: call what you "
+                    "need directly in merge_fn"
+                )
+            if self.run.finished_run:
+                return (
+                    f"merge_call() was called on replica {self.id}'s context after its run() "
+                    "returned; a ReplicaContext is valid only inside its own replica"
+                )
+            return (
+                f"merge_call() was called with replica {self.id}'s context outside that "
+                "replica; call get_replica_context() inside the replica instead"
+            )
+        return (
+            f"merge_call() must be awaited by replica {self.id}'s own coroutine, not by a task "
+            "it spawned (a task group child, asyncio.shield, or asyncio.wait_for, which runs "
+            "its argument in a new task on Python 3.11); to bound the wait use "
+            "`with anyio.fail_after(seconds): await ctx.merge_call(...)` instead"
+        )
+
+    # -- the driver --------------------------------------------------------------------------
+
+    async def main(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> None:
+        """The replica's task: run the driver, report how the replica ended."""
+        context_state.set(ContextState(replica=self.context))
+        try:
+            result = await self._drive(fn, args, kwargs)
+        except BaseException as exc:
+            if isinstance(exc, self.run.cancelled_class):
+                raise
+            self.run.replica_failed(self, exc)
+            return
+        self.run.replica_finished(self, result)
+
+    @types.coroutine
+    def _drive(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> _Step:
+        device = self.device
+        enter = device.enter if device.has_context else None
+        leave = device.leave if device.has_context else None
+
+        self.stepping = True
+        if enter is not None:
+            enter()
+        try:
+            awaitable = fn(*args, **kwargs)
+        finally:
+            if leave is not None:
+                leave()
+            self.stepping = False
+        if type(awaitable) is types.CoroutineType:
+            coro: Any = awaitable
+        elif inspect.isawaitable(awaitable):
+            coro = awaitable.__await__()
+        else:
+            return awaitable  # a plain function: no merge points
+
+        send = coro.send
+        run = self.run
+        park = run.loop.park
+        new_future = run.loop.new_future
+        shared = run.shared
+        size = run.size
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            self.stepping = True
+            if enter is not None:
+                enter()
+            try:
+                yielded = send(value) if error is None else coro.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                if leave is not None:
+                    leave()
+                self.stepping = False
+            error = None
+            value = None
+            try:
+                if yielded is MERGE:
+                    # The hot path of every merge round: arrive, park until the round is done.
+                    rnd = run.round
+                    arrived = rnd.arrived
+                    arrived.append(self)
+                    if not run.smooth:
+                        yield from run.arrive(self, rnd)
+                    elif len(arrived) == size:
+                        yield from run.complete(rnd, self)
+                    else:
+                        try:
+                            if shared:  # asyncio, ordered: the round's one future
+                                yield from rnd.future
+                            elif new_future is not None:  # asyncio, random: a future each
+                                self.waker = future = new_future()
+                                yield from future
+                            else:
+                                yield from park(self)
+                        except BaseException as exc:
+                            yield from run.park_interrupted(self, rnd, exc)
+                    result = rnd.result
+                    self.merge_result = (
+                        result if result is None else select_replica(self.id, result)
+                    )
+                else:
+                    value = yield yielded
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:
+                error = exc
+
+
+class _Run:
+    """The state of one ``run()`` call: its replicas, the current round, how it is ending."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        devices: Sequence[Device],
+        *,
+        sync_timeout: float | None,
+        rng: random.Random | None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.strategy = scheduler.strategy
+        self.merge_state = ContextState(strategy=self.strategy, merging=True)
+        self.replicas = [_Replica(self, i, device) for i, device in enumerate(devices)]
+        self.size = len(self.replicas)
+        self.sync_timeout = sync_timeout
+        self.rng = rng
+        self.loop = _loop.current()
+        # asyncio with interleave="ordered": every replica of a round parks on one future and
+        # resumes in arrival order. Otherwise each parks on its own waker, woken in the order
+        # interleave asks for (a future each for asyncio's random order; trio tasks anyway).
+        self.shared = rng is None and self.loop.new_future is not None
+        self.round = self._new_round(1)
+        self.results: list[Any] = [None] * self.size
+        self.finished: dict[int, int] = {}  # replica id -> merge calls it made
+        self.failures: list[tuple[BaseException, str]] = []
+        # Nothing unusual has happened: an arrival that is not the last may just park.
+        self.smooth = sync_timeout is None
+        self.finished_run = False
+        self.cancelled_class = self.loop.cancelled_class
+        self.cancel_all: Callable[[], None] = _not_started
+
+    # -- ending ------------------------------------------------------------------------------
+
+    def fail(self, exc: BaseException, note: str) -> None:
+        """Record a failure and cancel every replica (the first failure is what run() raises)."""
+        self.failures.append((exc, note))
+        self.smooth = False
+        self.cancel_all()
+
+    def replica_failed(self, replica: _Replica, exc: BaseException) -> None:
+        self.fail(
+            exc,
+            f"raised in replica {replica.id} of {self.size} (device {replica.device.name})",
+        )
+
+    @property
+    def merges_completed(self) -> int:
+        """Merge rounds completed; every replica took part in each (a round needs them all)."""
+        return self.round.number - 1
+
+    def replica_finished(self, replica: _Replica, result: Any) -> None:
+        self.results[replica.id] = result
+        merges = self.merges_completed
+        self.finished[replica.id] = merges
+        self.smooth = False
+        waiting = [r.id for r in self.round.arrived]
+        if waiting and not self.failures:
+            number = self.round.number
+            self.fail(
+                ReplicaSyncError(
+                    f"replica {replica.id} finished after {merges} merge_call()s while "
+                    f"{_replica_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
+                    f"merge_call #{number}; every replica must reach the same merge_calls, so "
+                    "move merge_call out of replica-dependent branches",
+                    merge_number=number,
+                    replicas=[replica.id],
+                    waiting=waiting,
+                ),
+                f"detected when replica {replica.id} finished",
+            )
+
+    def _early_finishers_error(self, replica: _Replica) -> ReplicaSyncError:
+        number = self.round.number
+        done = sorted(self.finished)
+        merges = self.finished[done[0]]
+        return ReplicaSyncError(
+            f"replica {replica.id} reached merge_call #{number}, but {_replica_list(done)} "
+            f"already finished after {merges} merge_call()s and can never join it; every "
+            "replica must reach the same merge_calls, so move merge_call out of "
+            "replica-dependent branches",
+            merge_number=number,
+            replicas=done,
+            waiting=[r.id for r in self.round.arrived],
+        )
+
+    # -- the merge rendezvous ----------------------------------------------------------------
+
+    def _new_round(self, number: int) -> _Round:
+        new_future = self.loop.new_future
+        return _Round(number, new_future() if self.shared and new_future is not None else None)
+
+    def arrive(self, replica: _Replica, rnd: _Round) -> _Step:
+        """The slow path of an arrival (already appended to ``rnd``): last, first with a
+        sync timeout, or a run that is going wrong."""
+        if self.finished and not self.failures:
+            self.fail(self._early_finishers_error(replica), "detected at a merge point")
+        if len(rnd.arrived) == self.size and not self.failures:
+            yield from self.complete(rnd, replica)
+            return
+        if self.failures:
+            yield from self.loop.park_cancelled(replica)
+        try:
+            if len(rnd.arrived) == 1 and self.sync_timeout is not None:
+                yield from self._park_first(rnd, replica)
+            else:
+                yield from self._park(replica, rnd)
+        except BaseException as exc:
+            yield from self.park_interrupted(replica, rnd, exc)
+
+    def _park(self, replica: _Replica, rnd: _Round) -> Iterable[Any]:
+        return rnd.future if self.shared else self.loop.park(replica)
+
+    def park_interrupted(self, replica: _Replica, rnd: _Round, exc: BaseException) -> _Step:
+        """A parked replica was woken by an exception: re-park if it was not meant for it,
+        else leave the round and raise it.
+
+        On asyncio, cancelling a task cancels the future it waits on; when that is a round's
+        shared future, every replica parked there wakes with ``CancelledError``, but only the
+        one whose task was cancelled (``Task.cancelling()``) is meant: the others park again.
+        """
+        while (
+            self.shared
+            and isinstance(exc, self.cancelled_class)
+            and not self.loop.current_task_cancelling()
+        ):
+            if rnd.done:
+                return
+            if rnd.future.cancelled():
+                rnd.future = self.loop.new_future()  # type: ignore[misc]
+            try:
+                yield from rnd.future
+            except BaseException as again:
+                exc = again
+            else:
+                return
+        if not rnd.done:
+            rnd.arrived.remove(replica)  # it leaves the round (cancelled or timed out)
+        raise exc
+
+    def _park_first(self, rnd: _Round, replica: _Replica) -> _Step:
+        """The first arrival parks under the sync timeout; when it expires, the run fails."""
+        assert self.sync_timeout is not None
+        with anyio.move_on_after(self.sync_timeout) as scope:  # noqa: ASYNC100 - parks inside
+            yield from self._park(replica, rnd)
+        if rnd.done or not scope.cancelled_caught:
+            return
+        arrived = [r.id for r in rnd.arrived]
+        late = sorted(set(range(self.size)) - set(arrived))
+        self.fail(
+            ReplicaSyncError(
+                f"{_replica_list(arrived)} waited {self.sync_timeout:g} s in merge_call "
+                f"#{rnd.number} for {_replica_list(late)}, which did not arrive; a replica is "
+                "stuck or skips this merge_call (raise sync_timeout if it is just slow)",
+                merge_number=rnd.number,
+                replicas=late,
+                waiting=arrived,
+            ),
+            "detected by sync_timeout",
+        )
+        yield from self.loop.park_cancelled(replica)
+        raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
+
+    def complete(self, rnd: _Round, last: _Replica) -> _Step:
+        """The last arrival runs ``merge_fn`` once and wakes everyone in order.
+
+        ``"ordered"``: everyone resumes in arrival order, ``last`` at the end (one future
+        wakes them in the order they parked on it, and ``last`` queues up behind them);
+        ``"random"``: in a seeded shuffle.
+        """
+        try:
+            merge_fn, args, kwargs = self._merge_arguments(rnd)
+        except (ValueError, TypeError, ReplicaSyncError) as exc:
+            self.fail(exc, f"detected in merge_call #{rnd.number}")
+            failed = True
+        else:
+            failed = False
+        if failed:
+            yield from self.loop.park_cancelled(last)
+            raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
+
+        token = context_state.set(self.merge_state)
+        try:
+            result = merge_fn(self.strategy, *args, **kwargs)
+            if result is not None and inspect.isawaitable(result):
+                result = yield from result.__await__()
+        except BaseException as exc:
+            if isinstance(exc, self.cancelled_class):
+                raise
+            self.fail(
+                exc,
+                f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
+                "in cross-replica context",
+            )
+            failed = True
+        finally:
+            context_state.reset(token)
+        if failed:
+            yield from self.loop.park_cancelled(last)
+            raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
+
+        rnd.result = result
+        rnd.done = True
+        self.round = self._new_round(rnd.number + 1)
+        self.scheduler.merge_rounds_completed += 1
+        loop = self.loop
+        if self.shared:
+            if not rnd.future.done():  # done: cancelled; its replicas see ``rnd.done``
+                rnd.future.set_result(None)
+            yield from loop.yield_once()
+            return
+        order = rnd.arrived
+        if self.rng is not None:
+            self.rng.shuffle(order)
+        position = order.index(last)
+        loop.wake(order[:position])
+        if position + 1 < len(order):
+            try:
+                yield from loop.yield_once()
+            finally:
+                loop.wake(order[position + 1 :])
+
+    def _merge_arguments(self, rnd: _Round) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
+        """Check the round (callable, same merge function everywhere); regroup its arguments."""
+        replicas = self.replicas
+        merge_fn = replicas[0].merge_fn
+        if not callable(merge_fn):
+            raise TypeError(
+                f"merge_fn must be callable, got {type(merge_fn).__name__} {merge_fn!r} (replica 0)"
+            )
+        if list(map(_get_merge_fn, replicas)).count(merge_fn) != self.size:
+            self._check_same_merge_fn(rnd, merge_fn)
+        all_args = list(map(_get_merge_args, replicas))
+        args = _regroup_args(all_args) if any(all_args) else ()
+        all_kwargs = list(map(_get_merge_kwargs, replicas))
+        kwargs = _regroup_kwargs(all_kwargs) if any(all_kwargs) else {}
+        return merge_fn, args, kwargs
+
+    def _check_same_merge_fn(self, rnd: _Round, merge_fn: Callable[..., Any]) -> None:
+        groups: dict[object, list[int]] = {}
+        fns: dict[object, Callable[..., Any]] = {}
+        for r in self.replicas:
+            assert r.merge_fn is not None
+            key = _merge_fn_identity(r.merge_fn)
+            groups.setdefault(key, []).append(r.id)
+            fns.setdefault(key, r.merge_fn)
+        if len(groups) == 1:
+            return
+        parts = [
+            f"{_replica_list(ids)} passed {_describe_fn(fns[key])}" for key, ids in groups.items()
+        ]
+        odd = [i for ids in sorted(groups.values(), key=len)[:-1] for i in ids]
+        raise ReplicaSyncError(
+            f"replicas passed different merge functions to merge_call #{rnd.number}: "
+            + "; ".join(parts)
+            + ". Every replica must pass the same function in the same round; move the "
+            "branch inside merge_fn",
+            merge_number=rnd.number,
+            replicas=odd,
+            waiting=[r.id for r in self.replicas],
+        )
+
+
+_get_merge_fn = operator.attrgetter("merge_fn")
+_get_merge_args = operator.attrgetter("merge_args")
+_get_merge_kwargs = operator.attrgetter("merge_kwargs")
+
+
+def _regroup_args(all_args: list[Any]) -> Any:
+    for replica_id, args in enumerate(all_args):
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"replica {replica_id} passed merge_call args={args!r} "
+                f"({type(args).__name__}); args must be a tuple: write args=({args!r},)"
+            )
+    return regroup([tuple(args) for args in all_args])
+
+
+def _regroup_kwargs(all_kwargs: list[Any]) -> Any:
+    for replica_id, kwargs in enumerate(all_kwargs):
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"replica {replica_id} passed merge_call kwargs of type "
+                f"{type(kwargs).__name__}; kwargs must be a mapping or None"
+            )
+    return regroup([dict(kwargs or {}) for kwargs in all_kwargs])
+
+
+def _not_started() -> None:
+    raise AioreplicaInternalError("a run failed before its replicas were started")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStatistics:
+    """A snapshot of a strategy's scheduler (``strategy.statistics()``).
+
+    Attributes:
+        runs_active: ``run()`` calls in progress.
+        replicas_waiting: replicas parked at a merge point, over all active runs.
+        merge_rounds_completed: merge rounds completed since the strategy was made.
+    """
+
+    runs_active: int
+    replicas_waiting: int
+    merge_rounds_completed: int
+
+
+class Scheduler:
+    """Runs the replicas of one strategy; one per strategy, any number of concurrent runs."""
+
+    def __init__(
+        self,
+        strategy: MirroredStrategy,
+        devices: Sequence[Device],
+        *,
+        sync_timeout: float | None,
+        rng: random.Random | None,
+    ) -> None:
+        self.strategy = strategy
+        self._devices = tuple(devices)
+        self._sync_timeout = sync_timeout
+        self._rng = rng
+        self._active: set[_Run] = set()
+        self.merge_rounds_completed = 0
+
+    def statistics(self) -> SchedulerStatistics:
+        return SchedulerStatistics(
+            runs_active=len(self._active),
+            replicas_waiting=sum(len(run.round.arrived) for run in self._active),
+            merge_rounds_completed=self.merge_rounds_completed,
+        )
+
+    async def run(
+        self,
+        fn: Callable[..., Any],
+        per_replica_args: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+    ) -> list[Any]:
+        """Run ``fn`` once per replica; return the results by replica id.
+
+        Raises:
+            BaseException: the first failure, unwrapped, with notes (see the module docstring).
+        """
+        run = _Run(self, self._devices, sync_timeout=self._sync_timeout, rng=self._rng)
+        order = list(run.replicas)
+        if self._rng is not None:
+            self._rng.shuffle(order)
+        self._active.add(run)
+        try:
+            await run.loop.run_tasks(
+                [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order], run
+            )
+        finally:
+            run.finished_run = True
+            self._active.discard(run)
+        if run.failures:
+            first, note = run.failures[0]
+            first.add_note(note)
+            for other, other_note in run.failures[1:]:
+                if other is not first:
+                    first.add_note(f"also {other_note}: {type(other).__name__}: {other}")
+            raise first
+        return run.results

@@ -1,0 +1,279 @@
+"""``MirroredStrategy``: a thin facade over the scheduler and the device backends."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Literal, final
+
+from . import _tree
+from ._backends import Device, resolve_devices
+from ._context import (
+    ContextState,
+    context_state,
+    set_default_strategy_factory,
+)
+from ._scheduler import Scheduler, SchedulerStatistics
+from ._values import DistributedValues, regroup, select_replica
+
+__all__ = ["MirroredStrategy", "StrategyExtended"]
+
+_INTERLEAVES = ("ordered", "random")
+
+
+@final
+class StrategyExtended:
+    """Lower-level facts and operations of a strategy (``strategy.extended``), as in TF."""
+
+    __slots__ = ("_strategy",)
+
+    def __init__(self, strategy: MirroredStrategy) -> None:
+        self._strategy = strategy
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """The canonical device names of this worker's replicas, in replica order."""
+        return self._strategy.devices
+
+    @property
+    def replica_devices(self) -> tuple[Device, ...]:
+        """The device objects of the replicas, in replica order."""
+        return self._strategy._device_objects
+
+
+class MirroredStrategy:
+    """Run one step function on several replicas in sync, each a coroutine on one event loop.
+
+    Args:
+        devices: one device per replica: names such as ``"cpu:0"`` (TF spellings like
+            ``"/device:CPU:1"`` are accepted) or objects implementing ``Device``. ``None``
+            means one host device, ``cpu:0``.
+        sync_timeout: seconds a replica may wait at a merge point for the others before the
+            run fails with ``ReplicaSyncError``; ``None`` waits as long as it takes.
+        interleave: ``"ordered"`` starts replicas, and resumes them from every merge point, in
+            replica-id order, the same way on every run; ``"random"`` shuffles both orders with
+            a seeded generator, to hunt order-dependent bugs.
+        seed: the seed for ``interleave="random"``; ``None`` draws one (see ``.seed``).
+
+    Raises:
+        ValueError: a device is unknown, unavailable or repeated; ``interleave`` is not one of
+            ``"ordered"``, ``"random"``; ``sync_timeout`` is not positive; ``seed`` is given
+            with ``interleave="ordered"``.
+        TypeError: ``devices`` is a string or holds something that is not a device.
+
+    Example:
+        >>> import anyio, aioreplica
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> async def step(x):
+        ...     ctx = aioreplica.get_replica_context()
+        ...     return x * (ctx.replica_id_in_sync_group + 1)
+        >>> anyio.run(strategy.run, step, (10,))
+        PerReplica({0: 10, 1: 20})
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str | Device] | None = None,
+        *,
+        sync_timeout: float | None = None,
+        interleave: Literal["ordered", "random"] = "ordered",
+        seed: int | None = None,
+    ) -> None:
+        self._device_objects = resolve_devices(devices)
+        if interleave not in _INTERLEAVES:
+            raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
+        if sync_timeout is not None and not (
+            isinstance(sync_timeout, int | float)
+            and sync_timeout > 0
+            and not math.isnan(sync_timeout)
+        ):
+            raise ValueError(
+                f"sync_timeout must be a positive number of seconds or None, got {sync_timeout!r}"
+            )
+        if seed is not None and interleave != "random":
+            raise ValueError(
+                "seed only applies to interleave='random'; pass interleave='random' with it"
+            )
+        self._interleave = interleave
+        self._sync_timeout = sync_timeout
+        self._seed: int | None = None
+        rng: random.Random | None = None
+        if interleave == "random":
+            self._seed = seed if seed is not None else random.randrange(2**32)
+            rng = random.Random(self._seed)
+        self._scheduler = Scheduler(self, self._device_objects, sync_timeout=sync_timeout, rng=rng)
+        self._extended = StrategyExtended(self)
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas, one per device."""
+        return len(self._device_objects)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The canonical device names, in replica order."""
+        return tuple(device.name for device in self._device_objects)
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """Lower-level facts and operations, as ``tf.distribute.Strategy.extended``."""
+        return self._extended
+
+    @property
+    def sync_timeout(self) -> float | None:
+        """Seconds a replica may wait at a merge point, or ``None``."""
+        return self._sync_timeout
+
+    @property
+    def interleave(self) -> str:
+        """``"ordered"`` or ``"random"``."""
+        return self._interleave
+
+    @property
+    def seed(self) -> int | None:
+        """The seed of ``interleave="random"`` (drawn when not given: print it to replay)."""
+        return self._seed
+
+    def statistics(self) -> SchedulerStatistics:
+        """Return a snapshot: runs active, replicas waiting at merge points, merges done.
+
+        Example:
+            >>> MirroredStrategy(["cpu:0"]).statistics().runs_active
+            0
+        """
+        return self._scheduler.statistics()
+
+    def __repr__(self) -> str:
+        return f"MirroredStrategy(devices={list(self.devices)!r})"
+
+    # -- contexts -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[MirroredStrategy]:
+        """Enter cross-replica context of this strategy: ``get_strategy()`` returns it.
+
+        Inside a replica of this same strategy it changes nothing, as in TF.
+
+        Yields:
+            This strategy.
+
+        Raises:
+            ValueError: another strategy's scope or replica is current.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     aioreplica.get_replica_context() is None
+            True
+        """
+        state = context_state.get()
+        replica = state.replica
+        current = replica.strategy if replica is not None else state.strategy
+        if current is not None and current is not self:
+            raise ValueError(
+                f"cannot enter the scope of {self!r} while {current!r} is current; "
+                "strategies cannot be mixed: finish with one before using the other"
+            )
+        if replica is not None or current is self:
+            yield self
+            return
+        token = context_state.set(ContextState(strategy=self))
+        try:
+            yield self
+        finally:
+            context_state.reset(token)
+
+    # -- running --------------------------------------------------------------------------
+
+    async def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Run ``fn`` once per replica and return the results regrouped.
+
+        Each replica calls ``fn(*args, **kwargs)`` with ``PerReplica``/``Mirrored`` values in
+        ``args``/``kwargs`` replaced by its own component (``select_replica``). ``fn`` may be
+        a coroutine function, whose replicas meet at ``merge_call``s, or a plain function.
+
+        Args:
+            fn: the step function.
+            args: positional arguments, possibly holding distributed values.
+            kwargs: keyword arguments, possibly holding distributed values.
+
+        Returns:
+            The replicas' return values regrouped: a value that differs between replicas
+            becomes a ``PerReplica``; with one replica, the value itself.
+
+        Raises:
+            RuntimeError: called inside a replica or inside ``merge_fn``.
+            TypeError: ``fn`` is not callable, ``args`` is not a sequence or ``kwargs`` not a
+                mapping.
+            ValueError: a distributed value in the arguments has a different number of
+                components than the strategy has replicas.
+            ReplicaSyncError: replicas made different merge calls, or one was left waiting
+                longer than ``sync_timeout``.
+            BaseException: the first exception a replica or ``merge_fn`` raised, itself, with
+                a note naming where it came from; every replica has been cancelled by then.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def step(x):
+            ...     ctx = aioreplica.get_replica_context()
+            ...     return await ctx.merge_call(lambda s, v: sum(v.values), args=(x,))
+            >>> anyio.run(strategy.run, step, (aioreplica.PerReplica([1, 2]),))
+            3
+        """
+        state = context_state.get()
+        replica = state.replica
+        if replica is not None:
+            raise RuntimeError(
+                f"run() was called inside replica {replica.replica_id_in_sync_group} of "
+                f"{replica.strategy!r}; replicas cannot start replicas: call run() from "
+                "cross-replica code, outside the step function"
+            )
+        if state.merging:
+            raise RuntimeError(
+                "run() was called inside merge_fn; merge functions run once across replicas "
+                "and cannot start replicas: return from merge_fn and call run() afterwards"
+            )
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
+        if isinstance(args, str) or not isinstance(args, Sequence):
+            raise TypeError(
+                f"args must be a tuple of arguments, got {type(args).__name__} {args!r}; "
+                f"for one argument write args=(value,)"
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
+        args = tuple(args)
+        kwargs = dict(kwargs) if kwargs else {}
+        size = self.num_replicas_in_sync
+        if args or kwargs:
+            self._check_distributed_arguments(args, kwargs)
+            per_replica = [
+                (select_replica(i, args), select_replica(i, kwargs)) for i in range(size)
+            ]
+        else:
+            per_replica = [((), {})] * size
+        results = await self._scheduler.run(fn, per_replica)
+        return regroup(results)
+
+    def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        size = self.num_replicas_in_sync
+        for path, leaf in _tree.flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != size:
+                where = _tree.format_path(path)
+                name = "args" + where[3:] if where.startswith("[0]") else "kwargs" + where[3:]
+                raise ValueError(
+                    f"{name} is a {type(leaf).__name__} of {len(leaf.values)} values, but "
+                    f"{self!r} has {size} replicas; give one value per replica"
+                )
+
+
+set_default_strategy_factory(lambda: MirroredStrategy(["cpu:0"]))

@@ -1,0 +1,702 @@
+"""Tests for aioreplica._context and MirroredStrategy.scope(): the three contexts.
+
+Code runs in replica context (inside a replica of ``strategy.run``), in cross-replica context
+(inside ``merge_fn`` or ``with strategy.scope():``) or in the default context (anywhere else).
+The async classes run on every event loop; the one asyncio-only test has its own class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import aioreplica
+from aioreplica import (
+    MirroredStrategy,
+    ReplicaContext,
+    get_replica_context,
+    get_strategy,
+    has_strategy,
+    in_cross_replica_context,
+)
+from aioreplica._backends import HostDevice
+
+Facts = tuple[ReplicaContext | None, bool, MirroredStrategy, bool]
+
+
+def facts() -> Facts:
+    """Everything the context functions say about where the caller runs."""
+    return get_replica_context(), in_cross_replica_context(), get_strategy(), has_strategy()
+
+
+def ctx() -> ReplicaContext:
+    context = get_replica_context()
+    assert context is not None
+    return context
+
+
+def default_strategy() -> MirroredStrategy:
+    """The default strategy, as seen from the default context."""
+    assert get_replica_context() is not None
+    assert not has_strategy()
+    return get_strategy()
+
+
+def noop(strategy: MirroredStrategy) -> None:
+    return None
+
+
+def two() -> MirroredStrategy:
+    return MirroredStrategy(["cpu:0", "cpu:1"])
+
+
+class TestGetReplicaContext:
+    def test_default_context_outside_any_strategy(self) -> None:
+        """Outside any strategy there is a default context: replica 0 of 1 on cpu:0."""
+        context = get_replica_context()
+        assert context is not None
+        assert context.replica_id_in_sync_group == 0
+        assert context.num_replicas_in_sync == 1
+        assert context.strategy is get_strategy()
+        assert context.strategy.num_replicas_in_sync == 1
+        assert context.devices == ("cpu:0",)
+        assert context.device == HostDevice(0)
+
+    def test_default_context_is_the_same_each_time(self) -> None:
+        """The default context is one object, like the default strategy."""
+        assert get_replica_context() is get_replica_context()
+
+    def test_none_inside_scope(self) -> None:
+        """``with strategy.scope():`` is cross-replica context: no replica context."""
+        with two().scope():
+            assert get_replica_context() is None
+
+    @pytest.mark.anyio
+    async def test_replica_sees_its_own_context(self) -> None:
+        """Inside a replica: that replica's id, count, strategy and canonical device."""
+        strategy = MirroredStrategy(
+            ["/device:CPU:0", "CPU:1", "/job:localhost/replica:0/task:0/device:CPU:2"]
+        )
+        seen: list[tuple[int, int, bool, tuple[str, ...], HostDevice | None]] = []
+
+        async def step() -> None:
+            context = ctx()
+            device = context.device
+            seen.append(
+                (
+                    context.replica_id_in_sync_group,
+                    context.num_replicas_in_sync,
+                    context.strategy is strategy,
+                    context.devices,
+                    device if isinstance(device, HostDevice) else None,
+                )
+            )
+
+        await strategy.run(step)
+        assert sorted(seen) == [
+            (0, 3, True, ("cpu:0",), HostDevice(0)),
+            (1, 3, True, ("cpu:1",), HostDevice(1)),
+            (2, 3, True, ("cpu:2",), HostDevice(2)),
+        ]
+
+    @pytest.mark.anyio
+    async def test_plain_function_replica_sees_its_own_context(self) -> None:
+        """A replica that is a plain function sees its context too."""
+        strategy = two()
+
+        def step() -> str:
+            context = ctx()
+            return f"replica {context.replica_id_in_sync_group} on {context.devices[0]}"
+
+        result = await strategy.run(step)
+        assert isinstance(result, aioreplica.PerReplica)
+        assert result.values == ("replica 0 on cpu:0", "replica 1 on cpu:1")
+
+    @pytest.mark.anyio
+    async def test_replica_context_survives_awaits_and_merges(self) -> None:
+        """A replica sees the same context before, between and after awaits and merges."""
+        strategy = two()
+        events: list[tuple[int, str, bool]] = []
+
+        async def step() -> None:
+            mine = ctx()
+            replica_id = mine.replica_id_in_sync_group
+            events.append((replica_id, "start", get_replica_context() is mine))
+            await anyio.lowlevel.checkpoint()
+            events.append((replica_id, "after sleep", get_replica_context() is mine))
+            await mine.merge_call(noop)
+            events.append((replica_id, "after merge", get_replica_context() is mine))
+
+        await strategy.run(step)
+        assert sorted(events) == [
+            (0, "after merge", True),
+            (0, "after sleep", True),
+            (0, "start", True),
+            (1, "after merge", True),
+            (1, "after sleep", True),
+            (1, "start", True),
+        ]
+
+    @pytest.mark.anyio
+    async def test_none_inside_merge_fn(self) -> None:
+        """``merge_fn`` runs in cross-replica context: no replica context."""
+        strategy = two()
+        seen: list[ReplicaContext | None] = []
+
+        def merge(strategy: MirroredStrategy) -> None:
+            seen.append(get_replica_context())
+
+        async def step() -> None:
+            await ctx().merge_call(merge)
+
+        await strategy.run(step)
+        assert seen == [None]
+
+    @pytest.mark.anyio
+    async def test_none_inside_async_merge_fn_across_awaits(self) -> None:
+        """An async ``merge_fn`` stays in cross-replica context across its awaits."""
+        strategy = two()
+        seen: list[tuple[ReplicaContext | None, bool]] = []
+
+        async def merge(strategy: MirroredStrategy) -> None:
+            seen.append((get_replica_context(), in_cross_replica_context()))
+            await anyio.lowlevel.checkpoint()
+            seen.append((get_replica_context(), in_cross_replica_context()))
+
+        async def step() -> None:
+            await ctx().merge_call(merge)
+
+        await strategy.run(step)
+        assert seen == [(None, True), (None, True)]
+
+    @pytest.mark.anyio
+    async def test_context_is_default_again_after_run(self) -> None:
+        """After ``run()`` returns, the caller is back in the default context."""
+        before = facts()
+        await two().run(noop, (None,))
+        assert facts() == before
+
+    @pytest.mark.anyio
+    async def test_repr_names_replica_and_device(self) -> None:
+        """repr shows the replica id, the replica count and the device."""
+        strategy = MirroredStrategy(["cpu:3", "cpu:5"])
+
+        def step() -> str:
+            return repr(ctx())
+
+        result = await strategy.run(step)
+        assert result.values == (
+            "<ReplicaContext replica 0 of 2 on cpu:3>",
+            "<ReplicaContext replica 1 of 2 on cpu:5>",
+        )
+
+    def test_default_repr_names_replica_and_device(self) -> None:
+        """The default context's repr shows replica 0 of 1 on cpu:0."""
+        assert repr(ctx()) == "<ReplicaContext replica 0 of 1 on cpu:0>"
+
+
+class TestInCrossReplicaContext:
+    @pytest.mark.anyio
+    async def test_exactly_one_of_replica_and_cross_replica_holds(self) -> None:
+        """In each context exactly one of "has a replica context" and "cross-replica" holds."""
+        strategy = two()
+        events: list[tuple[str, bool, bool]] = []
+
+        def record(where: str) -> None:
+            events.append((where, get_replica_context() is not None, in_cross_replica_context()))
+
+        def merge(strategy: MirroredStrategy) -> None:
+            record("merge_fn")
+
+        async def step() -> None:
+            if ctx().replica_id_in_sync_group == 0:
+                record("replica")
+            await ctx().merge_call(merge)
+
+        async def default_merge(strategy: MirroredStrategy) -> None:
+            record("default merge_fn")
+
+        record("default")
+        with strategy.scope():
+            record("scope")
+        await strategy.run(step)
+        await ctx().merge_call(default_merge)
+        assert events == [
+            ("default", True, False),
+            ("scope", False, True),
+            ("replica", True, False),
+            ("merge_fn", False, True),
+            ("default merge_fn", False, True),
+        ]
+
+
+class TestGetStrategy:
+    def test_default_strategy_outside(self) -> None:
+        """Outside any strategy: the default single-replica strategy on cpu:0."""
+        strategy = get_strategy()
+        assert isinstance(strategy, MirroredStrategy)
+        assert strategy.num_replicas_in_sync == 1
+        assert strategy.devices == ("cpu:0",)
+        assert not has_strategy()
+        assert get_strategy() is strategy
+
+    def test_scope_strategy(self) -> None:
+        """Inside ``scope()``: that strategy, and ``has_strategy()``."""
+        strategy = two()
+        with strategy.scope():
+            assert (get_strategy() is strategy, has_strategy()) == (True, True)
+        assert (get_strategy() is strategy, has_strategy()) == (False, False)
+
+    @pytest.mark.anyio
+    async def test_replica_and_merge_fn_strategy(self) -> None:
+        """In a replica and in its ``merge_fn``: the running strategy."""
+        strategy = two()
+        events: list[tuple[str, bool, bool, bool]] = []
+
+        def merge(merge_strategy: MirroredStrategy) -> None:
+            events.append(
+                ("merge_fn", get_strategy() is strategy, has_strategy(), merge_strategy is strategy)
+            )
+
+        async def step() -> None:
+            replica_id = ctx().replica_id_in_sync_group
+            events.append(
+                (f"replica {replica_id}", get_strategy() is strategy, has_strategy(), True)
+            )
+            await ctx().merge_call(merge)
+
+        await strategy.run(step)
+        assert sorted(events) == [
+            ("merge_fn", True, True, True),
+            ("replica 0", True, True, True),
+            ("replica 1", True, True, True),
+        ]
+
+    def test_default_strategy_is_not_a_user_strategy(self) -> None:
+        """A new strategy with the default's devices is still not the default."""
+        strategy = MirroredStrategy(["cpu:0"])
+        with strategy.scope():
+            assert has_strategy()
+        assert get_strategy() is not strategy
+
+
+class TestDefaultMergeCall:
+    @pytest.mark.anyio
+    async def test_runs_merge_fn_at_once_with_default_strategy(self) -> None:
+        """The default context merges at once, passing the default strategy and arguments."""
+        strategy = default_strategy()
+        calls: list[tuple[MirroredStrategy, tuple[Any, ...], dict[str, Any]]] = []
+
+        def merge(merge_strategy: MirroredStrategy, *args: Any, **kwargs: Any) -> str:
+            calls.append((merge_strategy, args, kwargs))
+            return "merged"
+
+        result = await ctx().merge_call(merge, args=(1, [2]), kwargs={"k": 3})
+        assert result == "merged"
+        assert calls == [(strategy, (1, [2]), {"k": 3})]
+
+    @pytest.mark.anyio
+    async def test_awaits_async_merge_fn(self) -> None:
+        """An async merge function's result is awaited, not returned as a coroutine."""
+
+        async def merge(strategy: MirroredStrategy, x: int) -> int:
+            await anyio.lowlevel.checkpoint()
+            return x + 1
+
+        assert await ctx().merge_call(merge, args=(41,)) == 42
+
+    @pytest.mark.anyio
+    async def test_merge_fn_runs_in_cross_replica_context_of_default_strategy(self) -> None:
+        """Inside the default merge function: cross-replica context, default strategy."""
+        strategy = default_strategy()
+        seen: list[Facts] = []
+
+        def merge(merge_strategy: MirroredStrategy) -> None:
+            seen.append(facts())
+
+        await ctx().merge_call(merge)
+        assert seen == [(None, True, strategy, False)]
+
+    @pytest.mark.anyio
+    async def test_context_restored_after_merge_fn_raises(self) -> None:
+        """A merge function's exception comes out of merge_call; the context is restored."""
+        before = facts()
+
+        def merge(strategy: MirroredStrategy) -> None:
+            raise KeyError("from merge_fn")
+
+        with pytest.raises(KeyError, match="from merge_fn"):
+            await ctx().merge_call(merge)
+        assert facts() == before
+
+    @pytest.mark.anyio
+    async def test_raises_in_scope(self) -> None:
+        """Calling the default context's merge_call inside ``scope()`` is refused."""
+        default = ctx()
+        with (
+            two().scope(),
+            pytest.raises(
+                RuntimeError,
+                match=(
+                    r"^merge_call\(\) was called in cross-replica context \(inside merge_fn or "
+                    r"strategy\.scope\(\)\); call it from replica code, or call the merge function "
+                    r"directly$"
+                ),
+            ),
+        ):
+            await default.merge_call(noop)
+
+    @pytest.mark.anyio
+    async def test_raises_inside_its_own_merge_fn(self) -> None:
+        """A default merge function cannot nest another default merge_call."""
+        default = ctx()
+
+        async def merge(strategy: MirroredStrategy) -> None:
+            await default.merge_call(noop)
+
+        with pytest.raises(RuntimeError, match=r"^merge_call\(\) was called in cross-replica"):
+            await default.merge_call(merge)
+
+
+class TestScope:
+    def test_yields_the_strategy(self) -> None:
+        """``with strategy.scope() as s`` binds the strategy itself."""
+        strategy = two()
+        with strategy.scope() as entered:
+            assert entered is strategy
+
+    def test_enters_and_leaves_cross_replica_context(self) -> None:
+        """Inside: cross-replica context of the strategy; after: the default context again."""
+        strategy = two()
+        before = facts()
+        with strategy.scope():
+            inside = facts()
+        assert inside == (None, True, strategy, True)
+        assert facts() == before
+
+    def test_leaves_on_exception(self) -> None:
+        """An exception leaving the block restores the default context."""
+        before = facts()
+        with pytest.raises(KeyError), two().scope():
+            raise KeyError("inside")
+        assert facts() == before
+
+    def test_nested_scope_of_same_strategy(self) -> None:
+        """Re-entering the current strategy's scope is fine; leaving it keeps the outer one."""
+        strategy = two()
+        events: list[Facts] = []
+        with strategy.scope():
+            with strategy.scope() as inner:
+                events.append(facts())
+                assert inner is strategy
+            events.append(facts())
+        events.append(facts())
+        cross = (None, True, strategy, True)
+        assert events == [cross, cross, (ctx(), False, default_strategy(), False)]
+
+    def test_other_strategy_scope_inside_raises_naming_both(self) -> None:
+        """Entering another strategy's scope inside one is refused, naming both."""
+        outer = MirroredStrategy(["cpu:0", "cpu:1"])
+        other = MirroredStrategy(["cpu:2"])
+        with outer.scope():
+            with (
+                pytest.raises(
+                    ValueError,
+                    match=(
+                        rf"^cannot enter the scope of {re.escape(repr(other))} while "
+                        rf"{re.escape(repr(outer))} is current; strategies cannot be mixed"
+                    ),
+                ),
+                other.scope(),
+            ):
+                pass
+            assert facts() == (None, True, outer, True)
+
+    @pytest.mark.anyio
+    async def test_other_strategy_scope_inside_replica_raises_naming_both(self) -> None:
+        """A replica cannot enter another strategy's scope; run() re-raises the error."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        other = MirroredStrategy(["cpu:3"])
+
+        async def step() -> None:
+            with other.scope():
+                pass
+
+        with pytest.raises(
+            ValueError,
+            match=(
+                rf"^cannot enter the scope of {re.escape(repr(other))} while "
+                rf"{re.escape(repr(strategy))} is current"
+            ),
+        ) as info:
+            await strategy.run(step)
+        assert re.fullmatch(
+            r"raised in replica [01] of 2 \(device cpu:[01]\)", info.value.__notes__[0]
+        )
+
+    @pytest.mark.anyio
+    async def test_other_strategy_scope_inside_merge_fn_raises_naming_both(self) -> None:
+        """A merge function cannot enter another strategy's scope."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        other = MirroredStrategy(["cpu:4"])
+
+        def merge(merge_strategy: MirroredStrategy) -> None:
+            with other.scope():
+                pass
+
+        async def step() -> None:
+            await ctx().merge_call(merge)
+
+        with pytest.raises(
+            ValueError,
+            match=(
+                rf"^cannot enter the scope of {re.escape(repr(other))} while "
+                rf"{re.escape(repr(strategy))} is current"
+            ),
+        ) as info:
+            await strategy.run(step)
+        assert info.value.__notes__[0].startswith("raised by merge_fn ")
+
+    @pytest.mark.anyio
+    async def test_same_strategy_scope_inside_replica_changes_nothing(self) -> None:
+        """Inside its own replica, a strategy's scope leaves the replica context as it is."""
+        strategy = two()
+        events: list[tuple[int, str, bool]] = []
+
+        async def step() -> None:
+            replica_id = ctx().replica_id_in_sync_group
+            before = facts()
+            with strategy.scope() as entered:
+                events.append((replica_id, "entered is strategy", entered is strategy))
+                events.append((replica_id, "inside unchanged", facts() == before))
+                await anyio.lowlevel.checkpoint()
+                events.append((replica_id, "after await unchanged", facts() == before))
+            events.append((replica_id, "after unchanged", facts() == before))
+            events.append((replica_id, "still a replica", before[0] is ctx() and not before[1]))
+
+        await strategy.run(step)
+        assert sorted(events) == sorted(
+            (replica_id, what, True)
+            for replica_id in (0, 1)
+            for what in (
+                "entered is strategy",
+                "inside unchanged",
+                "after await unchanged",
+                "after unchanged",
+                "still a replica",
+            )
+        )
+
+    @pytest.mark.anyio
+    async def test_same_strategy_scope_inside_merge_fn_changes_nothing(self) -> None:
+        """Inside its own merge function, a strategy's scope keeps cross-replica context."""
+        strategy = two()
+        events: list[Facts] = []
+
+        def merge(merge_strategy: MirroredStrategy) -> None:
+            events.append(facts())
+            with strategy.scope():
+                events.append(facts())
+            events.append(facts())
+
+        async def step() -> None:
+            await ctx().merge_call(merge)
+
+        await strategy.run(step)
+        assert events == [(None, True, strategy, True)] * 3
+
+
+async def _merge_strategy_label(strategy: MirroredStrategy, label: str) -> str:
+    await anyio.lowlevel.checkpoint()
+    return label if get_strategy() is strategy else "wrong"
+
+
+class TestConcurrentRuns:
+    @pytest.mark.anyio
+    async def test_contexts_do_not_leak_between_concurrent_runs(self) -> None:
+        """Two strategies' runs interleaved on one loop each see only their own contexts."""
+        strategies = {"a": two(), "b": MirroredStrategy(["cpu:2", "cpu:3"])}
+        events: list[tuple[str, int, str, str]] = []
+
+        def seen_label() -> str:
+            strategy = ctx().strategy
+            assert get_strategy() is strategy
+            return next(label for label, s in strategies.items() if s is strategy)
+
+        async def step(label: str) -> None:
+            replica_id = ctx().replica_id_in_sync_group
+            for i in range(3):
+                events.append((label, replica_id, f"step {i}", seen_label()))
+                await anyio.lowlevel.checkpoint()
+            merged = await ctx().merge_call(_merge_strategy_label, args=(label,))
+            events.append((label, replica_id, "merge_fn", merged))
+            await anyio.lowlevel.checkpoint()
+            events.append((label, replica_id, "after merge", seen_label()))
+
+        async with anyio.create_task_group() as group:
+            for label, strategy in strategies.items():
+                group.start_soon(strategy.run, step, (label,))
+
+        assert sorted(events) == sorted(
+            (label, replica_id, where, label)
+            for label in ("a", "b")
+            for replica_id in (0, 1)
+            for where in ("step 0", "step 1", "step 2", "merge_fn", "after merge")
+        )
+        labels = [event[0] for event in events]
+        last_a = len(labels) - 1 - labels[::-1].index("a")
+        assert labels.index("b") < last_a, "the two runs did not interleave"
+
+
+def _mention_merge(strategy: MirroredStrategy) -> str:
+    return "merged"
+
+
+class TestMergeCallMisuse:
+    @pytest.mark.anyio
+    async def test_context_kept_after_run_raises(self) -> None:
+        """A replica context used after its run() returned says so."""
+        strategy = two()
+        kept: list[ReplicaContext] = []
+
+        async def step() -> None:
+            kept.append(ctx())
+
+        await strategy.run(step)
+        kept.sort(key=lambda context: context.replica_id_in_sync_group)
+        assert [context.replica_id_in_sync_group for context in kept] == [0, 1]
+        with pytest.raises(
+            RuntimeError,
+            match=(
+                r"^merge_call\(\) was called on replica 1's context after its run\(\) "
+                r"returned; a ReplicaContext is valid only inside its own replica$"
+            ),
+        ):
+            await kept[1].merge_call(noop)
+
+    @pytest.mark.anyio
+    async def test_context_kept_after_run_raises_inside_a_later_run(self) -> None:
+        """A stale context stays stale inside a later run of the same strategy."""
+        strategy = two()
+        kept: list[ReplicaContext] = []
+
+        async def first() -> None:
+            kept.append(ctx())
+
+        async def second() -> None:
+            await kept[0].merge_call(noop)
+
+        await strategy.run(first)
+        with pytest.raises(RuntimeError, match=r"after its run\(\) returned"):
+            await strategy.run(second)
+
+    @pytest.mark.anyio
+    async def test_replica_context_used_inside_merge_fn_raises(self) -> None:
+        """A merge function cannot call merge_call with a replica's context."""
+        strategy = two()
+        kept: list[ReplicaContext] = []
+
+        async def merge(merge_strategy: MirroredStrategy) -> None:
+            await kept[0].merge_call(noop)
+
+        async def step() -> None:
+            kept.append(ctx())
+            await ctx().merge_call(merge)
+
+        with pytest.raises(
+            RuntimeError,
+            match=(
+                r"^merge_call\(\) was called inside merge_fn \(cross-replica context\) with the "
+                r"context of replica [01]; merge functions cannot nest: call what you need "
+                r"directly in merge_fn\n"
+            ),
+        ) as info:
+            await strategy.run(step)
+        assert info.value.__notes__[0].startswith("raised by merge_fn ")
+
+    @pytest.mark.anyio
+    async def test_other_replicas_context_raises(self) -> None:
+        """A replica cannot merge with another replica's context."""
+        strategy = two()
+        contexts: dict[int, ReplicaContext] = {}
+
+        async def step() -> None:
+            mine = ctx()
+            contexts[mine.replica_id_in_sync_group] = mine
+            await anyio.lowlevel.checkpoint()
+            other = contexts[1 - mine.replica_id_in_sync_group]
+            await other.merge_call(noop)
+
+        with pytest.raises(
+            RuntimeError,
+            match=(
+                r"^merge_call\(\) was called with replica ([01])'s context outside that "
+                r"replica; call get_replica_context\(\) inside the replica instead\n"
+            ),
+        ):
+            await strategy.run(step)
+
+    @pytest.mark.anyio
+    async def test_merge_call_from_spawned_task_raises(self) -> None:
+        """merge_call awaited by a task the replica spawned is refused, with advice."""
+        strategy = two()
+
+        async def child() -> None:
+            await ctx().merge_call(noop)
+
+        async def step() -> None:
+            async with anyio.create_task_group() as group:
+                group.start_soon(child)
+
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(
+                RuntimeError,
+                match=(
+                    r"^merge_call\(\) must be awaited by replica [01]'s own coroutine, not by a "
+                    r"task it spawned .*; to bound the wait use "
+                    r"`with anyio\.fail_after\(seconds\): await ctx\.merge_call\(\.\.\.\)` "
+                    r"instead$"
+                ),
+            )
+        ):
+            await strategy.run(step)
+
+    @pytest.mark.anyio
+    async def test_fail_after_around_merge_call_works(self) -> None:
+        """The advised ``anyio.fail_after`` around a merge point is fine."""
+        strategy = two()
+
+        async def step() -> Any:
+            with anyio.fail_after(10):
+                return await ctx().merge_call(_mention_merge)
+
+        assert await strategy.run(step) == "merged"
+
+
+class TestMergeCallMisuseAsyncio:
+    @pytest.mark.skipif(
+        sys.version_info >= (3, 12),
+        reason="asyncio.wait_for awaits its argument in the caller's task from Python 3.12",
+    )
+    @pytest.mark.asyncio
+    async def test_asyncio_wait_for_raises_with_advice(self) -> None:
+        """``asyncio.wait_for`` runs merge_call in a new task; the error names it."""
+        strategy = two()
+
+        async def step() -> Any:
+            return await asyncio.wait_for(ctx().merge_call(noop), 1)
+
+        with pytest.raises(
+            RuntimeError,
+            match=r"not by a task it spawned \(.*asyncio\.wait_for.*\).*anyio\.fail_after",
+        ) as info:
+            await strategy.run(step)
+        assert re.fullmatch(
+            r"raised in replica [01] of 2 \(device cpu:[01]\)", info.value.__notes__[0]
+        )

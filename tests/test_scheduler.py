@@ -1,0 +1,664 @@
+"""The scheduler: merge rounds, replica sync errors, failures, cancellation, device following."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+import aioreplica
+from aioreplica import (
+    MirroredStrategy,
+    PerReplica,
+    ReplicaContext,
+    ReplicaSyncError,
+    get_replica_context,
+)
+
+pytestmark = pytest.mark.anyio
+
+ASYNCIO_ONLY = pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ],
+)
+
+
+def cpus(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def ctx() -> ReplicaContext:
+    context = get_replica_context()
+    assert context is not None
+    return context
+
+
+def rid() -> int:
+    return ctx().replica_id_in_sync_group
+
+
+def noop(strategy: MirroredStrategy) -> None:
+    return None
+
+
+class RecordingDevice:
+    """A device whose "current device" is process state, like CuPy's thread-local device."""
+
+    current: str | None = None
+    log: list[tuple[str, str]] = []  # noqa: RUF012 - reset by each test that uses it
+    kind = "rec"
+    has_context = True
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.name = f"rec:{index}"
+
+    def enter(self) -> None:
+        if RecordingDevice.current is not None:
+            RecordingDevice.log.append(("nested enter", self.name))
+        RecordingDevice.current = self.name
+        RecordingDevice.log.append(("enter", self.name))
+
+    def leave(self) -> None:
+        if RecordingDevice.current != self.name:
+            RecordingDevice.log.append(("bad leave", self.name))
+        RecordingDevice.current = None
+        RecordingDevice.log.append(("leave", self.name))
+
+
+class TestMergeCall:
+    async def test_merge_fn_runs_once_after_all_arrive(self) -> None:
+        """merge_fn runs exactly once per round, only after every replica has arrived."""
+        events: list[tuple[str, int]] = []
+        strategy = MirroredStrategy(cpus(3))
+
+        def merge(strategy: MirroredStrategy, ids: PerReplica[int]) -> int:
+            events.append(("merge", sum(ids.values)))
+            return 0
+
+        async def step() -> None:
+            for _ in range(rid()):  # replicas reach the merge point at different times
+                await anyio.lowlevel.checkpoint()
+            events.append(("arrive", rid()))
+            await ctx().merge_call(merge, args=(rid(),))
+            events.append(("resume", rid()))
+
+        await strategy.run(step)
+        arrivals, merges, resumes = events[:3], events[3:4], events[4:]
+        assert sorted(arrivals) == [("arrive", 0), ("arrive", 1), ("arrive", 2)]
+        assert merges == [("merge", 3)]
+        assert sorted(resumes) == [("resume", 0), ("resume", 1), ("resume", 2)]
+
+    async def test_arguments_regrouped_and_result_selected(self) -> None:
+        """Differing args become PerReplica, shared objects stay; each replica gets its slice."""
+        shared = object()
+        seen: list[Any] = []
+        strategy = MirroredStrategy(cpus(3))
+
+        def merge(
+            strategy: MirroredStrategy, value: PerReplica[int], same: object, *, scale: int
+        ) -> PerReplica[int]:
+            seen.append((value.values, same is shared, scale))
+            return PerReplica([v * scale for v in value.values])
+
+        async def step() -> int:
+            result: int = await ctx().merge_call(
+                merge, args=(rid() + 1, shared), kwargs={"scale": 10}
+            )
+            return result
+
+        result = await strategy.run(step)
+        assert seen == [((1, 2, 3), True, 10)]
+        assert isinstance(result, PerReplica)
+        assert result.values == (10, 20, 30)
+
+    async def test_nested_structures_round_trip(self) -> None:
+        """Nested args regroup leaf by leaf and a nested result is sliced leaf by leaf."""
+        strategy = MirroredStrategy(cpus(2))
+
+        def merge(strategy: MirroredStrategy, tree: dict[str, Any]) -> dict[str, Any]:
+            assert tree["name"] == "x"
+            assert tree["pair"][0].values == (0, 1)
+            return {"sum": sum(tree["pair"][0].values), "mine": tree["pair"][1]}
+
+        async def step() -> dict[str, Any]:
+            value = {"pair": (rid(), f"r{rid()}"), "name": "x"}
+            merged: dict[str, Any] = await ctx().merge_call(merge, args=(value,))
+            return merged
+
+        result = await strategy.run(step)
+        assert result["sum"] == 1
+        assert result["mine"].values == ("r0", "r1")
+
+    async def test_async_merge_fn_is_awaited(self) -> None:
+        """A merge_fn that returns an awaitable is awaited once, in cross-replica context."""
+        calls: list[bool] = []
+        strategy = MirroredStrategy(cpus(2))
+
+        async def merge(strategy: MirroredStrategy) -> str:
+            await anyio.lowlevel.checkpoint()
+            calls.append(aioreplica.in_cross_replica_context())
+            return "done"
+
+        async def step() -> str:
+            result: str = await ctx().merge_call(merge)
+            return result
+
+        assert await strategy.run(step) == "done"
+        assert calls == [True]
+
+    async def test_merge_fn_sees_cross_replica_context(self) -> None:
+        """Inside merge_fn there is no replica context and the strategy is current."""
+        seen: list[object] = []
+        strategy = MirroredStrategy(cpus(2))
+
+        def merge(s: MirroredStrategy) -> None:
+            seen.extend(
+                [
+                    s is strategy,
+                    get_replica_context(),
+                    aioreplica.in_cross_replica_context(),
+                    aioreplica.get_strategy() is strategy,
+                ]
+            )
+
+        async def step() -> None:
+            await ctx().merge_call(merge)
+            seen.append(rid())
+
+        await strategy.run(step)
+        assert seen[:4] == [True, None, True, True]
+        assert sorted(seen[4:]) == [0, 1]  # type: ignore[type-var]
+
+    async def test_several_rounds_keep_their_order(self) -> None:
+        """Each round merges the values of that round, in order."""
+        strategy = MirroredStrategy(cpus(4))
+        merged: list[tuple[int, ...]] = []
+
+        def merge(strategy: MirroredStrategy, v: PerReplica[int]) -> None:
+            merged.append(v.values)
+
+        async def step() -> None:
+            for round_number in range(5):
+                if (rid() + round_number) % 2:
+                    await anyio.lowlevel.checkpoint()
+                await ctx().merge_call(merge, args=(10 * round_number + rid(),))
+
+        await strategy.run(step)
+        assert merged == [tuple(10 * r + i for i in range(4)) for r in range(5)]
+
+    async def test_same_code_in_different_closures_is_fine(self) -> None:
+        """Lambdas and partials made per replica share code, so they count as one merge_fn."""
+        strategy = MirroredStrategy(cpus(3))
+
+        def add(strategy: MirroredStrategy, v: PerReplica[int], offset: int) -> int:
+            return sum(v.values) + offset
+
+        async def step() -> tuple[int, int]:
+            a: int = await ctx().merge_call(lambda s, v: sum(v.values), args=(rid(),))
+            b: int = await ctx().merge_call(functools.partial(add, offset=rid()), args=(rid(),))
+            return a, b
+
+        assert await strategy.run(step) == (3, 3)  # replica 0's partial runs: offset 0
+
+    async def test_one_replica_merges_immediately(self) -> None:
+        """With one replica, merge_fn gets the plain values."""
+        strategy = MirroredStrategy(["cpu:0"])
+
+        async def step() -> Any:
+            return await ctx().merge_call(lambda s, v: v * 2, args=(21,))
+
+        assert await strategy.run(step) == 42
+
+    async def test_non_tuple_args_rejected(self) -> None:
+        """args that is not a tuple is a TypeError naming the replica and the fix."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            await ctx().merge_call(noop, args=5)  # type: ignore[arg-type]
+
+        with pytest.raises(TypeError, match=r"replica 0 passed merge_call args=5 .*args=\(5,\)"):
+            await strategy.run(step)
+
+    async def test_uncallable_merge_fn_rejected(self) -> None:
+        """A merge_fn that is not callable is a TypeError."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            await ctx().merge_call("not a function")  # type: ignore[arg-type]
+
+        with pytest.raises(TypeError, match="merge_fn must be callable, got str"):
+            await strategy.run(step)
+
+    async def test_structure_mismatch_between_replicas(self) -> None:
+        """Merge args whose structures differ name both replicas and the key path."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            value: dict[str, Any] = {"a": [1, 2]} if rid() == 0 else {"a": [1]}
+            await ctx().merge_call(noop, args=(value,))
+
+        with pytest.raises(ValueError, match=r"replica 1.*replica 0.*\[0\]\['a'\]") as info:
+            await strategy.run(step)
+        assert any("merge_call #1" in note for note in info.value.__notes__)
+
+
+class TestReplicaSync:
+    async def test_replica_finishing_early_is_named(self) -> None:
+        """A replica that finishes while others wait raises ReplicaSyncError, never hangs."""
+        strategy = MirroredStrategy(cpus(3))
+        cancelled: list[int] = []
+
+        async def step() -> None:
+            try:
+                await ctx().merge_call(noop)
+                if rid() == 1:
+                    return
+                await ctx().merge_call(noop)
+            except anyio.get_cancelled_exc_class():
+                cancelled.append(rid())
+                raise
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        err = info.value
+        assert (err.merge_number, err.replicas) == (2, (1,))
+        assert set(err.waiting) <= {0, 2}
+        assert "replica 1 finished after 1 merge_call()s" in str(err)
+        assert "merge_call #2" in str(err)
+        assert "move merge_call out of replica-dependent branches" in str(err)
+        assert err.waiting
+        assert sorted(cancelled) == [0, 2]
+
+    async def test_replica_arriving_after_another_finished(self) -> None:
+        """A replica reaching a merge point that a finished replica can never join fails."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            if rid() == 1:
+                for _ in range(5):
+                    await anyio.lowlevel.checkpoint()
+                await ctx().merge_call(noop)
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.merge_number, info.value.replicas) == (1, (0,))
+        assert "replica 1 reached merge_call #1, but replica 0 already finished" in str(info.value)
+
+    async def test_different_merge_functions_in_one_round(self) -> None:
+        """Replicas passing merge functions with different code raise, naming both groups."""
+        strategy = MirroredStrategy(cpus(3))
+
+        def first(strategy: MirroredStrategy) -> None:
+            return None
+
+        def second(strategy: MirroredStrategy) -> None:
+            return None
+
+        async def step() -> None:
+            await ctx().merge_call(noop)
+            await ctx().merge_call(second if rid() == 2 else first)
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        message = str(info.value)
+        assert info.value.merge_number == 2
+        assert info.value.replicas == (2,)
+        assert "replicas 0 and 1 passed" in message
+        assert "replica 2 passed" in message
+        assert "first" in message
+        assert "second" in message
+
+    async def test_sync_timeout_names_late_replicas(self) -> None:
+        """With sync_timeout, waiting replicas give up and the late ones are named."""
+        strategy = MirroredStrategy(cpus(3), sync_timeout=0.05)
+        never = anyio.Event()
+        ended: list[int] = []
+
+        async def step() -> None:
+            try:
+                if rid() == 2:
+                    await never.wait()
+                await ctx().merge_call(noop)
+            finally:
+                ended.append(rid())
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.replicas, info.value.waiting) == ((2,), (0, 1))
+        assert "replicas 0 and 1 waited 0.05 s in merge_call #1 for replica 2" in str(info.value)
+        assert sorted(ended) == [0, 1, 2]  # every replica was cancelled before run() returned
+
+    async def test_sync_timeout_does_not_fire_on_time(self) -> None:
+        """Rounds that fill within sync_timeout complete normally."""
+        strategy = MirroredStrategy(cpus(2), sync_timeout=5)
+
+        async def step() -> int:
+            for _ in range(3):
+                await anyio.sleep(0.001 * rid())
+                await ctx().merge_call(noop)
+            return rid()
+
+        assert (await strategy.run(step)).values == (0, 1)
+
+    async def test_fail_after_around_merge_point_leaves_the_round(self) -> None:
+        """A replica's own timeout at a merge point cancels only it; the round goes on."""
+        strategy = MirroredStrategy(cpus(2))
+        late = anyio.Event()
+        events: list[str] = []
+
+        def merge(strategy: MirroredStrategy, v: PerReplica[int]) -> int:
+            return sum(v.values)
+
+        async def step() -> int:
+            if rid() == 0:
+                try:
+                    with anyio.fail_after(0.02):
+                        await ctx().merge_call(merge, args=(100,))
+                except TimeoutError:
+                    events.append("replica 0 timed out")
+                late.set()
+            else:
+                await late.wait()
+            result: int = await ctx().merge_call(merge, args=(rid(),))
+            events.append(f"replica {rid()} merged {result}")
+            return result
+
+        assert await strategy.run(step) == 1
+        assert events[0] == "replica 0 timed out"
+        assert sorted(events[1:]) == ["replica 0 merged 1", "replica 1 merged 1"]
+
+
+class TestFailures:
+    async def test_replica_exception_comes_out_unwrapped(self) -> None:
+        """run() raises the failing replica's own exception, noted, after cancelling the rest."""
+        strategy = MirroredStrategy(cpus(3))
+        error = ValueError("bad batch")
+        cancelled: list[int] = []
+
+        async def step() -> None:
+            try:
+                await ctx().merge_call(noop)
+                if rid() == 1:
+                    raise error
+                await anyio.sleep_forever()
+            except anyio.get_cancelled_exc_class():
+                cancelled.append(rid())
+                raise
+
+        with pytest.raises(ValueError, match="bad batch") as info:
+            await strategy.run(step)
+        assert info.value is error
+        assert info.value.__notes__ == ["raised in replica 1 of 3 (device cpu:1)"]
+        assert sorted(cancelled) == [0, 2]
+
+    async def test_later_failures_are_summarised(self) -> None:
+        """Failures of other replicas while the step unwinds become notes on the first."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step() -> None:
+            if rid() == 0:
+                await anyio.lowlevel.checkpoint()
+                raise KeyError("first")
+            try:
+                await anyio.sleep_forever()
+            except anyio.get_cancelled_exc_class():
+                raise RuntimeError(f"cleanup of replica {rid()} failed") from None
+
+        with pytest.raises(KeyError) as info:
+            await strategy.run(step)
+        notes = info.value.__notes__
+        assert notes[0] == "raised in replica 0 of 3 (device cpu:0)"
+        assert sorted(notes[1:]) == [
+            "also raised in replica 1 of 3 (device cpu:1): RuntimeError: cleanup of replica 1 "
+            "failed",
+            "also raised in replica 2 of 3 (device cpu:2): RuntimeError: cleanup of replica 2 "
+            "failed",
+        ]
+
+    async def test_merge_fn_exception_raised_once(self) -> None:
+        """An exception from merge_fn comes out of run() once; every replica is cancelled."""
+        strategy = MirroredStrategy(cpus(3))
+        error = ZeroDivisionError("in merge")
+        after: list[int] = []
+        cancelled: list[int] = []
+
+        def merge(strategy: MirroredStrategy) -> None:
+            raise error
+
+        async def step() -> None:
+            await ctx().merge_call(noop)
+            try:
+                await ctx().merge_call(merge)
+            except anyio.get_cancelled_exc_class():
+                cancelled.append(rid())
+                raise
+            after.append(rid())
+
+        with pytest.raises(ZeroDivisionError) as info:
+            await strategy.run(step)
+        assert info.value is error
+        assert len(info.value.__notes__) == 1
+        assert "raised by merge_fn" in info.value.__notes__[0]
+        assert "merge_call #2" in info.value.__notes__[0]
+        assert after == []
+        assert sorted(cancelled) == [0, 1, 2]
+
+    async def test_caller_cancellation_cancels_every_replica(self) -> None:
+        """Cancelling the task awaiting run() cancels every replica; none outlives run()."""
+        strategy = MirroredStrategy(cpus(4))
+        ended: list[int] = []
+        outcome: list[str] = []
+
+        async def step() -> None:
+            try:
+                if rid() == 3:
+                    await anyio.sleep_forever()
+                await ctx().merge_call(noop)
+            finally:
+                ended.append(rid())
+
+        async def caller() -> None:
+            try:
+                await strategy.run(step)
+            except anyio.get_cancelled_exc_class():
+                outcome.append(f"cancelled with {sorted(ended)}")
+                raise
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(caller)
+            await anyio.wait_all_tasks_blocked()
+            assert strategy.statistics().replicas_waiting == 3
+            group.cancel_scope.cancel()
+        assert outcome == ["cancelled with [0, 1, 2, 3]"]
+        assert strategy.statistics() == aioreplica.SchedulerStatistics(0, 0, 0)
+
+    async def test_timeout_around_run(self) -> None:
+        """A deadline around run() cancels the replicas and ends the run in time."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            await ctx().merge_call(noop)
+            await anyio.sleep_forever()
+
+        with anyio.move_on_after(0.05) as scope:
+            await strategy.run(step)
+        assert scope.cancelled_caught
+        assert strategy.statistics().runs_active == 0
+
+
+class TestDeviceFollowsReplica:
+    async def test_device_is_current_at_every_step(self) -> None:
+        """Replica code always runs with its own device current, across sleeps and merges."""
+        RecordingDevice.current = None
+        RecordingDevice.log = []
+        devices = [RecordingDevice(i) for i in range(4)]
+        strategy = MirroredStrategy(devices, interleave="random", seed=7)
+        observed: list[tuple[int, str | None]] = []
+        in_merge: list[str | None] = []
+
+        def merge(strategy: MirroredStrategy) -> None:
+            in_merge.append(RecordingDevice.current)
+
+        async def step() -> None:
+            me = rid()
+            for i in range(3):
+                observed.append((me, RecordingDevice.current))
+                await anyio.sleep(0.001 * ((me + i) % 3))
+                observed.append((me, RecordingDevice.current))
+                await ctx().merge_call(merge)
+                observed.append((me, RecordingDevice.current))
+                await anyio.lowlevel.checkpoint()
+
+        await strategy.run(step)
+        assert observed
+        assert [(me, cur) for me, cur in observed if cur != f"rec:{me}"] == []
+        assert in_merge == [None, None, None]
+        assert RecordingDevice.current is None
+        bad = [entry for entry in RecordingDevice.log if entry[0] not in ("enter", "leave")]
+        assert bad == []
+
+    async def test_device_is_current_while_unwinding(self) -> None:
+        """A cancelled replica's cleanup code also runs with its own device current."""
+        RecordingDevice.current = None
+        RecordingDevice.log = []
+        strategy = MirroredStrategy([RecordingDevice(i) for i in range(3)])
+        cleanup: list[tuple[int, str | None]] = []
+
+        async def step() -> None:
+            me = rid()
+            try:
+                await ctx().merge_call(noop)
+                if me == 0:
+                    raise ValueError("stop")
+                await anyio.sleep_forever()
+            finally:
+                cleanup.append((me, RecordingDevice.current))
+
+        with pytest.raises(ValueError, match="stop"):
+            await strategy.run(step)
+        assert sorted(cleanup) == [(0, "rec:0"), (1, "rec:1"), (2, "rec:2")]
+        assert RecordingDevice.current is None
+
+
+class TestInterleave:
+    @ASYNCIO_ONLY
+    async def test_ordered_starts_and_resumes_by_id(self) -> None:
+        """interleave='ordered': replicas that arrive in id order resume in id order."""
+        strategy = MirroredStrategy(cpus(5))
+        events: list[tuple[int, int]] = []
+
+        async def step() -> None:
+            for round_number in range(3):
+                events.append((round_number, rid()))
+                await ctx().merge_call(noop)
+            events.append((3, rid()))
+
+        await strategy.run(step)
+        assert events == [(r, i) for r in range(4) for i in range(5)]
+
+    @ASYNCIO_ONLY
+    async def test_ordered_resumes_in_arrival_order_every_time(self) -> None:
+        """interleave='ordered' resumes replicas in the order they arrived, the same each run."""
+
+        async def trace() -> list[tuple[str, int, int]]:
+            strategy = MirroredStrategy(cpus(5))
+            events: list[tuple[str, int, int]] = []
+
+            async def step() -> None:
+                for round_number in range(3):
+                    for _ in range((rid() * 3 + round_number) % 4):  # out of id order
+                        await anyio.lowlevel.checkpoint()
+                    events.append(("arrive", round_number, rid()))
+                    await ctx().merge_call(noop)
+                    events.append(("resume", round_number, rid()))
+
+            await strategy.run(step)
+            return events
+
+        events = await trace()
+        for round_number in range(3):
+            arrived = [i for kind, r, i in events if (kind, r) == ("arrive", round_number)]
+            resumed = [i for kind, r, i in events if (kind, r) == ("resume", round_number)]
+            assert resumed == arrived
+        assert [i for kind, r, i in events if (kind, r) == ("arrive", 0)] != list(range(5))
+        assert await trace() == events
+
+    @ASYNCIO_ONLY
+    async def test_random_is_a_seeded_shuffle(self) -> None:
+        """interleave='random' gives the same order for the same seed, and shuffles it."""
+
+        async def order_for(seed: int) -> list[int]:
+            strategy = MirroredStrategy(cpus(6), interleave="random", seed=seed)
+            events: list[int] = []
+
+            async def step() -> None:
+                for _ in range(3):
+                    events.append(rid())
+                    await ctx().merge_call(noop)
+
+            await strategy.run(step)
+            return events
+
+        first, again = await order_for(1), await order_for(1)
+        assert first == again
+        for i in range(3):
+            assert sorted(first[6 * i : 6 * i + 6]) == list(range(6))
+        orders = {tuple(await order_for(seed)) for seed in range(5)}
+        assert len(orders) > 1
+        assert tuple(range(6)) * 3 not in orders or len(orders) == 5
+
+    async def test_drawn_seed_is_reported(self) -> None:
+        """Without a seed, random interleave draws one and exposes it for replay."""
+        strategy = MirroredStrategy(cpus(2), interleave="random")
+        assert isinstance(strategy.seed, int)
+        assert MirroredStrategy(cpus(2)).seed is None
+
+
+class TestScale:
+    async def test_thousands_of_replicas(self) -> None:
+        """2,000 replicas run 10 merge rounds, and every replica gets its own result."""
+        strategy = MirroredStrategy(cpus(2000))
+
+        def merge(strategy: MirroredStrategy, v: PerReplica[int]) -> PerReplica[int]:
+            return PerReplica([x + 1 for x in v.values])
+
+        async def step() -> int:
+            value = rid()
+            for _ in range(10):
+                value = await ctx().merge_call(merge, args=(value,))
+            return value
+
+        result = await strategy.run(step)
+        assert result.values == tuple(range(10, 2010))
+        assert strategy.statistics().merge_rounds_completed == 10
+
+
+class TestStatistics:
+    async def test_counts_waiting_replicas_and_rounds(self) -> None:
+        """statistics() counts active runs, replicas parked at merge points and rounds done."""
+        strategy = MirroredStrategy(cpus(3))
+        go = anyio.Event()
+        snapshots: list[aioreplica.SchedulerStatistics] = []
+
+        async def step() -> None:
+            if rid() == 2:
+                await go.wait()
+            await ctx().merge_call(noop)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(strategy.run, step)
+            await anyio.wait_all_tasks_blocked()
+            snapshots.append(strategy.statistics())
+            go.set()
+        snapshots.append(strategy.statistics())
+        assert snapshots == [
+            aioreplica.SchedulerStatistics(1, 2, 0),
+            aioreplica.SchedulerStatistics(0, 0, 1),
+        ]

@@ -1,0 +1,478 @@
+"""Tests for aioreplica._values: distributed values, regroup and select_replica."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aioreplica import _values
+from aioreplica._tree import flatten, register_node
+from aioreplica._values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    regroup,
+    select_replica,
+    select_replica_mirrored,
+)
+
+
+def _nested_value(d: str) -> tuple[Any, ...]:
+    return ("a" + d, ["b" + d, {"c": "d" + d, "e": "f" + d}, "g" + d], "h" + d)
+
+
+def _assert_distributed(
+    result: Any, expected: Any, klass: type[DistributedValues[Any]] = PerReplica
+) -> None:
+    assert isinstance(result, klass)
+    assert result.values == tuple(expected)
+
+
+class TestDistributedValues:
+    def test_list_is_stored_as_a_tuple(self) -> None:
+        """The constructor accepts a list and stores a tuple."""
+        value = PerReplica([1, 2])
+        assert value.values == (1, 2)
+        assert type(value.values) is tuple
+
+    def test_tuple_is_kept(self) -> None:
+        """A tuple is stored as given."""
+        assert Mirrored((1.0, 1.0)).values == (1.0, 1.0)
+
+    def test_empty_raises_value_error(self) -> None:
+        """At least one replica's value is needed."""
+        with pytest.raises(ValueError, match=r"^PerReplica\(\) needs a value for at least one"):
+            PerReplica([])
+
+    @pytest.mark.parametrize(
+        ("values", "type_name"),
+        [("ab", "str"), ((x for x in [1]), "generator"), (3, "int"), (b"xy", "bytes")],
+    )
+    def test_non_sequence_raises_type_error_naming_the_type(
+        self, values: Any, type_name: str
+    ) -> None:
+        """Strings, generators and scalars are rejected with their type named."""
+        with pytest.raises(TypeError, match=rf"needs a list or tuple .*, got {type_name}$"):
+            Mirrored(values)
+
+    def test_repr_maps_replica_to_value(self) -> None:
+        """repr shows {replica_id: value}."""
+        assert repr(PerReplica([1, "x"])) == "PerReplica({0: 1, 1: 'x'})"
+        assert repr(Mirrored([None])) == "Mirrored({0: None})"
+
+    def test_equality_is_identity_and_values_are_hashable(self) -> None:
+        """Equal payloads do not make equal values; array payloads hash fine."""
+        a = PerReplica([np.zeros(2), np.ones(2)])
+        b = PerReplica(list(a.values))
+        assert a == a
+        assert a != b
+        assert len({a, b}) == 2
+
+    def test_frozen(self) -> None:
+        """values cannot be reassigned."""
+        value = PerReplica([1])
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            value.values = (2,)  # type: ignore[misc]
+
+    def test_slots(self) -> None:
+        """Instances have no __dict__."""
+        assert not hasattr(PerReplica([1]), "__dict__")
+
+    def test_generic_and_final(self) -> None:
+        """PerReplica and Mirrored are generic, final subclasses of the open base."""
+        value: PerReplica[int] = PerReplica([1])
+        assert value.values == (1,)
+        assert PerReplica[int].__origin__ is PerReplica  # type: ignore[attr-defined]
+        assert issubclass(PerReplica, DistributedValues)
+        assert issubclass(Mirrored, DistributedValues)
+        assert getattr(PerReplica, "__final__", False)
+        assert getattr(Mirrored, "__final__", False)
+        assert not getattr(DistributedValues, "__final__", False)
+
+
+class TestRegroup:
+    def test_nested(self) -> None:
+        """Ported testNested: leaves that differ become PerReplica, containers are kept."""
+        result = regroup((_nested_value("1"), _nested_value("2")))
+        assert isinstance(result, tuple)
+        assert len(result) == 3
+        _assert_distributed(result[0], ["a1", "a2"])
+        _assert_distributed(result[2], ["h1", "h2"])
+
+        assert isinstance(result[1], list)
+        assert len(result[1]) == 3
+        _assert_distributed(result[1][0], ["b1", "b2"])
+        _assert_distributed(result[1][2], ["g1", "g2"])
+
+        assert isinstance(result[1][1], dict)
+        assert set(result[1][1]) == {"c", "e"}
+        _assert_distributed(result[1][1]["c"], ["d1", "d2"])
+        _assert_distributed(result[1][1]["e"], ["f1", "f2"])
+
+        assert select_replica(0, result) == _nested_value("1")
+        assert select_replica(1, result) == _nested_value("2")
+        with pytest.raises(TypeError, match="got PerReplica"):
+            select_replica_mirrored(0, result)
+        with pytest.raises(TypeError, match="got PerReplica"):
+            select_replica_mirrored(1, result)
+
+    def test_keeps_dict_based_class(self) -> None:
+        """Ported testRegroupKeepsDictBasedClass: a dict subclass keeps its type."""
+
+        class DictBasedClass(dict[str, Any]):
+            """Dummy class inherited from a dict."""
+
+        result = regroup((DictBasedClass(a="a1", b="b1"), DictBasedClass(a="a2", b="b2")))
+        assert isinstance(result, DictBasedClass)
+        _assert_distributed(result["a"], ["a1", "a2"])
+        _assert_distributed(result["b"], ["b1", "b2"])
+
+    def test_keeps_collections_mapping_class(self) -> None:
+        """Ported testRegroupCollectionsMapping: a Mapping that is not a dict keeps its type."""
+
+        class CollectionsMappingBasedClass(Mapping[str, Any]):
+            """Class inherited from collections.abc.Mapping."""
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                self._d = dict(*args, **kwargs)
+
+            def __getitem__(self, key: str) -> Any:
+                return self._d[key]
+
+            def __iter__(self) -> Iterator[str]:
+                return iter(self._d)
+
+            def __len__(self) -> int:
+                return len(self._d)
+
+        result = regroup(
+            (
+                CollectionsMappingBasedClass(a="a1", b="b1"),
+                CollectionsMappingBasedClass(a="a2", b="b2"),
+            )
+        )
+        assert isinstance(result, CollectionsMappingBasedClass)
+        _assert_distributed(result["a"], ["a1", "a2"])
+        _assert_distributed(result["b"], ["b1", "b2"])
+
+    def test_wrap_class(self) -> None:
+        """Ported testWrapClass: Mirrored wraps the leaves, and select_replica_mirrored works."""
+        result = regroup((_nested_value("1"), _nested_value("2")), Mirrored)
+        assert isinstance(result, tuple)
+        assert len(result) == 3
+        _assert_distributed(result[0], ["a1", "a2"], Mirrored)
+        _assert_distributed(result[2], ["h1", "h2"], Mirrored)
+
+        assert isinstance(result[1], list)
+        assert len(result[1]) == 3
+        _assert_distributed(result[1][0], ["b1", "b2"], Mirrored)
+        _assert_distributed(result[1][2], ["g1", "g2"], Mirrored)
+
+        assert isinstance(result[1][1], dict)
+        assert set(result[1][1]) == {"c", "e"}
+        _assert_distributed(result[1][1]["c"], ["d1", "d2"], Mirrored)
+        _assert_distributed(result[1][1]["e"], ["f1", "f2"], Mirrored)
+
+        assert select_replica(0, result) == _nested_value("1")
+        assert select_replica(1, result) == _nested_value("2")
+        assert select_replica_mirrored(0, result) == _nested_value("1")
+        assert select_replica_mirrored(1, result) == _nested_value("2")
+
+    def test_wrap_a_list_of_two_tuples(self) -> None:
+        """Ported testWrapAListOfTwoTuples: the outer list indexes replicas."""
+        result = regroup([("1", "2"), ("3", "4")])
+        assert isinstance(result, tuple)
+        assert len(result) == 2
+        _assert_distributed(result[0], ("1", "3"))
+        _assert_distributed(result[1], ("2", "4"))
+
+    def test_same_id(self) -> None:
+        """Ported testSameId: the same object in every replica stays unwrapped."""
+        foo = object()
+        result = regroup((("a", foo), ("b", foo)))
+        assert isinstance(result, tuple)
+        assert len(result) == 2
+        _assert_distributed(result[0], ["a", "b"])
+        assert result[1] is foo
+
+        result_0 = select_replica(0, result)
+        assert isinstance(result_0, tuple)
+        assert len(result_0) == 2
+        assert result_0[0] == "a"
+        assert result_0[1] is foo
+        result_1 = select_replica(1, result)
+        assert isinstance(result_1, tuple)
+        assert len(result_1) == 2
+        assert result_1[0] == "b"
+        assert result_1[1] is foo
+
+    def test_equal_but_distinct_objects_are_wrapped(self) -> None:
+        """Only identity (is) keeps a leaf unwrapped, not equality."""
+        result = regroup([[np.zeros(1)], [np.zeros(1)]])
+        assert isinstance(result[0], PerReplica)
+
+    def test_one_device(self) -> None:
+        """Ported testOneDevice: with one replica regroup and select_replica are identity."""
+        result = regroup((_nested_value("1"),))
+        assert result == _nested_value("1")
+        assert select_replica(0, result) == _nested_value("1")
+
+    def test_namedtuple(self) -> None:
+        """Ported testNamedTuple: a namedtuple with a custom __new__ is rebuilt with _make."""
+
+        class Scaffold:
+            pass
+
+        class EstimatorSpec(
+            collections.namedtuple("EstimatorSpec", ["mode", "loss", "train_op", "scaffold"])
+        ):
+            def __new__(
+                cls, mode: Any, loss: Any, train_op: Any, scaffold: Any = None
+            ) -> EstimatorSpec:
+                return super().__new__(
+                    cls, mode=mode, loss=loss, train_op=train_op, scaffold=scaffold or Scaffold()
+                )
+
+        train = "train"
+        created_estimator_specs = [
+            EstimatorSpec(mode=train, loss=device_id / 2, train_op=object())
+            for device_id in range(3)
+        ]
+        merged_estimator_spec = regroup(created_estimator_specs)
+
+        assert isinstance(merged_estimator_spec, EstimatorSpec)
+        assert merged_estimator_spec.mode == train
+        for device_id in range(3):
+            spec = created_estimator_specs[device_id]
+            assert merged_estimator_spec.loss.values[device_id] == spec.loss
+            assert merged_estimator_spec.train_op.values[device_id] is spec.train_op
+            assert merged_estimator_spec.scaffold.values[device_id] is spec.scaffold
+            assert isinstance(spec.scaffold, Scaffold)
+            assert select_replica(device_id, merged_estimator_spec) == spec
+
+    def test_replicas_may_order_dict_keys_differently(self) -> None:
+        """Dict keys are matched as sets; the result keeps replica 0's order."""
+        result = regroup([{"b": 1, "a": 2}, {"a": 3, "b": 4}])
+        assert list(result) == ["b", "a"]
+        _assert_distributed(result["a"], [2, 3])
+        _assert_distributed(result["b"], [1, 4])
+
+    def test_containers_keep_their_types(self) -> None:
+        """OrderedDict, defaultdict and list/tuple subclasses keep their types."""
+        ordered = collections.OrderedDict([("b", 1), ("a", 2)])
+        factory_dict = collections.defaultdict[str, Any](list, x=1)
+        result = regroup([[ordered, factory_dict], [ordered.copy(), factory_dict.copy()]])
+        assert type(result[0]) is collections.OrderedDict
+        assert list(result[0]) == ["b", "a"]
+        assert type(result[1]) is collections.defaultdict
+        assert result[1].default_factory is list
+
+    def test_registered_node_rebuilt_through_unflatten(self) -> None:
+        """A registered node is split with flatten_fn and rebuilt with unflatten_fn."""
+
+        class Grads:
+            def __init__(self, name: str, *tensors: Any) -> None:
+                self.name, self.tensors = name, tensors
+
+        register_node(Grads, lambda g: (g.tensors, g.name), lambda name, ch: Grads(name, *ch))
+        result = regroup([Grads("g", 1, 2), Grads("g", 3, 2)])
+        assert type(result) is Grads
+        assert result.name == "g"
+        _assert_distributed(result.tensors[0], [1, 3])
+        assert result.tensors[1] == 2
+
+    def test_leaf_root(self) -> None:
+        """Leaf roots: one object is kept, differing ones are wrapped."""
+        shared = object()
+        assert regroup([shared, shared, shared]) is shared
+        assert regroup([None, None]) is None
+        _assert_distributed(regroup([1.5, 2.5], Mirrored), [1.5, 2.5], Mirrored)
+
+    def test_distributed_values_are_leaves(self) -> None:
+        """PerReplica values inside replica values are not walked into."""
+        inner = PerReplica([1, 2])
+        assert regroup([[inner], [inner]]) == [inner]
+
+    def test_container_types_differ_names_both_replicas(self) -> None:
+        """A container of another type raises TypeError naming both replicas and the path."""
+        message = (
+            "replica 2's value differs from replica 0's at [1]['c']: "
+            "replica 0 has a list of 3 items, replica 2 a tuple of 3 items"
+        )
+        good = (0, {"c": [1, 2, 3]})
+        with pytest.raises(TypeError, match=re.escape(message)):
+            regroup([good, good, (0, {"c": (1, 2, 3)})])
+
+    def test_lengths_differ_names_both_replicas(self) -> None:
+        """A list of another length raises ValueError naming both replicas."""
+        message = (
+            "replica 1's value differs from replica 0's at [0]: "
+            "replica 0 has a list of 2 items, replica 1 a list of 3 items"
+        )
+        with pytest.raises(ValueError, match=re.escape(message)):
+            regroup([[[1, 2]], [[1, 2, 3]]])
+
+    def test_keys_differ_names_both_replicas(self) -> None:
+        """Different key sets raise ValueError naming the keys and the replicas."""
+        message = "at <root>: keys differ: 'x' only in replica 0, 'y' only in replica 1"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            regroup([{"x": 1}, {"y": 1}])
+
+    def test_leaf_against_container_raises(self) -> None:
+        """A leaf where replica 0 has a container, or the reverse, raises ValueError."""
+        with pytest.raises(ValueError, match=r"replica 0 has a list of 1 item, replica 1 a leaf"):
+            regroup([[1], 5])
+        with pytest.raises(
+            ValueError, match=r"at <root>: replica 0 has a leaf None of type NoneType"
+        ):
+            regroup([None, None, {}])
+
+    def test_message_advises_same_structure(self) -> None:
+        """The mismatch message says what every replica must do."""
+        with pytest.raises(ValueError, match=r"every replica must return the same structure$"):
+            regroup([[1], [1, 2]])
+
+    def test_empty_raises_value_error(self) -> None:
+        """regroup needs at least one replica's value."""
+        with pytest.raises(ValueError, match=r"^regroup\(\) needs a value for at least one"):
+            regroup([])
+
+    def test_non_sequence_raises_type_error(self) -> None:
+        """values must be a list or tuple indexed by replica."""
+        with pytest.raises(TypeError, match=r"needs a list or tuple .*, got dict"):
+            regroup({0: 1})  # type: ignore[arg-type]
+
+
+class TestSelectReplica:
+    def test_plain_leaves_pass_through(self) -> None:
+        """Leaves that are not distributed come out as they are."""
+        marker = object()
+        assert select_replica(1, [marker, None, 3])[0] is marker
+        assert select_replica(0, None) is None
+
+    def test_distributed_leaf_at_root(self) -> None:
+        """A PerReplica or Mirrored root becomes that replica's value."""
+        assert select_replica(1, PerReplica(["a", "b"])) == "b"
+        assert select_replica(0, Mirrored([7, 7])) == 7
+
+    def test_leaf_fast_path_skips_flatten(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A leaf structure is answered without flattening."""
+
+        def no_flatten(structure: Any) -> Any:
+            raise AssertionError("flatten() called for a leaf")
+
+        monkeypatch.setattr(_values, "flatten", no_flatten)
+        assert select_replica(0, None) is None
+        assert select_replica(1, PerReplica([1, 2])) == 2
+        assert select_replica_mirrored(1, Mirrored([1, 2])) == 2
+        assert select_replica_mirrored(0, "leaf") == "leaf"
+
+    def test_containers_keep_their_types(self) -> None:
+        """Containers are rebuilt with their own types and key order."""
+        point = collections.namedtuple("point", ["x", "y"])
+        structure = {
+            "p": point(PerReplica([1, 2]), 0),
+            "o": collections.OrderedDict([("z", Mirrored([3, 4])), ("a", 5)]),
+        }
+        selected = select_replica(1, structure)
+        assert list(selected) == ["p", "o"]
+        assert type(selected["p"]) is point
+        assert selected["p"] == (2, 0)
+        assert type(selected["o"]) is collections.OrderedDict
+        assert list(selected["o"].items()) == [("z", 4), ("a", 5)]
+
+    @pytest.mark.parametrize("replica_id", [2, 5, -1])
+    def test_out_of_range_names_id_and_replica_count(self, replica_id: int) -> None:
+        """An id outside 0..n-1 raises IndexError naming it and the number of replicas."""
+        message = f"replica_id {replica_id} is out of range for PerReplica values of 2 replicas"
+        with pytest.raises(IndexError, match=re.escape(message)):
+            select_replica(replica_id, [PerReplica([1, 2])])
+        with pytest.raises(IndexError, match=re.escape(message)):
+            select_replica(replica_id, PerReplica([1, 2]))
+
+
+class TestSelectReplicaMirrored:
+    def test_mirrored_and_plain_leaves(self) -> None:
+        """Mirrored leaves are sliced and plain leaves pass through."""
+        structure = {"w": Mirrored([1.5, 2.5]), "lr": 0.1, "n": None}
+        assert select_replica_mirrored(1, structure) == {"w": 2.5, "lr": 0.1, "n": None}
+
+    def test_per_replica_raises_with_path_and_type(self) -> None:
+        """A PerReplica leaf raises TypeError naming its key path and type."""
+        message = (
+            "select_replica_mirrored() expected Mirrored values or plain leaves, got PerReplica "
+            "at [1]['g']"
+        )
+        with pytest.raises(TypeError, match=re.escape(message)):
+            select_replica_mirrored(0, [Mirrored([1]), {"g": PerReplica([2])}])
+
+    def test_per_replica_at_root(self) -> None:
+        """A PerReplica root is reported at <root>."""
+        with pytest.raises(TypeError, match=r"got PerReplica at <root>; use select_replica\(\)"):
+            select_replica_mirrored(0, PerReplica([1]))
+
+    def test_other_distributed_subclass_raises(self) -> None:
+        """Any DistributedValues other than Mirrored is refused, subclasses included."""
+
+        @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False, init=False)
+        class SyncOnRead(DistributedValues[int]):
+            pass
+
+        with pytest.raises(TypeError, match=r"got SyncOnRead at \[0\]"):
+            select_replica_mirrored(0, (SyncOnRead([1]),))
+
+    def test_out_of_range(self) -> None:
+        """An id outside 0..n-1 raises IndexError."""
+        with pytest.raises(IndexError, match=r"replica_id 1 is out of range .* 1 replica$"):
+            select_replica_mirrored(1, [Mirrored([1])])
+
+
+_Point = collections.namedtuple("_Point", ["x", "y"])
+_leaves = st.one_of(st.integers(-3, 3), st.text(max_size=3), st.none())
+
+
+def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.one_of(
+        st.lists(children, max_size=3),
+        st.lists(children, max_size=3).map(tuple),
+        st.dictionaries(st.text(max_size=2), children, max_size=3),
+        st.builds(_Point, children, children),
+    )
+
+
+structures = st.recursive(_leaves, _containers, max_leaves=10)
+
+
+class TestProperties:
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(structures, st.integers(1, 5), st.data())
+    def test_select_replica_inverts_regroup(
+        self, structure: Any, num_replicas: int, data: st.DataObject
+    ) -> None:
+        """select_replica(i, regroup(vs)) == vs[i] for every replica i."""
+        leaves, treedef = flatten(structure)
+        replicas = [structure]
+        for _ in range(1, num_replicas):
+            # Each leaf is either the very object replica 0 has, or a fresh value.
+            fresh = data.draw(st.lists(_leaves, min_size=len(leaves), max_size=len(leaves)))
+            keep = data.draw(st.lists(st.booleans(), min_size=len(leaves), max_size=len(leaves)))
+            replicas.append(
+                treedef.unflatten(
+                    [old if k else new for old, new, k in zip(leaves, fresh, keep, strict=True)]
+                )
+            )
+        merged = regroup(replicas)
+        for i, expected in enumerate(replicas):
+            selected = select_replica(i, merged)
+            assert selected == expected
+            assert repr(selected) == repr(expected)
+        if num_replicas == 1:
+            assert merged == structure
