@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
-from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Loop", "current"]
 
-_Step = Generator[Any, Any, Any]
 _Future = asyncio.Future
 _Main = Callable[[], Coroutine[Any, Any, None]]
+_YIELD_NONE = (None,)
 
 
 class Loop(Protocol):
@@ -52,7 +52,7 @@ class Loop(Protocol):
 
     def current_task_cancelling(self) -> bool: ...
 
-    def yield_once(self) -> _Step: ...
+    def yield_once(self) -> Iterable[Any]: ...
 
     async def run_tasks(self, mains: Sequence[_Main], run: _Run) -> None: ...
 
@@ -78,7 +78,7 @@ class _AsyncioLoop:
 
     def wake(self, replicas: Iterable[_Replica]) -> None:
         for replica in replicas:
-            try:
+            try:  # noqa: SIM105 - contextlib.suppress costs more on this hot path
                 replica.waker.set_result(None)
             except asyncio.InvalidStateError:  # cancelled, and about to leave the round
                 pass
@@ -87,8 +87,10 @@ class _AsyncioLoop:
         task = asyncio.current_task()
         return task is not None and task.cancelling() > 0
 
-    def yield_once(self) -> _Step:
-        yield  # a bare yield: the task reschedules itself behind the callbacks already queued
+    def yield_once(self) -> Iterable[Any]:
+        # Yielding None (a bare ``yield``) makes the task reschedule itself behind the callbacks
+        # already queued; a constant tuple does it without making a generator.
+        return _YIELD_NONE
 
     async def run_tasks(self, mains: Sequence[_Main], run: _Run) -> None:
         loop = self._loop
@@ -167,8 +169,8 @@ class _TrioLoop:
     def current_task_cancelling(self) -> bool:
         return False  # trio never wakes a task for another task's cancellation
 
-    def yield_once(self) -> _Step:
-        yield from self._lowlevel.cancel_shielded_checkpoint().__await__()
+    def yield_once(self) -> Iterable[Any]:
+        return self._lowlevel.cancel_shielded_checkpoint().__await__()  # type: ignore[no-any-return]
 
     async def run_tasks(self, mains: Sequence[_Main], run: _Run) -> None:
         async with anyio.create_task_group() as group:

@@ -138,6 +138,25 @@ class MirroredStrategy:
         """The seed of ``interleave="random"`` (drawn when not given: print it to replay)."""
         return self._seed
 
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """Return the per-replica components of ``value``, one per replica, as in TF.
+
+        Args:
+            value: a ``DistributedValues`` (its ``.values``), or any other value (a 1-tuple).
+
+        Returns:
+            A tuple with one entry per replica for distributed values, else ``(value,)``.
+
+        Example:
+            >>> MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results(
+            ...     aioreplica.PerReplica([1, 2])
+            ... )
+            (1, 2)
+        """
+        if isinstance(value, DistributedValues):
+            return value.values
+        return (value,)
+
     def statistics(self) -> SchedulerStatistics:
         """Return a snapshot: runs active, replicas waiting at merge points, merges done.
 
@@ -253,16 +272,19 @@ class MirroredStrategy:
             raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
         args = tuple(args)
         kwargs = dict(kwargs) if kwargs else {}
-        size = self.num_replicas_in_sync
-        if args or kwargs:
-            self._check_distributed_arguments(args, kwargs)
-            per_replica = [
-                (select_replica(i, args), select_replica(i, kwargs)) for i in range(size)
-            ]
-        else:
-            per_replica = [((), {})] * size
-        results = await self._scheduler.run(fn, per_replica)
+        results = await self._scheduler.run(fn, self._per_replica_arguments(args, kwargs))
         return regroup(results)
+
+    def _per_replica_arguments(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """Each replica's ``(args, kwargs)``: distributed values replaced by its component."""
+        size = self.num_replicas_in_sync
+        leaves = _tree.flatten((args, kwargs))[0]
+        if not any(isinstance(leaf, DistributedValues) for leaf in leaves):
+            return [(args, kwargs)] * size  # nothing differs: one flatten, no rebuilds
+        self._check_distributed_arguments(args, kwargs)
+        return [select_replica(i, (args, kwargs)) for i in range(size)]
 
     def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         size = self.num_replicas_in_sync

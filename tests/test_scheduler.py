@@ -270,7 +270,10 @@ class TestReplicaSync:
         err = info.value
         assert (err.merge_number, err.replicas) == (2, (1,))
         assert set(err.waiting) <= {0, 2}
-        assert "replica 1 finished after 1 merge_call()s" in str(err)
+        # Replica 1 ends either while the others wait, or before one of them arrives.
+        assert "replica 1 finished after 1 merge_call()s" in str(
+            err
+        ) or "replica 1 already finished after 1 merge_call()s" in str(err)
         assert "merge_call #2" in str(err)
         assert "move merge_call out of replica-dependent branches" in str(err)
         assert err.waiting
