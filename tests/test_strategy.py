@@ -1,0 +1,234 @@
+"""MirroredStrategy: construction, run() arguments and results, misuse."""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+from typing import Any
+
+import anyio
+import pytest
+
+import aioreplica
+from aioreplica import Mirrored, MirroredStrategy, PerReplica, get_replica_context
+
+pytestmark = pytest.mark.anyio
+
+
+def rid() -> int:
+    ctx = get_replica_context()
+    assert ctx is not None
+    return ctx.replica_id_in_sync_group
+
+
+Pair = collections.namedtuple("Pair", ["x", "y"])
+
+
+class TestConstruction:
+    def test_devices_are_canonical(self) -> None:
+        """TF spellings canonicalise; the replica count follows the device list."""
+        strategy = MirroredStrategy(["/device:CPU:0", "CPU:1", "/cpu:2"])
+        assert strategy.devices == ("cpu:0", "cpu:1", "cpu:2")
+        assert strategy.num_replicas_in_sync == 3
+        assert strategy.extended.worker_devices == ("cpu:0", "cpu:1", "cpu:2")
+        assert [d.name for d in strategy.extended.replica_devices] == list(strategy.devices)
+        assert repr(strategy) == "MirroredStrategy(devices=['cpu:0', 'cpu:1', 'cpu:2'])"
+
+    def test_default_is_one_host_device(self) -> None:
+        """devices=None means one replica on cpu:0."""
+        assert MirroredStrategy().devices == ("cpu:0",)
+
+    def test_unknown_device_lists_valid_names(self) -> None:
+        """An unknown device name is a ValueError that says what is valid."""
+        with pytest.raises(ValueError, match=r"unknown device 'tpu:0': valid names are .*'cpu:0'"):
+            MirroredStrategy(["cpu:0", "tpu:0"])
+
+    def test_duplicate_device_rejected(self) -> None:
+        """The same device twice, in any spelling, is a ValueError naming both positions."""
+        with pytest.raises(ValueError, match=r"'cpu:1' appears twice \(positions 1 and 2\)"):
+            MirroredStrategy(["cpu:0", "cpu:1", "/device:CPU:1"])
+
+    @pytest.mark.parametrize("timeout", [0, -1, math.nan, "5"])
+    def test_bad_sync_timeout(self, timeout: Any) -> None:
+        """sync_timeout must be a positive number of seconds."""
+        with pytest.raises(ValueError, match="sync_timeout must be a positive number"):
+            MirroredStrategy(["cpu:0"], sync_timeout=timeout)
+
+    def test_bad_interleave(self) -> None:
+        """interleave must be 'ordered' or 'random'."""
+        with pytest.raises(ValueError, match=r"interleave must be one of \('ordered', 'random'\)"):
+            MirroredStrategy(["cpu:0"], interleave="sorted")  # type: ignore[arg-type]
+
+    def test_seed_needs_random_interleave(self) -> None:
+        """A seed with interleave='ordered' is refused rather than ignored."""
+        with pytest.raises(ValueError, match="seed only applies to interleave='random'"):
+            MirroredStrategy(["cpu:0"], seed=3)
+
+
+class TestRunArguments:
+    async def test_per_replica_and_mirrored_are_unwrapped(self) -> None:
+        """Each replica gets its own component of PerReplica and Mirrored arguments."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        seen: list[tuple[int, Any, Any, Any]] = []
+
+        async def step(a: int, pair: Pair, *, scale: float, label: str) -> None:
+            seen.append((rid(), a, pair, (scale, label)))
+
+        await strategy.run(
+            step,
+            args=(PerReplica([10, 20]), Pair(PerReplica(["x0", "x1"]), 5)),
+            kwargs={"scale": Mirrored([0.5, 0.5]), "label": "same"},
+        )
+        assert sorted(seen) == [
+            (0, 10, Pair("x0", 5), (0.5, "same")),
+            (1, 20, Pair("x1", 5), (0.5, "same")),
+        ]
+
+    async def test_plain_arguments_are_shared(self) -> None:
+        """Arguments without distributed values reach every replica as they are."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+        payload = {"weights": [1.0, 2.0]}
+        seen: list[bool] = []
+
+        async def step(tree: dict[str, list[float]]) -> None:
+            seen.append(tree is payload)
+
+        await strategy.run(step, args=(payload,))
+        assert seen == [True, True, True]
+
+    async def test_wrong_number_of_components(self) -> None:
+        """A PerReplica with the wrong length names its place in the arguments."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+
+        async def step(*args: Any, **kwargs: Any) -> None:
+            raise AssertionError("must not run")
+
+        with pytest.raises(ValueError, match=r"args\[1\]\['w'\] is a PerReplica of 2 values, .*3"):
+            await strategy.run(step, args=(1, {"w": PerReplica([1, 2])}))
+        with pytest.raises(ValueError, match=r"kwargs\['b'\] is a Mirrored of 4 values"):
+            await strategy.run(step, kwargs={"b": Mirrored([1, 1, 1, 1])})
+
+    async def test_bad_fn_args_kwargs(self) -> None:
+        """A non-callable fn, a string as args, or non-mapping kwargs are TypeErrors."""
+        strategy = MirroredStrategy(["cpu:0"])
+        with pytest.raises(TypeError, match="fn must be callable, got int"):
+            await strategy.run(3)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"args must be a tuple .* write args=\(value,\)"):
+            await strategy.run(print, args="abc")
+        with pytest.raises(TypeError, match="kwargs must be a mapping or None, got list"):
+            await strategy.run(print, kwargs=[1])  # type: ignore[arg-type]
+
+
+class TestRunResults:
+    async def test_differing_results_become_per_replica(self) -> None:
+        """Results that differ between replicas come back as PerReplica, nested ones leafwise."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        shared = object()
+
+        async def step() -> dict[str, Any]:
+            return {"id": rid(), "shared": shared, "pair": (rid() * 2, "c")}
+
+        result = await strategy.run(step)
+        assert result["id"].values == (0, 1)
+        assert result["shared"] is shared
+        assert result["pair"][0].values == (0, 2)
+        assert result["pair"][1] == "c"
+
+    async def test_one_replica_returns_the_value(self) -> None:
+        """With one replica the result is the value itself."""
+        strategy = MirroredStrategy(["cpu:0"])
+
+        async def step() -> list[int]:
+            return [1, 2]
+
+        assert await strategy.run(step) == [1, 2]
+
+    async def test_plain_function_runs_per_replica(self) -> None:
+        """A plain (non-async) function runs once per replica in its replica context."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        assert (await strategy.run(lambda x: x + rid(), args=(5,))).values == (5, 6)
+
+    async def test_function_returning_an_awaitable(self) -> None:
+        """A plain function that returns an awaitable has it awaited, like a coroutine fn."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+
+        async def inner(x: int) -> int:
+            ctx = get_replica_context()
+            assert ctx is not None
+            merged: int = await ctx.merge_call(lambda s, v: sum(v.values), args=(x + rid(),))
+            return merged
+
+        assert await strategy.run(lambda: inner(1)) == 3
+
+    async def test_experimental_local_results(self) -> None:
+        """Local results are the components of a distributed value, or a 1-tuple."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        assert strategy.experimental_local_results(PerReplica([1, 2])) == (1, 2)
+        assert strategy.experimental_local_results(7) == (7,)
+
+
+class TestRunMisuse:
+    async def test_run_inside_a_replica(self) -> None:
+        """run() inside a replica raises RuntimeError naming the replica."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+
+        async def step() -> None:
+            await strategy.run(lambda: None)
+
+        with pytest.raises(RuntimeError, match=r"run\(\) was called inside replica (\d)") as info:
+            await strategy.run(step)
+        replica = re.search(r"inside replica (\d)", str(info.value))
+        assert replica is not None
+        assert info.value.__notes__[0].startswith(f"raised in replica {replica[1]} of 2")
+
+    async def test_run_inside_merge_fn(self) -> None:
+        """run() inside merge_fn raises RuntimeError saying why."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        inner = MirroredStrategy(["cpu:0"])
+
+        async def merge(s: MirroredStrategy) -> None:
+            await inner.run(lambda: None)
+
+        async def step() -> None:
+            ctx = get_replica_context()
+            assert ctx is not None
+            await ctx.merge_call(merge)
+
+        with pytest.raises(RuntimeError, match="run\\(\\) was called inside merge_fn"):
+            await strategy.run(step)
+
+    def test_run_outside_an_event_loop(self) -> None:
+        """Driving run() without a running loop says how to run it."""
+        strategy = MirroredStrategy(["cpu:0"])
+        coro = strategy.run(lambda: None)
+        with pytest.raises(RuntimeError, match=r"inside a running asyncio or trio event loop"):
+            coro.send(None)
+        coro.close()
+
+
+class TestConcurrentRuns:
+    async def test_two_runs_of_one_strategy_stay_apart(self) -> None:
+        """Two concurrent runs of the same strategy have their own rounds and results."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+        results: dict[str, Any] = {}
+
+        async def step(tag: str) -> tuple[str, int]:
+            ctx = get_replica_context()
+            assert ctx is not None
+            total = 0
+            for i in range(5):
+                await anyio.lowlevel.checkpoint()
+                total += await ctx.merge_call(
+                    lambda s, v: sum(s.experimental_local_results(v)), args=(i * (rid() + 1),)
+                )
+            return tag, total
+
+        async def one(tag: str) -> None:
+            results[tag] = await strategy.run(step, args=(tag,))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(one, "a")
+            group.start_soon(one, "b")
+        assert results == {"a": ("a", 60), "b": ("b", 60)}
+        assert strategy.statistics() == aioreplica.SchedulerStatistics(0, 0, 10)
