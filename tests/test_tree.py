@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
+import nested_strategies
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -735,19 +736,7 @@ class TestNestModule:
             assert getattr(nest, name) is getattr(_tree, name)
 
 
-_leaves = st.one_of(st.integers(-3, 3), st.text(max_size=3), st.none())
-
-
-def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.one_of(
-        st.lists(children, max_size=3),
-        st.lists(children, max_size=3).map(tuple),
-        st.dictionaries(st.text(max_size=2), children, max_size=3),
-        st.builds(Point, children, children),
-    )
-
-
-structures = st.recursive(_leaves, _containers, max_leaves=12)
+structures = nested_strategies.structures(max_leaves=12)
 
 
 class TestProperties:

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import nested_strategies
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -435,20 +436,7 @@ class TestSelectReplicaMirrored:
             select_replica_mirrored(1, [Mirrored([1])])
 
 
-_Point = collections.namedtuple("_Point", ["x", "y"])
-_leaves = st.one_of(st.integers(-3, 3), st.text(max_size=3), st.none())
-
-
-def _containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    return st.one_of(
-        st.lists(children, max_size=3),
-        st.lists(children, max_size=3).map(tuple),
-        st.dictionaries(st.text(max_size=2), children, max_size=3),
-        st.builds(_Point, children, children),
-    )
-
-
-structures = st.recursive(_leaves, _containers, max_leaves=10)
+structures = nested_strategies.structures(max_leaves=10)
 
 
 class TestProperties:
@@ -462,8 +450,9 @@ class TestProperties:
         replicas = [structure]
         for _ in range(1, num_replicas):
             # Each leaf is either the very object replica 0 has, or a fresh value.
-            fresh = data.draw(st.lists(_leaves, min_size=len(leaves), max_size=len(leaves)))
-            keep = data.draw(st.lists(st.booleans(), min_size=len(leaves), max_size=len(leaves)))
+            size = len(leaves)
+            fresh = data.draw(st.lists(nested_strategies.leaves, min_size=size, max_size=size))
+            keep = data.draw(st.lists(st.booleans(), min_size=size, max_size=size))
             replicas.append(
                 treedef.unflatten(
                     [old if k else new for old, new, k in zip(leaves, fresh, keep, strict=True)]
