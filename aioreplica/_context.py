@@ -19,12 +19,13 @@ Exactly one of ``get_replica_context() is not None`` and ``in_cross_replica_cont
 from __future__ import annotations
 
 import inspect
+import types
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Generator, Mapping
+    from collections.abc import Awaitable, Callable, Generator, Mapping
 
     from ._backends import Device
     from ._strategy import MirroredStrategy
@@ -66,36 +67,47 @@ class MergePoint(Protocol):
     """The scheduler's side of one replica: where ``merge_call`` leaves its request.
 
     ``merge_call`` checks ``stepping`` (true only while the scheduler is running this
-    replica's own coroutine), stores its request here, and awaits ``MERGE_TRAP``; the
-    scheduler sees the trap, runs the round, stores ``merge_result`` and resumes it.
+    replica's own coroutine) and that no earlier request is pending (``merge_fn is None``),
+    stores its request here and returns the trap; awaiting the trap yields ``MERGE`` to the
+    scheduler, which runs the round, clears the request and sends the replica its result.
     """
 
     stepping: bool
     merge_fn: Callable[..., Any] | None
     merge_args: tuple[Any, ...]
     merge_kwargs: Mapping[str, Any] | None
-    merge_result: Any
 
     def misuse_message(self) -> str: ...
 
 
-class _MergeTrap:
-    """The one private primitive replica code awaits: it yields ``MERGE`` to the driver.
+@final
+class _MergeTrapMarker:
+    """What a replica coroutine yields to its driver at a merge point.
 
-    Awaiting it costs one tuple iterator: the driver resumes the replica with ``send(None)``
-    and leaves the result on the replica's ``MergePoint``.
+    It only ever reaches an event loop when a trap is awaited somewhere the scheduler does not
+    drive, and both asyncio and trio then print its repr in their error: so the repr says what
+    went wrong.
     """
 
     __slots__ = ()
 
-    def __await__(self) -> Generator[Any, None, None]:
-        return iter(_MERGE_ONCE)  # type: ignore[return-value]  # only ever driven by send(None)
+    def __repr__(self) -> str:
+        return (
+            "<aioreplica merge_call trap: merge_call() must be awaited by the replica's own "
+            "coroutine, not by a task it spawned (a task group child, asyncio.shield, or "
+            "asyncio.wait_for, which runs its argument in a new task on Python 3.11); to "
+            "bound the wait use `with anyio.fail_after(seconds): await ctx.merge_call(...)` "
+            "instead>"
+        )
 
 
-#: What a replica coroutine yields to its driver at a merge point.
-MERGE: Final = object()
-_MERGE_ONCE: Final = (MERGE,)
-MERGE_TRAP: Final = _MergeTrap()
+MERGE: Final = _MergeTrapMarker()
+
+
+@types.coroutine
+def _merge_trap() -> Generator[Any, Any, Any]:
+    """The one private primitive a replica awaits: the scheduler sends back its result."""
+    return (yield MERGE)
 
 
 @final
@@ -152,12 +164,12 @@ class ReplicaContext:
         """The canonical names of this replica's devices (one device per replica)."""
         return (self._device.name,)
 
-    async def merge_call(
+    def merge_call(
         self,
         merge_fn: Callable[..., Any],
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
-    ) -> Any:
+    ) -> Awaitable[Any]:
         """Wait for every replica, run ``merge_fn`` once, and return this replica's part.
 
         When every replica of the step has reached its ``merge_call``, the ``args`` and
@@ -173,12 +185,16 @@ class ReplicaContext:
             kwargs: this replica's keyword arguments for ``merge_fn``.
 
         Returns:
-            This replica's slice of ``merge_fn``'s result.
+            An awaitable of this replica's slice of ``merge_fn``'s result. Await it at once,
+            in the replica's own coroutine: the request is made when ``merge_call`` is called,
+            and a replica that calls it again, or finishes, without awaiting it fails with
+            ``RuntimeError``.
 
         Raises:
             RuntimeError: called outside this replica's own coroutine: from cross-replica
                 context, after ``run()`` returned, or from a task the replica spawned (such as
-                ``asyncio.wait_for`` on Python 3.11; use ``anyio.fail_after`` instead).
+                ``asyncio.wait_for`` on Python 3.11; use ``anyio.fail_after`` instead); or
+                called again before the previous call was awaited.
             Exception: whatever ``merge_fn`` raises; ``run()`` then raises it once and cancels
                 every replica.
 
@@ -187,16 +203,17 @@ class ReplicaContext:
             ...     ctx = aioreplica.get_replica_context()
             ...     return await ctx.merge_call(lambda strategy: "merged")
         """
+        # A plain function returning a generator trap, not a coroutine: one frame less on the
+        # hottest path there is, and a forgotten ``await`` still fails loudly (see Returns).
         point = self._merge_point
         if point is None:
-            return await _merge_now(merge_fn, args, kwargs)
-        if not point.stepping:
+            return _merge_now(merge_fn, args, kwargs)
+        if not point.stepping or point.merge_fn is not None:
             raise RuntimeError(point.misuse_message())
         point.merge_fn = merge_fn
         point.merge_args = args
         point.merge_kwargs = kwargs
-        await MERGE_TRAP
-        return point.merge_result
+        return _merge_trap()
 
     def __repr__(self) -> str:
         return (

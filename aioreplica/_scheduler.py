@@ -121,7 +121,6 @@ class _Replica:
         "merge_args",
         "merge_fn",
         "merge_kwargs",
-        "merge_result",
         "run",
         "stepping",
         "waker",
@@ -136,10 +135,14 @@ class _Replica:
         self.merge_fn: Callable[..., Any] | None = None
         self.merge_args: tuple[Any, ...] = ()
         self.merge_kwargs: Mapping[str, Any] | None = None
-        self.merge_result: Any = None
         self.waker: Any = None  # the loop's handle for waking this replica while parked
 
     def misuse_message(self) -> str:
+        if self.stepping and self.merge_fn is not None:
+            return (
+                f"replica {self.id} called merge_call() again before awaiting its previous "
+                "merge_call(); await each merge_call() where you call it"
+            )
         state = context_state.get()
         if state.replica is not self.context:
             if state.merging:
@@ -177,6 +180,15 @@ class _Replica:
             if isinstance(exc, self.run.cancelled_class):
                 raise
             self.run.replica_failed(self, exc)
+            return
+        if self.merge_fn is not None:
+            self.run.replica_failed(
+                self,
+                RuntimeError(
+                    f"replica {self.id} called merge_call({_describe_fn(self.merge_fn)}) but "
+                    "never awaited it; write `await ctx.merge_call(...)`"
+                ),
+            )
             return
         self.run.replica_finished(self, result)
 
@@ -247,10 +259,9 @@ class _Replica:
                                 yield from park(self)
                         except BaseException as exc:
                             yield from run.park_interrupted(self, rnd, exc)
+                    self.merge_fn = None  # the request is served
                     result = rnd.result
-                    self.merge_result = (
-                        result if result is None else select_replica(self.id, result)
-                    )
+                    value = result if result is None else select_replica(self.id, result)
                 else:
                     value = yield yielded
             except GeneratorExit:
@@ -258,6 +269,8 @@ class _Replica:
                 raise
             except BaseException as exc:
                 error = exc
+                if yielded is MERGE:
+                    self.merge_fn = None  # it leaves this merge point with the exception
 
 
 class _Run:

@@ -249,6 +249,50 @@ class TestMergeCall:
         assert any("merge_call #1" in note for note in info.value.__notes__)
 
 
+class TestForgottenAwait:
+    async def test_merge_call_never_awaited(self) -> None:
+        """A replica that calls merge_call without awaiting it fails when it finishes."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            ctx().merge_call(noop)
+
+        with pytest.raises(RuntimeError, match=r"called merge_call\(noop .*\) but never awaited"):
+            await strategy.run(step)
+
+    async def test_second_merge_call_before_awaiting_the_first(self) -> None:
+        """Calling merge_call again before awaiting the first one is refused at once."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            first = ctx().merge_call(noop)
+            ctx().merge_call(noop)
+            await first
+
+        with pytest.raises(RuntimeError, match="called merge_call\\(\\) again before awaiting"):
+            await strategy.run(step)
+
+    async def test_trap_awaited_elsewhere_explains_itself(self) -> None:
+        """A merge_call awaited in another task fails with the advice in the loop's error."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            pending = ctx().merge_call(noop)
+
+            async def elsewhere() -> None:
+                await pending
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(elsewhere)
+
+        with pytest.RaisesGroup(
+            pytest.RaisesExc(
+                (RuntimeError, TypeError), match="must be awaited by the replica's own coroutine"
+            )
+        ):
+            await strategy.run(step)
+
+
 class TestReplicaSync:
     async def test_replica_finishing_early_is_named(self) -> None:
         """A replica that finishes while others wait raises ReplicaSyncError, never hangs."""
