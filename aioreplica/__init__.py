@@ -10,6 +10,8 @@ import contextlib
 from . import nest as nest
 from ._backends import Device as Device
 from ._backends import list_devices as list_devices
+from ._collectives import CommunicationOptions as CommunicationOptions
+from ._collectives import ReduceOp as ReduceOp
 from ._context import ReplicaContext as ReplicaContext
 from ._context import get_replica_context as get_replica_context
 from ._context import get_strategy as get_strategy
@@ -31,11 +33,13 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AioreplicaInternalError",
+    "CommunicationOptions",
     "Device",
     "DistributedValues",
     "Mirrored",
     "MirroredStrategy",
     "PerReplica",
+    "ReduceOp",
     "ReplicaContext",
     "ReplicaSyncError",
     "SchedulerStatistics",

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Generator, Mapping
 
     from ._backends import Device
+    from ._collectives import CommunicationOptions, ReduceOp
     from ._strategy import MirroredStrategy
 
 __all__ = [
@@ -76,6 +77,7 @@ class MergePoint(Protocol):
     merge_fn: Callable[..., Any] | None
     merge_args: tuple[Any, ...]
     merge_kwargs: Mapping[str, Any] | None
+    merge_timeout: float | None
 
     def misuse_message(self) -> str: ...
 
@@ -215,6 +217,109 @@ class ReplicaContext:
         point.merge_kwargs = kwargs
         return _merge_trap()
 
+    # -- collectives (each one merge call; see aioreplica._collectives) -------------------
+
+    async def all_reduce(
+        self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None
+    ) -> Any:
+        """Reduce ``value`` across replicas; every replica gets the result on its device.
+
+        Every replica must call it. ``value`` is a nested structure of arrays or scalars, the
+        same structure, shapes and dtypes on every replica. Small arrays are packed and
+        reduced together. Host replicas share one read-only result (copy it to change it).
+
+        Args:
+            op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name.
+            value: this replica's contribution.
+            options: overrides the strategy's ``CommunicationOptions`` for this call.
+
+        Returns:
+            The reduced structure (arrays on this replica's device).
+
+        Raises:
+            ValueError: an unknown op; structures, shapes or dtypes that differ between
+                replicas (naming the replicas and the key path).
+            TypeError: NumPy and CuPy arrays mixed, or an op the dtype cannot do.
+            ReplicaSyncError: (from ``run()``) replicas late past ``timeout_seconds``.
+
+        Example:
+            >>> async def step():
+            ...     ctx = aioreplica.get_replica_context()
+            ...     return await ctx.all_reduce("sum", np.ones(3))
+        """
+        return await self._strategy.extended.communicator.all_reduce(self, op, value, options)
+
+    async def all_gather(
+        self, value: Any, axis: int = 0, options: CommunicationOptions | None = None
+    ) -> Any:
+        """Concatenate every replica's ``value`` along ``axis``; every replica gets the whole.
+
+        Shapes may differ along ``axis`` (uneven batches), nowhere else.
+
+        Raises:
+            ValueError: structures, dtypes or shapes off ``axis`` differ; ``axis`` out of range.
+            TypeError: NumPy and CuPy arrays mixed.
+
+        Example:
+            >>> async def step():
+            ...     ctx = aioreplica.get_replica_context()
+            ...     return await ctx.all_gather(np.arange(2) + ctx.replica_id_in_sync_group)
+        """
+        return await self._strategy.extended.communicator.all_gather(self, value, axis, options)
+
+    async def broadcast(
+        self, value: Any, source_replica: int = 0, options: CommunicationOptions | None = None
+    ) -> Any:
+        """Give every replica ``source_replica``'s ``value`` (the others' are ignored).
+
+        Raises:
+            ValueError: ``source_replica`` is out of range, or structures differ.
+
+        Example:
+            >>> async def step():
+            ...     ctx = aioreplica.get_replica_context()
+            ...     return await ctx.broadcast(np.random.default_rng().random(3))
+        """
+        return await self._strategy.extended.communicator.broadcast(
+            self, value, source_replica, options
+        )
+
+    async def reduce_scatter(
+        self,
+        op: ReduceOp | str,
+        value: Any,
+        axis: int = 0,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Reduce across replicas, then give replica ``i`` the ``i``-th chunk along ``axis``.
+
+        Chunks are ``array_split`` parts: sizes differ by at most one, larger ones first.
+
+        Raises:
+            ValueError: as ``all_reduce``, or ``axis`` out of range.
+            TypeError: as ``all_reduce``.
+
+        Example:
+            >>> async def step():
+            ...     ctx = aioreplica.get_replica_context()
+            ...     return await ctx.reduce_scatter("sum", np.arange(8.0))
+        """
+        return await self._strategy.extended.communicator.reduce_scatter(
+            self, op, value, axis, options
+        )
+
+    async def barrier(self, options: CommunicationOptions | None = None) -> None:
+        """Wait until every replica has reached this barrier.
+
+        Raises:
+            ReplicaSyncError: (from ``run()``) replicas late past ``timeout_seconds``.
+
+        Example:
+            >>> async def step():
+            ...     await aioreplica.get_replica_context().barrier()
+        """
+        await self._strategy.extended.communicator.barrier(self, options)
+
     def __repr__(self) -> str:
         return (
             f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync} "
@@ -243,6 +348,25 @@ async def _merge_now(
         return result
     finally:
         context_state.reset(token)
+
+
+def merge_call_with_timeout(
+    ctx: ReplicaContext,
+    merge_fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    timeout: float | None,
+) -> Awaitable[Any]:
+    """``ctx.merge_call(merge_fn, args)`` whose round fails after ``timeout`` seconds.
+
+    Collectives use it for ``CommunicationOptions.timeout_seconds``: when replicas wait at this
+    merge point longer than that for the others, the run fails with ``ReplicaSyncError``
+    naming the late replicas.
+    """
+    awaitable = ctx.merge_call(merge_fn, args)
+    point = ctx._merge_point
+    if timeout is not None and point is not None:
+        point.merge_timeout = timeout
+    return awaitable
 
 
 def set_default_strategy_factory(factory: Callable[[], MirroredStrategy]) -> None:

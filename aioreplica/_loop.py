@@ -8,6 +8,9 @@ bare-asyncio floor:
   supervises itself (cancel all on failure or when the caller is cancelled, wait for all, let
   none outlive the call) instead of an anyio task group, which costs about 4x as much per
   replica to start; on trio they run in an anyio task group (a trio nursery).
+- **wake from a thread**: a host device's worker thread hands its result to the waiting task
+  with ``call_soon_threadsafe`` (asyncio) or the trio token's ``run_sync_soon``, without
+  blocking the worker until the loop gets round to it (anyio's ``from_thread`` would).
 - **park/wake**: a parked replica waits on a future of its own (asyncio) or in
   ``wait_task_rescheduled`` (trio), so waking N replicas costs N callbacks and cancelling one
   replica (its own ``anyio.fail_after`` around a merge point) wakes only that one.
@@ -21,9 +24,10 @@ same, in a run that is failing: it raises the replica's cancellation), ``wake(re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import sys
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -31,7 +35,7 @@ import anyio
 if TYPE_CHECKING:
     from ._scheduler import _Replica, _Run
 
-__all__ = ["Loop", "current"]
+__all__ = ["Loop", "ThreadResult", "current"]
 
 _Future = asyncio.Future
 _Main = Callable[[], Coroutine[Any, Any, None]]
@@ -55,6 +59,51 @@ class Loop(Protocol):
     def yield_once(self) -> Iterable[Any]: ...
 
     async def run_tasks(self, mains: Sequence[_Main], run: _Run) -> None: ...
+
+    def thread_result(self) -> ThreadResult: ...
+
+
+class ThreadResult(Protocol):
+    """A result that a worker thread hands to a task waiting on the event loop.
+
+    Made on the loop thread; ``set`` may be called once from any thread; awaiting it (once)
+    on the loop returns the value or raises the error. ``cancelled`` tells the worker that the
+    waiting task gave up, so a job that has not started yet can be skipped.
+    """
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def set(self, value: Any, error: BaseException | None) -> None: ...
+
+    def __await__(self) -> Generator[Any, Any, Any]: ...
+
+
+class _AsyncioThreadResult:
+    __slots__ = ("_future", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[Any] = loop.create_future()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def set(self, value: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._deliver, value, error)
+
+    def _deliver(self, value: Any, error: BaseException | None) -> None:
+        if self._future.done():  # the waiter was cancelled
+            return
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(value)
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return self._future.__await__()
 
 
 class _AsyncioLoop:
@@ -134,6 +183,49 @@ class _AsyncioLoop:
         if caller_cancelled is not None:
             raise caller_cancelled
 
+    def thread_result(self) -> ThreadResult:
+        return _AsyncioThreadResult(self._loop)
+
+
+class _TrioThreadResult:
+    __slots__ = ("_cancelled", "_lowlevel", "_outcome", "_task", "_token")
+
+    def __init__(self, trio: Any) -> None:
+        self._lowlevel = trio.lowlevel
+        self._token = trio.lowlevel.current_trio_token()
+        self._task: Any = None
+        self._outcome: Any = None
+        self._cancelled = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def set(self, value: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # trio.RunFinishedError: nobody is waiting
+            self._token.run_sync_soon(self._deliver, value, error)
+
+    def _deliver(self, value: Any, error: BaseException | None) -> None:
+        import outcome  # trio's own dependency, imported only under trio
+
+        self._outcome = outcome.Error(error) if error is not None else outcome.Value(value)
+        if self._task is not None:
+            self._lowlevel.reschedule(self._task, self._outcome)
+            self._task = None
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        if self._outcome is not None:
+            yield from self._lowlevel.checkpoint().__await__()
+            return self._outcome.unwrap()
+        self._task = self._lowlevel.current_task()
+
+        def abort(_raise_cancel: object) -> object:
+            self._task = None
+            self._cancelled = True
+            return self._lowlevel.Abort.SUCCEEDED
+
+        return (yield from self._lowlevel.wait_task_rescheduled(abort).__await__())
+
 
 class _TrioLoop:
     __slots__ = ("_lowlevel", "cancelled_class")
@@ -177,6 +269,9 @@ class _TrioLoop:
             run.cancel_all = group.cancel_scope.cancel
             for main in mains:
                 group.start_soon(main)
+
+    def thread_result(self) -> ThreadResult:
+        return _TrioThreadResult(sys.modules["trio"])
 
 
 def current() -> Loop:

@@ -84,7 +84,7 @@ def _merge_fn_identity(fn: Callable[..., Any]) -> object:
     return code if code is not None else fn
 
 
-def _describe_fn(fn: Callable[..., Any]) -> str:
+def _describe_fn(fn: Callable[..., Any] | None) -> str:
     inner: Any = fn
     while isinstance(inner, functools.partial):
         inner = inner.func
@@ -101,7 +101,7 @@ class _Round:
     ``interleave="ordered"``); otherwise each replica parks on its own waker.
     """
 
-    __slots__ = ("arrived", "done", "future", "number", "result")
+    __slots__ = ("arrived", "done", "future", "number", "result", "watched")
 
     def __init__(self, number: int, future: Any) -> None:
         self.number = number
@@ -109,6 +109,7 @@ class _Round:
         self.done = False
         self.result: Any = None
         self.future = future
+        self.watched = False  # an arrival is timing the round
 
 
 class _Replica:
@@ -121,6 +122,7 @@ class _Replica:
         "merge_args",
         "merge_fn",
         "merge_kwargs",
+        "merge_timeout",
         "run",
         "stepping",
         "waker",
@@ -135,6 +137,7 @@ class _Replica:
         self.merge_fn: Callable[..., Any] | None = None
         self.merge_args: tuple[Any, ...] = ()
         self.merge_kwargs: Mapping[str, Any] | None = None
+        self.merge_timeout: float | None = None  # a collective's timeout, for this round only
         self.waker: Any = None  # the loop's handle for waking this replica while parked
 
     def misuse_message(self) -> str:
@@ -244,7 +247,7 @@ class _Replica:
                     rnd = run.round
                     arrived = rnd.arrived
                     arrived.append(self)
-                    if not run.smooth:
+                    if not run.smooth or self.merge_timeout is not None:
                         yield from run.arrive(self, rnd)
                     elif len(arrived) == size:
                         yield from run.complete(rnd, self)
@@ -376,9 +379,12 @@ class _Run:
             return
         if self.failures:
             yield from self.loop.park_cancelled(replica)
+        timeout = replica.merge_timeout or self.sync_timeout
+        replica.merge_timeout = None
         try:
-            if len(rnd.arrived) == 1 and self.sync_timeout is not None:
-                yield from self._park_first(rnd, replica)
+            if timeout is not None and not rnd.watched:
+                rnd.watched = True
+                yield from self._park_watching(rnd, replica, timeout)
             else:
                 yield from self._park(replica, rnd)
         except BaseException as exc:
@@ -414,10 +420,9 @@ class _Run:
             rnd.arrived.remove(replica)  # it leaves the round (cancelled or timed out)
         raise exc
 
-    def _park_first(self, rnd: _Round, replica: _Replica) -> _Step:
-        """The first arrival parks under the sync timeout; when it expires, the run fails."""
-        assert self.sync_timeout is not None
-        with anyio.move_on_after(self.sync_timeout) as scope:  # noqa: ASYNC100 - parks inside
+    def _park_watching(self, rnd: _Round, replica: _Replica, timeout: float) -> _Step:
+        """The first arrival with a timeout parks under it; when it expires, the run fails."""
+        with anyio.move_on_after(timeout) as scope:  # noqa: ASYNC100 - parks inside
             yield from self._park(replica, rnd)
         if rnd.done or not scope.cancelled_caught:
             return
@@ -425,14 +430,15 @@ class _Run:
         late = sorted(set(range(self.size)) - set(arrived))
         self.fail(
             ReplicaSyncError(
-                f"{_replica_list(arrived)} waited {self.sync_timeout:g} s in merge_call "
-                f"#{rnd.number} for {_replica_list(late)}, which did not arrive; a replica is "
-                "stuck or skips this merge_call (raise sync_timeout if it is just slow)",
+                f"{_replica_list(arrived)} waited {timeout:g} s in merge_call "
+                f"#{rnd.number} ({_describe_fn(replica.merge_fn)}) for {_replica_list(late)}, "
+                "which did not arrive; a replica is stuck or skips this merge_call (raise the "
+                "timeout if it is just slow)",
                 merge_number=rnd.number,
                 replicas=late,
                 waiting=arrived,
             ),
-            "detected by sync_timeout",
+            "detected by a merge timeout",
         )
         yield from self.loop.park_cancelled(replica)
         raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
@@ -628,6 +634,9 @@ class Scheduler:
         finally:
             run.finished_run = True
             self._active.discard(run)
+            # Break the run <-> replica cycle now, so results (pooled host buffers among them)
+            # are freed by reference counting, not at the next cycle collection.
+            run.replicas = []
         if run.failures:
             first, note = run.failures[0]
             first.add_note(note)
@@ -635,4 +644,5 @@ class Scheduler:
                 if other is not first:
                     first.add_note(f"also {other_note}: {type(other).__name__}: {other}")
             raise first
-        return run.results
+        results, run.results = run.results, []
+        return results

@@ -10,6 +10,7 @@ from typing import Any, Literal, final
 
 from . import _tree
 from ._backends import Device, resolve_devices
+from ._collectives import CommunicationOptions, Communicator, ReduceOp
 from ._context import (
     ContextState,
     context_state,
@@ -42,6 +43,79 @@ class StrategyExtended:
         """The device objects of the replicas, in replica order."""
         return self._strategy._device_objects
 
+    @property
+    def communicator(self) -> Communicator:
+        """The object that runs this strategy's collectives."""
+        return self._strategy._communicator
+
+    async def reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        destinations: Any,
+        options: CommunicationOptions | None = None,
+    ) -> Any:
+        """Reduce a distributed ``value`` across replicas and place it on ``destinations``.
+
+        Args:
+            reduce_op: how to combine the replicas' components.
+            value: a distributed value (or a nested structure of them).
+            destinations: a device name, a list of names, or a distributed value (its
+                devices: the strategy's own).
+
+        Returns:
+            The reduced value on the one destination device, or a ``Mirrored`` over several
+            (host devices share one read-only array).
+
+        Raises:
+            ValueError: a destination is not one of the strategy's devices; shapes differ.
+            TypeError: an op the dtype cannot do.
+            RuntimeError: called inside a replica.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> anyio.run(
+            ...     strategy.extended.reduce_to, "sum", aioreplica.PerReplica([1.0, 2.0]), "cpu:0"
+            ... )
+            array(3.)
+        """
+        return await self.communicator.reduce_to(reduce_op, value, destinations, options)
+
+    async def batch_reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Sequence[tuple[Any, Any]],
+        options: CommunicationOptions | None = None,
+    ) -> list[Any]:
+        """``reduce_to`` for several values at once, packed into as few reductions as possible.
+
+        Raises:
+            ValueError: as ``reduce_to``.
+            TypeError: as ``reduce_to``.
+            RuntimeError: called inside a replica.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> pairs = [(aioreplica.PerReplica([1.0, 2.0]), "cpu:0")] * 2
+            >>> anyio.run(strategy.extended.batch_reduce_to, "mean", pairs)
+            [array(1.5), array(1.5)]
+        """
+        return await self.communicator.batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+    async def broadcast_to(self, value: Any, destinations: Any) -> Any:
+        """Place ``value`` on every destination device (host devices share one read-only copy).
+
+        Raises:
+            ValueError: a destination is not one of the strategy's devices.
+            RuntimeError: called inside a replica.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> anyio.run(strategy.extended.broadcast_to, np.zeros(2), ["cpu:0", "cpu:1"])
+            Mirrored({0: array([0., 0.]), 1: array([0., 0.])})
+        """
+        return await self.communicator.broadcast_to(value, destinations)
+
 
 class MirroredStrategy:
     """Run one step function on several replicas in sync, each a coroutine on one event loop.
@@ -56,6 +130,7 @@ class MirroredStrategy:
             replica-id order, the same way on every run; ``"random"`` shuffles both orders with
             a seeded generator, to hunt order-dependent bugs.
         seed: the seed for ``interleave="random"``; ``None`` draws one (see ``.seed``).
+        communication_options: defaults for collectives (packing, timeout).
 
     Raises:
         ValueError: a device is unknown, unavailable or repeated; ``interleave`` is not one of
@@ -80,8 +155,17 @@ class MirroredStrategy:
         sync_timeout: float | None = None,
         interleave: Literal["ordered", "random"] = "ordered",
         seed: int | None = None,
+        communication_options: CommunicationOptions | None = None,
     ) -> None:
         self._device_objects = resolve_devices(devices)
+        if communication_options is None:
+            communication_options = CommunicationOptions()
+        elif not isinstance(communication_options, CommunicationOptions):
+            raise TypeError(
+                "communication_options must be a CommunicationOptions, got "
+                f"{type(communication_options).__name__}"
+            )
+        self._communicator = Communicator(self, self._device_objects, communication_options)
         if interleave not in _INTERLEAVES:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
         if sync_timeout is not None and not (
@@ -137,6 +221,50 @@ class MirroredStrategy:
     def seed(self) -> int | None:
         """The seed of ``interleave="random"`` (drawn when not given: print it to replay)."""
         return self._seed
+
+    async def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Reduce a distributed ``value`` across replicas, in cross-replica context.
+
+        With ``axis``, each replica's component is reduced along ``axis`` first; ``MEAN`` then
+        divides by the number of elements along ``axis`` over all replicas, so replicas with
+        short or empty batches count for what they hold.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name.
+            value: a distributed value, or a nested structure with distributed leaves (a plain
+                leaf counts as the same value on every replica).
+            axis: also reduce along this axis of each component.
+
+        Returns:
+            The reduced value, on replica 0's device.
+
+        Raises:
+            RuntimeError: called inside a replica (use ``ctx.all_reduce`` there).
+            ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range.
+            TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> losses = aioreplica.PerReplica([np.array([1.0, 2.0, 3.0]), np.array([4.0])])
+            >>> anyio.run(strategy.reduce, "mean", losses, 0)
+            2.5
+        """
+        return await self._communicator.reduce(reduce_op, value, axis)
+
+    async def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenate a distributed ``value``'s components along ``axis``.
+
+        Raises:
+            RuntimeError: called inside a replica (use ``ctx.all_gather`` there).
+            ValueError: dtypes or shapes off ``axis`` differ; ``axis`` out of range.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> parts = aioreplica.PerReplica([np.array([1, 2]), np.array([3])])
+            >>> anyio.run(strategy.gather, parts)
+            array([1, 2, 3])
+        """
+        return await self._communicator.gather(value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """Return the per-replica components of ``value``, one per replica, as in TF.

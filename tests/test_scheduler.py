@@ -8,6 +8,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from fake_devices import RecordingDevice
 
 import aioreplica
 from aioreplica import (
@@ -45,31 +46,6 @@ def rid() -> int:
 
 def noop(strategy: MirroredStrategy) -> None:
     return None
-
-
-class RecordingDevice:
-    """A device whose "current device" is process state, like CuPy's thread-local device."""
-
-    current: str | None = None
-    log: list[tuple[str, str]] = []  # noqa: RUF012 - reset by each test that uses it
-    kind = "rec"
-    has_context = True
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-        self.name = f"rec:{index}"
-
-    def enter(self) -> None:
-        if RecordingDevice.current is not None:
-            RecordingDevice.log.append(("nested enter", self.name))
-        RecordingDevice.current = self.name
-        RecordingDevice.log.append(("enter", self.name))
-
-    def leave(self) -> None:
-        if RecordingDevice.current != self.name:
-            RecordingDevice.log.append(("bad leave", self.name))
-        RecordingDevice.current = None
-        RecordingDevice.log.append(("leave", self.name))
 
 
 class TestMergeCall:
@@ -379,7 +355,9 @@ class TestReplicaSync:
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)
         assert (info.value.replicas, info.value.waiting) == ((2,), (0, 1))
-        assert "replicas 0 and 1 waited 0.05 s in merge_call #1 for replica 2" in str(info.value)
+        message = str(info.value)
+        assert "replicas 0 and 1 waited 0.05 s in merge_call #1 (noop " in message
+        assert "for replica 2, which did not arrive" in message
         assert sorted(ended) == [0, 1, 2]  # every replica was cancelled before run() returned
 
     async def test_sync_timeout_does_not_fire_on_time(self) -> None:

@@ -2,21 +2,32 @@
 
 ``canonical_device_name`` turns every accepted spelling into one canonical name (``"cpu:1"``,
 ``"gpu:0"``); ``resolve_devices`` turns what a user passed to a strategy into device objects.
-Only the host backend exists so far; GPU names parse but are refused with advice.
+The host backend (NumPy) is always there; the CUDA backend (CuPy) is imported only when a GPU
+is asked for or listed, and never by ``import aioreplica``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from typing import TYPE_CHECKING
 
-from ._numpy import HostDevice
-from ._protocol import Device
+from ._numpy import HostDevice, host_device
+from ._protocol import ArrayBackend, Device
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["Device", "HostDevice", "canonical_device_name", "list_devices", "resolve_devices"]
+__all__ = [
+    "ArrayBackend",
+    "Device",
+    "HostDevice",
+    "canonical_device_name",
+    "default_devices",
+    "host_device",
+    "list_devices",
+    "resolve_devices",
+]
 
 # Accepts "cpu:1", "CPU:1", "/cpu:1", "/device:CPU:1", "cuda:0", "gpu:0", "/gpu:0", and TF's full
 # form "/job:localhost/replica:0/task:0/device:GPU:0" (only the device part is kept).
@@ -60,29 +71,62 @@ def canonical_device_name(name: str) -> str:
     return f"{'gpu' if kind == 'cuda' else kind}:{int(match.group(2))}"
 
 
+def _gpu_count() -> int:
+    """How many GPUs CuPy sees; 0 without CuPy (never imported when not installed) or CUDA."""
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    from . import _cupy
+
+    return _cupy.visible_device_count()
+
+
 def list_devices() -> list[str]:
     """Return the canonical names of the devices that exist in this process.
 
+    Every GPU that CuPy sees (``"gpu:0"``, ...), then ``"cpu:0"``. Logical host devices
+    ``"cpu:1"``, ``"cpu:2"``, ... can be laid out on top of the host as well.
+
     Returns:
-        ``["cpu:0"]`` on a host without a GPU backend.
+        The device names; ``["cpu:0"]`` on a host without CuPy or without a CUDA device.
 
     Example:
-        >>> list_devices()
-        ['cpu:0']
+        >>> list_devices()[-1]
+        'cpu:0'
     """
-    return ["cpu:0"]
+    return [f"gpu:{i}" for i in range(_gpu_count())] + ["cpu:0"]
 
 
 def _device_for(name: str) -> Device:
     canonical = canonical_device_name(name)
-    kind, _, index = canonical.partition(":")
+    kind, _, number = canonical.partition(":")
+    index = int(number)
     if kind == "cpu":
-        return HostDevice(int(index))
-    raise ValueError(
-        f"device {name!r} ({canonical}) is not available: GPU devices need the CUDA backend, "
-        f"which this version does not have yet; the devices here are {list_devices()}, and "
-        "any number of logical host devices 'cpu:0', 'cpu:1', ... can be laid out on them"
-    )
+        return host_device(index)
+    if importlib.util.find_spec("cupy") is None:
+        raise ValueError(
+            f"device {name!r} needs CuPy, which is not installed: "
+            "pip install 'aioreplica[cuda]'; the devices here are "
+            f"{list_devices()}"
+        )
+    count = _gpu_count()
+    if index >= count:
+        raise ValueError(
+            f"device {name!r} ({canonical}) does not exist: CuPy sees {count} GPU"
+            f"{'' if count == 1 else 's'}; the devices here are {list_devices()}"
+        )
+    from . import _cupy
+
+    return _cupy.cuda_device(index)
+
+
+def default_devices() -> tuple[Device, ...]:
+    """Every GPU that CuPy sees, else the one host device ``cpu:0``."""
+    count = _gpu_count()
+    if count:
+        from . import _cupy
+
+        return tuple(_cupy.cuda_device(i) for i in range(count))
+    return (host_device(0),)
 
 
 def resolve_devices(devices: Sequence[str | Device] | None) -> tuple[Device, ...]:
@@ -90,22 +134,22 @@ def resolve_devices(devices: Sequence[str | Device] | None) -> tuple[Device, ...
 
     Args:
         devices: device names or objects implementing the ``Device`` protocol; ``None``
-            means the default devices (one host device, ``cpu:0``, for now).
+            means the default devices: every GPU CuPy sees, else ``cpu:0``.
 
     Returns:
         One device per replica, in replica order.
 
     Raises:
         TypeError: ``devices`` is a single string, or an entry is neither a name nor a device.
-        ValueError: a name is unknown or unavailable, the sequence is empty, or a device
-            appears twice.
+        ValueError: a name is unknown or unavailable, the sequence is empty, a device appears
+            twice, or host and GPU devices are mixed.
 
     Example:
         >>> [d.name for d in resolve_devices(["/device:CPU:0", "cpu:1"])]
         ['cpu:0', 'cpu:1']
     """
     if devices is None:
-        return (HostDevice(0),)
+        return default_devices()
     if isinstance(devices, str):
         raise TypeError(
             f"devices must be a sequence of device names, got the string {devices!r}; "
@@ -132,4 +176,10 @@ def resolve_devices(devices: Sequence[str | Device] | None) -> tuple[Device, ...
                 f"{position}); every replica needs its own device"
             )
         seen[device.name] = position
+    kinds = sorted({device.kind for device in resolved})
+    if len(kinds) > 1:
+        raise ValueError(
+            f"devices mix kinds {kinds}: one strategy runs its replicas on devices of one kind "
+            "(all host or all GPU), so that its collectives run on one backend"
+        )
     return tuple(resolved)

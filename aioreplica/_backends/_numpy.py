@@ -1,32 +1,135 @@
 """The host backend: NumPy arrays on logical CPU devices ``cpu:0``, ``cpu:1``, ...
 
-Several logical CPU devices are how replicas are laid out on a host with no GPU. They share
-the host's memory, so there is no device state to switch between replica steps.
+Several logical CPU devices are how replicas are laid out on a host with no GPU. They share the
+host's memory, so there is no device state to switch between replica steps.
+
+Each host device owns one worker thread, started on first use: its "stream". ``device.run``
+queues work there in submission order and the event loop waits for the result without
+blocking, so host replicas really compute in parallel (NumPy releases the GIL) while the loop
+keeps serving the others (DESIGN invariant 4).
+
+Host collectives read each input once and write one output, which every host replica shares
+read-only (invariant 6). Large reductions are split into cache-sized blocks spread over the
+replicas' worker threads (at most one per core); outputs come from a pool and are reused once
+nobody holds them, because a fresh large buffer per call costs page faults.
 """
 
 from __future__ import annotations
 
-from typing import Final, final
+import atexit
+import os
+import queue
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
-__all__ = ["HostDevice"]
+import numpy as np
+
+from .. import _loop
+from ._hostreduce import BufferPool, reduce_range, split_ranges
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import ModuleType
+
+    from ._protocol import Device
+
+__all__ = ["HOST_BACKEND", "HostBackend", "HostDevice", "host_device"]
+
+T = TypeVar("T")
+
+#: Below this many output bytes a host collective runs inline on the loop thread: handing it
+#: to worker threads costs more than it saves.
+_INLINE_BYTES: Final = 1 << 20
+
+
+# -- the device --------------------------------------------------------------------------
+
+
+class _Worker:
+    """One thread running submitted jobs in order: a host device's stream."""
+
+    __slots__ = ("_lock", "_name", "_queue", "_thread")
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: _loop.ThreadResult,
+    ) -> None:
+        if self._thread is None:
+            with self._lock:
+                if self._thread is None:
+                    thread = threading.Thread(
+                        target=self._work, name=f"aioreplica {self._name}", daemon=True
+                    )
+                    thread.start()
+                    _running_workers.append(self)
+                    self._thread = thread
+        self._queue.put((fn, args, kwargs, result))
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._run(*job)
+            # Hold nothing between jobs: a pooled output must not look held by this thread.
+            del job
+
+    @staticmethod
+    def _run(
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        result: _loop.ThreadResult,
+    ) -> None:
+        if result.cancelled:  # its waiter gave up before it started
+            return
+        try:
+            value = fn(*args, **kwargs)
+        except BaseException as exc:
+            result.set(None, exc)
+        else:
+            result.set(value, None)
+
+
+_running_workers: list[_Worker] = []
+
+
+@atexit.register
+def _stop_workers() -> None:
+    for worker in _running_workers:
+        worker.stop()
 
 
 @final
 class HostDevice:
-    """A logical host device, ``cpu:<index>``.
+    """A logical host device, ``cpu:<index>``: NumPy arrays, one worker thread.
 
     Example:
         >>> HostDevice(1).name
         'cpu:1'
     """
 
-    __slots__ = ("_index",)
+    __slots__ = ("_index", "_worker")
 
     kind: Final = "cpu"
     has_context: Final = False
 
     def __init__(self, index: int) -> None:
         self._index = index
+        self._worker = _Worker(f"cpu:{index}")
 
     @property
     def name(self) -> str:
@@ -36,11 +139,60 @@ class HostDevice:
     def index(self) -> int:
         return self._index
 
+    @property
+    def xp(self) -> ModuleType:
+        return np
+
+    @property
+    def backend(self) -> HostBackend:
+        return HOST_BACKEND
+
     def enter(self) -> None:
         pass
 
     def leave(self) -> None:
         pass
+
+    def asarray(self, value: Any) -> np.ndarray[Any, Any]:
+        """Return ``value`` as a NumPy array (a CuPy array is copied to the host).
+
+        Example:
+            >>> HostDevice(0).asarray([1, 2]).tolist()
+            [1, 2]
+        """
+        if _is_cupy_array(value):
+            return value.get()  # type: ignore[no-any-return]
+        return np.asarray(value)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` in this device's worker thread; await its result.
+
+        Jobs on one device run one at a time, in the order they were submitted; jobs on
+        different devices run in parallel. The event loop is never blocked. If the awaiting
+        task is cancelled, a job that has not started is skipped; one that has started runs
+        to its end and its result is dropped.
+
+        Raises:
+            BaseException: whatever ``fn`` raises.
+
+        Example:
+            >>> async def step():
+            ...     device = aioreplica.get_replica_context().device
+            ...     return await device.run(np.linalg.norm, device.asarray([3.0, 4.0]))
+        """
+        result = _loop.current().thread_result()
+        self._worker.submit(fn, args, kwargs, result)
+        value: T = await result
+        return value
+
+    async def synchronize(self) -> None:
+        """Wait until every job queued on this device so far has finished.
+
+        Example:
+            >>> async def step():
+            ...     await aioreplica.get_replica_context().device.synchronize()
+        """
+        await self.run(_nothing)
 
     def __repr__(self) -> str:
         return f"<HostDevice {self.name}>"
@@ -50,3 +202,104 @@ class HostDevice:
 
     def __hash__(self) -> int:
         return hash(("cpu", self._index))
+
+
+_host_devices: dict[int, HostDevice] = {}
+
+
+def host_device(index: int) -> HostDevice:
+    """The process-wide device ``cpu:<index>``: strategies on one device share its stream."""
+    device = _host_devices.get(index)
+    if device is None:
+        device = _host_devices[index] = HostDevice(index)
+    return device
+
+
+def _nothing() -> None:
+    return None
+
+
+# -- the backend -------------------------------------------------------------------------
+
+
+@final
+class HostBackend:
+    """Collectives over NumPy arrays on host devices; results shared read-only."""
+
+    name: Final = "numpy"
+
+    def __init__(self) -> None:
+        self._pool = BufferPool()
+
+    def is_array(self, value: object) -> bool:
+        return isinstance(value, np.ndarray)
+
+    async def all_reduce(
+        self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
+    ) -> list[Any]:
+        flat = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
+        out = self._pool.take(np.shape(inputs[0]), flat[0].dtype)
+        out_flat = out.reshape(-1)
+        size = out_flat.size
+        if out.nbytes < _INLINE_BYTES or len(devices) == 1:
+            reduce_range(op, flat, out_flat, 0, size)
+        else:
+            parts = min(len(devices), _cores())
+            ranges = split_ranges(size, out.itemsize, parts)
+            pending = [
+                _submit(devices[i], reduce_range, op, flat, out_flat, start, stop)
+                for i, (start, stop) in enumerate(ranges)
+            ]
+            for result in pending:
+                await result
+        return [self._pool.publish(out)] * len(inputs)
+
+    async def all_gather(
+        self, inputs: Sequence[Any], axis: int, devices: Sequence[Device]
+    ) -> list[Any]:
+        arrays = [np.asarray(x) for x in inputs]
+        shape = list(arrays[0].shape)
+        shape[axis] = sum(a.shape[axis] for a in arrays)
+        out = self._pool.take(tuple(shape), arrays[0].dtype)
+        if out.nbytes < _INLINE_BYTES:
+            np.concatenate(arrays, axis=axis, out=out)
+        else:
+            await _submit(devices[0], np.concatenate, arrays, axis=axis, out=out)
+        return [self._pool.publish(out)] * len(inputs)
+
+    async def broadcast(self, value: Any, devices: Sequence[Device]) -> list[Any]:
+        source = np.asarray(value)
+        out = self._pool.take(source.shape, source.dtype)
+        if out.nbytes < _INLINE_BYTES:
+            np.copyto(out, source)
+        else:
+            await _submit(devices[0], np.copyto, out, source)
+        return [self._pool.publish(out)] * len(devices)
+
+
+def _submit(device: Device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Queue ``fn`` on a host device's worker now; await the returned object for its result.
+
+    Unlike ``await device.run(...)``, several jobs can be queued on different devices before
+    awaiting any, so they run in parallel without a task each.
+    """
+    if not isinstance(device, HostDevice):  # pragma: no cover - collectives check the kind
+        raise TypeError(f"{device!r} is not a host device")
+    result = _loop.current().thread_result()
+    device._worker.submit(fn, args, kwargs, result)
+    return result
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return os.cpu_count() or 1
+
+
+def _is_cupy_array(value: object) -> bool:
+    cupy = sys.modules.get("cupy")
+    return cupy is not None and isinstance(value, cupy.ndarray)
+
+
+HOST_BACKEND: Final = HostBackend()

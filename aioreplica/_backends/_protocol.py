@@ -1,17 +1,29 @@
-"""The device protocol: what the scheduler and the strategy need from a device.
+"""The device protocol and the array-backend protocol.
 
-A device is where a replica's arrays live and its work runs. The scheduler calls ``enter()``
-before every step of a replica's coroutine and ``leave()`` after it (DESIGN invariant 1), so a
-device whose "current device" state is thread-local (CuPy's current device and stream) follows
-its replica across every await. Host devices have nothing to enter: they say so with
-``has_context = False`` and the scheduler then skips both calls on its hot path.
+A **device** is where a replica's arrays live and its work runs. The scheduler calls
+``enter()`` before every step of a replica's coroutine and ``leave()`` after it (DESIGN
+invariant 1), so a device whose "current device" state is thread-local (CuPy's current device
+and stream) follows its replica across every await. Host devices have nothing to enter: they say
+so with ``has_context = False`` and the scheduler then skips both calls on its hot path.
+
+An **array backend** (one per kind of device: NumPy for ``cpu``, CuPy for ``gpu``) carries out
+collectives over arrays that ``aioreplica._collectives`` has already validated: one input per
+replica, every input the same shape and dtype and on its replica's device. Reduction ops arrive
+as the plain strings ``"sum"``, ``"mean"``, ``"max"``, ``"min"``, ``"prod"`` (the values of
+``ReduceOp``, which lives above the backends).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-__all__ = ["Device"]
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import ModuleType
+
+__all__ = ["ArrayBackend", "Device"]
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -20,10 +32,12 @@ class Device(Protocol):
 
     Attributes:
         name: the canonical name, such as ``"cpu:0"`` or ``"gpu:1"``.
-        kind: ``"cpu"`` or ``"gpu"`` (or another kind a third-party device defines).
+        kind: ``"cpu"`` or ``"gpu"``.
         index: the device's number within its kind.
         has_context: whether ``enter``/``leave`` do anything; ``False`` lets the scheduler
             skip them.
+        xp: the array module of this device (``numpy`` or ``cupy``).
+        backend: the array backend that runs collectives over devices of this kind.
     """
 
     @property
@@ -38,8 +52,56 @@ class Device(Protocol):
     @property
     def has_context(self) -> bool: ...
 
+    @property
+    def xp(self) -> ModuleType: ...
+
+    @property
+    def backend(self) -> ArrayBackend: ...
+
     def enter(self) -> None:
         """Make this device current on the calling thread (before a replica step)."""
 
     def leave(self) -> None:
         """Undo ``enter`` (after a replica step, before the event loop runs anything else)."""
+
+    def asarray(self, value: Any) -> Any:
+        """Return ``value`` as an array on this device (no copy if it already is one)."""
+
+    async def synchronize(self) -> None:
+        """Wait, without blocking the event loop, until work queued on this device is done."""
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` with this device active, without blocking the loop.
+
+        Host devices run it in the device's own worker thread, in submission order (a FIFO
+        "stream"); GPU devices run it inline with the device and its stream current.
+        """
+
+
+class ArrayBackend(Protocol):
+    """Collectives over the arrays of one kind of device.
+
+    Every method takes one input per replica (already checked: same shape and dtype, each an
+    array of this backend on its replica's device) and returns one result per replica, each on
+    that replica's device. Host results may be one shared, read-only array repeated.
+    """
+
+    @property
+    def name(self) -> str:
+        """``"numpy"`` or ``"cupy"``."""
+
+    def is_array(self, value: object) -> bool:
+        """Whether ``value`` is an array of this backend (a quick check, no import)."""
+
+    async def all_reduce(
+        self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
+    ) -> list[Any]:
+        """Reduce elementwise across replicas; every replica gets the reduced array."""
+
+    async def all_gather(
+        self, inputs: Sequence[Any], axis: int, devices: Sequence[Device]
+    ) -> list[Any]:
+        """Concatenate the inputs along ``axis``; every replica gets the whole."""
+
+    async def broadcast(self, value: Any, devices: Sequence[Device]) -> list[Any]:
+        """Give every replica ``value`` (which lives on any device of this backend)."""

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import pytest
+from fake_devices import FakeDevice
 
 import aioreplica
 from aioreplica._backends import (
@@ -15,23 +16,6 @@ from aioreplica._backends import (
     list_devices,
     resolve_devices,
 )
-
-
-class FakeDevice:
-    """A third-party device implementing the ``Device`` protocol."""
-
-    kind = "fake"
-    has_context = True
-
-    def __init__(self, name: str, index: int = 0) -> None:
-        self.name = name
-        self.index = index
-
-    def enter(self) -> None:
-        pass
-
-    def leave(self) -> None:
-        pass
 
 
 class NotQuiteADevice:
@@ -235,13 +219,12 @@ class TestResolveDevices:
     def test_gpu_name_raises_value_error_listing_available_devices(
         self, name: str, canonical: str
     ) -> None:
-        """GPU names parse but are refused, with the devices that do exist."""
+        """GPU names parse but, without CuPy, are refused with install advice and the devices."""
         with pytest.raises(
             ValueError,
             match=(
-                rf"^device {re.escape(repr(name))} \({canonical}\) is not available: GPU "
-                r"devices need the CUDA backend, .*the devices here are \['cpu:0'\], and any "
-                r"number of logical host devices 'cpu:0', 'cpu:1', \.\.\. can be laid out"
+                rf"^device {re.escape(repr(name))} needs CuPy, which is not installed: "
+                r"pip install 'aioreplica\[cuda\]'; the devices here are \['cpu:0'\]"
             ),
         ):
             resolve_devices(["cpu:0", name])
@@ -286,6 +269,15 @@ class TestResolveDevices:
         assert devices[0] is fake0
         assert devices[2] is host
         assert devices[3] is fake1
+
+    def test_mixed_kinds_rejected(self) -> None:
+        """One strategy's devices are all of one kind, so its collectives have one backend."""
+
+        class OtherKind(FakeDevice):
+            kind = "other"
+
+        with pytest.raises(ValueError, match=r"devices mix kinds \['cpu', 'other'\]"):
+            resolve_devices(["cpu:0", OtherKind("other:0")])
 
     def test_device_objects_with_the_same_name_are_duplicates(self) -> None:
         """Two device objects with one name clash like two names do."""

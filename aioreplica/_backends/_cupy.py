@@ -1,0 +1,724 @@
+"""The CUDA backend: CuPy arrays on GPUs ``gpu:0``, ``gpu:1``, ..., one CUDA stream each.
+
+Imported only when a GPU is asked for or listed; ``import aioreplica`` never imports it.
+
+Devices
+-------
+A ``CudaDevice`` owns one non-blocking stream, created in its GPU's context. CuPy's current
+device and current stream are per host thread, and every replica runs on the loop thread, so
+the scheduler calls ``enter()`` before each step of a replica's coroutine and ``leave()`` after
+it (DESIGN invariant 1). ``enter`` pushes the device's stream the way ``with stream:`` does, so
+a ``with other_stream:`` block inside replica code falls back to the replica's stream when it
+ends (a stream made current with ``Stream.use()`` would not be restored by CuPy there).
+``leave`` pops it and, if the loop thread had made a stream current with ``use()`` before,
+makes that one current again: CuPy's ``with`` exit restores the previous ``with`` block's
+stream, not a ``use()``'d one (cupy/cupy#8377).
+
+``synchronize()`` never blocks the loop: it queues a stream callback that wakes the waiting
+task thread-safely (see ``CudaDevice.synchronize`` for why a callback rather than polling).
+
+Collectives
+-----------
+Inputs are one CuPy array per replica, each on its replica's GPU and produced on its replica's
+stream. Replicas are grouped by GPU; the first replica on a GPU is its *leader* and the
+collective runs on the leader's stream, so with one replica per GPU (the usual layout) every
+collective runs on the replicas' own streams and is ordered with their work with no events at
+all. Otherwise, in order:
+
+1. *fan-in*: each other replica's stream records an event and the leader's stream waits on it;
+2. the GPU's share of the work on the leader's stream (reduce, concatenate, copy) in CuPy;
+3. across GPUs, NCCL in one ``groupStart``/``groupEnd``, each GPU's call on its leader's stream,
+   with communicators created once per tuple of GPUs and cached;
+4. *fan-out*: the leader's stream records an event, each other replica's stream waits on it and
+   copies the result on that stream, and the leader's stream waits on those copies.
+
+No step waits on the host. Every replica gets its own result array, ready in its stream's order
+when the collective returns. The back edges matter as much as the forward ones: CuPy's memory
+pool keeps one arena per stream and hands a freed block out again only to allocations on the
+stream it was allocated on, so a buffer read on another stream is safe to free once its owner's
+stream has waited for that read.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+
+import anyio.lowlevel
+import cupy
+
+from .. import _loop
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from types import ModuleType
+
+    from ._protocol import Device
+
+__all__ = ["CUPY_BACKEND", "CudaDevice", "CupyBackend", "cuda_device", "visible_device_count"]
+
+T = TypeVar("T")
+
+_runtime: Any = cupy.cuda.runtime
+_get_device: Callable[[], int] = _runtime.getDevice
+_set_device: Callable[[int], None] = _runtime.setDevice
+_get_current_stream: Callable[[], Any] = cupy.cuda.get_current_stream
+_xp: ModuleType = cupy
+
+
+# -- the device --------------------------------------------------------------------------
+
+
+@final
+class CudaDevice:
+    """One GPU, ``gpu:<index>``: CuPy arrays and one non-blocking CUDA stream.
+
+    Replica code runs with this device and its stream current, so CuPy work it launches is
+    queued on the stream and runs asynchronously. Use ``cuda_device(index)`` for the
+    process-wide device; every ``CudaDevice`` made directly owns a stream of its own.
+
+    Example:
+        >>> device = cuda_device(0)
+        >>> device.name, device.kind
+        ('gpu:0', 'gpu')
+        >>> x = device.asarray([1.0, 2.0])  # a cupy.ndarray on GPU 0
+    """
+
+    __slots__ = ("_index", "_previous", "_stream")
+
+    kind: Final = "gpu"
+    has_context: Final = True
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+        with cupy.cuda.Device(index):
+            self._stream: Any = cupy.cuda.Stream(non_blocking=True)
+        self._previous: tuple[int, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return f"gpu:{self._index}"
+
+    @property
+    def index(self) -> int:
+        return self._index
+
+    @property
+    def xp(self) -> ModuleType:
+        return _xp
+
+    @property
+    def backend(self) -> CupyBackend:
+        return CUPY_BACKEND
+
+    @property
+    def stream(self) -> Any:
+        """The ``cupy.cuda.Stream`` that this device's replica work is queued on."""
+        return self._stream
+
+    def enter(self) -> None:
+        """Make this GPU and its stream current on the calling thread; remember the previous.
+
+        Called by the scheduler before every step of a replica coroutine; calls for one device
+        never nest (``run`` and the collectives save and restore on their own).
+        """
+        self._previous = _activate(self._index, self._stream)
+
+    def leave(self) -> None:
+        """Make current again exactly the device and stream that were current at ``enter``."""
+        previous = self._previous
+        if previous is not None:
+            self._previous = None
+            _restore(self._index, self._stream, previous)
+
+    def asarray(self, value: Any) -> Any:
+        """Return ``value`` as a CuPy array on this GPU, copied on this device's stream.
+
+        A CuPy array already on this GPU is returned as is. Host data (NumPy arrays, lists,
+        scalars) is copied host-to-device on the stream, asynchronously where the CuPy version
+        does so (``cupy.asarray(..., blocking=False)`` is the default from CuPy 13). An array on
+        another GPU is copied peer to peer on this device's stream; the work that produced it
+        must already be ordered before this call (as for any CuPy cross-device copy).
+
+        Raises:
+            TypeError: ``value`` cannot be turned into an array.
+
+        Example:
+            >>> cuda_device(0).asarray(np.arange(3)).device.id
+            0
+        """
+        if isinstance(value, cupy.ndarray) and value.device.id == self._index:
+            return value
+        with _Active(self._index, self._stream):
+            if isinstance(value, cupy.ndarray):
+                return cupy.copy(value)
+            return cupy.asarray(value)
+
+    async def synchronize(self) -> None:
+        """Wait, without blocking the event loop, until the work queued so far on this stream
+        has finished.
+
+        The stream gets a callback (``Stream.add_callback``) that hands the result to the
+        waiting task through the event loop's thread-safe wake-up, so the loop serves other
+        replicas meanwhile and spends no CPU on the wait. Why not the alternatives: polling
+        ``Event.done`` between ``await anyio.sleep(0)`` keeps the loop spinning for as long as
+        the GPU works and turns a failed kernel into an endless wait (CuPy's ``done`` reads an
+        error as "not done"); ``launch_host_func`` is not called at all after a device error
+        (the CUDA runtime documents this for ``cudaLaunchHostFunc``), whereas a stream
+        callback is called with the error status, which this method raises.
+
+        Raises:
+            cupy.cuda.runtime.CUDARuntimeError: the stream's work failed on the device.
+
+        Example:
+            >>> async def step():
+            ...     device = aioreplica.get_replica_context().device
+            ...     y = device.xp.linalg.norm(device.asarray([3.0, 4.0]))
+            ...     await device.synchronize()
+        """
+        stream = self._stream
+        if stream.done:
+            await anyio.lowlevel.checkpoint()
+            return
+        result = _loop.current().thread_result()
+        stream.add_callback(_stream_callback, result)
+        status: int = await result
+        if status != 0:
+            raise _runtime.CUDARuntimeError(status)
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` inline on the calling thread with this GPU and its stream
+        current, and return its result.
+
+        CuPy queues GPU work asynchronously, so this returns as soon as ``fn`` has queued its
+        work; it does not wait for the GPU (``await synchronize()`` does) and does not yield to
+        the event loop. The previous device and stream are current again afterwards.
+
+        Raises:
+            BaseException: whatever ``fn`` raises.
+
+        Example:
+            >>> async def step():
+            ...     device = aioreplica.get_replica_context().device
+            ...     norm = await device.run(device.xp.linalg.norm, device.asarray([3.0, 4.0]))
+        """
+        with _Active(self._index, self._stream):
+            return fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<CudaDevice {self.name}>"
+
+
+_cuda_devices: dict[int, CudaDevice] = {}
+
+
+def cuda_device(index: int) -> CudaDevice:
+    """The process-wide device ``gpu:<index>``: strategies on one GPU share its stream.
+
+    Raises:
+        cupy.cuda.runtime.CUDARuntimeError: there is no GPU ``index``.
+
+    Example:
+        >>> cuda_device(0) is cuda_device(0)
+        True
+    """
+    device = _cuda_devices.get(index)
+    if device is None:
+        device = _cuda_devices[index] = CudaDevice(index)
+    return device
+
+
+def visible_device_count() -> int:
+    """How many GPUs CuPy sees; 0 when there is no CUDA driver or no device. Never raises.
+
+    Example:
+        >>> visible_device_count() >= 0
+        True
+    """
+    try:
+        return int(_runtime.getDeviceCount())
+    except (RuntimeError, OSError, ImportError):
+        # CUDARuntimeError (a RuntimeError) for no device or an old driver; OSError or
+        # ImportError when CuPy cannot load the CUDA libraries at all.
+        return 0
+
+
+# -- the backend -------------------------------------------------------------------------
+
+
+@final
+class CupyBackend:
+    """Collectives over CuPy arrays on GPUs: local CuPy work per GPU, NCCL across GPUs.
+
+    Every replica gets its own result array on its GPU, ordered on its stream (see the module
+    docstring). Nothing here waits on the host.
+    """
+
+    name: Final = "cupy"
+
+    def __init__(self) -> None:
+        self._plans: dict[tuple[Device, ...], _Plan] = {}
+        self._communicators: dict[tuple[int, ...], list[Any]] = {}
+
+    def is_array(self, value: object) -> bool:
+        """Whether ``value`` is a CuPy array (false without importing CuPy if it is not
+        imported, like array-api-compat's ``is_cupy_array``)."""
+        module = sys.modules.get("cupy")
+        return module is not None and isinstance(value, module.ndarray)
+
+    async def all_reduce(
+        self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
+    ) -> list[Any]:
+        """Reduce elementwise across replicas; every replica gets the result on its GPU.
+
+        ``mean`` sums, then each GPU divides its result by the number of replicas (NCCL's own
+        average divides by the number of GPUs, which differs when a GPU holds several
+        replicas); like ``numpy.mean``, the mean of integer or bool inputs is float64. Other
+        ops keep the dtype (bool ``sum`` is logical or and ``prod`` logical and, as
+        ``numpy.add`` and ``numpy.multiply`` give for bools).
+
+        Raises:
+            ValueError: ``op`` is not ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+            TypeError: a device is not a GPU device, or NCCL cannot reduce the dtype with
+                ``op`` (only across GPUs; on one GPU CuPy reduces any dtype).
+            RuntimeError: the replicas span several GPUs and NCCL is not available.
+
+        Example:
+            >>> a, b = cuda_device(0), cuda_device(1)
+            >>> xs = [a.asarray([1.0, 2.0]), b.asarray([3.0, 4.0])]
+            >>> [r.get() for r in anyio.run(CUPY_BACKEND.all_reduce, "sum", xs, [a, b])]
+            [array([4., 6.]), array([4., 6.])]
+        """
+        local_op = _LOCAL_OPS.get(op)
+        if local_op is None:
+            raise ValueError(
+                f"unknown reduction {op!r}; expected one of {', '.join(map(repr, _LOCAL_OPS))}"
+            )
+        plan = self._plan(devices)
+        dtype = inputs[0].dtype
+        work_dtype = _FLOAT64 if op == "mean" and dtype.kind in "biu" else dtype
+        groups = plan.groups
+        across = len(groups) > 1
+        if across:
+            nccl, communicators = self._nccl(plan)
+            nccl_dtype, count_factor, nccl_op = _nccl_reduction(nccl, op, work_dtype)
+        plan.fan_in()
+        sends: list[Any] = []
+        outputs: list[Any] = []
+        for group in groups:
+            with _Active(group.index, group.leader):
+                first = inputs[group.replicas[0]]
+                if across and len(group.replicas) == 1:
+                    # NCCL writes out of place, so the replica's own input is the send buffer.
+                    send = cupy.ascontiguousarray(first, dtype=work_dtype)
+                    out = cupy.empty_like(send)
+                else:  # reduce this GPU's inputs into a fresh buffer, then NCCL in place
+                    out = send = first.astype(work_dtype, order="C", copy=True)
+                    for position in group.replicas[1:]:
+                        local_op(out, inputs[position], out=out)
+            sends.append(send)
+            outputs.append(out)
+        if across and outputs[0].size:
+            nccl.groupStart()
+            try:
+                for rank, group in enumerate(groups):
+                    communicators[rank].allReduce(
+                        sends[rank].data.ptr,
+                        outputs[rank].data.ptr,
+                        outputs[rank].size * count_factor,
+                        nccl_dtype,
+                        nccl_op,
+                        group.leader.ptr,
+                    )
+            finally:
+                nccl.groupEnd()
+        if op == "mean" and len(inputs) > 1:
+            for group, out in zip(groups, outputs, strict=True):
+                with _Active(group.index, group.leader):
+                    cupy.true_divide(out, len(inputs), out=out)
+        return plan.fan_out(outputs)
+
+    async def all_gather(
+        self, inputs: Sequence[Any], axis: int, devices: Sequence[Device]
+    ) -> list[Any]:
+        """Concatenate the inputs along ``axis`` in replica order; every replica gets the whole.
+
+        Inputs may differ in length along ``axis``. NCCL's ``allGather`` needs equal counts,
+        so across GPUs this is one NCCL *broadcast* per replica (all in one group call), each
+        from that replica's GPU straight into its slice of every GPU's output: no padding, no
+        extra pass, and any dtype (the bytes are copied, not interpreted). Along an axis other
+        than 0 the slices are gathered with ``axis`` moved to the front and moved back once.
+
+        Raises:
+            TypeError: a device is not a GPU device.
+            RuntimeError: the replicas span several GPUs and NCCL is not available.
+
+        Example:
+            >>> a, b = cuda_device(0), cuda_device(1)
+            >>> xs = [a.asarray([1, 2]), b.asarray([3])]
+            >>> [r.get() for r in anyio.run(CUPY_BACKEND.all_gather, xs, 0, [a, b])]
+            [array([1, 2, 3]), array([1, 2, 3])]
+        """
+        plan = self._plan(devices)
+        first = inputs[0]
+        axis = axis % first.ndim if first.ndim else 0
+        groups = plan.groups
+        plan.fan_in()
+        if len(groups) == 1:
+            with _Active(groups[0].index, groups[0].leader):
+                whole = cupy.concatenate(list(inputs), axis=axis)
+            return plan.fan_out([whole])
+        nccl, communicators = self._nccl(plan)
+        lengths = [x.shape[axis] for x in inputs]
+        starts = [sum(lengths[:i]) for i in range(len(lengths))]
+        rest = first.shape[:axis] + first.shape[axis + 1 :]
+        sources: dict[int, Any] = {}
+        gathered: list[Any] = []
+        for group in groups:
+            with _Active(group.index, group.leader):
+                for position in group.replicas:
+                    sources[position] = cupy.ascontiguousarray(
+                        cupy.moveaxis(inputs[position], axis, 0)
+                    )
+                gathered.append(cupy.empty((sum(lengths), *rest), dtype=first.dtype))
+        word, nccl_dtype = _raw_words(nccl, first.dtype)
+        row_words = first.dtype.itemsize // word * _product(rest)
+        calls = [
+            (position, plan.rank_of[position])
+            for position in range(len(inputs))
+            if lengths[position]
+        ]
+        if row_words and calls:
+            nccl.groupStart()
+            try:
+                for position, root in calls:
+                    start, stop = starts[position], starts[position] + lengths[position]
+                    for rank, group in enumerate(groups):
+                        receive = gathered[rank][start:stop]
+                        send = sources[position] if rank == root else receive
+                        communicators[rank].broadcast(
+                            send.data.ptr,
+                            receive.data.ptr,
+                            lengths[position] * row_words,
+                            nccl_dtype,
+                            root,
+                            group.leader.ptr,
+                        )
+            finally:
+                nccl.groupEnd()
+        outputs = []
+        for group, whole in zip(groups, gathered, strict=True):
+            with _Active(group.index, group.leader):
+                outputs.append(cupy.ascontiguousarray(cupy.moveaxis(whole, 0, axis)))
+        return plan.fan_out(outputs)
+
+    async def broadcast(self, value: Any, devices: Sequence[Device]) -> list[Any]:
+        """Give every replica its own copy of ``value``, on its GPU.
+
+        ``value`` may live on any GPU. On one of the replicas' GPUs it is read on that GPU's
+        leader stream after every replica stream there (so whichever replica made it, it is
+        ready); on another GPU it is first copied to the first replica's GPU, and the work that
+        produced it must already be ordered before this call. Host data is copied in.
+
+        Raises:
+            TypeError: a device is not a GPU device.
+            RuntimeError: the replicas span several GPUs and NCCL is not available.
+
+        Example:
+            >>> a, b = cuda_device(0), cuda_device(1)
+            >>> results = anyio.run(CUPY_BACKEND.broadcast, a.asarray([5, 6]), [a, b])
+            >>> [r.device.id for r in results]
+            [0, 1]
+        """
+        plan = self._plan(devices)
+        groups = plan.groups
+        plan.fan_in()
+        if isinstance(value, cupy.ndarray) and value.device.id in plan.rank_of_gpu:
+            root = plan.rank_of_gpu[value.device.id]
+            with _Active(groups[root].index, groups[root].leader):
+                source = cupy.ascontiguousarray(value)
+                if len(groups) == 1 and source is value:
+                    source = value.copy()  # every replica gets an array of its own
+        else:
+            root = 0
+            with _Active(groups[0].index, groups[0].leader):
+                copied = cupy.copy(value) if isinstance(value, cupy.ndarray) else value
+                source = cupy.ascontiguousarray(cupy.asarray(copied))
+        if len(groups) == 1:
+            return plan.fan_out([source])
+        nccl, communicators = self._nccl(plan)
+        outputs = []
+        for group in groups:
+            with _Active(group.index, group.leader):
+                outputs.append(cupy.empty(source.shape, dtype=source.dtype))
+        word, nccl_dtype = _raw_words(nccl, source.dtype)
+        if source.nbytes:
+            nccl.groupStart()
+            try:
+                for rank, group in enumerate(groups):
+                    send = source if rank == root else outputs[rank]
+                    communicators[rank].broadcast(
+                        send.data.ptr,
+                        outputs[rank].data.ptr,
+                        source.nbytes // word,
+                        nccl_dtype,
+                        root,
+                        group.leader.ptr,
+                    )
+            finally:
+                nccl.groupEnd()
+        return plan.fan_out(outputs)
+
+    def _plan(self, devices: Sequence[Device]) -> _Plan:
+        key = tuple(devices)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = _Plan(key)
+        return plan
+
+    def _nccl(self, plan: _Plan) -> tuple[Any, list[Any]]:
+        """The NCCL module and the communicators of the plan's GPUs, created on first use."""
+        nccl = _nccl_module()
+        gpus = tuple(group.index for group in plan.groups)
+        communicators = self._communicators.get(gpus)
+        if communicators is None:
+            # Once per set of GPUs. CuPy holds the GIL through ncclCommInitAll, so a worker
+            # thread would not keep the loop running meanwhile; it is a one-time cost.
+            communicators = self._communicators[gpus] = nccl.NcclCommunicator.initAll(list(gpus))
+        return nccl, communicators
+
+    def __repr__(self) -> str:
+        return "<CupyBackend>"
+
+
+CUPY_BACKEND: Final = CupyBackend()
+
+
+# -- helpers -----------------------------------------------------------------------------
+
+
+def _activate(index: int, stream: Any) -> tuple[int, Any]:
+    """Make GPU ``index`` and ``stream`` current; return what to restore."""
+    previous_device = _get_device()
+    if previous_device != index:
+        _set_device(index)
+    previous_stream = _get_current_stream()
+    stream.__enter__()
+    return previous_device, previous_stream
+
+
+def _restore(index: int, stream: Any, previous: tuple[int, Any]) -> None:
+    """Undo ``_activate``, even if the code in between switched the device."""
+    previous_device, previous_stream = previous
+    if _get_device() != index:
+        _set_device(index)
+    stream.__exit__(None, None, None)
+    if _get_current_stream() is not previous_stream:
+        previous_stream.use()  # it was made current with use(), which the with-stack forgets
+    if previous_device != index:
+        _set_device(previous_device)
+
+
+class _Active:
+    """``with _Active(index, stream):`` runs its body with that GPU and stream current."""
+
+    __slots__ = ("_index", "_previous", "_stream")
+
+    def __init__(self, index: int, stream: Any) -> None:
+        self._index = index
+        self._stream = stream
+        self._previous: tuple[int, Any] | None = None
+
+    def __enter__(self) -> None:
+        self._previous = _activate(self._index, self._stream)
+
+    def __exit__(self, *exc_info: object) -> None:
+        assert self._previous is not None
+        _restore(self._index, self._stream, self._previous)
+
+
+def _stream_callback(stream: Any, status: int, result: _loop.ThreadResult) -> None:
+    # Runs on a CUDA driver thread, which may make no CUDA calls: hand the bare status over
+    # and let the waiting task build the exception.
+    result.set(status, None)
+
+
+def _event() -> Any:
+    """A CUDA event on the current device, for ordering only (no timing)."""
+    return cupy.cuda.Event(disable_timing=True)
+
+
+class _Group:
+    """The replicas of one collective that live on one GPU."""
+
+    __slots__ = ("index", "leader", "others", "replicas")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.leader: Any = None  # the stream of the first replica on this GPU
+        self.replicas: list[int] = []  # replica positions, the leader's first
+        self.others: list[tuple[int, Any]] = []  # (position, stream) of all but the leader
+
+
+class _Plan:
+    """How a tuple of devices maps onto GPUs and streams; made once per tuple, then cached.
+
+    GPUs are ranked by index, so every ordering of the same GPUs shares one set of NCCL
+    communicators; results still follow replica order.
+    """
+
+    __slots__ = ("groups", "rank_of", "rank_of_gpu")
+
+    def __init__(self, devices: tuple[Device, ...]) -> None:
+        placed: list[tuple[int, Any]] = []
+        for position, device in enumerate(devices):
+            stream = getattr(device, "stream", None)
+            if device.kind != "gpu" or stream is None:
+                raise TypeError(
+                    f"the CuPy backend runs collectives over GPU devices with a CUDA stream, "
+                    f"got {type(device).__name__} {device!r} for replica {position}"
+                )
+            placed.append((device.index, stream))
+        gpus = sorted({index for index, _ in placed})
+        self.rank_of_gpu = {index: rank for rank, index in enumerate(gpus)}
+        self.groups = [_Group(index) for index in gpus]
+        self.rank_of: list[int] = []
+        for position, (index, stream) in enumerate(placed):
+            rank = self.rank_of_gpu[index]
+            group = self.groups[rank]
+            if group.replicas:
+                group.others.append((position, stream))
+            else:
+                group.leader = stream
+            group.replicas.append(position)
+            self.rank_of.append(rank)
+
+    def fan_in(self) -> None:
+        """Order each GPU's leader stream after the work queued on its other replicas' streams."""
+        for group in self.groups:
+            if not group.others:
+                continue
+            leader = group.leader
+            with _Active(group.index, leader):
+                for _, stream in group.others:
+                    if stream is not leader:
+                        leader.wait_event(stream.record(_event()))
+
+    def fan_out(self, outputs: list[Any]) -> list[Any]:
+        """Give each replica its GPU's output: the leader the array itself, the others a copy
+        made on their own stream after it; the leader's stream then waits for those copies."""
+        results: list[Any] = [None] * len(self.rank_of)
+        for group, output in zip(self.groups, outputs, strict=True):
+            results[group.replicas[0]] = output
+            if not group.others:
+                continue
+            leader = group.leader
+            with _Active(group.index, leader):
+                done = leader.record(_event())
+            for position, stream in group.others:
+                with _Active(group.index, stream):
+                    if stream is not leader:
+                        stream.wait_event(done)
+                    results[position] = output.copy()
+                    if stream is not leader:
+                        leader.wait_event(stream.record(_event()))
+        return results
+
+
+_FLOAT64: Final = cupy.dtype("float64")
+
+_LOCAL_OPS: Final[dict[str, Any]] = {
+    "sum": cupy.add,
+    "mean": cupy.add,
+    "max": cupy.maximum,
+    "min": cupy.minimum,
+    "prod": cupy.multiply,
+}
+
+#: NumPy dtype name -> NCCL data type name (cupy.cuda.nccl constants).
+_NCCL_DTYPES: Final = {
+    "int8": "NCCL_INT8",
+    "uint8": "NCCL_UINT8",
+    "int32": "NCCL_INT32",
+    "uint32": "NCCL_UINT32",
+    "int64": "NCCL_INT64",
+    "uint64": "NCCL_UINT64",
+    "float16": "NCCL_FLOAT16",
+    "float32": "NCCL_FLOAT32",
+    "float64": "NCCL_FLOAT64",
+}
+
+#: aioreplica op -> NCCL op name; "mean" is a sum, divided afterwards.
+_NCCL_OPS: Final = {
+    "sum": "NCCL_SUM",
+    "mean": "NCCL_SUM",
+    "prod": "NCCL_PROD",
+    "max": "NCCL_MAX",
+    "min": "NCCL_MIN",
+}
+
+#: bool goes over the wire as uint8 0/1: or (max) for sum, and (min) for prod, as NumPy does.
+_BOOL_OPS: Final = {"sum": "NCCL_MAX", "prod": "NCCL_MIN", "max": "NCCL_MAX", "min": "NCCL_MIN"}
+
+#: Word sizes for copying raw bytes with NCCL (broadcast copies bits, whatever the type).
+_RAW_WORDS: Final = ((8, "NCCL_UINT64"), (4, "NCCL_UINT32"), (2, "NCCL_FLOAT16"))
+
+
+def _nccl_reduction(nccl: Any, op: str, dtype: Any) -> tuple[int, int, int]:
+    """``(nccl data type, elements per array element, nccl op)`` for reducing ``dtype``.
+
+    Raises:
+        TypeError: NCCL cannot reduce ``dtype`` with ``op``.
+    """
+    if dtype.kind == "b":
+        return nccl.NCCL_UINT8, 1, getattr(nccl, _BOOL_OPS[op])
+    if dtype.kind == "c" and op in ("sum", "mean"):
+        # A complex sum is the sum of the real parts and of the imaginary parts.
+        part = _NCCL_DTYPES.get(cupy.dtype(dtype.char.lower()).name)
+        if part is not None:
+            return getattr(nccl, part), 2, nccl.NCCL_SUM
+    name = _NCCL_DTYPES.get(dtype.name)
+    if name is None:
+        raise TypeError(
+            f"all_reduce({op!r}) across GPUs cannot reduce dtype {dtype.name}: NCCL reduces "
+            f"{', '.join(_NCCL_DTYPES)} (and bool; complex for sum and mean only); cast the "
+            "value first, e.g. x.astype('int32') or x.astype('float32')"
+        )
+    return getattr(nccl, name), 1, getattr(nccl, _NCCL_OPS[op])
+
+
+def _raw_words(nccl: Any, dtype: Any) -> tuple[int, int]:
+    """``(word size in bytes, nccl data type)`` to copy arrays of ``dtype`` bit for bit."""
+    for size, name in _RAW_WORDS:
+        if dtype.itemsize % size == 0:
+            return size, getattr(nccl, name)
+    return 1, nccl.NCCL_UINT8
+
+
+def _product(shape: tuple[int, ...]) -> int:
+    result = 1
+    for extent in shape:
+        result *= extent
+    return result
+
+
+def _nccl_module() -> Any:
+    """``cupy.cuda.nccl``, or advice when CuPy cannot load NCCL.
+
+    Raises:
+        RuntimeError: NCCL is not installed where CuPy looks for it.
+    """
+    try:
+        from cupy.cuda import nccl
+    except ImportError as exc:  # pragma: no cover - depends on the CuPy build
+        raise RuntimeError(_NO_NCCL) from exc
+    if not getattr(nccl, "available", False):
+        raise RuntimeError(_NO_NCCL)
+    return nccl
+
+
+_NO_NCCL: Final = (
+    "collectives across several GPUs need NCCL, which CuPy cannot load here; install it "
+    "(for CUDA 12: pip install nvidia-nccl-cu12, or python -m cupyx.tools.install_library "
+    "--cuda 12.x --library nccl), or run the replicas on one GPU"
+)

@@ -1,0 +1,498 @@
+"""The host reduction kernel and the pool its outputs come from.
+
+Pure, synchronous NumPy: the host backend decides which thread runs what.
+
+**Blocks.** A plain NumPy reduction of N arrays, ``np.add(a, b, out=o); np.add(o, c, out=o)
+...``, streams the whole output through memory N - 1 times: once the arrays outgrow the caches
+it reads and writes ``o`` again on every step, so memory traffic, not arithmetic, sets its speed.
+``reduce_range`` walks the output in blocks of ``BLOCK_BYTES`` instead and finishes each block
+before moving on: ``out[b] = in0[b] op in1[b]``, then ``out[b] op= in2[b]``, ... (ufuncs with
+``out=``, no temporaries). While the block is being accumulated it stays in the core's L2 cache,
+so each input is read from memory once and the output written once, the least traffic any
+reduction can make. The block is half of one core's share of the L2 cache (read from Linux
+sysfs; 256 KiB where that is unknown), kept between 64 KiB and 1 MiB: small enough that the
+output block plus the input lines streaming past it fit in L2, large enough that the per-call
+cost of a ufunc (about half a microsecond) and the restart of the hardware prefetchers at every
+block stay negligible. Measured on a 2-core AMD EPYC (1 MiB L2, 4 x 64 MiB float32, one and
+two threads): 64 KiB blocks ran 1.2-1.4x slower than 512 KiB, 256 KiB blocks 1.05-1.15x slower;
+512 KiB and 1 MiB were within noise of each other.
+
+**Ranges.** NumPy ufuncs release the GIL in their inner loop, so ranges of one reduction run
+in parallel in different threads. ``split_ranges`` cuts the array at block boundaries, so two
+threads never write the same cache line, and gives every range at least ``MIN_RANGE_BYTES`` of
+output, so that handing a range to another thread (tens to a hundred microseconds) pays off.
+
+**The pool.** A fresh 64 MiB output per call costs page faults on every first touch; reusing a
+buffer made a host all_reduce 1.1x to 9x faster. ``BufferPool`` keeps a few output buffers per
+(shape, dtype) and hands one out again once no caller still holds it.
+
+**The reuse rule.** A pooled buffer is *free* when nothing but the pool refers to it:
+``sys.getrefcount(buffer)`` equals the count measured, through the same code path, on an array
+that only a list holds (calibrated at import, so it does not depend on the interpreter's
+temporary references). Any other reference keeps it *busy*: the published result itself in
+any variable, list, ``PerReplica`` or frame, and every array derived from it without a copy:
+slices, ``reshape``, ``.T``, ``.view()``, ``np.asarray``, ``memoryview``, ``np.frombuffer``. A
+view's ``.base`` is a strong reference to the array that owns the memory (NumPy points a view of
+a view straight at the owner), so a view alive means the buffer is busy. Not covered: raw
+addresses (``.ctypes.data``, ``__array_interface__``) held without the array, and objects kept
+alive only by a reference cycle, which hold the buffer until the cycle collector frees them (the
+pool then allocates a new buffer meanwhile; it never overwrites). The pool itself creates no
+cycles: it holds buffers, and buffers hold nothing.
+
+The rule relies on CPython's reference counting. ``BufferPool`` has no lock: call ``take``,
+``publish`` and ``clear`` from one thread at a time (the event loop's). Other threads may hold
+and drop references to pooled buffers (a worker reducing into one keeps it busy until it
+returns); that is safe, because once only the pool refers to a buffer no other thread can reach
+it to take a new reference.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, final
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import numpy.typing as npt
+
+__all__ = [
+    "BLOCK_BYTES",
+    "MIN_RANGE_BYTES",
+    "BufferPool",
+    "PoolStatistics",
+    "reduce_range",
+    "split_ranges",
+]
+
+_KIB: Final = 1 << 10
+_MIB: Final = 1 << 20
+
+
+def _l2_share_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """One hardware thread's share of the L2 cache, from Linux sysfs; ``None`` if unknown."""
+    try:
+        for index in sorted(cache_dir.glob("index*")):
+            level = (index / "level").read_text().strip()
+            kind = (index / "type").read_text().strip()
+            if level != "2" or kind not in ("Unified", "Data"):
+                continue
+            text = (index / "size").read_text().strip().upper()
+            scale = {"K": _KIB, "M": _MIB}.get(text[-1:], 1)
+            size = int(text.rstrip("KM")) * scale
+            sharing = 0
+            for part in (index / "shared_cpu_list").read_text().strip().split(","):
+                lo, _, hi = part.partition("-")
+                sharing += int(hi or lo) - int(lo) + 1
+            return size // max(sharing, 1)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _block_bytes(l2_share: int | None) -> int:
+    """Half the L2 share as a power of two in [64 KiB, 1 MiB]; 256 KiB when unknown."""
+    if l2_share is None or l2_share <= 0:
+        return 256 * _KIB
+    half = 1 << ((l2_share // 2).bit_length() - 1) if l2_share >= 2 else 1
+    return min(max(half, 64 * _KIB), _MIB)
+
+
+#: Bytes of output reduced per block: half of one core's L2 share, in [64 KiB, 1 MiB].
+BLOCK_BYTES: Final = _block_bytes(_l2_share_bytes())
+
+#: The least output, in bytes, that ``split_ranges`` gives one range (whole blocks).
+MIN_RANGE_BYTES: Final = _MIB
+
+_UFUNCS: Final[dict[str, np.ufunc]] = {
+    "sum": np.add,
+    "mean": np.add,
+    "max": np.maximum,
+    "min": np.minimum,
+    "prod": np.multiply,
+}
+
+
+def _block_elements(itemsize: int) -> int:
+    return max(1, BLOCK_BYTES // itemsize)
+
+
+# -- the kernel ----------------------------------------------------------------------------
+
+
+def _flat(array: npt.NDArray[Any], what: str) -> npt.NDArray[Any]:
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"{what} must be a numpy.ndarray, got {type(array).__name__}")
+    if not array.flags.c_contiguous:
+        raise ValueError(f"{what} must be C-contiguous; pass np.ascontiguousarray({what})")
+    return array.reshape(-1)
+
+
+def reduce_range(
+    op: str,
+    inputs: Sequence[npt.NDArray[Any]],
+    out: npt.NDArray[Any],
+    start: int,
+    stop: int,
+) -> None:
+    """Reduce elements ``[start, stop)`` of the flattened inputs into the same range of ``out``.
+
+    Works block by block (``BLOCK_BYTES`` of output each): ``out[b] = in0[b] op in1[b]``, then
+    ``out[b] op= in2[b]``, ... with ufuncs writing into ``out`` (no temporaries), so each input
+    is read once and each output block stays in cache until it is done. ``"mean"`` divides each
+    block by N right after summing it. One input is copied. The result has the inputs' dtype:
+    integer arithmetic wraps around as NumPy's does, and booleans combine as NumPy's ufuncs
+    combine them (``sum``/``max`` are *or*, ``prod``/``min`` are *and*).
+
+    NumPy releases the GIL in the ufunc loops, so several threads can reduce disjoint ranges
+    of one output at once (see ``split_ranges``). Elements outside ``[start, stop)`` are not
+    touched.
+
+    Args:
+        op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+        inputs: N >= 1 C-contiguous arrays of one shape and one numeric dtype (bool, integer,
+            floating or complex); ``"mean"`` needs floating or complex.
+        out: a writeable C-contiguous array of that shape and dtype, sharing no memory with the
+            inputs.
+        start: first element (of the flattened arrays) to reduce.
+        stop: one past the last; ``0 <= start <= stop <= out.size``.
+
+    Raises:
+        ValueError: ``op`` is unknown, ``inputs`` is empty, shapes differ, an array is not
+            C-contiguous, ``out`` is read-only or overlaps an input, or the range is out of
+            bounds.
+        TypeError: an array is not a NumPy array, dtypes differ, the dtype is not numeric, or
+            ``"mean"`` is asked of a bool or integer dtype.
+
+    Example:
+        >>> a, b = np.arange(6.0), np.ones(6)
+        >>> out = np.zeros(6)
+        >>> reduce_range("sum", [a, b], out, 0, 4)
+        >>> out.tolist()
+        [1.0, 2.0, 3.0, 4.0, 0.0, 0.0]
+    """
+    ufunc = _UFUNCS.get(op)
+    if ufunc is None:
+        raise ValueError(f"unknown reduction {op!r}; expected one of {sorted(_UFUNCS)}")
+    if len(inputs) == 0:
+        raise ValueError("reduce_range needs at least one input")
+    dtype, shape = out.dtype, out.shape
+    flat_out = _flat(out, "out")
+    if not out.flags.writeable:
+        raise ValueError("out is read-only; take a writeable buffer from BufferPool.take")
+    if dtype.kind not in "biufc":
+        raise TypeError(f"cannot reduce dtype {dtype}: expected bool, integer, float or complex")
+    if op == "mean" and dtype.kind not in "fc":
+        raise TypeError(f"'mean' needs a floating or complex dtype, got {dtype}")
+    flats = []
+    for i, x in enumerate(inputs):
+        if not isinstance(x, np.ndarray) or not x.flags.c_contiguous:
+            _flat(x, f"inputs[{i}]")  # raises the matching error
+        if x.dtype != dtype:
+            raise TypeError(f"inputs[{i}] has dtype {x.dtype}, out has {dtype}")
+        if x.shape != shape:
+            raise ValueError(f"inputs[{i}] has shape {x.shape}, out has {shape}")
+        if np.may_share_memory(x, out):
+            raise ValueError(f"out shares memory with inputs[{i}]; reduce into a separate buffer")
+        flats.append(x.reshape(-1))
+    size = flat_out.size
+    if not 0 <= start <= stop <= size:
+        raise ValueError(f"range [{start}, {stop}) is not within [0, {size}]")
+    if start == stop:
+        return
+    if len(flats) == 1:
+        np.copyto(flat_out[start:stop], flats[0][start:stop])
+        return
+    step = _block_elements(dtype.itemsize)
+    first, second, rest = flats[0], flats[1], flats[2:]
+    count = len(flats) if op == "mean" else 0
+    for lo in range(start, stop, step):
+        hi = min(lo + step, stop)
+        block = flat_out[lo:hi]
+        ufunc(first[lo:hi], second[lo:hi], out=block)
+        for x in rest:
+            ufunc(block, x[lo:hi], out=block)
+        if count:
+            np.divide(block, count, out=block)
+
+
+def split_ranges(size: int, itemsize: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``size`` elements into at most ``parts`` contiguous ranges for ``reduce_range``.
+
+    Every range but the last starts and ends on a block boundary (``BLOCK_BYTES // itemsize``
+    elements), so threads reducing neighbouring ranges never write the same cache line. When
+    there are several, every range holds at least ``MIN_RANGE_BYTES`` of output: a small array
+    gets fewer ranges, down to one. The blocks are shared out as evenly as whole blocks allow.
+
+    Args:
+        size: number of elements (``out.size``), >= 0.
+        itemsize: bytes per element (``out.itemsize``), >= 1.
+        parts: the most ranges wanted (usually the number of threads), >= 1.
+
+    Returns:
+        ``[(start, stop), ...]`` in order, covering ``[0, size)`` exactly, each non-empty;
+        an empty list when ``size`` is 0.
+
+    Raises:
+        ValueError: ``size`` < 0, ``itemsize`` < 1 or ``parts`` < 1.
+
+    Example:
+        >>> split_ranges(1 << 20, 4, 2)  # 4 MiB of float32
+        [(0, 524288), (524288, 1048576)]
+        >>> split_ranges(1000, 4, 2)
+        [(0, 1000)]
+        >>> split_ranges(0, 4, 2)
+        []
+    """
+    if size < 0 or itemsize < 1 or parts < 1:
+        raise ValueError(
+            f"split_ranges needs size >= 0, itemsize >= 1, parts >= 1; "
+            f"got size={size}, itemsize={itemsize}, parts={parts}"
+        )
+    if size == 0:
+        return []
+    block = _block_elements(itemsize)
+    blocks = -(-size // block)
+    min_blocks = -(-MIN_RANGE_BYTES // (block * itemsize))
+    count = max(1, min(parts, (size // block) // min_blocks))
+    per, extra = divmod(blocks, count)
+    ranges = []
+    start_block = 0
+    for i in range(count):
+        # The last ranges take the spare blocks: the very last one may end in a partial
+        # block, and an extra whole block keeps it at MIN_RANGE_BYTES or more.
+        stop_block = start_block + per + (i >= count - extra)
+        ranges.append((start_block * block, min(stop_block * block, size)))
+        start_block = stop_block
+    return ranges
+
+
+# -- the pool ------------------------------------------------------------------------------
+
+
+def _refs(bucket: list[npt.NDArray[Any]], i: int) -> int:
+    """Reference count of ``bucket[i]`` as seen from here (the reuse test and its baseline)."""
+    return sys.getrefcount(bucket[i])
+
+
+#: What ``_refs`` reports for an array that only its bucket holds.
+_FREE_REFS: Final = _refs([np.empty(0)], 0)
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    """A snapshot of a ``BufferPool``'s counters.
+
+    Attributes:
+        taken: calls to ``take``.
+        reused: of those, how many returned a pooled buffer that was free.
+        allocated: how many allocated a new buffer (pooled or not).
+        pooled_buffers: buffers the pool holds now, busy or free.
+        pooled_bytes: their total size.
+    """
+
+    taken: int
+    reused: int
+    allocated: int
+    pooled_buffers: int
+    pooled_bytes: int
+
+
+@final
+class BufferPool:
+    """Output buffers reused instead of reallocated, once no caller holds them.
+
+    ``take`` returns a pooled buffer of the wanted shape and dtype that nothing but the pool
+    refers to (see the module docstring for the exact rule), made writeable again; otherwise a
+    new buffer, which the pool keeps for next time while its bounds allow. ``publish`` marks a
+    result read-only before it is handed to every replica. Not thread-safe: use one pool from one
+    thread (the event loop's); other threads may hold and drop buffers freely.
+
+    Args:
+        per_key: the most buffers kept per (shape, dtype); 2 lets one result stay held while
+            the next one is computed.
+        max_bytes: the most bytes kept in all. To make room, free buffers of the least recently
+            used keys are dropped; if that is not enough, the new buffer is simply not kept.
+        min_bytes: buffers smaller than this are never kept (``np.empty`` of a small array
+            reuses memory the allocator already has, so pooling it saves nothing).
+
+    Raises:
+        ValueError: a bound is negative, or ``per_key`` < 1.
+
+    Example:
+        >>> pool = BufferPool(min_bytes=0)
+        >>> out = pool.take((4,), np.float32)
+        >>> out[:] = 1
+        >>> result = pool.publish(out)
+        >>> result.flags.writeable
+        False
+        >>> pool.take((4,), np.float32) is result  # still held: a new buffer
+        False
+        >>> del out, result
+        >>> pool.take((4,), np.float32).flags.writeable  # the first one, free again
+        True
+    """
+
+    __slots__ = (
+        "_allocated",
+        "_buckets",
+        "_max_bytes",
+        "_min_bytes",
+        "_per_key",
+        "_pooled",
+        "_reused",
+        "_taken",
+    )
+
+    def __init__(
+        self, *, per_key: int = 2, max_bytes: int = 512 * _MIB, min_bytes: int = 64 * _KIB
+    ) -> None:
+        if per_key < 1 or max_bytes < 0 or min_bytes < 0:
+            raise ValueError(
+                f"BufferPool needs per_key >= 1 and non-negative byte bounds; got "
+                f"per_key={per_key}, max_bytes={max_bytes}, min_bytes={min_bytes}"
+            )
+        self._per_key = per_key
+        self._max_bytes = max_bytes
+        self._min_bytes = min_bytes
+        # Least recently used key first: dicts keep insertion order, and a used key is
+        # re-inserted at the end.
+        self._buckets: dict[tuple[tuple[int, ...], np.dtype[Any]], list[npt.NDArray[Any]]] = {}
+        self._pooled = 0
+        self._taken = self._reused = self._allocated = 0
+
+    def take(self, shape: int | Sequence[int], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+        """Return a writeable, C-contiguous, uninitialised buffer of ``shape`` and ``dtype``.
+
+        A pooled buffer that nothing else refers to any more is reused (and made writeable
+        again); otherwise a new one is allocated and, while ``per_key`` and ``max_bytes``
+        allow, kept in the pool for later calls. A buffer that a caller, or a view of it,
+        still holds is never returned.
+
+        Args:
+            shape: the array shape (an int for 1-d).
+            dtype: anything ``np.dtype`` accepts.
+
+        Returns:
+            The buffer; its contents are arbitrary.
+
+        Raises:
+            ValueError: a dimension is negative.
+            TypeError: ``dtype`` is not a dtype.
+
+        Example:
+            >>> pool = BufferPool()
+            >>> pool.take((2, 3), "float64").shape
+            (2, 3)
+        """
+        self._taken += 1
+        key_shape = (int(shape),) if isinstance(shape, int | np.integer) else tuple(map(int, shape))
+        if any(d < 0 for d in key_shape):
+            raise ValueError(f"negative dimensions are not allowed, got shape {key_shape}")
+        dt = np.dtype(dtype)
+        nbytes = math.prod(key_shape) * dt.itemsize
+        if nbytes < self._min_bytes or nbytes > self._max_bytes:
+            self._allocated += 1
+            return np.empty(key_shape, dt)
+        key = (key_shape, dt)
+        bucket = self._buckets.pop(key, None)
+        if bucket is None:
+            bucket = []
+        self._buckets[key] = bucket  # now the most recently used key
+        for i in range(len(bucket)):
+            if _refs(bucket, i) <= _FREE_REFS:
+                buffer = bucket[i]
+                buffer.flags.writeable = True
+                self._reused += 1
+                return buffer
+        self._allocated += 1
+        buffer = np.empty(key_shape, dt)
+        if len(bucket) < self._per_key and self._make_room(nbytes, key):
+            bucket.append(buffer)
+            self._pooled += nbytes
+        if not bucket:
+            del self._buckets[key]
+        return buffer
+
+    def publish(self, buffer: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Mark ``buffer`` read-only and return it, ready to be shared by every replica.
+
+        Views made from it afterwards are read-only too. ``take`` makes it writeable again when
+        it hands the buffer out anew, which it only does once nothing refers to it.
+
+        Args:
+            buffer: a buffer from ``take`` (any array that owns its memory works).
+
+        Returns:
+            ``buffer`` itself.
+
+        Raises:
+            TypeError: ``buffer`` is not a NumPy array.
+
+        Example:
+            >>> pool = BufferPool()
+            >>> pool.publish(pool.take(3, "int64")).flags.writeable
+            False
+        """
+        if not isinstance(buffer, np.ndarray):
+            raise TypeError(f"publish takes a numpy.ndarray, got {type(buffer).__name__}")
+        buffer.flags.writeable = False
+        return buffer
+
+    def clear(self) -> None:
+        """Forget every pooled buffer; those still held by callers stay valid.
+
+        Example:
+            >>> pool = BufferPool()
+            >>> pool.clear()
+            >>> pool.statistics().pooled_bytes
+            0
+        """
+        self._buckets.clear()
+        self._pooled = 0
+
+    def statistics(self) -> PoolStatistics:
+        """Return the pool's counters.
+
+        Example:
+            >>> BufferPool().statistics().taken
+            0
+        """
+        return PoolStatistics(
+            taken=self._taken,
+            reused=self._reused,
+            allocated=self._allocated,
+            pooled_buffers=sum(len(b) for b in self._buckets.values()),
+            pooled_bytes=self._pooled,
+        )
+
+    def _make_room(self, nbytes: int, keep: tuple[tuple[int, ...], np.dtype[Any]]) -> bool:
+        """Drop free buffers, least recently used key first, until ``nbytes`` more fit.
+
+        The bucket of ``keep`` (the key being served, whose buffers are all busy) is left alone.
+        """
+        if self._pooled + nbytes <= self._max_bytes:
+            return True
+        for key in list(self._buckets):
+            if key == keep:
+                continue
+            bucket = self._buckets[key]
+            i = 0
+            while i < len(bucket):
+                if _refs(bucket, i) <= _FREE_REFS:
+                    self._pooled -= bucket.pop(i).nbytes
+                    if self._pooled + nbytes <= self._max_bytes:
+                        if not bucket:
+                            del self._buckets[key]
+                        return True
+                else:
+                    i += 1
+            if not bucket:
+                del self._buckets[key]
+        return False

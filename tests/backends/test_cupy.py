@@ -1,0 +1,292 @@
+"""Tests for aioreplica._backends._cupy: CUDA devices and the CuPy collectives backend.
+
+Everything but ``TestImportBoundary`` needs CuPy and a CUDA device and is skipped cleanly
+without them (``gpu`` marker). ``devices/check_gpu.py`` checks the same backend through the
+public API on real hardware.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+OPS = ("sum", "mean", "max", "min", "prod")
+
+
+class TestImportBoundary:
+    def test_import_aioreplica_imports_neither_cupy_nor_the_cuda_backend(
+        self, tmp_path: Path
+    ) -> None:
+        """``import aioreplica`` loads neither ``cupy`` nor ``aioreplica._backends._cupy``.
+
+        An importable stand-in ``cupy`` package sits first on the path, so the test means
+        the same with or without a real CuPy installed.
+        """
+        (tmp_path / "cupy").mkdir()
+        (tmp_path / "cupy" / "__init__.py").write_text("")
+        code = textwrap.dedent(
+            f"""
+            import json, sys
+            sys.path.insert(0, {str(tmp_path)!r})
+            import aioreplica, aioreplica._backends
+            watched = ["cupy", "aioreplica._backends._cupy"]
+            print(json.dumps([name for name in watched if name in sys.modules]))
+            """
+        )
+        completed = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=20
+        )
+        assert (completed.returncode, completed.stderr) == (0, "")
+        assert json.loads(completed.stdout) == []
+
+
+# -- everything below needs CuPy and a CUDA device ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cb() -> Any:
+    """The ``_cupy`` backend module; skips without CuPy or without a CUDA device."""
+    pytest.importorskip("cupy")
+    from aioreplica._backends import _cupy
+
+    if _cupy.visible_device_count() == 0:
+        pytest.skip("no CUDA device")
+    return _cupy
+
+
+@pytest.fixture
+def cp(cb: Any) -> Any:
+    """The ``cupy`` module (after ``cb`` has checked that a GPU is there)."""
+    import cupy
+
+    return cupy
+
+
+def _state(cp: Any) -> tuple[int, Any]:
+    return cp.cuda.runtime.getDevice(), cp.cuda.get_current_stream()
+
+
+def _layouts(cb: Any) -> dict[str, list[Any]]:
+    """Replica layouts for 1 and 2 replicas: two GPUs if there are two, else one GPU twice."""
+    first = cb.cuda_device(0)
+    layouts = {"1 replica": [first], "2 replicas, 1 GPU": [first, cb.CudaDevice(0)]}
+    if cb.visible_device_count() >= 2:
+        layouts["2 replicas, 2 GPUs"] = [first, cb.cuda_device(1)]
+    return layouts
+
+
+def _host_inputs(op: str, count: int, dtype: str) -> list[np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(7)
+    if np.dtype(dtype).kind in "iu":
+        return [rng.integers(-3, 4, size=(9, 5)).astype(dtype) for _ in range(count)]
+    low, high = (0.5, 1.5) if op == "prod" else (-2.0, 2.0)
+    return [rng.uniform(low, high, size=(9, 5)).astype(dtype) for _ in range(count)]
+
+
+def _numpy_reduce(op: str, hosts: list[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    if op == "mean":
+        return np.asarray(np.mean(np.stack(hosts), axis=0))
+    ufunc = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[op]
+    return np.asarray(functools.reduce(ufunc, hosts))
+
+
+def _to_devices(devices: list[Any], hosts: list[np.ndarray[Any, Any]]) -> list[Any]:
+    return [device.asarray(host) for device, host in zip(devices, hosts, strict=True)]
+
+
+@pytest.mark.gpu
+class TestCudaDevice:
+    def test_names_kind_and_index(self, cb: Any, cp: Any) -> None:
+        """``gpu:<i>``, kind ``gpu``, a context to enter, CuPy as its array module."""
+        device = cb.cuda_device(0)
+        assert (device.name, device.kind, device.index, device.has_context) == (
+            "gpu:0",
+            "gpu",
+            0,
+            True,
+        )
+        assert device.xp is cp
+        assert device.backend is cb.CUPY_BACKEND
+        assert cb.cuda_device(0) is device
+
+    def test_owns_a_non_blocking_stream_on_its_gpu(self, cb: Any) -> None:
+        """The device's stream was created on its GPU and does not sync with stream 0."""
+        stream = cb.cuda_device(0).stream
+        assert (stream.device_id, stream.is_non_blocking) == (0, True)
+
+    def test_enter_makes_device_and_stream_current_and_leave_restores(
+        self, cb: Any, cp: Any
+    ) -> None:
+        """After ``leave`` the device and the ``use()``'d stream from before are current."""
+        device = cb.cuda_device(0)
+        before_device = cp.cuda.runtime.getDevice()
+        other = cp.cuda.Stream(non_blocking=True)
+        previous = cp.cuda.get_current_stream()
+        other.use()
+        try:
+            device.enter()
+            inside = _state(cp)
+            device.leave()
+            assert inside == (0, device.stream)
+            assert _state(cp) == (before_device, other)
+        finally:
+            previous.use()
+
+    def test_leave_restores_the_stream_of_an_enclosing_with_block(self, cb: Any, cp: Any) -> None:
+        """Entered inside ``with stream:``, ``leave`` makes that stream current again."""
+        device = cb.cuda_device(0)
+        outer = cp.cuda.Stream(non_blocking=True)
+        with cp.cuda.Device(0), outer:
+            device.enter()
+            device.leave()
+            assert _state(cp) == (0, outer)
+
+    def test_with_block_inside_a_step_falls_back_to_the_device_stream(
+        self, cb: Any, cp: Any
+    ) -> None:
+        """Replica code's own ``with other_stream:`` ends on the replica's stream."""
+        device = cb.cuda_device(0)
+        device.enter()
+        try:
+            with cp.cuda.Stream(non_blocking=True):
+                pass
+            assert _state(cp) == (0, device.stream)
+        finally:
+            device.leave()
+
+    def test_leave_restores_the_device_when_the_step_switched_it(self, cb: Any, cp: Any) -> None:
+        """A step that switched device and did not switch back still leaves cleanly."""
+        device = cb.cuda_device(0)
+        before = _state(cp)
+        device.enter()
+        cp.cuda.runtime.setDevice(cb.visible_device_count() - 1)
+        device.leave()
+        assert _state(cp) == before
+
+    def test_asarray_places_host_data_on_the_device(self, cb: Any, cp: Any) -> None:
+        """Host data becomes a CuPy array on the device; one already there is returned as is."""
+        device = cb.cuda_device(0)
+        array = device.asarray(np.arange(6.0).reshape(2, 3))
+        assert isinstance(array, cp.ndarray)
+        assert array.device.id == 0
+        assert device.asarray(array) is array
+        np.testing.assert_array_equal(array.get(), np.arange(6.0).reshape(2, 3))
+
+    @pytest.mark.anyio
+    async def test_synchronize_waits_for_queued_work(self, cb: Any, cp: Any) -> None:
+        """After ``await synchronize()`` everything queued on the stream has finished."""
+        device = cb.cuda_device(0)
+        x = device.asarray(np.ones((1024, 1024), dtype=np.float32))
+        results = [await device.run(cp.matmul, x, x) for _ in range(8)]
+        await device.synchronize()
+        assert device.stream.done
+        assert results[-1].get()[0, 0] == 1024.0
+
+    @pytest.mark.anyio
+    async def test_run_calls_fn_with_device_and_stream_current(self, cb: Any, cp: Any) -> None:
+        """``run`` runs its function inline with the device and its stream current."""
+        device = cb.cuda_device(0)
+        before = _state(cp)
+        seen = await device.run(_state, cp)
+        assert seen == (0, device.stream)
+        assert _state(cp) == before
+
+
+@pytest.mark.gpu
+class TestCupyBackend:
+    def test_is_array(self, cb: Any, cp: Any) -> None:
+        """CuPy arrays are arrays of this backend; NumPy arrays and lists are not."""
+        backend = cb.CUPY_BACKEND
+        assert backend.is_array(cp.zeros(2))
+        assert not backend.is_array(np.zeros(2))
+        assert not backend.is_array([0.0])
+
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("op", OPS)
+    @pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+    async def test_all_reduce_matches_numpy(self, cb: Any, op: str, dtype: str) -> None:
+        """Every op on 1 and 2 replicas gives each replica NumPy's answer, on its GPU."""
+        for layout, devices in _layouts(cb).items():
+            hosts = _host_inputs(op, len(devices), dtype)
+            results = await cb.CUPY_BACKEND.all_reduce(op, _to_devices(devices, hosts), devices)
+            expected = _numpy_reduce(op, hosts)
+            assert [r.device.id for r in results] == [d.index for d in devices], layout
+            for result in results:
+                got = result.get()
+                assert got.dtype == expected.dtype, layout
+                np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=layout)
+
+    @pytest.mark.anyio
+    async def test_every_replica_gets_its_own_result(self, cb: Any) -> None:
+        """Results do not alias each other or the inputs, so a replica may change its own."""
+        devices = _layouts(cb)["2 replicas, 1 GPU"]
+        inputs = _to_devices(devices, _host_inputs("sum", 2, "float32"))
+        results = await cb.CUPY_BACKEND.all_reduce("sum", inputs, devices)
+        pointers = {a.data.ptr for a in [*inputs, *results]}
+        assert len(pointers) == 4
+
+    @pytest.mark.anyio
+    async def test_all_gather_concatenates_uneven_inputs_in_replica_order(self, cb: Any) -> None:
+        """Inputs of different lengths along the axis are concatenated in replica order."""
+        for layout, devices in _layouts(cb).items():
+            hosts = [np.full((i + 1, 3), i, dtype=np.int16) for i in range(len(devices))]
+            for axis in (0, 1):
+                shaped = [h if axis == 0 else np.ascontiguousarray(h.T) for h in hosts]
+                results = await cb.CUPY_BACKEND.all_gather(
+                    _to_devices(devices, shaped), axis, devices
+                )
+                expected = np.concatenate(shaped, axis=axis)
+                for result in results:
+                    np.testing.assert_array_equal(result.get(), expected, err_msg=layout)
+
+    @pytest.mark.anyio
+    async def test_broadcast_copies_the_value_to_every_replica(self, cb: Any) -> None:
+        """Each replica gets the value on its own GPU, in an array of its own."""
+        for layout, devices in _layouts(cb).items():
+            value = devices[-1].asarray(np.arange(12.0).reshape(3, 4))
+            results = await cb.CUPY_BACKEND.broadcast(value, devices)
+            assert [r.device.id for r in results] == [d.index for d in devices], layout
+            for result in results:
+                assert result.data.ptr != value.data.ptr
+                np.testing.assert_array_equal(result.get(), np.arange(12.0).reshape(3, 4))
+
+    @pytest.mark.anyio
+    async def test_unknown_op_raises_value_error_naming_it(self, cb: Any) -> None:
+        """An op that is not a reduction is named in the error with the valid ones."""
+        device = cb.cuda_device(0)
+        with pytest.raises(ValueError, match=r"^unknown reduction 'median'; expected one of "):
+            await cb.CUPY_BACKEND.all_reduce("median", [device.asarray([1.0])], [device])
+
+    @pytest.mark.anyio
+    async def test_host_device_is_rejected_with_type_error(self, cb: Any) -> None:
+        """A host device among the devices is a ``TypeError`` naming it and its replica."""
+        from aioreplica._backends import HostDevice
+
+        with pytest.raises(TypeError, match=r"GPU devices.*HostDevice.*replica 1$"):
+            await cb.CUPY_BACKEND.all_reduce(
+                "sum", [np.zeros(1), np.zeros(1)], [cb.cuda_device(0), HostDevice(0)]
+            )
+
+    @pytest.mark.anyio
+    async def test_dtype_nccl_cannot_reduce_is_a_type_error_across_gpus(self, cb: Any) -> None:
+        """int16 has no NCCL type: across GPUs that is a ``TypeError`` saying what to cast to."""
+        if cb.visible_device_count() < 2:
+            pytest.skip("needs two GPUs")
+        devices = [cb.cuda_device(0), cb.cuda_device(1)]
+        inputs = _to_devices(devices, [np.ones(3, dtype=np.int16)] * 2)
+        with pytest.raises(TypeError, match=r"cannot reduce dtype int16.*astype\('int32'\)"):
+            await cb.CUPY_BACKEND.all_reduce("sum", inputs, devices)
+
+    def test_visible_device_count_counts_the_gpus(self, cb: Any, cp: Any) -> None:
+        """The count is CuPy's device count."""
+        assert cb.visible_device_count() == cp.cuda.runtime.getDeviceCount()

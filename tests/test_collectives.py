@@ -1,0 +1,536 @@
+"""Collectives on host devices: replica-context and cross-replica, checks and packing."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+import aioreplica
+from aioreplica import (
+    CommunicationOptions,
+    Mirrored,
+    MirroredStrategy,
+    PerReplica,
+    ReduceOp,
+    ReplicaContext,
+    ReplicaSyncError,
+)
+
+pytestmark = pytest.mark.anyio
+
+
+def cpus(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def ctx() -> ReplicaContext:
+    context = aioreplica.get_replica_context()
+    assert context is not None
+    return context
+
+
+def rid() -> int:
+    return ctx().replica_id_in_sync_group
+
+
+def local(strategy: MirroredStrategy, value: Any) -> tuple[Any, ...]:
+    return strategy.experimental_local_results(value)
+
+
+NUMPY_REDUCE = {
+    "sum": lambda a: np.sum(a, axis=0),
+    "mean": lambda a: np.mean(a, axis=0),
+    "max": lambda a: np.max(a, axis=0),
+    "min": lambda a: np.min(a, axis=0),
+    "prod": lambda a: np.prod(a, axis=0),
+}
+
+
+class TestReduceOp:
+    def test_strings_and_members(self) -> None:
+        """Names in any case and members parse; an unknown name lists the valid ones."""
+        assert ReduceOp.parse("SUM") is ReduceOp.SUM
+        assert ReduceOp.parse(ReduceOp.MEAN) is ReduceOp.MEAN
+        with pytest.raises(ValueError, match="unknown reduce op 'avg': use a ReduceOp or one of"):
+            ReduceOp.parse("avg")
+
+
+class TestCommunicationOptions:
+    def test_validation(self) -> None:
+        """Negative pack sizes and non-positive timeouts are refused."""
+        with pytest.raises(ValueError, match="bytes_per_pack must be an int >= 0"):
+            CommunicationOptions(bytes_per_pack=-1)
+        with pytest.raises(ValueError, match="timeout_seconds must be positive or None"):
+            CommunicationOptions(timeout_seconds=0)
+
+    def test_call_options_override_strategy_options(self) -> None:
+        """Fields a call sets win; the others keep the strategy's."""
+        base = CommunicationOptions(bytes_per_pack=64, timeout_seconds=9.0)
+        assert base.override(CommunicationOptions(timeout_seconds=1.0)) == CommunicationOptions(
+            64, 1.0
+        )
+        assert base.override(None) is base
+
+
+class TestAllReduce:
+    @pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+    @pytest.mark.parametrize("replicas", [1, 2, 3])
+    async def test_matches_numpy(self, op: str, replicas: int) -> None:
+        """Every op equals NumPy's reduction over the replicas' values."""
+        rng = np.random.default_rng(replicas)
+        data = [rng.normal(size=(4, 5)) for _ in range(replicas)]
+        strategy = MirroredStrategy(cpus(replicas))
+
+        async def step(x: np.ndarray[Any, Any]) -> Any:
+            return await ctx().all_reduce(op, x)
+
+        result = await strategy.run(step, args=(PerReplica(data),))
+        for got in local(strategy, result):
+            np.testing.assert_allclose(got, NUMPY_REDUCE[op](np.stack(data)), rtol=1e-12)
+
+    async def test_result_shared_read_only(self) -> None:
+        """Host replicas share one read-only result: no per-replica copies."""
+        strategy = MirroredStrategy(cpus(4))
+        seen: list[np.ndarray[Any, Any]] = []
+
+        async def step() -> None:
+            result = await ctx().all_reduce("sum", np.full(1000, float(rid())))
+            seen.append(result)
+
+        await strategy.run(step)
+        assert all(r is seen[0] for r in seen)
+        assert not seen[0].flags.writeable
+        np.testing.assert_array_equal(seen[0], np.full(1000, 6.0))
+
+    async def test_large_arrays_split_over_worker_threads(self) -> None:
+        """Arrays over the inline threshold reduce in the device threads, same result."""
+        strategy = MirroredStrategy(cpus(3))
+        data = [np.arange(1 << 19, dtype=np.float64) * (i + 1) for i in range(3)]
+
+        async def step(x: np.ndarray[Any, Any]) -> Any:
+            return await ctx().all_reduce(ReduceOp.SUM, x)
+
+        result = await strategy.run(step, args=(PerReplica(data),))
+        np.testing.assert_array_equal(result, np.arange(1 << 19, dtype=np.float64) * 6)
+
+    async def test_nested_structure_and_scalars(self) -> None:
+        """Nested structures reduce leaf by leaf; scalars become 0-d arrays."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            value = {"w": np.ones(3) * rid(), "stats": (rid(), 2.5)}
+            return await ctx().all_reduce("sum", value)
+
+        result = await strategy.run(step)
+        np.testing.assert_array_equal(result["w"], [1.0, 1.0, 1.0])
+        assert result["stats"][0] == 1
+        assert result["stats"][1] == 5.0
+        assert np.ndim(result["stats"][1]) == 0
+
+    async def test_same_object_on_every_replica(self) -> None:
+        """A value every replica passes as the same object counts once per replica."""
+        strategy = MirroredStrategy(cpus(3))
+        shared = np.arange(4.0)
+
+        async def step() -> Any:
+            return await ctx().all_reduce("sum", shared)
+
+        np.testing.assert_array_equal(await strategy.run(step), shared * 3)
+
+    async def test_small_leaves_are_packed(self) -> None:
+        """Small leaves of one dtype are reduced in one pack: their results share a buffer."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            grads = [np.full(10, float(i + rid())) for i in range(20)]
+            return await ctx().all_reduce("sum", grads)
+
+        result = await strategy.run(step)
+        for i, got in enumerate(result):
+            np.testing.assert_array_equal(got, np.full(10, 2.0 * i + 1))
+        assert result[0].base is not None
+        assert result[0].base is result[19].base  # views of one reduced pack
+
+    async def test_bytes_per_pack_bounds_packs(self) -> None:
+        """With a small bytes_per_pack, leaves go in several packs no bigger than it."""
+        options = CommunicationOptions(bytes_per_pack=160)
+        strategy = MirroredStrategy(cpus(2), communication_options=options)
+
+        async def step() -> Any:
+            return await ctx().all_reduce("sum", [np.ones(10) for _ in range(4)])
+
+        result = await strategy.run(step)
+        assert result[0].base is result[1].base  # 80 + 80 bytes: one pack
+        assert result[1].base is not result[2].base  # the third starts a new one
+        np.testing.assert_array_equal(result[3], np.full(10, 2.0))
+
+    async def test_shape_mismatch_names_replicas_and_path(self) -> None:
+        """Different shapes are a ValueError naming both replicas, the key path and shapes."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step() -> Any:
+            size = 4 if rid() == 2 else 3
+            return await ctx().all_reduce("sum", {"w": np.zeros(size)})
+
+        with pytest.raises(
+            ValueError,
+            match=(
+                r"all_reduce: replica 2's value at \['w'\] has shape \(4,\) and dtype float64, "
+                r"replica 0's has shape \(3,\) and dtype float64"
+            ),
+        ):
+            await strategy.run(step)
+
+    async def test_dtype_mismatch(self) -> None:
+        """Different dtypes are a ValueError naming both."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            dtype = np.float32 if rid() else np.float64
+            return await ctx().all_reduce("sum", np.zeros(2, dtype=dtype))
+
+        with pytest.raises(ValueError, match=r"dtype float32, replica 0's has shape .* float64"):
+            await strategy.run(step)
+
+    async def test_structure_mismatch(self) -> None:
+        """Different structures are a ValueError naming the replicas and the path."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            value = [np.zeros(2)] * (rid() + 1)
+            return await ctx().all_reduce("sum", value)
+
+        with pytest.raises(ValueError, match="replica 1's value differs from replica 0's"):
+            await strategy.run(step)
+
+    @pytest.mark.parametrize(
+        ("op", "dtype", "message"),
+        [
+            ("mean", np.int32, "cannot MEAN values of dtype int32 .*cast to a floating dtype"),
+            ("max", np.complex128, "cannot MAX values of dtype complex128 .*no order"),
+            ("sum", np.bool_, "cannot SUM values of dtype bool .*MAX \\(any\\)"),
+        ],
+    )
+    async def test_op_the_dtype_cannot_do(self, op: str, dtype: Any, message: str) -> None:
+        """An op the dtype cannot do is a TypeError with advice, before any work."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().all_reduce(op, np.zeros(3, dtype=dtype))
+
+        with pytest.raises(TypeError, match=message):
+            await strategy.run(step)
+
+    async def test_foreign_arrays_rejected(self) -> None:
+        """Arrays of another backend (a CuPy array on host devices) are a TypeError."""
+
+        class FakeCupyArray:
+            shape = (2,)
+
+        FakeCupyArray.__module__ = "cupy._core.core"
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            value = FakeCupyArray() if rid() else np.zeros(2)
+            return await ctx().all_reduce("sum", value)
+
+        with pytest.raises(
+            TypeError,
+            match=r"mixes array types .*replica 1 passes cupy\._core\.core\.FakeCupy",
+        ):
+            await strategy.run(step)
+
+    async def test_timeout_names_late_replicas(self) -> None:
+        """timeout_seconds fails the run with ReplicaSyncError naming who was late."""
+        strategy = MirroredStrategy(cpus(3))
+        never = anyio.Event()
+
+        async def step() -> Any:
+            if rid() == 1:
+                await never.wait()
+            options = CommunicationOptions(timeout_seconds=0.05)
+            return await ctx().all_reduce("sum", np.zeros(1), options=options)
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.replicas, info.value.waiting) == ((1,), (0, 2))
+        assert "waited 0.05 s" in str(info.value)
+
+    async def test_cross_worker_stage(self) -> None:
+        """A cross-worker stage combines local results: local reduce, across, local result."""
+
+        class TwoIdenticalWorkers:
+            num_workers = 2
+
+            def __init__(self) -> None:
+                self.calls: list[str] = []
+
+            async def all_reduce(self, op: str, local: Any) -> Any:
+                self.calls.append(op)
+                return local * 2 if op == "sum" else local
+
+        strategy = MirroredStrategy(cpus(2))
+        stage = TwoIdenticalWorkers()
+        strategy.extended.communicator.cross_worker = stage
+
+        async def step() -> Any:
+            total = await ctx().all_reduce("sum", np.full(2, float(rid())))
+            mean = await ctx().all_reduce("mean", np.full(2, float(rid())))
+            return total, mean
+
+        total, mean = await strategy.run(step)
+        np.testing.assert_array_equal(total, [2.0, 2.0])
+        np.testing.assert_array_equal(mean, [0.5, 0.5])
+        assert stage.calls == ["sum", "sum"]
+
+
+class TestOtherReplicaCollectives:
+    async def test_all_gather_uneven(self) -> None:
+        """all_gather concatenates uneven batches in replica order, for every replica."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step() -> Any:
+            return await ctx().all_gather(np.full((rid() + 1, 2), rid()))
+
+        result = await strategy.run(step)
+        np.testing.assert_array_equal(
+            result, np.array([[0, 0], [1, 1], [1, 1], [2, 2], [2, 2], [2, 2]])
+        )
+
+    async def test_all_gather_on_another_axis(self) -> None:
+        """all_gather along axis 1 keeps the leading dimension."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().all_gather(np.full((2, 1), rid()), axis=1)
+
+        np.testing.assert_array_equal(await strategy.run(step), [[0, 1], [0, 1]])
+
+    async def test_all_gather_shapes_off_axis_must_match(self) -> None:
+        """Shapes may differ only along the gather axis."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().all_gather(np.zeros((2, rid() + 1)))
+
+        with pytest.raises(ValueError, match="they may differ only along axis 0"):
+            await strategy.run(step)
+
+    async def test_axis_out_of_range(self) -> None:
+        """An axis the value does not have is a ValueError naming it."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().all_gather(np.zeros(3), axis=2)
+
+        with pytest.raises(ValueError, match=r"axis 2 is out of range .* 1 dimension"):
+            await strategy.run(step)
+
+    async def test_broadcast(self) -> None:
+        """Every replica gets the source replica's value; the others' are ignored."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step() -> Any:
+            return await ctx().broadcast({"w": np.full(2, float(rid()))}, source_replica=1)
+
+        result = await strategy.run(step)
+        np.testing.assert_array_equal(result["w"], [1.0, 1.0])
+        assert not result["w"].flags.writeable
+
+    async def test_broadcast_source_out_of_range(self) -> None:
+        """A source replica that does not exist is a ValueError."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().broadcast(np.zeros(1), source_replica=2)
+
+        with pytest.raises(ValueError, match="source_replica must be a replica id from 0 to 1"):
+            await strategy.run(step)
+
+    async def test_reduce_scatter(self) -> None:
+        """Replica i gets the i-th array_split chunk of the reduced value."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step() -> Any:
+            return await ctx().reduce_scatter("sum", np.arange(8.0) * (rid() + 1))
+
+        result = await strategy.run(step)
+        total = np.arange(8.0) * 6
+        for got, want in zip(local(strategy, result), np.array_split(total, 3), strict=True):
+            np.testing.assert_array_equal(got, want)
+
+    async def test_barrier(self) -> None:
+        """No replica passes the barrier before every replica has reached it."""
+        strategy = MirroredStrategy(cpus(3))
+        events: list[str] = []
+
+        async def step() -> None:
+            for _ in range(rid() * 2):
+                await anyio.lowlevel.checkpoint()
+            events.append("before")
+            await ctx().barrier()
+            events.append("after")
+
+        await strategy.run(step)
+        assert events == ["before"] * 3 + ["after"] * 3
+
+
+class TestCrossReplica:
+    async def test_reduce(self) -> None:
+        """strategy.reduce combines a PerReplica across replicas."""
+        strategy = MirroredStrategy(cpus(2))
+        value = PerReplica([np.array([1.0, 2.0]), np.array([3.0, 4.0])])
+        np.testing.assert_array_equal(await strategy.reduce("sum", value), [4.0, 6.0])
+        np.testing.assert_array_equal(await strategy.reduce(ReduceOp.MEAN, value), [2.0, 3.0])
+
+    async def test_reduce_mean_along_axis_weights_by_rows(self) -> None:
+        """MEAN with axis=0 divides by the real number of rows, empty batches included."""
+        strategy = MirroredStrategy(cpus(3))
+        value = PerReplica([np.array([1.0, 2.0, 3.0]), np.array([]), np.array([6.0])])
+        assert await strategy.reduce("mean", value, axis=0) == 3.0
+        assert await strategy.reduce("sum", value, axis=0) == 12.0
+        assert await strategy.reduce("max", value, axis=0) == 6.0
+
+    async def test_reduce_along_axis_of_nothing(self) -> None:
+        """MAX over batches that are all empty has nothing to reduce."""
+        strategy = MirroredStrategy(cpus(2))
+        value = PerReplica([np.array([]), np.array([])])
+        with pytest.raises(ValueError, match="every replica's value at <root> is empty"):
+            await strategy.reduce("max", value, axis=0)
+
+    async def test_reduce_inside_a_replica(self) -> None:
+        """strategy.reduce inside a replica is a RuntimeError pointing to ctx.all_reduce."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await strategy.reduce("sum", np.zeros(1))
+
+        with pytest.raises(RuntimeError, match=r"strategy.reduce\(\) was called inside replica"):
+            await strategy.run(step)
+
+    async def test_gather(self) -> None:
+        """strategy.gather concatenates the components along the axis."""
+        strategy = MirroredStrategy(cpus(2))
+        value = PerReplica([np.array([1, 2]), np.array([3])])
+        np.testing.assert_array_equal(await strategy.gather(value), [1, 2, 3])
+
+    async def test_reduce_to_and_batch(self) -> None:
+        """reduce_to places on one or several destinations; batch_reduce_to does several."""
+        strategy = MirroredStrategy(cpus(2))
+        value = PerReplica([np.array([1.0]), np.array([2.0])])
+        one = await strategy.extended.reduce_to("sum", value, "/device:CPU:1")
+        np.testing.assert_array_equal(one, [3.0])
+        both = await strategy.extended.reduce_to("sum", value, value)
+        assert isinstance(both, np.ndarray | Mirrored)
+        many = await strategy.extended.batch_reduce_to("mean", [(value, "cpu:0")] * 3)
+        assert [float(m[0]) for m in many] == [1.5, 1.5, 1.5]
+        with pytest.raises(ValueError, match="destination 'cpu:7' is not one of"):
+            await strategy.extended.reduce_to("sum", value, "cpu:7")
+
+    async def test_broadcast_to(self) -> None:
+        """broadcast_to places one read-only copy on the destinations."""
+        strategy = MirroredStrategy(cpus(2))
+        result = await strategy.extended.broadcast_to(np.arange(3), ["cpu:0", "cpu:1"])
+        for got in local(strategy, result):
+            np.testing.assert_array_equal(got, [0, 1, 2])
+            assert not got.flags.writeable
+
+
+class TestHostDevice:
+    async def test_run_uses_the_device_thread(self) -> None:
+        """device.run runs in the device's own worker thread, one per device."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> str:
+            return await ctx().device.run(lambda: threading.current_thread().name)
+
+        names = await strategy.run(step)
+        assert names.values == ("aioreplica cpu:0", "aioreplica cpu:1")
+
+    async def test_devices_run_in_parallel(self) -> None:
+        """Jobs on two devices run at the same time (each waits for the other)."""
+        strategy = MirroredStrategy(cpus(2))
+        meet = threading.Barrier(2, timeout=10)
+
+        async def step() -> int:
+            return await ctx().device.run(meet.wait)
+
+        assert sorted(local(strategy, await strategy.run(step))) == [0, 1]
+
+    async def test_loop_is_not_blocked(self) -> None:
+        """While a device job waits, the event loop keeps running other tasks."""
+        strategy = MirroredStrategy(cpus(1))
+        released = threading.Event()
+        events: list[str] = []
+
+        def job() -> None:
+            released.wait(10)
+            events.append("job done")
+
+        async def step() -> None:
+            await ctx().device.run(job)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(strategy.run, step)
+            await anyio.lowlevel.checkpoint()
+            events.append("loop ran")
+            released.set()
+        assert events == ["loop ran", "job done"]
+
+    async def test_fifo_and_synchronize(self) -> None:
+        """Jobs of one device run in submission order; synchronize waits for all of them."""
+        device = aioreplica.MirroredStrategy(["cpu:0"]).extended.replica_devices[0]
+        submitted: list[int] = []
+        order: list[int] = []
+
+        async def submit(i: int) -> None:
+            submitted.append(i)  # device.run queues the job in this same step
+            await device.run(order.append, i)
+
+        async with anyio.create_task_group() as group:
+            for i in range(5):
+                group.start_soon(submit, i)
+        await device.synchronize()
+        assert sorted(submitted) == [0, 1, 2, 3, 4]
+        assert order == submitted
+
+    async def test_exceptions_propagate(self) -> None:
+        """An exception in a device job comes out of device.run."""
+        device = aioreplica.MirroredStrategy(["cpu:0"]).extended.replica_devices[0]
+
+        def boom() -> None:
+            raise KeyError("in the worker")
+
+        with pytest.raises(KeyError, match="in the worker"):
+            await device.run(boom)
+
+    async def test_cancelled_job_that_has_not_started_is_skipped(self) -> None:
+        """Cancelling a wait skips its job if the worker has not started it."""
+        device = aioreplica.MirroredStrategy(["cpu:3"]).extended.replica_devices[0]
+        gate = threading.Event()
+        started = threading.Event()
+        ran: list[str] = []
+
+        def first() -> None:
+            started.set()
+            gate.wait(10)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(device.run, first)
+            await anyio.to_thread.run_sync(started.wait, 10)  # the worker is busy with it
+            with anyio.move_on_after(0.01):
+                await device.run(ran.append, "second")
+            gate.set()
+        await device.synchronize()
+        assert ran == []
+
+    async def test_array_module_and_asarray(self) -> None:
+        """A host device's array module is NumPy; asarray makes arrays of lists."""
+        device = aioreplica.MirroredStrategy(["cpu:0"]).extended.replica_devices[0]
+        assert device.xp is np
+        np.testing.assert_array_equal(device.asarray([1, 2]), np.array([1, 2]))
