@@ -34,7 +34,7 @@ from ._context import ReplicaContext, context_state, merge_call_with_timeout
 from ._values import DistributedValues, Mirrored, PerReplica
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
 
     from ._backends import ArrayBackend
     from ._strategy import MirroredStrategy
@@ -442,11 +442,10 @@ class Communicator:
 
     async def _reduce_pack(self, op: ReduceOp, group: list[_Leaf]) -> list[list[Any]]:
         """Fuse the leaves of each replica into one flat buffer, reduce it, split it back."""
-        size = len(self._devices)
-        packed = [
-            self._devices[r].xp.concatenate([leaf.components[r].reshape(-1) for leaf in group])
-            for r in range(size)
-        ]
+        packed = []
+        for r, device in enumerate(self._devices):
+            parts = [leaf.components[r].reshape(-1) for leaf in group]
+            packed.append(await _on(device, device.xp.concatenate, parts))
         reduced = await self._reduce_arrays(op.value, packed)
         shapes = [leaf.components[0].shape for leaf in group]
         offsets = [0]
@@ -474,7 +473,9 @@ class Communicator:
         local = await self._backend.all_reduce(local_op, inputs, self._devices)
         combined = await cross.all_reduce(local_op, local[0])
         if op == "mean":
-            combined = combined / (len(inputs) * cross.num_workers)
+            combined = await _on(
+                self._devices[0], _divide, combined, len(inputs) * cross.num_workers
+            )
         return await self._backend.broadcast(combined, self._devices)
 
     async def _reduce_along(self, op: ReduceOp, leaf: _Leaf, axis: int) -> Any:
@@ -485,26 +486,21 @@ class Communicator:
         """
         axis_ = self._check_gather_shapes("reduce", leaf, axis)
         inner = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}[op]
-        partials = []
-        for device, component in zip(self._devices, leaf.components, strict=True):
-            if component.shape[axis_] == 0 and op in (ReduceOp.MAX, ReduceOp.MIN):
-                continue  # an empty batch holds no candidate
-            partials.append(getattr(device.xp, inner)(component, axis=axis_))
-        if not partials:
+        empty = [component.shape[axis_] == 0 for component in leaf.components]
+        if op in (ReduceOp.MAX, ReduceOp.MIN) and all(empty):
             raise ValueError(
                 f"reduce: every replica's value at {_tree.describe_path(leaf.path)} is empty "
                 f"along axis {axis}, so {op.name} has nothing to reduce"
             )
-        xp = self._devices[0].xp
-        first_device = self._devices[0]
-        partials = [first_device.asarray(p) for p in partials]
-        result = partials[0].copy()
-        ufunc = {"sum": xp.add, "max": xp.maximum, "min": xp.minimum, "prod": xp.multiply}[inner]
-        for partial in partials[1:]:
-            ufunc(result, partial, out=result)
+        partials = [
+            await _on(device, _partial, device.xp, inner, component, axis_)
+            for device, component in zip(self._devices, leaf.components, strict=True)
+        ]
+        # Across replicas through the backend, which orders the devices' streams.
+        result = (await self._reduce_arrays(inner, partials))[0]
         if op is ReduceOp.MEAN:
             count = sum(component.shape[axis_] for component in leaf.components)
-            result = result / count if count else xp.full_like(result, xp.nan)
+            result = await _on(self._devices[0], _divide, result, count)
         return result
 
     def _destinations(self, destinations: Any) -> tuple[Device, ...]:
@@ -548,6 +544,42 @@ def _agreed(setting: Any) -> Any:
     ``PerReplica``; replica 0's stands for all (they must agree, as in TF).
     """
     return setting.values[0] if isinstance(setting, DistributedValues) else setting
+
+
+async def _on(device: Device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Run array work of one replica's values with its device (and CUDA stream) current.
+
+    Merge functions run on the loop thread with no replica's device current; on a GPU that
+    would launch kernels on whatever device is current, unordered with the replicas' streams.
+    Host devices have no current device, and this small work is cheaper inline than handed to a
+    worker thread.
+    """
+    if device.has_context:
+        return await device.run(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _partial(xp: Any, inner: str, component: Any, axis: int) -> Any:
+    """One replica's reduction along ``axis``; an empty batch gives the op's identity, so it
+    changes nothing when the replicas' partials are combined."""
+    if component.shape[axis] or inner in ("sum", "prod"):
+        return getattr(xp, inner)(component, axis=axis)
+    shape = component.shape[:axis] + component.shape[axis + 1 :]
+    dtype = component.dtype
+    if dtype.kind == "f":
+        identity: Any = -xp.inf if inner == "max" else xp.inf
+    elif dtype.kind in "iu":
+        info = xp.iinfo(dtype)
+        identity = info.min if inner == "max" else info.max
+    else:  # bool
+        identity = inner == "min"
+    return xp.full(shape, identity, dtype=dtype)
+
+
+def _divide(value: Any, by: int) -> Any:
+    if by == 0:
+        return value * float("nan")  # nothing to average: NaN, as np.mean of nothing
+    return value / by
 
 
 def _mirrored(results: list[Any]) -> Any:
