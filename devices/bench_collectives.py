@@ -1,4 +1,4 @@
-"""Host all_reduce and host compute of aioreplica against plain NumPy, on this machine.
+"""Host all_reduce and host compute against plain NumPy, and GPU all_reduce against plain CuPy.
 
 Part A, host ``all_reduce`` SUM of float32 arrays, for N = 2, 4, 8 replicas and 1, 16, 64 MiB
 per replica. One run times, interleaved:
@@ -33,6 +33,26 @@ step takes about 10 ms on a 2-core EPYC, long against the fixed cost of handing 
 and back (0.1-0.3 ms there): with 1 MiB arrays even plain threads scaled only 1.6x, so the
 ratio measured that cost more than parallelism (``bench_scheduler.py`` measures overhead).
 
+Part C, ``all_reduce`` SUM of float32 arrays across N = 2, 4 replicas on one GPU (``gpu:0``),
+16 and 64 MiB per replica. It runs only when CuPy imports and ``aioreplica.list_devices()``
+names a GPU; otherwise it is reported as skipped, with the reason. A strategy needs a distinct
+device per replica, so the replicas are ``cuda_device(0)`` and ``check_gpu.ExtraReplicaDevice``
+wrappers ``gpu:0.1``, ``gpu:0.2``, ... (imported from ``devices/check_gpu.py``), each with a
+CUDA stream of its own. The inputs are created on GPU 0 and complete before timing starts. Rows:
+
+aioreplica    the same step as in part A, on those devices.
+cupy-sum      ``cupy.add(a, b, out=o); cupy.add(o, c, out=o); ...`` into one preallocated output.
+cupy-copy     ``dst[...] = src`` for each of the N inputs, into preallocated arrays: N x size
+              bytes copied device to device, reported as GB/s (this GPU's copy bandwidth now).
+
+Timing includes completion: each timed call is followed by ``cupy.cuda.Device(0).synchronize()``
+(in the harness, between steps, never inside one), and ``time.perf_counter_ns`` spans the calls
+and their waits. CUDA events would time one stream, but aioreplica's work spans the replicas'
+streams; a device synchronize waits for all of them and costs every row the same fixed time,
+reported as ``idle_sync_us`` (a synchronize on an idle GPU). Results are checked against a
+NumPy sum before timing; aioreplica's must be on GPU 0 for every replica. A failure in part C is
+recorded and reported; parts A and B still report.
+
 Each configuration is calibrated so that one sample (``time.perf_counter_ns`` around ``reps``
 calls) lasts about 0.2 s (0.05 s with ``--quick``, at least one call). 7 samples are taken per
 configuration (3 with ``--quick``; three times as many in part B, which is cheap and whose ratio
@@ -47,43 +67,64 @@ Run from the repository root (aioreplica is imported from this checkout)::
     .venv/bin/python devices/bench_collectives.py                  # a few minutes
     .venv/bin/python devices/bench_collectives.py --loop trio      # or uvloop
     .venv/bin/python devices/bench_collectives.py --n 4 --sizes 64 --part a
+    .venv/bin/python devices/bench_collectives.py --part c         # GPU only (skipped without)
 
 Output. Table 1: per (N, MiB per replica), copy GB/s, median ms per all_reduce of each
 implementation, aioreplica / fastest NumPy, kernel-2t / fastest NumPy, and aioreplica's input
-bandwidth (N x size / time). Table 2: steps/s x replicas for 1 and 2 replicas, and 2/1. Checks,
-PASS / FAIL (SKIP when a check's configuration was left out): (1) 4 x 64 MiB float32 SUM
-all_reduce within 1.25x of the fastest plain-NumPy sum; (2) results shared, no per-replica
-copies; (3) 2 replicas with device.run reach >= 1.6x the throughput of 1. Metadata, raw samples
-and checks go to ``--json`` (default ``bench-results/bench_collectives.json``). The exit status
-is 0 whatever the checks say; non-zero means the script itself crashed.
+bandwidth (N x size / time). Table 2: steps/s x replicas for 1 and 2 replicas, and 2/1. Table 3
+(part C): per (N, MiB per replica), cupy-copy GB/s, median ms per call of each row, aioreplica /
+cupy-sum, aioreplica's input bandwidth and that bandwidth over the copy's. Checks, PASS / FAIL
+(SKIP when a check's configuration was left out, or part C had no GPU): (1) 4 x 64 MiB float32
+SUM all_reduce within 1.25x of the fastest plain-NumPy sum; (2) results shared, no per-replica
+copies; (3) 2 replicas with device.run reach >= 1.6x the throughput of 1; (4) 4 x 64 MiB float32
+SUM all_reduce on one GPU within 1.5x of the plain CuPy sum. Metadata (with part C's status, GPU
+and timing method), raw samples and checks go to ``--json`` (default
+``bench-results/bench_collectives.json``). The exit status is 0 whatever the checks say;
+non-zero means the script itself crashed.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import datetime
 import functools
 import gc
 import importlib
-import importlib.metadata
 import importlib.util
-import json
 import math
-import os
-import platform
 import queue
 import statistics
 import sys
 import threading
 import time
+import traceback
 import tracemalloc
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy as np
+from _benchlib import (
+    REPO_ROOT,
+    Api,
+    Case,
+    Driver,
+    ReplicaContext,
+    Strategy,
+    aioreplica_meta,
+    bench_parser,
+    dist_versions,
+    fmt,
+    host_strategy,
+    load_aioreplica,
+    pick,
+    print_checks,
+    run_interleaved,
+    run_meta,
+    sample_target_ns,
+    timed_async,
+    timed_sync,
+    within,
+    write_json,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
@@ -91,7 +132,6 @@ if TYPE_CHECKING:
 
     import numpy.typing as npt
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 KERNEL_PATH = REPO_ROOT / "aioreplica" / "_backends" / "_hostreduce.py"
 A_IMPLS = ("aioreplica", "kernel-2t", "kernel-1t", "numpy-chain", "numpy-reduce", "copy")
 NUMPY_IMPLS = ("numpy-chain", "numpy-reduce")
@@ -103,55 +143,19 @@ COMPUTE_REPLICAS = (1, 2)
 VERIFY_TIMEOUT_S = 120.0
 CHECK1 = (4, 64, 1.25)  # N, MiB per replica, bound on aioreplica / fastest NumPy
 CHECK3 = 1.6
+C_IMPLS = ("aioreplica", "cupy-sum", "cupy-copy")
+C_N_VALUES = (2, 4)
+C_SIZES_MIB = (16, 64)
+CHECK4 = (4, 64, 1.5)  # N, MiB per replica, bound on aioreplica / plain CuPy sum
+GPU_INDEX = 0
+GPU_TIMING = (
+    "perf_counter_ns around reps calls, each call followed by cupy.cuda.Device(i).synchronize()"
+)
 MIB = 1 << 20
-T = TypeVar("T")
+MAX_REPS = 1_000_000
 
 
-# --- aioreplica, imported from this checkout ------------------------------------------------
-
-
-class _ReplicaContext(Protocol):
-    @property
-    def device(self) -> Any: ...
-
-    def all_reduce(self, op: Any, value: Any) -> Awaitable[Any]: ...
-
-
-class _Strategy(Protocol):
-    def run(
-        self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...] = ...
-    ) -> Awaitable[Any]: ...
-
-    def experimental_local_results(self, value: Any) -> tuple[Any, ...]: ...
-
-
-@dataclass
-class _Api:
-    strategy_cls: Callable[[list[str]], _Strategy]
-    get_replica_context: Callable[[], _ReplicaContext]
-    per_replica: Callable[[Sequence[Any]], Any]
-    distributed_values: type
-    sum_op: Any
-    version: str
-
-
-def _load_aioreplica() -> _Api | str:
-    """The aioreplica API, or why it cannot be imported."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    try:
-        mod = importlib.import_module("aioreplica")
-        reduce_op = getattr(mod, "ReduceOp", None)
-        return _Api(
-            mod.MirroredStrategy,
-            mod.get_replica_context,
-            mod.PerReplica,
-            mod.DistributedValues,
-            reduce_op.SUM if reduce_op is not None else "sum",
-            str(getattr(mod, "__version__", None) or _dist_version("aioreplica")),
-        )
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
+# --- the host kernel, loaded from its file ----------------------------------------------------
 
 
 def _load_kernel() -> ModuleType | str:
@@ -206,63 +210,12 @@ class _Workers:
             inbox.put(None)
 
 
-# --- event loops ----------------------------------------------------------------------------
-
-
-class _Driver:
-    """Runs coroutine functions on one kind of event loop (one asyncio loop, reused)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind, self._runner = kind, None if kind == "trio" else asyncio.Runner()
-        if kind == "uvloop":
-            import uvloop
-
-            self._runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-
-    def run(self, fn: Callable[[], Awaitable[T]]) -> T:
-        if self._runner is not None:
-            return self._runner.run(_await(fn))
-        import trio
-
-        return trio.run(_await, fn)
-
-    def close(self) -> None:
-        if self._runner is not None:
-            self._runner.close()
-
-
-async def _await(fn: Callable[[], Awaitable[T]]) -> T:
-    return await fn()
-
-
-async def _within(seconds: float, aw: Awaitable[T]) -> T:
-    try:
-        with anyio.fail_after(seconds):
-            return await aw
-    except TimeoutError:
-        raise TimeoutError(f"verification step did not finish within {seconds} s") from None
-
-
-async def _timed_async(step: Callable[[], Awaitable[object]], reps: int) -> int:
-    t0 = time.perf_counter_ns()
-    for _ in range(reps):
-        await step()
-    return time.perf_counter_ns() - t0
-
-
-def _timed_sync(step: Callable[[], object], reps: int) -> int:
-    t0 = time.perf_counter_ns()
-    for _ in range(reps):
-        step()
-    return time.perf_counter_ns() - t0
-
-
-# --- results and cases ----------------------------------------------------------------------
+# --- results ----------------------------------------------------------------------------------
 
 
 @dataclass
 class _Result:
-    part: str  # "allreduce" | "compute"
+    part: str  # "allreduce" | "compute" | "gpu_allreduce"
     impl: str
     n: int
     mib: int
@@ -273,6 +226,14 @@ class _Result:
     info: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def tolerates_failure(self) -> bool:
+        return self.impl in ("aioreplica", "kernel-1t", "kernel-2t") or self.part == "gpu_allreduce"
+
+    @property
+    def label(self) -> str:
+        return f"{self.part} {self.impl} N={self.n} {self.mib} MiB"
+
+    @property
     def per_call_ns(self) -> list[float]:
         return [s / self.reps for s in self.samples_ns] if self.status == "ok" else []
 
@@ -280,53 +241,6 @@ class _Result:
     def median_ms(self) -> float | None:
         t = self.per_call_ns
         return statistics.median(t) / 1e6 if t else None
-
-
-@dataclass
-class _Case:
-    result: _Result
-    sample: Callable[[int], int]  # reps -> elapsed ns
-    verify: Callable[[], None]
-
-
-def _one_sample(case: _Case, reps: int) -> int:
-    gc.collect()
-    return case.sample(reps)
-
-
-def _calibrate(case: _Case, target_ns: int) -> int:
-    reps = 1
-    while True:
-        elapsed = max(_one_sample(case, reps), 1)
-        if elapsed >= target_ns // 5 or reps >= 1_000_000:
-            return max(1, round(reps * target_ns / elapsed))
-        reps = max(reps * 2, min(reps * 100, math.ceil(reps * target_ns / 2 / elapsed)))
-
-
-def _guard(case: _Case, action: Callable[[_Case], object]) -> bool:
-    """Run one harness action; an aioreplica or kernel failure is recorded, others raise."""
-    try:
-        action(case)
-    except Exception as exc:
-        r = case.result
-        if r.impl not in ("aioreplica", "kernel-1t", "kernel-2t"):
-            raise
-        r.status, r.reason = "error", f"{type(exc).__name__}: {exc}"
-        print(f"  {r.part} {r.impl} N={r.n} {r.mib} MiB failed: {r.reason}", file=sys.stderr)
-        return False
-    return True
-
-
-def _run_interleaved(cases: list[_Case], samples: int, target_ns: int) -> None:
-    for c in list(cases):
-        if not _guard(c, lambda c: c.verify()) or not _guard(
-            c, lambda c: setattr(c.result, "reps", _calibrate(c, target_ns))
-        ):
-            cases.remove(c)
-    for _ in range(samples):  # A B C A B C ...
-        for c in list(cases):
-            if not _guard(c, lambda c: c.result.samples_ns.append(_one_sample(c, c.result.reps))):
-                cases.remove(c)
 
 
 # --- part A: all_reduce ---------------------------------------------------------------------
@@ -363,20 +277,20 @@ def _allreduce_cases(
     n: int,
     mib: int,
     impls: list[str],
-    api: _Api | str | None,
-    strategy: _Strategy | None,
+    api: Api | str | None,
+    strategy: Strategy | None,
     kernel: ModuleType | str,
     workers: _Workers,
-    driver: _Driver,
+    driver: Driver,
     rows: dict[str, _Result],
-) -> list[_Case]:
+) -> list[Case[_Result]]:
     size = mib * MIB // 4
     rng = np.random.default_rng(n * 1000 + mib)
     arrays = [rng.random(size, dtype=np.float32) for _ in range(n)]
     chain_out = np.zeros(size, np.float32)
     copy_out = np.zeros((n, size), np.float32)
     reference = functools.reduce(np.add, arrays)
-    cases: list[_Case] = []
+    cases: list[Case[_Result]] = []
 
     def close_to_reference(got: Any, impl: str) -> None:
         if not np.allclose(got, reference, rtol=1e-5, atol=1e-5):
@@ -407,7 +321,7 @@ def _allreduce_cases(
                 else:
                     close_to_reference(chain_out if impl == "numpy-chain" else fn(), impl)
 
-            cases.append(_Case(rows[impl], functools.partial(_timed_sync, fn), verify))
+            cases.append(Case(rows[impl], functools.partial(timed_sync, fn), verify))
 
     if not isinstance(kernel, str):
         pool = kernel.BufferPool()
@@ -432,9 +346,9 @@ def _allreduce_cases(
                     close_to_reference(fn(), impl)
                     rows[impl].info["ranges"] = len(split)
 
-                cases.append(_Case(rows[impl], functools.partial(_timed_sync, fn), kverify))
+                cases.append(Case(rows[impl], functools.partial(timed_sync, fn), kverify))
 
-    if "aioreplica" in impls and isinstance(api, _Api) and strategy is not None:
+    if "aioreplica" in impls and isinstance(api, Api) and strategy is not None:
         get_ctx, strat, op = api.get_replica_context, strategy, api.sum_op
         per_replica = api.per_replica(arrays)
 
@@ -446,7 +360,7 @@ def _allreduce_cases(
 
         def aio_verify() -> None:
             result = driver.run(
-                lambda: _within(VERIFY_TIMEOUT_S, strat.run(step, args=(per_replica,)))
+                lambda: within(VERIFY_TIMEOUT_S, strat.run(step, args=(per_replica,)))
             )
             wrapped = isinstance(result, api.distributed_values)
             values = strat.experimental_local_results(result)
@@ -462,10 +376,10 @@ def _allreduce_cases(
             rows["aioreplica"].info.update(info)
 
         cases.append(
-            _Case(
+            Case(
                 rows["aioreplica"],
                 lambda reps: driver.run(
-                    lambda: _timed_async(lambda: strat.run(step, args=(per_replica,)), reps)
+                    lambda: timed_async(lambda: strat.run(step, args=(per_replica,)), reps)
                 ),
                 aio_verify,
             )
@@ -479,19 +393,14 @@ def _measure_allreduce(
     impls: list[str],
     samples: int,
     target_ns: int,
-    api: _Api | str | None,
+    api: Api | str | None,
     kernel: ModuleType | str,
     workers: _Workers,
-    driver: _Driver,
+    driver: Driver,
 ) -> list[_Result]:
     results: list[_Result] = []
     for n in ns:
-        strategy, strategy_error = None, ""
-        if "aioreplica" in impls and isinstance(api, _Api):
-            try:
-                strategy = api.strategy_cls([f"cpu:{i}" for i in range(n)])
-            except Exception as exc:
-                strategy_error = f"MirroredStrategy(N={n}): {type(exc).__name__}: {exc}"
+        strategy, strategy_error = host_strategy(api, n, impls)
         for mib in sizes:
             rows = {impl: _Result("allreduce", impl, n, mib) for impl in impls}
             results.extend(rows.values())
@@ -503,10 +412,10 @@ def _measure_allreduce(
                 elif impl.startswith("kernel") and isinstance(kernel, str):
                     r.status, r.reason = "error", f"kernel not loadable: {kernel}"
             cases = _allreduce_cases(n, mib, impls, api, strategy, kernel, workers, driver, rows)
-            _run_interleaved(cases, samples, target_ns)
+            run_interleaved(cases, samples, target_ns, max_reps=MAX_REPS, gc_off=False)
             del cases
             gc.collect()
-            line = "  ".join(f"{r.impl} {_fmt(r.median_ms)}" for r in rows.values())
+            line = "  ".join(f"{r.impl} {fmt(r.median_ms)}" for r in rows.values())
             print(f"N={n} {mib:>2} MiB  {line}  (ms)", file=sys.stderr, flush=True)
     return results
 
@@ -526,9 +435,9 @@ def _measure_compute(
     impls: list[str],
     samples: int,
     target_ns: int,
-    api: _Api | str | None,
+    api: Api | str | None,
     workers: _Workers,
-    driver: _Driver,
+    driver: Driver,
 ) -> list[_Result]:
     size = COMPUTE_MIB * MIB // 8
     xs = [np.linspace(i, i + 1, size) for i in range(max(COMPUTE_REPLICAS))]
@@ -536,8 +445,8 @@ def _measure_compute(
     for x, ref in zip(xs, reference, strict=True):
         _compute_work(x, ref)
     results: list[_Result] = []
-    cases: list[_Case] = []
-    if isinstance(api, _Api):
+    cases: list[Case[_Result]] = []
+    if isinstance(api, Api):
         compute_step = functools.partial(_compute_step, api.get_replica_context)
     for impl in impls:
         for n in COMPUTE_REPLICAS:
@@ -558,9 +467,9 @@ def _measure_compute(
                     check()
 
                 cases.append(
-                    _Case(
+                    Case(
                         res,
-                        functools.partial(_timed_sync, functools.partial(workers.run_all, jobs)),
+                        functools.partial(timed_sync, functools.partial(workers.run_all, jobs)),
                         tverify,
                     )
                 )
@@ -576,28 +485,28 @@ def _measure_compute(
             args = (api.per_replica(xs[:n]), api.per_replica(ys))
 
             def averify(
-                strategy: _Strategy = strategy, args: Any = args, check: Any = check
+                strategy: Strategy = strategy, args: Any = args, check: Any = check
             ) -> None:
-                driver.run(lambda: _within(VERIFY_TIMEOUT_S, strategy.run(compute_step, args=args)))
+                driver.run(lambda: within(VERIFY_TIMEOUT_S, strategy.run(compute_step, args=args)))
                 check()
 
-            def asample(reps: int, strategy: _Strategy = strategy, args: Any = args) -> int:
+            def asample(reps: int, strategy: Strategy = strategy, args: Any = args) -> int:
                 return driver.run(
-                    lambda: _timed_async(lambda: strategy.run(compute_step, args=args), reps)
+                    lambda: timed_async(lambda: strategy.run(compute_step, args=args), reps)
                 )
 
-            cases.append(_Case(res, asample, averify))
-    _run_interleaved(cases, samples, target_ns)
+            cases.append(Case(res, asample, averify))
+    run_interleaved(cases, samples, target_ns, max_reps=MAX_REPS, gc_off=False)
     for r in results:
         print(
-            f"compute {r.impl} replicas={r.n}  {_fmt(_throughput(r))} steps/s x replicas",
+            f"compute {r.impl} replicas={r.n}  {fmt(_throughput(r))} steps/s x replicas",
             file=sys.stderr,
             flush=True,
         )
     return results
 
 
-async def _compute_step(get_ctx: Callable[[], _ReplicaContext], x: Any, y: Any) -> None:
+async def _compute_step(get_ctx: Callable[[], ReplicaContext], x: Any, y: Any) -> None:
     await get_ctx().device.run(_compute_work, x, y)
 
 
@@ -606,18 +515,251 @@ def _throughput(r: _Result) -> float | None:
     return None if t is None or t <= 0 else r.n * 1e3 / t
 
 
+# --- part C: all_reduce on one GPU ------------------------------------------------------------
+
+
+def _load_gpu(api: Api | str | None) -> tuple[Any, str]:
+    """The ``cupy`` module when CuPy imports and aioreplica lists a GPU; else None and why not."""
+    if not isinstance(api, Api):
+        return None, f"aioreplica not importable: {api}"
+    try:
+        cp = importlib.import_module("cupy")
+    except Exception as exc:
+        return None, f"CuPy not importable ({type(exc).__name__}: {exc})"
+    if api.list_devices is None:
+        return None, "aioreplica has no list_devices()"
+    names = api.list_devices()
+    if not any(name.startswith("gpu:") for name in names):
+        return None, f"no GPU in aioreplica.list_devices() = {names}"
+    return cp, ""
+
+
+def _extra_replica_device() -> Callable[[int, int], Any]:
+    """``check_gpu.ExtraReplicaDevice``: a replica ``gpu:<i>.<k>`` on a GPU, own stream."""
+    devices_dir = str(Path(__file__).resolve().parent)
+    if devices_dir not in sys.path:
+        sys.path.insert(0, devices_dir)
+    from check_gpu import ExtraReplicaDevice
+
+    return ExtraReplicaDevice
+
+
+def _gpu_timed_sync(step: Callable[[], object], wait: Callable[[], object], reps: int) -> int:
+    wait()
+    t0 = time.perf_counter_ns()
+    for _ in range(reps):
+        step()
+        wait()
+    return time.perf_counter_ns() - t0
+
+
+async def _gpu_timed_async(
+    step: Callable[[], Awaitable[object]], wait: Callable[[], object], reps: int
+) -> int:
+    wait()
+    t0 = time.perf_counter_ns()
+    for _ in range(reps):
+        await step()
+        wait()  # the harness waits here, between steps, never inside one
+    return time.perf_counter_ns() - t0
+
+
+def _idle_sync_us(wait: Callable[[], object], calls: int = 200) -> float:
+    """Median µs of ``wait()`` on an idle GPU: the fixed cost that every timed call includes."""
+    wait()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter_ns()
+        wait()
+        times.append(time.perf_counter_ns() - t0)
+    return statistics.median(times) / 1e3
+
+
+def _gpu_allreduce_cases(
+    cp: Any,
+    index: int,
+    n: int,
+    mib: int,
+    impls: list[str],
+    api: Api,
+    strategy: Strategy | None,
+    driver: Driver,
+    rows: dict[str, _Result],
+) -> list[Case[_Result]]:
+    size = mib * MIB // 4
+    rng = np.random.default_rng(n * 1000 + mib)
+    hosts = [rng.random(size, dtype=np.float32) for _ in range(n)]
+    reference = functools.reduce(np.add, hosts)
+    last_host = hosts[-1]
+    gpu = cp.cuda.Device(index)
+    with gpu:
+        arrays = [cp.asarray(h) for h in hosts]
+        sum_out = cp.empty(size, dtype=cp.float32)
+        copy_outs = [cp.empty(size, dtype=cp.float32) for _ in range(n)]
+    del hosts
+    wait = gpu.synchronize
+    wait()  # the inputs are complete before any replica stream reads them
+    cases: list[Case[_Result]] = []
+
+    def on_host(x: Any) -> npt.NDArray[Any]:
+        wait()
+        return np.asarray(cp.asnumpy(x))
+
+    def close_to_reference(got: Any, impl: str) -> None:
+        if not np.allclose(on_host(got), reference, rtol=1e-5, atol=1e-5):
+            raise RuntimeError(f"{impl} N={n} {mib} MiB: result differs from the NumPy sum")
+
+    def cupy_sum() -> None:
+        with gpu:
+            cp.add(arrays[0], arrays[1], out=sum_out)
+            for x in arrays[2:]:
+                cp.add(sum_out, x, out=sum_out)
+
+    def cupy_copy() -> None:
+        with gpu:
+            for dst, src in zip(copy_outs, arrays, strict=True):
+                dst[...] = src
+
+    def sum_verify() -> None:
+        cupy_sum()
+        close_to_reference(sum_out, "cupy-sum")
+
+    def copy_verify() -> None:
+        cupy_copy()
+        if not np.array_equal(on_host(copy_outs[-1]), last_host):
+            raise RuntimeError("cupy-copy did not copy")
+
+    for impl, fn, verify in (
+        ("cupy-sum", cupy_sum, sum_verify),
+        ("cupy-copy", cupy_copy, copy_verify),
+    ):
+        if impl in impls:
+            cases.append(Case(rows[impl], functools.partial(_gpu_timed_sync, fn, wait), verify))
+
+    if "aioreplica" in impls and strategy is not None:
+        get_ctx, strat, op = api.get_replica_context, strategy, api.sum_op
+        per_replica = api.per_replica(arrays)
+
+        async def step(x: Any) -> Any:
+            return await get_ctx().all_reduce(op, x)
+
+        def aio_verify() -> None:
+            result = driver.run(
+                lambda: within(VERIFY_TIMEOUT_S, strat.run(step, args=(per_replica,)))
+            )
+            values = strat.experimental_local_results(result)
+            if not isinstance(result, api.distributed_values):
+                values = values * n
+            for value in values:
+                close_to_reference(value, "aioreplica")
+            inputs = {x.data.ptr for x in arrays}
+            rows["aioreplica"].info.update(
+                {
+                    "replicas_seen": len(values),
+                    "on_the_gpu": all(v.device.id == index for v in values),
+                    "distinct_buffers": len({v.data.ptr for v in values}),
+                    "is_an_input": any(v.data.ptr in inputs for v in values),
+                }
+            )
+            del result, values
+
+        cases.append(
+            Case(
+                rows["aioreplica"],
+                lambda reps: driver.run(
+                    lambda: _gpu_timed_async(
+                        lambda: strat.run(step, args=(per_replica,)), wait, reps
+                    )
+                ),
+                aio_verify,
+            )
+        )
+    return cases
+
+
+def _measure_gpu_allreduce(
+    cp: Any,
+    ns: list[int],
+    sizes: list[int],
+    impls: list[str],
+    samples: int,
+    target_ns: int,
+    api: Api,
+    driver: Driver,
+) -> tuple[list[_Result], dict[str, Any]]:
+    from aioreplica._backends._cupy import cuda_device
+
+    extra = _extra_replica_device()
+    index = GPU_INDEX
+    wait = cp.cuda.Device(index).synchronize
+    info: dict[str, Any] = {
+        "gpu": f"gpu:{index}",
+        "gpu_name": _gpu_name(cp, index),
+        "cupy": str(getattr(cp, "__version__", None)),
+        "timing": GPU_TIMING,
+        "idle_sync_us": _idle_sync_us(wait),
+    }
+    results: list[_Result] = []
+    for n in ns:
+        strategy, strategy_error = None, ""
+        if "aioreplica" in impls:
+            try:
+                devices = [cuda_device(index)] + [extra(index, k) for k in range(1, n)]
+                strategy = api.strategy_cls(devices)
+            except Exception as exc:
+                strategy_error = (
+                    f"MirroredStrategy(N={n} on gpu:{index}): {type(exc).__name__}: {exc}"
+                )
+        for mib in sizes:
+            rows = {impl: _Result("gpu_allreduce", impl, n, mib) for impl in impls}
+            results.extend(rows.values())
+            if strategy_error:
+                rows["aioreplica"].status, rows["aioreplica"].reason = "error", strategy_error
+            cases = _gpu_allreduce_cases(cp, index, n, mib, impls, api, strategy, driver, rows)
+            run_interleaved(cases, samples, target_ns, max_reps=MAX_REPS, gc_off=False)
+            del cases
+            gc.collect()
+            line = "  ".join(f"{r.impl} {fmt(r.median_ms)}" for r in rows.values())
+            print(f"gpu N={n} {mib:>2} MiB  {line}  (ms)", file=sys.stderr, flush=True)
+    return results, info
+
+
+def _gpu_name(cp: Any, index: int) -> str | None:
+    try:
+        name = cp.cuda.runtime.getDeviceProperties(index)["name"]
+    except Exception:
+        return None
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _run_gpu_part(
+    ns: list[int],
+    sizes: list[int],
+    impls: list[str],
+    samples: int,
+    target_ns: int,
+    api: Api | str | None,
+    driver: Driver,
+) -> tuple[list[_Result], dict[str, Any]]:
+    """Part C, or why it did not run; a crash in it is recorded so parts A and B still report."""
+    cp, why = _load_gpu(api)
+    if cp is None or not isinstance(api, Api):
+        return [], {"status": "skipped", "reason": why}
+    try:
+        results, info = _measure_gpu_allreduce(
+            cp, ns, sizes, impls, samples, target_ns, api, driver
+        )
+    except Exception as exc:
+        traceback.print_exc()
+        return [], {"status": "error", "reason": f"{type(exc).__name__}: {exc}"}
+    return results, {"status": "ran", "reason": ""} | info
+
+
 # --- reporting --------------------------------------------------------------------------------
 
 
-def _fmt(x: float | None, width: int = 0) -> str:
-    if x is None:
-        return "n/a".rjust(width)
-    text = f"{x:.3g}" if abs(x) < 10 else f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.1f}"
-    return text.rjust(width)
-
-
 def _times(x: float | None) -> str:
-    return "n/a" if x is None else f"{_fmt(x)}x"
+    return "n/a" if x is None else f"{fmt(x)}x"
 
 
 def _paired_ratio(a: _Result | None, b: _Result | None) -> float | None:
@@ -662,6 +804,31 @@ def _allreduce_table(results: list[_Result]) -> list[dict[str, Any]]:
     return table
 
 
+def _gpu_table(results: list[_Result]) -> list[dict[str, Any]]:
+    groups: dict[tuple[int, int], dict[str, _Result]] = {}
+    for r in results:
+        groups.setdefault((r.n, r.mib), {})[r.impl] = r
+    table = []
+    for (n, mib), rows in groups.items():
+        copy, plain, aio = rows.get("cupy-copy"), rows.get("cupy-sum"), rows.get("aioreplica")
+        copy_ms = copy.median_ms if copy else None
+        aio_ms = aio.median_ms if aio else None
+        total = n * mib * MIB
+        table.append(
+            {
+                "n": n,
+                "mib_per_replica": mib,
+                "copy_gb_s": None if not copy_ms else total / (copy_ms / 1e3) / 1e9,
+                "median_ms": {i: r.median_ms for i, r in rows.items()},
+                "aioreplica_over_cupy_sum": _paired_ratio(aio, plain),
+                "aioreplica_input_gb_s": None if not aio_ms else total / (aio_ms / 1e3) / 1e9,
+                # copy time over aioreplica's: aioreplica's bandwidth as a fraction of the copy's
+                "aioreplica_bandwidth_over_copy": _paired_ratio(copy, aio),
+            }
+        )
+    return table
+
+
 def _compute_table(results: list[_Result]) -> dict[str, Any]:
     by = {(r.impl, r.n): r for r in results}
     out: dict[str, Any] = {}
@@ -677,7 +844,11 @@ def _compute_table(results: list[_Result]) -> dict[str, Any]:
 
 
 def _checks(
-    results: list[_Result], table: list[dict[str, Any]], compute: dict[str, Any]
+    results: list[_Result],
+    table: list[dict[str, Any]],
+    compute: dict[str, Any],
+    gpu_table: list[dict[str, Any]],
+    gpu_part: dict[str, Any],
 ) -> list[dict[str, str]]:
     checks = []
     n1, mib1, bound = CHECK1
@@ -698,8 +869,8 @@ def _checks(
             if r.part == "allreduce" and (r.n, r.mib) == (n1, mib1) and r.reason
         }
         detail = (
-            f"aioreplica {_fmt(ms.get('aioreplica'))} ms, {row['fastest_numpy']} "
-            f"{_fmt(ms.get(row['fastest_numpy']) if row['fastest_numpy'] else None)} ms: "
+            f"aioreplica {fmt(ms.get('aioreplica'))} ms, {row['fastest_numpy']} "
+            f"{fmt(ms.get(row['fastest_numpy']) if row['fastest_numpy'] else None)} ms: "
             f"{_times(ratio)} (median of paired ratios)"
         )
         if ratio is None:
@@ -758,7 +929,7 @@ def _checks(
         ratio = c["ratio_2_over_1"]
         thr = compute.get("threads", {}).get("ratio_2_over_1")
         detail = (
-            f"aioreplica {_fmt(c['throughput_1'])} -> {_fmt(c['throughput_2'])} steps/s x "
+            f"aioreplica {fmt(c['throughput_1'])} -> {fmt(c['throughput_2'])} steps/s x "
             f"replicas: {_times(ratio)}; plain threads on this machine now: {_times(thr)}"
         )
         if ratio is None:
@@ -771,7 +942,46 @@ def _checks(
                 "detail": detail,
             }
         )
+    checks.append(_gpu_check(results, gpu_table, gpu_part))
     return checks
+
+
+def _gpu_check(
+    results: list[_Result], gpu_table: list[dict[str, Any]], gpu_part: dict[str, Any]
+) -> dict[str, str]:
+    n4, mib4, bound = CHECK4
+    name = (
+        f"(4) {n4} x {mib4} MiB float32 SUM all_reduce on one GPU within {bound}x of the "
+        "plain CuPy sum"
+    )
+    row = next((t for t in gpu_table if (t["n"], t["mib_per_replica"]) == (n4, mib4)), None)
+    status = gpu_part["status"]
+    if status == "not requested":
+        return {"name": name, "status": "SKIP", "detail": "part C not in this run"}
+    if status != "ran":  # skipped (no CuPy or no GPU), or error (part C crashed)
+        verdict = "SKIP" if status == "skipped" else "FAIL"
+        return {"name": name, "status": verdict, "detail": f"part C {status}: {gpu_part['reason']}"}
+    if row is None:
+        return {"name": name, "status": "SKIP", "detail": "not in this run"}
+    ms = row["median_ms"]
+    if "aioreplica" not in ms or "cupy-sum" not in ms:
+        detail = "aioreplica or cupy-sum left out of this run"
+        return {"name": name, "status": "SKIP", "detail": detail}
+    ratio = row["aioreplica_over_cupy_sum"]
+    detail = (
+        f"aioreplica {fmt(ms.get('aioreplica'))} ms, cupy-sum {fmt(ms.get('cupy-sum'))} ms: "
+        f"{_times(ratio)} (median of paired ratios); aioreplica "
+        f"{fmt(row['aioreplica_input_gb_s'])} GB/s of input, copy {fmt(row['copy_gb_s'])} GB/s"
+    )
+    if ratio is None:
+        reasons = {
+            r.reason
+            for r in results
+            if r.part == "gpu_allreduce" and (r.n, r.mib) == (n4, mib4) and r.reason
+        }
+        detail += "; not measured: " + ("; ".join(sorted(reasons)) or "no samples")
+    status = "PASS" if ratio is not None and ratio <= bound else "FAIL"
+    return {"name": name, "status": status, "detail": detail}
 
 
 def _print_report(
@@ -779,6 +989,8 @@ def _print_report(
     table: list[dict[str, Any]],
     compute: dict[str, Any],
     impls: list[str],
+    gpu_table: list[dict[str, Any]],
+    gpu_part: dict[str, Any],
     checks: list[dict[str, str]],
 ) -> None:
     if table:
@@ -794,12 +1006,12 @@ def _print_report(
             f"{'aio GB/s':>10}"
         )
         for t in table:
-            cells = "".join(_fmt(t["median_ms"].get(i), w) for i in timed)
+            cells = "".join(fmt(t["median_ms"].get(i), w) for i in timed)
             print(
-                f"{t['n']:>3}{t['mib_per_replica']:>5}{_fmt(t['copy_gb_s'], 11)}{cells}"
-                f"{_fmt(t['aioreplica_over_fastest_numpy'], 11)}"
-                f"{_fmt(t['kernel2t_over_fastest_numpy'], 11)}"
-                f"{_fmt(t['aioreplica_input_gb_s'], 10)}"
+                f"{t['n']:>3}{t['mib_per_replica']:>5}{fmt(t['copy_gb_s'], 11)}{cells}"
+                f"{fmt(t['aioreplica_over_fastest_numpy'], 11)}"
+                f"{fmt(t['kernel2t_over_fastest_numpy'], 11)}"
+                f"{fmt(t['aioreplica_input_gb_s'], 10)}"
             )
         print(
             "  numpy = the faster of numpy-chain and numpy-reduce; aio GB/s = N x MiB read per "
@@ -812,20 +1024,42 @@ def _print_report(
         )
         print(f"{'replicas':>9}" + "".join(i.rjust(12) for i in compute))
         for key, label in (("throughput_1", "1"), ("throughput_2", "2"), ("ratio_2_over_1", "2/1")):
-            print(f"{label:>9}" + "".join(_fmt(c[key], 12) for c in compute.values()))
+            print(f"{label:>9}" + "".join(fmt(c[key], 12) for c in compute.values()))
+    if gpu_part["status"] in ("skipped", "error"):
+        print(f"\nPart C (all_reduce on one GPU) {gpu_part['status']}: {gpu_part['reason']}")
+    elif gpu_table:
+        w = 12
+        timed = [i for i in C_IMPLS if any(i in t["median_ms"] for t in gpu_table)]
+        gpu = gpu_part["gpu"] + (f" ({gpu_part['gpu_name']})" if gpu_part.get("gpu_name") else "")
+        print(
+            f"\nTable 3: all_reduce SUM float32, N replicas on {gpu}, median ms per call "
+            "including its completion"
+        )
+        print(
+            f"{'N':>3}{'MiB':>5}{'copy GB/s':>11}{''.join(i.rjust(w) for i in timed)}"
+            f"{'aio/sum':>9}{'aio GB/s':>10}{'aio/copy':>10}"
+        )
+        for t in gpu_table:
+            cells = "".join(fmt(t["median_ms"].get(i), w) for i in timed)
+            print(
+                f"{t['n']:>3}{t['mib_per_replica']:>5}{fmt(t['copy_gb_s'], 11)}{cells}"
+                f"{fmt(t['aioreplica_over_cupy_sum'], 9)}"
+                f"{fmt(t['aioreplica_input_gb_s'], 10)}"
+                f"{fmt(t['aioreplica_bandwidth_over_copy'], 10)}"
+            )
+        print(
+            "  sum = cupy-sum (cp.add into one preallocated output); aio GB/s = N x MiB reduced "
+            "per second by aioreplica; aio/copy = that bandwidth over cupy-copy's. Each call is "
+            f"followed by a device synchronize (idle: {fmt(gpu_part['idle_sync_us'])} µs)"
+        )
     for r in results:
         if r.status != "ok":
             print(f"  {r.part} {r.impl} N={r.n} {r.mib} MiB: {r.status}: {r.reason}")
-    print()
-    for c in checks:
-        print(f"{c['status']}  {c['name']}: {c['detail']}")
+    print_checks(checks)
 
 
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def _csv(values: Sequence[int]) -> str:
+    return ",".join(map(str, values))
 
 
 def _ints(text: str) -> list[int]:
@@ -833,18 +1067,25 @@ def _ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="0.05 s samples, 3 per configuration")
+    p = bench_parser(__doc__, "event loop for aioreplica")
     p.add_argument(
-        "--loop",
-        choices=("asyncio", "uvloop", "trio"),
-        default="asyncio",
-        help="event loop for aioreplica",
+        "--part",
+        default="a,b,c",
+        help="a (host all_reduce), b (host compute), c (all_reduce on one GPU), or a list",
     )
-    p.add_argument("--part", default="a,b", help="a (all_reduce), b (compute), or a,b")
-    p.add_argument("--only", default=",".join(A_IMPLS), help=f"subset of {','.join(A_IMPLS)}")
-    p.add_argument("--n", default=",".join(map(str, N_VALUES)), help="replica counts (part a)")
-    p.add_argument("--sizes", default=",".join(map(str, SIZES_MIB)), help="MiB per replica")
+    p.add_argument(
+        "--only",
+        default=",".join(A_IMPLS),
+        help=f"subset of {','.join(A_IMPLS)} (leaving out aioreplica leaves it out of all parts)",
+    )
+    p.add_argument(
+        "--n",
+        help=f"replica counts, parts a and c (default {_csv(N_VALUES)} and {_csv(C_N_VALUES)})",
+    )
+    p.add_argument(
+        "--sizes",
+        help=f"MiB per replica, parts a and c (default {_csv(SIZES_MIB)} and {_csv(C_SIZES_MIB)})",
+    )
     p.add_argument(
         "--samples",
         type=int,
@@ -852,18 +1093,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=Path("bench-results/bench_collectives.json"))
     args = p.parse_args(argv)
-    parts = {s.strip() for s in args.part.split(",") if s.strip()}
-    chosen = {s.strip() for s in args.only.split(",") if s.strip()}
-    if not parts or parts - {"a", "b"}:
-        p.error(f"--part {args.part!r}: choose from a,b")
-    if not chosen or chosen - set(A_IMPLS):
-        p.error(f"--only {args.only!r}: choose from {','.join(A_IMPLS)}")
-    impls = [i for i in A_IMPLS if i in chosen]
-    ns, sizes = _ints(args.n), _ints(args.sizes)
+    parts = pick(p, "--part", args.part, ("a", "b", "c"))
+    impls = pick(p, "--only", args.only, A_IMPLS)
+    ns = _ints(args.n) if args.n else list(N_VALUES)
+    sizes = _ints(args.sizes) if args.sizes else list(SIZES_MIB)
+    c_ns = _ints(args.n) if args.n else list(C_N_VALUES)
+    c_sizes = _ints(args.sizes) if args.sizes else list(C_SIZES_MIB)
     samples = args.samples or (3 if args.quick else 7)
-    target_ns = 50_000_000 if args.quick else 200_000_000
+    target_ns = sample_target_ns(args.quick)
 
-    loaded = _load_aioreplica()
+    loaded = load_aioreplica()
     kernel = _load_kernel()
     for what, value in (("aioreplica", loaded), ("the host kernel", kernel)):
         if isinstance(value, str):
@@ -871,7 +1110,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"WARNING: {what} cannot be loaded ({value}); its rows are not run.",
                 file=sys.stderr,
             )
-    driver = _Driver(args.loop)
+    driver = Driver(args.loop)
     workers = _Workers(2)
     t0 = time.perf_counter()
     results: list[_Result] = []
@@ -885,31 +1124,36 @@ def main(argv: list[str] | None = None) -> int:
             # Part B is cheap and its ratio is the quotient of two noisy throughputs: more samples.
             b_samples = args.samples or 3 * samples
             results += _measure_compute(b_impls, b_samples, target_ns, loaded, workers, driver)
+        gpu_part: dict[str, Any] = {"status": "not requested", "reason": ""}
+        if "c" in parts:
+            c_impls = [i for i in C_IMPLS if i != "aioreplica" or i in impls]
+            c_results, gpu_part = _run_gpu_part(
+                c_ns, c_sizes, c_impls, samples, target_ns, loaded, driver
+            )
+            results += c_results
     finally:
         driver.close()
         workers.close()
     table = _allreduce_table([r for r in results if r.part == "allreduce"])
     compute = _compute_table([r for r in results if r.part == "compute"]) if "b" in parts else {}
-    checks = _checks(results, table, compute)
-    _print_report(results, table, compute, impls, checks)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+    gpu_table = _gpu_table([r for r in results if r.part == "gpu_allreduce"])
+    checks = _checks(results, table, compute, gpu_table, gpu_part)
+    _print_report(results, table, compute, impls, gpu_table, gpu_part, checks)
+    meta = run_meta() | {
         "loop": args.loop,
         "quick": args.quick,
         "samples": samples,
         "samples_part_b": args.samples or 3 * samples,
         "target_sample_s": target_ns / 1e9,
         "wall_s": round(time.perf_counter() - t0, 1),
-        "versions": {d: _dist_version(d) for d in ("numpy", "anyio", "trio", "uvloop")},
-        "aioreplica": loaded.version if isinstance(loaded, _Api) else f"not importable: {loaded}",
+        "versions": dist_versions(),
+        "aioreplica": aioreplica_meta(loaded),
         "kernel": (
             {"block_bytes": kernel.BLOCK_BYTES, "min_range_bytes": kernel.MIN_RANGE_BYTES}
             if not isinstance(kernel, str)
             else f"not loadable: {kernel}"
         ),
+        "part_c": gpu_part,
     }
     doc = {
         "meta": meta,
@@ -918,11 +1162,10 @@ def main(argv: list[str] | None = None) -> int:
         ],
         "allreduce_table": table,
         "compute_table": compute,
+        "gpu_allreduce_table": gpu_table,
         "checks": checks,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\nwrote {args.json} ({meta['wall_s']} s)")
+    write_json(args.json, doc)
     return 0
 
 

@@ -51,36 +51,47 @@ whatever the checks say; non-zero means the script itself crashed.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
-import gc
-import importlib
-import importlib.metadata
-import json
 import math
-import os
-import platform
 import statistics
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING
 
-import anyio
+from _benchlib import (
+    Api,
+    Case,
+    Driver,
+    Strategy,
+    aioreplica_meta,
+    bench_parser,
+    dist_versions,
+    fmt,
+    host_strategy,
+    load_aioreplica,
+    pick,
+    print_checks,
+    run_interleaved,
+    run_meta,
+    sample_target_ns,
+    timed_async,
+    timed_sync,
+    within,
+    write_json,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Callable
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 IMPLS = ("aioreplica", "floor", "threads")
 N_VALUES = (2, 8, 64, 1024, 10_000)
 K_VALUES = (0, 1, 10)
 K_HI = K_VALUES[-1]
 VERIFY_TIMEOUT_S = 120.0
-T = TypeVar("T")
+MAX_REPS = 10_000_000
 
 
 def _noop(strategy: object, *args: object) -> None:
@@ -102,41 +113,6 @@ class _Count:
                 f"{self.impl} N={self.n} k={self.k}: merge function ran "
                 f"{self.merges} times, {self.finished}/{self.n} replicas finished"
             )
-
-
-# --- aioreplica, imported from this checkout ------------------------------------------------
-
-
-class _ReplicaContext(Protocol):
-    def merge_call(self, merge_fn: Callable[..., Any], /, *args: Any) -> Awaitable[Any]: ...
-
-
-class _Strategy(Protocol):
-    def run(
-        self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...] = ...
-    ) -> Awaitable[Any]: ...
-
-
-@dataclass
-class _Api:
-    strategy_cls: Callable[[list[str]], _Strategy]
-    get_replica_context: Callable[[], _ReplicaContext]
-    version: str
-
-
-def _load_aioreplica() -> _Api | str:
-    """The aioreplica API, or why it cannot be imported."""
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    try:
-        mod = importlib.import_module("aioreplica")
-        return _Api(
-            mod.MirroredStrategy,
-            mod.get_replica_context,
-            str(getattr(mod, "__version__", None) or _dist_version("aioreplica")),
-        )
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
 
 
 # --- asyncio floor -------------------------------------------------------------------------
@@ -260,54 +236,6 @@ def _thread_step(k: int, count: _Count | None = None) -> None:
 # --- harness -------------------------------------------------------------------------------
 
 
-class _Driver:
-    """Runs coroutine functions on one kind of event loop (one asyncio loop, reused)."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind, self._runner = kind, None if kind == "trio" else asyncio.Runner()
-        if kind == "uvloop":
-            import uvloop
-
-            self._runner = asyncio.Runner(loop_factory=uvloop.new_event_loop)
-
-    def run(self, fn: Callable[[], Awaitable[T]]) -> T:
-        if self._runner is not None:
-            return self._runner.run(_await(fn))
-        import trio
-
-        return trio.run(_await, fn)
-
-    def close(self) -> None:
-        if self._runner is not None:
-            self._runner.close()
-
-
-async def _await(fn: Callable[[], Awaitable[T]]) -> T:
-    return await fn()
-
-
-async def _within(seconds: float, aw: Awaitable[T]) -> T:
-    try:
-        with anyio.fail_after(seconds):
-            return await aw
-    except TimeoutError:
-        raise TimeoutError(f"verification step did not finish within {seconds} s") from None
-
-
-async def _timed_async(step: Callable[[], Awaitable[object]], reps: int) -> int:
-    t0 = time.perf_counter_ns()
-    for _ in range(reps):
-        await step()
-    return time.perf_counter_ns() - t0
-
-
-def _timed_sync(step: Callable[[], object], reps: int) -> int:
-    t0 = time.perf_counter_ns()
-    for _ in range(reps):
-        step()
-    return time.perf_counter_ns() - t0
-
-
 @dataclass
 class _Result:
     impl: str
@@ -319,44 +247,45 @@ class _Result:
     samples_ns: list[int] = field(default_factory=list)
 
     @property
+    def tolerates_failure(self) -> bool:
+        return self.impl == "aioreplica"
+
+    @property
+    def label(self) -> str:
+        return f"{self.impl} N={self.n} k={self.k}"
+
+    @property
     def median_us(self) -> float | None:
         if self.status != "ok" or not self.samples_ns:
             return None
         return statistics.median(s / self.reps / 1e3 for s in self.samples_ns)
 
 
-@dataclass
-class _Case:
-    result: _Result
-    sample: Callable[[int], int]  # reps -> elapsed ns
-    verify: Callable[[], None]
-
-
 def _make_case(
-    res: _Result, api: _Api | str | None, strategy: _Strategy | None, aio: _Driver, floor: _Driver
-) -> _Case:
+    res: _Result, api: Api | str | None, strategy: Strategy | None, aio: Driver, floor: Driver
+) -> Case[_Result]:
     n, k, count = res.n, res.k, _Count(res.impl, res.n, res.k)
     if res.impl == "floor":
 
         def sample(reps: int) -> int:
-            return floor.run(lambda: _timed_async(lambda: _floor_step(n, k), reps))
+            return floor.run(lambda: timed_async(lambda: _floor_step(n, k), reps))
 
         def verify() -> None:
             floor.run(lambda: _floor_step(n, k, count))
             count.check()
 
-        return _Case(res, sample, verify)
+        return Case(res, sample, verify)
     if res.impl == "threads":
 
         def thread_sample(reps: int) -> int:
-            return _timed_sync(lambda: _thread_run(_thread_step, n, (k,)), reps)
+            return timed_sync(lambda: _thread_run(_thread_step, n, (k,)), reps)
 
         def thread_verify() -> None:
             _thread_run(_thread_step, n, (k, count))
             count.check()
 
-        return _Case(res, thread_sample, thread_verify)
-    if not isinstance(api, _Api) or strategy is None:
+        return Case(res, thread_sample, thread_verify)
+    if not isinstance(api, Api) or strategy is None:
         raise RuntimeError("aioreplica is not available")
     get_ctx, strat = api.get_replica_context, strategy
 
@@ -372,57 +301,16 @@ def _make_case(
         count.finished += 1
 
     def aio_sample(reps: int) -> int:
-        return aio.run(lambda: _timed_async(lambda: strat.run(step, args=(k,)), reps))
+        return aio.run(lambda: timed_async(lambda: strat.run(step, args=(k,)), reps))
 
     def aio_verify() -> None:
-        aio.run(lambda: _within(VERIFY_TIMEOUT_S, strat.run(counting_step, args=(k,))))
+        aio.run(lambda: within(VERIFY_TIMEOUT_S, strat.run(counting_step, args=(k,))))
         count.check()
 
-    return _Case(res, aio_sample, aio_verify)
+    return Case(res, aio_sample, aio_verify)
 
 
-def _one_sample(case: _Case, reps: int) -> int:
-    gc.collect()
-    gc.disable()
-    try:
-        return case.sample(reps)
-    finally:
-        gc.enable()
-
-
-def _calibrate(case: _Case, target_ns: int) -> int:
-    reps = 1
-    while True:
-        elapsed = max(_one_sample(case, reps), 1)
-        if elapsed >= target_ns // 5 or reps >= 10_000_000:
-            return max(1, round(reps * target_ns / elapsed))
-        reps = max(reps * 2, min(reps * 100, math.ceil(reps * target_ns / 2 / elapsed)))
-
-
-def _verify_and_calibrate(case: _Case, target_ns: int) -> None:
-    case.verify()
-    case.result.reps = _calibrate(case, target_ns)
-
-
-def _take_sample(case: _Case) -> None:
-    case.result.samples_ns.append(_one_sample(case, case.result.reps))
-
-
-def _guard(case: _Case, action: Callable[[_Case], object]) -> bool:
-    """Run one harness action; an aioreplica failure is recorded, a baseline failure raises."""
-    try:
-        action(case)
-    except Exception as exc:
-        r = case.result
-        if r.impl != "aioreplica":
-            raise
-        r.status, r.reason = "error", f"{type(exc).__name__}: {exc}"
-        print(f"  aioreplica N={r.n} k={r.k} failed: {r.reason}", file=sys.stderr)
-        return False
-    return True
-
-
-def _skip_reason(impl: str, n: int, quick: bool, api: _Api | str | None) -> str:
+def _skip_reason(impl: str, n: int, quick: bool, api: Api | str | None) -> str:
     if impl == "aioreplica" and isinstance(api, str):
         return f"aioreplica not importable: {api}"
     if impl == "threads" and n >= 10_000:
@@ -438,20 +326,15 @@ def _measure(
     samples: int,
     target_ns: int,
     quick: bool,
-    api: _Api | str | None,
-    aio: _Driver,
-    floor: _Driver,
+    api: Api | str | None,
+    aio: Driver,
+    floor: Driver,
 ) -> list[_Result]:
     results: list[_Result] = []
     for n in ns:
-        strategy, strategy_error = None, ""
-        if "aioreplica" in impls and isinstance(api, _Api):
-            try:
-                strategy = api.strategy_cls([f"cpu:{i}" for i in range(n)])
-            except Exception as exc:
-                strategy_error = f"MirroredStrategy(N={n}): {type(exc).__name__}: {exc}"
+        strategy, strategy_error = host_strategy(api, n, impls)
         rows = [[_Result(impl, n, k) for impl in impls] for k in K_VALUES]
-        cases: list[_Case] = []
+        cases: list[Case[_Result]] = []
         for res in (r for row in rows for r in row):
             results.append(res)
             if reason := _skip_reason(res.impl, n, quick, api):
@@ -460,24 +343,12 @@ def _measure(
                 res.status, res.reason = "error", strategy_error
             else:
                 cases.append(_make_case(res, api, strategy, aio, floor))
-        for c in list(cases):
-            if not _guard(c, lambda c: _verify_and_calibrate(c, target_ns)):
-                cases.remove(c)
-        for _ in range(samples):  # interleaved over implementations and k: A B C A B C ...
-            for c in list(cases):
-                if not _guard(c, _take_sample):
-                    cases.remove(c)
+        # interleaved over implementations and k: A B C A B C ...
+        run_interleaved(cases, samples, target_ns, max_reps=MAX_REPS, gc_off=True)
         for k, row in zip(K_VALUES, rows, strict=True):
-            line = "  ".join(f"{r.impl} {_fmt(r.median_us)}" for r in row)
+            line = "  ".join(f"{r.impl} {fmt(r.median_us)}" for r in row)
             print(f"N={n:>5} k={k:>2}  {line}  (µs/step)", file=sys.stderr, flush=True)
     return results
-
-
-def _fmt(x: float | None, width: int = 0) -> str:
-    if x is None:
-        return "n/a".rjust(width)
-    text = f"{x:.3g}" if abs(x) < 10 else f"{x:,.0f}" if abs(x) >= 1000 else f"{x:.1f}"
-    return text.rjust(width)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -531,7 +402,7 @@ def _checks(
         else big.reason
         or (
             f"all replicas finished, 10 merges per step; {len(big.samples_ns)} samples of "
-            f"{big.reps} step(s), median {_fmt(big.median_us)} µs/step"
+            f"{big.reps} step(s), median {fmt(big.median_us)} µs/step"
         )
     )
     return [
@@ -540,14 +411,14 @@ def _checks(
             ["aioreplica", "floor"],
             [8, 64, 1024],
             ok_a,
-            "aioreplica/floor " + ", ".join(f"N={n}: {_fmt(v)}" for n, v in ra.items()),
+            "aioreplica/floor " + ", ".join(f"N={n}: {fmt(v)}" for n, v in ra.items()),
         ),
         check(
             "(b) aioreplica marginal >= 10x below threads, N=8",
             ["aioreplica", "threads"],
             [8],
             None if rb is None else rb >= 10,
-            f"threads/aioreplica N=8: {_fmt(rb)}",
+            f"threads/aioreplica N=8: {fmt(rb)}",
         ),
         check(
             "(c) 10,000 replicas x 10 merge_calls completed",
@@ -557,13 +428,6 @@ def _checks(
             detail_c,
         ),
     ]
-
-
-def _dist_version(name: str) -> str | None:
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 def _print_report(
@@ -578,7 +442,7 @@ def _print_report(
     print(f"\nTable 1: median µs per step\n{'N':>6}{'k':>4}{heads}")
     for i in range(0, len(results), len(impls)):
         row = results[i : i + len(impls)]
-        cells = (_fmt(r.median_us, w) if r.status == "ok" else r.status.rjust(w) for r in row)
+        cells = (fmt(r.median_us, w) if r.status == "ok" else r.status.rjust(w) for r in row)
         print(f"{row[0].n:>6}{row[0].k:>4}{''.join(cells)}")
     print(
         f"\nTable 2: marginal µs per merge round per replica, (t(k={K_HI}) - t(k=0)) / "
@@ -587,39 +451,27 @@ def _print_report(
     for n, m in marg.items():
         r1 = _ratio(m.get("aioreplica"), m.get("floor"))
         r2 = _ratio(m.get("threads"), m.get("aioreplica"))
-        print(f"{n:>6}{''.join(_fmt(m[i], w) for i in impls)}{_fmt(r1, w)}{_fmt(r2, w)}")
+        print(f"{n:>6}{''.join(fmt(m[i], w) for i in impls)}{fmt(r1, w)}{fmt(r2, w)}")
     for r in results:
         if r.status == "error" or (r.status == "skipped" and r.k == 0):
             where = f"N={r.n}" + (f" k={r.k}" if r.status == "error" else "")
             print(f"  {r.impl} {where}: {r.status}: {r.reason}")
-    print()
-    for c in checks:
-        print(f"{c['status']}  {c['name']}: {c['detail']}")
+    print_checks(checks)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="0.05 s samples, 3 per configuration")
-    p.add_argument(
-        "--loop",
-        choices=("asyncio", "uvloop", "trio"),
-        default="asyncio",
-        help="event loop for aioreplica (the floor stays on asyncio/uvloop)",
-    )
+    p = bench_parser(__doc__, "event loop for aioreplica (the floor stays on asyncio/uvloop)")
     p.add_argument("--only", default=",".join(IMPLS), help=f"subset of {','.join(IMPLS)}")
     p.add_argument("--n", default=",".join(map(str, N_VALUES)), help="replica counts")
     p.add_argument("--samples", type=int, help="samples per configuration (default 5, 3 quick)")
     p.add_argument("--json", type=Path, default=Path("bench-results/bench_scheduler.json"))
     args = p.parse_args(argv)
-    chosen = {s.strip() for s in args.only.split(",") if s.strip()}
-    if not chosen or chosen - set(IMPLS):
-        p.error(f"--only {args.only!r}: choose from {','.join(IMPLS)}")
-    impls = [i for i in IMPLS if i in chosen]
+    impls = pick(p, "--only", args.only, IMPLS)
     ns = [int(s) for s in args.n.split(",")]
     samples = args.samples or (3 if args.quick else 5)
-    target_ns = 50_000_000 if args.quick else 200_000_000
+    target_ns = sample_target_ns(args.quick)
 
-    loaded = _load_aioreplica()
+    loaded = load_aioreplica()
     api = loaded if "aioreplica" in impls else None
     if isinstance(api, str):
         print(
@@ -628,8 +480,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     floor_kind = "uvloop" if args.loop == "uvloop" else "asyncio"
-    aio = _Driver(args.loop)
-    floor = aio if floor_kind == args.loop else _Driver(floor_kind)
+    aio = Driver(args.loop)
+    floor = aio if floor_kind == args.loop else Driver(floor_kind)
     labels = {
         "aioreplica": f"aioreplica[{args.loop}]",
         "floor": f"floor[{floor_kind}]",
@@ -644,19 +496,15 @@ def main(argv: list[str] | None = None) -> int:
     marg = _marginals(results, ns)
     checks = _checks(results, marg, impls, ns)
     _print_report(results, marg, impls, labels, checks)
-    meta = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "python": sys.version,
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+    meta = run_meta() | {
         "loop": args.loop,
         "floor_loop": floor_kind,
         "quick": args.quick,
         "samples": samples,
         "target_sample_s": target_ns / 1e9,
         "wall_s": round(time.perf_counter() - t0, 1),
-        "versions": {d: _dist_version(d) for d in ("numpy", "anyio", "trio", "uvloop")},
-        "aioreplica": loaded.version if isinstance(loaded, _Api) else f"not importable: {loaded}",
+        "versions": dist_versions(),
+        "aioreplica": aioreplica_meta(loaded),
     }
     doc = {
         "meta": meta,
@@ -667,9 +515,7 @@ def main(argv: list[str] | None = None) -> int:
         "marginal_us_per_round_per_replica": {str(n): m for n, m in marg.items()},
         "checks": checks,
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\nwrote {args.json} ({meta['wall_s']} s)")
+    write_json(args.json, doc)
     return 0
 
 
