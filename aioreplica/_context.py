@@ -77,7 +77,8 @@ class MergePoint(Protocol):
     merge_fn: Callable[..., Any] | None
     merge_args: tuple[Any, ...]
     merge_kwargs: Mapping[str, Any] | None
-    merge_timeout: float | None
+
+    def set_merge_timeout(self, timeout: float) -> None: ...
 
     def misuse_message(self) -> str: ...
 
@@ -365,7 +366,7 @@ def merge_call_with_timeout(
     awaitable = ctx.merge_call(merge_fn, args)
     point = ctx._merge_point
     if timeout is not None and point is not None:
-        point.merge_timeout = timeout
+        point.set_merge_timeout(timeout)
     return awaitable
 
 

@@ -126,9 +126,10 @@ class MirroredStrategy:
             means one host device, ``cpu:0``.
         sync_timeout: seconds a replica may wait at a merge point for the others before the
             run fails with ``ReplicaSyncError``; ``None`` waits as long as it takes.
-        interleave: ``"ordered"`` starts replicas, and resumes them from every merge point, in
-            replica-id order, the same way on every run; ``"random"`` shuffles both orders with
-            a seeded generator, to hunt order-dependent bugs.
+        interleave: ``"ordered"`` starts replicas in id order; at every merge point the
+            replica that completes the round carries on first and the others resume in the
+            order they arrived, the same way on every run. ``"random"`` shuffles both orders
+            with a seeded generator, to hunt order-dependent bugs.
         seed: the seed for ``interleave="random"``; ``None`` draws one (see ``.seed``).
         communication_options: defaults for collectives (packing, timeout).
 

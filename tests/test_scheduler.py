@@ -574,8 +574,8 @@ class TestDeviceFollowsReplica:
 
 class TestInterleave:
     @ASYNCIO_ONLY
-    async def test_ordered_starts_and_resumes_by_id(self) -> None:
-        """interleave='ordered': replicas that arrive in id order resume in id order."""
+    async def test_ordered_starts_by_id_and_the_completer_carries_on(self) -> None:
+        """interleave='ordered': start in id order; the last to arrive resumes first."""
         strategy = MirroredStrategy(cpus(5))
         events: list[tuple[int, int]] = []
 
@@ -586,11 +586,17 @@ class TestInterleave:
             events.append((3, rid()))
 
         await strategy.run(step)
-        assert events == [(r, i) for r in range(4) for i in range(5)]
+        assert events[:5] == [(0, i) for i in range(5)]
+        # Each round, replicas arrive in the order they resumed; the last to arrive completes
+        # the round and carries on first, then the others: the order rotates by one.
+        order = list(range(5))
+        for r in range(1, 4):
+            order = order[-1:] + order[:-1]
+            assert events[5 * r : 5 * r + 5] == [(r, i) for i in order]
 
     @ASYNCIO_ONLY
     async def test_ordered_resumes_in_arrival_order_every_time(self) -> None:
-        """interleave='ordered' resumes replicas in the order they arrived, the same each run."""
+        """interleave='ordered' resumes in arrival order (completer first), the same each run."""
 
         async def trace() -> list[tuple[str, int, int]]:
             strategy = MirroredStrategy(cpus(5))
@@ -611,7 +617,7 @@ class TestInterleave:
         for round_number in range(3):
             arrived = [i for kind, r, i in events if (kind, r) == ("arrive", round_number)]
             resumed = [i for kind, r, i in events if (kind, r) == ("resume", round_number)]
-            assert resumed == arrived
+            assert resumed == arrived[-1:] + arrived[:-1]  # the completer first
         assert [i for kind, r, i in events if (kind, r) == ("arrive", 0)] != list(range(5))
         assert await trace() == events
 
