@@ -135,7 +135,9 @@ class _Replica:
         self.run = run
         self.id = replica_id
         self.device = device
-        self.context = ReplicaContext(run.strategy, replica_id, device, self)
+        self.context: ReplicaContext | None = ReplicaContext(
+            run.strategy, replica_id, device, self
+        )
         self.stepping = False  # true only while the driver is inside this replica's coroutine
         self.merge_fn: Callable[..., Any] | None = None
         self.merge_args: tuple[Any, ...] = ()
@@ -154,6 +156,11 @@ class _Replica:
                 f"replica {self.id} called merge_call() again before awaiting its previous "
                 "merge_call(); await each merge_call() where you call it"
             )
+        if self.run.finished_run:
+            return (
+                f"merge_call() was called on replica {self.id}'s context after its run() "
+                "returned; a ReplicaContext is valid only inside its own replica"
+            )
         state = context_state.get()
         if state.replica is not self.context:
             if state.merging:
@@ -161,11 +168,6 @@ class _Replica:
                     f"merge_call() was called inside merge_fn (cross-replica context) with the "
                     f"context of replica {self.id}; merge functions cannot nest: call what you "
                     "need directly in merge_fn"
-                )
-            if self.run.finished_run:
-                return (
-                    f"merge_call() was called on replica {self.id}'s context after its run() "
-                    "returned; a ReplicaContext is valid only inside its own replica"
                 )
             return (
                 f"merge_call() was called with replica {self.id}'s context outside that "
@@ -577,7 +579,7 @@ def _regroup_kwargs(all_kwargs: list[Any]) -> Any:
 
 
 def _not_started() -> None:
-    raise AioreplicaInternalError("a run failed before its replicas were started")
+    raise AioreplicaInternalError("a run was cancelled before or after its replicas ran")
 
 
 @dataclass(frozen=True, slots=True)
@@ -642,9 +644,12 @@ class Scheduler:
         finally:
             run.finished_run = True
             self._active.discard(run)
-            # Break the run <-> replica cycle now, so results (pooled host buffers among them)
-            # are freed by reference counting, not at the next cycle collection.
+            # Break the run <-> replica <-> context cycles now, so results (pooled host buffers
+            # among them) are freed by reference counting, not at the next cycle collection.
+            for replica in run.replicas:
+                replica.context = None
             run.replicas = []
+            run.cancel_all = _not_started  # it holds the tasks, whose contexts hold replicas
         if run.failures:
             first, note = run.failures[0]
             first.add_note(note)
