@@ -135,9 +135,7 @@ class _Replica:
         self.run = run
         self.id = replica_id
         self.device = device
-        self.context: ReplicaContext | None = ReplicaContext(
-            run.strategy, replica_id, device, self
-        )
+        self.context: ReplicaContext | None = ReplicaContext(run.strategy, replica_id, device, self)
         self.stepping = False  # true only while the driver is inside this replica's coroutine
         self.merge_fn: Callable[..., Any] | None = None
         self.merge_args: tuple[Any, ...] = ()
@@ -382,6 +380,8 @@ class _Run:
     def arrive(self, replica: _Replica, rnd: _Round) -> _Step:
         """The slow path of an arrival (already appended to ``rnd``): last, first with a
         sync timeout, or a run that is going wrong."""
+        timeout = replica.merge_timeout or self.sync_timeout
+        replica.merge_timeout = None  # it bounds this round only
         if self.finished and not self.failures:
             self.fail(self._early_finishers_error(replica), "detected at a merge point")
         if len(rnd.arrived) == self.size and not self.failures:
@@ -389,8 +389,6 @@ class _Run:
             return
         if self.failures:
             yield from self.loop.park_cancelled(replica)
-        timeout = replica.merge_timeout or self.sync_timeout
-        replica.merge_timeout = None
         try:
             if timeout is not None and not rnd.watched:
                 rnd.watched = True

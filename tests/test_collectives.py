@@ -534,3 +534,21 @@ class TestHostDevice:
         device = aioreplica.MirroredStrategy(["cpu:0"]).extended.replica_devices[0]
         assert device.xp is np
         np.testing.assert_array_equal(device.asarray([1, 2]), np.array([1, 2]))
+
+
+class TestTimeoutScope:
+    async def test_a_collective_timeout_bounds_its_own_round_only(self) -> None:
+        """After a collective with a timeout, the next rounds use the strategy's own timeout."""
+        strategy = MirroredStrategy(cpus(2), sync_timeout=5)
+
+        async def step() -> Any:
+            options = CommunicationOptions(timeout_seconds=0.05)
+            # Replica 1 arrives last and completes this round: its timeout watched nothing.
+            if rid() == 1:
+                await anyio.lowlevel.checkpoint()
+            await ctx().all_reduce("sum", np.zeros(1), options=options)
+            if rid() == 0:
+                await anyio.sleep(0.1)  # longer than that timeout, far within sync_timeout
+            return await ctx().all_reduce("sum", np.ones(1))
+
+        np.testing.assert_array_equal(await strategy.run(step), [2.0])
