@@ -353,3 +353,28 @@ class TestListDevices:
     def test_public_function_is_the_same(self) -> None:
         """``aioreplica.list_devices`` is this function."""
         assert aioreplica.list_devices is list_devices
+
+
+class TestGpuWithoutDevices:
+    def test_cupy_installed_but_no_gpu(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """With CuPy but no CUDA device, a GPU name is refused with the devices that exist."""
+        import importlib.util
+
+        from aioreplica import _backends
+
+        real_find_spec = importlib.util.find_spec
+
+        def find_spec(name: str, *args: Any) -> Any:
+            return object() if name == "cupy" else real_find_spec(name, *args)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+        monkeypatch.setattr(_backends, "_gpu_count", lambda: 0)
+        with pytest.raises(
+            ValueError,
+            match=(
+                r"^device 'cuda:1' \(gpu:1\) does not exist: CuPy sees 0 GPUs; "
+                r"the devices here are \['cpu:0'\]$"
+            ),
+        ):
+            resolve_devices(["cuda:1"])
+        assert [d.name for d in _backends.default_devices()] == ["cpu:0"]
