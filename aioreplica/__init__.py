@@ -17,6 +17,12 @@ from ._context import get_replica_context as get_replica_context
 from ._context import get_strategy as get_strategy
 from ._context import has_strategy as has_strategy
 from ._context import in_cross_replica_context as in_cross_replica_context
+from ._dataset import DistributedDataset as DistributedDataset
+from ._dataset import DistributedIterator as DistributedIterator
+from ._dataset import InputContext as InputContext
+from ._dataset import OptionalValue as OptionalValue
+from ._dataset import ValueContext as ValueContext
+from ._dataset import batched as batched
 from ._errors import AioreplicaInternalError as AioreplicaInternalError
 from ._errors import ReplicaSyncError as ReplicaSyncError
 from ._scheduler import SchedulerStatistics as SchedulerStatistics
@@ -35,15 +41,21 @@ __all__ = [
     "AioreplicaInternalError",
     "CommunicationOptions",
     "Device",
+    "DistributedDataset",
+    "DistributedIterator",
     "DistributedValues",
+    "InputContext",
     "Mirrored",
     "MirroredStrategy",
+    "OptionalValue",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "ReplicaSyncError",
     "SchedulerStatistics",
     "StrategyExtended",
+    "ValueContext",
+    "batched",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -11,6 +11,10 @@ bare-asyncio floor:
 - **wake from a thread**: a host device's worker thread hands its result to the waiting task
   with ``call_soon_threadsafe`` (asyncio) or the trio token's ``run_sync_soon``, without
   blocking the worker until the loop gets round to it (anyio's ``from_thread`` would).
+- **background tasks**: a dataset's prefetcher belongs to its iterator, which may be dropped
+  at a ``break`` without being closed, so it cannot live in a task group of the caller's: it is
+  a plain task (asyncio) or a system task under its own cancel scope (trio), cancelled by its
+  owner when the iteration ends, breaks, or is cancelled.
 - **park/wake**: a parked replica waits on a future of its own (asyncio) or in
   ``wait_task_rescheduled`` (trio), so waking N replicas costs N callbacks and cancelling one
   replica (its own ``anyio.fail_after`` around a merge point) wakes only that one.
@@ -27,7 +31,7 @@ import asyncio
 import contextlib
 import functools
 import sys
-from collections.abc import Callable, Coroutine, Generator, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -35,7 +39,7 @@ import anyio
 if TYPE_CHECKING:
     from ._scheduler import _Replica, _Run
 
-__all__ = ["Loop", "ThreadResult", "current"]
+__all__ = ["Background", "Loop", "ThreadResult", "current"]
 
 _Future = asyncio.Future
 _Main = Callable[[], Coroutine[Any, Any, None]]
@@ -61,6 +65,70 @@ class Loop(Protocol):
     async def run_tasks(self, mains: Sequence[_Main], run: _Run) -> None: ...
 
     def thread_result(self) -> ThreadResult: ...
+
+    def spawn_background(self, fn: Callable[[], Awaitable[None]]) -> Background: ...
+
+
+class Background(Protocol):
+    """A task that belongs to an object rather than to a task group (a dataset's prefetcher).
+
+    Its owner cancels it when it is done with it (``cancel`` may be called any number of
+    times, from the loop thread) and may wait for it to end; ``fn`` must not raise.
+    """
+
+    @property
+    def done(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
+class _AsyncioBackground:
+    __slots__ = ("_task",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[None]]) -> None:
+        self._task = loop.create_task(_call(fn))
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def wait(self) -> None:
+        await asyncio.wait([self._task])
+
+
+async def _call(fn: Callable[[], Awaitable[None]]) -> None:
+    await fn()
+
+
+class _TrioBackground:
+    __slots__ = ("_done", "_scope")
+
+    def __init__(self, trio: Any, fn: Callable[[], Awaitable[None]]) -> None:
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+        trio.lowlevel.spawn_system_task(self._main, fn)
+
+    async def _main(self, fn: Callable[[], Awaitable[None]]) -> None:
+        try:
+            with self._scope:
+                await fn()
+        finally:
+            self._done.set()
+
+    @property
+    def done(self) -> bool:
+        return bool(self._done.is_set())
+
+    def cancel(self) -> None:
+        self._scope.cancel()
+
+    async def wait(self) -> None:
+        await self._done.wait()
 
 
 class ThreadResult(Protocol):
@@ -186,6 +254,9 @@ class _AsyncioLoop:
     def thread_result(self) -> ThreadResult:
         return _AsyncioThreadResult(self._loop)
 
+    def spawn_background(self, fn: Callable[[], Awaitable[None]]) -> Background:
+        return _AsyncioBackground(self._loop, fn)
+
 
 class _TrioThreadResult:
     __slots__ = ("_cancelled", "_lowlevel", "_outcome", "_task", "_token")
@@ -272,6 +343,9 @@ class _TrioLoop:
 
     def thread_result(self) -> ThreadResult:
         return _TrioThreadResult(sys.modules["trio"])
+
+    def spawn_background(self, fn: Callable[[], Awaitable[None]]) -> Background:
+        return _TrioBackground(sys.modules["trio"], fn)
 
 
 def current() -> Loop:

@@ -16,8 +16,14 @@ from ._context import (
     context_state,
     set_default_strategy_factory,
 )
+from ._dataset import (
+    DistributedDataset,
+    InputContext,
+    ValueContext,
+    distribute_values,
+)
 from ._scheduler import Scheduler, SchedulerStatistics
-from ._values import DistributedValues, regroup, select_replica
+from ._values import DistributedValues, PerReplica, regroup, select_replica
 
 __all__ = ["MirroredStrategy", "StrategyExtended"]
 
@@ -267,6 +273,101 @@ class MirroredStrategy:
         """
         return await self._communicator.gather(value, axis)
 
+    # -- input --------------------------------------------------------------------------
+
+    def distribute_dataset(
+        self, dataset: Any, *, drop_remainder: bool = False, prefetch: int = 2
+    ) -> DistributedDataset:
+        """Split each global batch of ``dataset`` across the replicas, prefetching ahead.
+
+        Args:
+            dataset: an iterable or async iterable of global batches: nested structures whose
+                leaves are arrays sharing a leading batch dimension, e.g. ``(x, y)``.
+            drop_remainder: drop a final global batch smaller than the first one.
+            prefetch: elements pulled, split and placed ahead (0: on demand).
+
+        Returns:
+            An async iterable whose elements are the replicas' slices regrouped (an array
+            batch is one ``PerReplica``); replicas without rows in the last batch get
+            zero-length arrays, so every replica takes the same number of steps.
+
+        Raises:
+            TypeError: ``dataset`` is not iterable.
+            ValueError: ``prefetch`` is negative.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def sizes():
+            ...     dist = strategy.distribute_dataset(aioreplica.batched(np.arange(5), 4))
+            ...     return [len(x.values[1]) async for x in dist]
+            >>> anyio.run(sizes)
+            [2, 0]
+        """
+        _check_iterable(dataset)
+        return DistributedDataset(
+            lambda: dataset,
+            self._device_objects,
+            per_replica_source=False,
+            drop_remainder=drop_remainder,
+            prefetch=prefetch,
+            input_context=self._input_context(),
+        )
+
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
+    ) -> DistributedDataset:
+        """Build the input pipeline with ``dataset_fn(input_context)``; feed replicas from it.
+
+        ``dataset_fn`` is called once per input pipeline (once in one process). Its dataset
+        yields per-replica batches: replica ``r`` gets the ``r``-th batch of each round. When it
+        runs out in the middle of a round, the other replicas get zero-length batches.
+
+        Raises:
+            TypeError: what ``dataset_fn`` returned is not iterable.
+            ValueError: ``prefetch`` is negative.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> def dataset_fn(context):
+            ...     size = context.get_per_replica_batch_size(8)
+            ...     return aioreplica.batched(np.arange(16), size)
+            >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
+        """
+        dataset = dataset_fn(self._input_context())
+        _check_iterable(dataset)
+        return DistributedDataset(
+            lambda: dataset,
+            self._device_objects,
+            per_replica_source=True,
+            drop_remainder=False,
+            prefetch=prefetch,
+            input_context=self._input_context(),
+        )
+
+    def experimental_distribute_values_from_function(
+        self, value_fn: Callable[[ValueContext], Any]
+    ) -> PerReplica[Any]:
+        """A ``PerReplica`` of ``value_fn(ValueContext(i, n))`` for every replica ``i``.
+
+        Raises:
+            Exception: whatever ``value_fn`` raises.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.experimental_distribute_values_from_function(
+            ...     lambda ctx: ctx.replica_id_in_sync_group * 10
+            ... )
+            PerReplica({0: 0, 1: 10})
+        """
+        return distribute_values(value_fn, self.num_replicas_in_sync)
+
+    def _input_context(self) -> InputContext:
+        return InputContext(
+            num_input_pipelines=1,
+            input_pipeline_id=0,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """Return the per-replica components of ``value``, one per replica, as in TF.
 
@@ -425,6 +526,14 @@ class MirroredStrategy:
                     f"{name} is a {type(leaf).__name__} of {len(leaf.values)} values, but "
                     f"{self!r} has {size} replicas; give one value per replica"
                 )
+
+
+def _check_iterable(dataset: Any) -> None:
+    if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
+        raise TypeError(
+            f"a dataset must be an iterable or async iterable of batches, got "
+            f"{type(dataset).__name__}"
+        )
 
 
 set_default_strategy_factory(lambda: MirroredStrategy(["cpu:0"]))

@@ -1,0 +1,759 @@
+"""Distributed datasets: global batches split over replicas, prefetch, iterators, input helpers.
+
+Every async test runs on asyncio, uvloop and trio. Datasets are small NumPy tables whose row i
+holds the value i, so each replica's slice says which rows it got.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+import sniffio
+import trio
+
+import aioreplica
+from aioreplica import (
+    DistributedDataset,
+    DistributedIterator,
+    InputContext,
+    MirroredStrategy,
+    PerReplica,
+    ValueContext,
+    batched,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+
+pytestmark = pytest.mark.anyio
+
+Array = np.ndarray[Any, Any]
+Table = tuple[Array, Array]
+
+SOURCES = ["list", "generator", "async generator"]
+
+
+def cpus(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def mentions(*patterns: str) -> str:
+    """A regex matching a message that contains every pattern, in any order."""
+    return "(?s)" + "".join(f"(?=.*{pattern})" for pattern in patterns)
+
+
+def table(rows: int, width: int = 3) -> Table:
+    """Features (float32, ``width`` wide) and labels (int64) whose row i holds i."""
+    x = np.repeat(np.arange(rows, dtype=np.float32)[:, None], width, axis=1)
+    return x, np.arange(rows, dtype=np.int64)
+
+
+def global_batches(rows: int, batch_size: int) -> list[Table]:
+    x, y = table(rows)
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, rows, batch_size)]
+
+
+def source(kind: str, batches: Sequence[Any]) -> Any:
+    """The same batches as a list, a generator or an async generator."""
+    if kind == "list":
+        return list(batches)
+    if kind == "generator":
+        return (batch for batch in batches)
+
+    async def agen() -> AsyncIterator[Any]:
+        for batch in batches:
+            yield batch
+
+    return agen()
+
+
+def parts(value: Any, replicas: int) -> tuple[Any, ...]:
+    """Each replica's component of one regrouped leaf (the value itself for one replica)."""
+    if replicas == 1:
+        assert not isinstance(value, aioreplica.DistributedValues)
+        return (value,)
+    assert isinstance(value, PerReplica)
+    assert len(value.values) == replicas
+    return value.values
+
+
+def rows_of(value: Any, replicas: int) -> list[list[int]]:
+    """The label rows each replica got, for a leaf of labels."""
+    return [part.tolist() for part in parts(value, replicas)]
+
+
+async def collect(dataset: Any) -> list[Any]:
+    return [element async for element in dataset]
+
+
+async def consume(dataset: Any, seen: list[Any]) -> None:
+    """Loop over ``dataset``, recording each element as it comes (they stay if the loop fails)."""
+    async for element in dataset:
+        seen.append(element)  # noqa: PERF401 - recorded one by one, not only at the end
+
+
+def live_tasks() -> int:
+    """Tasks alive on this loop; on trio, system tasks (which anyio does not list) included."""
+    if sniffio.current_async_library() == "trio":
+        return trio.lowlevel.current_statistics().tasks_living
+    return len(anyio.get_running_tasks())
+
+
+async def settle(until: Callable[[], bool]) -> None:
+    """Wait until ``until()`` holds on an idle loop, or 5 s (the caller's asserts then fail).
+
+    A task waiting for a worker thread counts as blocked, and the thread's result reaches the
+    loop a moment later, so the condition is checked again each time the loop is idle.
+    """
+    with anyio.move_on_after(5):
+        await anyio.wait_all_tasks_blocked()
+        while not until():
+            await anyio.sleep(0.005)
+            await anyio.wait_all_tasks_blocked()
+
+
+def most_ahead(events: list[tuple[str, int]]) -> int:
+    """The most elements pulled beyond those asked for, at any point of ``events``."""
+    ahead = most = 0
+    for what, _ in events:
+        ahead += {"pulled": 1, "asked": -1}.get(what, 0)
+        most = max(most, ahead)
+    return most
+
+
+class TestDistributeDataset:
+    @pytest.mark.parametrize(
+        ("replicas", "batch_size"),
+        [(1, 4), (1, 5), (2, 4), (2, 5), (3, 6), (3, 7), (3, 2), (8, 16), (8, 13), (8, 5)],
+    )
+    async def test_split_contiguous_larger_slices_first(
+        self, replicas: int, batch_size: int
+    ) -> None:
+        """Each global batch splits into contiguous views in replica order, larger slices first."""
+        batches = global_batches(3 * batch_size - 1, batch_size)
+        strategy = MirroredStrategy(cpus(replicas))
+        elements = await collect(strategy.distribute_dataset(batches))
+        assert len(elements) == len(batches)
+        for (x, y), (x_parts, y_parts) in zip(batches, elements, strict=True):
+            for whole, leaf in ((x, x_parts), (y, y_parts)):
+                slices = parts(leaf, replicas)
+                expected = np.array_split(whole, replicas)
+                assert [s.shape for s in slices] == [e.shape for e in expected]
+                assert [s.dtype for s in slices] == [whole.dtype] * replicas
+                for got, want in zip(slices, expected, strict=True):
+                    np.testing.assert_array_equal(got, want)
+                assert all(np.shares_memory(s, whole) for s in slices if len(s))
+
+    async def test_ten_rows_batch_four_four_replicas(self) -> None:
+        """10 rows in batches of 4 over 4 replicas: 3 elements, the last 1, 1, 0, 0 rows."""
+        strategy = MirroredStrategy(cpus(4))
+        seen = []
+        async for x, y in strategy.distribute_dataset(batched(table(10), 4)):
+            seen.append(
+                [
+                    (xs.shape, xs.dtype.name, ys.tolist(), ys.dtype.name)
+                    for xs, ys in zip(parts(x, 4), parts(y, 4), strict=True)
+                ]
+            )
+
+        def row(i: int) -> tuple[Any, ...]:
+            return ((1, 3), "float32", [i], "int64")
+
+        empty: tuple[Any, ...] = ((0, 3), "float32", [], "int64")
+        assert seen == [
+            [row(0), row(1), row(2), row(3)],
+            [row(4), row(5), row(6), row(7)],
+            [row(8), row(9), empty, empty],
+        ]
+
+    async def test_array_batches_give_one_per_replica(self) -> None:
+        """A dataset of plain arrays gives one PerReplica per element."""
+        strategy = MirroredStrategy(cpus(2))
+        elements = await collect(strategy.distribute_dataset([np.arange(5), np.arange(5, 8)]))
+        assert [rows_of(element, 2) for element in elements] == [[[0, 1, 2], [3, 4]], [[5, 6], [7]]]
+
+    async def test_dict_batches_keep_their_keys(self) -> None:
+        """A dict batch comes out as a dict, in its key order, of per-replica slices."""
+        x, y = table(4)
+        strategy = MirroredStrategy(cpus(2))
+        (element,) = await collect(strategy.distribute_dataset([{"label": y, "image": x}]))
+        assert list(element) == ["label", "image"]
+        assert rows_of(element["label"], 2) == [[0, 1], [2, 3]]
+        assert [part.shape for part in element["image"].values] == [(2, 3), (2, 3)]
+
+    async def test_one_replica_gets_plain_arrays(self) -> None:
+        """With one replica an element holds the arrays themselves, no PerReplica."""
+        x, y = table(3)
+        strategy = MirroredStrategy(cpus(1))
+        (element,) = await collect(strategy.distribute_dataset([(x, y)]))
+        assert isinstance(element, tuple)
+        assert [type(leaf) for leaf in element] == [np.ndarray, np.ndarray]
+        assert np.shares_memory(element[0], x)
+        assert element[1].tolist() == [0, 1, 2]
+
+    async def test_drop_remainder_drops_the_final_partial_batch(self) -> None:
+        """drop_remainder=True drops a global batch smaller than the first."""
+        strategy = MirroredStrategy(cpus(2))
+        kept = await collect(strategy.distribute_dataset(global_batches(10, 4)))
+        dropped = await collect(
+            strategy.distribute_dataset(global_batches(10, 4), drop_remainder=True)
+        )
+        assert [rows_of(y, 2) for _, y in kept] == [
+            [[0, 1], [2, 3]],
+            [[4, 5], [6, 7]],
+            [[8], [9]],
+        ]
+        assert [rows_of(y, 2) for _, y in dropped] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+    async def test_drop_remainder_keeps_full_batches(self) -> None:
+        """drop_remainder=True keeps a last batch as large as the first."""
+        strategy = MirroredStrategy(cpus(2))
+        dist = strategy.distribute_dataset(global_batches(8, 4), drop_remainder=True)
+        assert [rows_of(y, 2) for _, y in await collect(dist)] == [
+            [[0, 1], [2, 3]],
+            [[4, 5], [6, 7]],
+        ]
+
+
+class TestDatasetSources:
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_every_kind_of_dataset(self, kind: str, prefetch: int) -> None:
+        """Lists, generators and async generators give the same elements, prefetched or not."""
+        strategy = MirroredStrategy(cpus(2))
+        dist = strategy.distribute_dataset(source(kind, global_batches(7, 3)), prefetch=prefetch)
+        assert isinstance(dist, DistributedDataset)
+        assert [rows_of(y, 2) for _, y in await collect(dist)] == [
+            [[0, 1], [2]],
+            [[3, 4], [5]],
+            [[6], []],
+        ]
+
+    async def test_each_iteration_is_a_new_pass(self) -> None:
+        """Iterating again over a re-iterable dataset starts from its first batch."""
+        strategy = MirroredStrategy(cpus(2))
+        for dataset in (global_batches(5, 2), batched(table(5), 2)):
+            dist = strategy.distribute_dataset(dataset)
+            first = [rows_of(y, 2) for _, y in await collect(dist)]
+            second = [rows_of(y, 2) for _, y in await collect(dist)]
+            assert first == second == [[[0], [1]], [[2], [3]], [[4], []]]
+
+    async def test_each_pass_over_shuffled_batches_is_a_new_epoch(self) -> None:
+        """Over batched(shuffle=True), each pass is a fresh permutation of every row."""
+        strategy = MirroredStrategy(cpus(2))
+        dist = strategy.distribute_dataset(batched(table(20), 6, shuffle=True, seed=3))
+        epochs = []
+        for _ in range(2):
+            rows: list[int] = []
+            async for x, y in dist:
+                for x_part, y_part in zip(x.values, y.values, strict=True):
+                    np.testing.assert_array_equal(x_part[:, 0], y_part)
+                    rows.extend(y_part.tolist())
+            epochs.append(rows)
+        assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(20))
+        assert epochs[0] != epochs[1]
+
+
+class TestDatasetErrors:
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    async def test_leading_sizes_differ(self, prefetch: int) -> None:
+        """Leaves with different leading sizes are a ValueError naming the path and the sizes."""
+        strategy = MirroredStrategy(cpus(2))
+        batch = {"a": np.zeros(5), "b": np.zeros((5, 2)), "c": np.zeros(7)}
+        dist = strategy.distribute_dataset([batch], prefetch=prefetch)
+        with pytest.raises(ValueError, match=mentions(r"\['c'\]", r"\b5\b", r"\b7\b")):
+            await collect(dist)
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize(("leaf", "type_name"), [(3, "int"), (np.array(2.0), "ndarray")])
+    async def test_leaf_without_batch_dimension(
+        self, leaf: object, type_name: str, prefetch: int
+    ) -> None:
+        """A leaf without a batch dimension is a TypeError naming its path and type."""
+        strategy = MirroredStrategy(cpus(2))
+        dist = strategy.distribute_dataset([{"x": np.zeros(4), "step": leaf}], prefetch=prefetch)
+        with pytest.raises(TypeError, match=mentions(r"\['step'\]", type_name)):
+            await collect(dist)
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", ["generator", "async generator"])
+    async def test_dataset_error_comes_out_unchanged(self, kind: str, prefetch: int) -> None:
+        """The dataset's own exception object ends the loop, after the elements before it."""
+        strategy = MirroredStrategy(cpus(2))
+        boom = RuntimeError("loader failed")
+
+        def loader() -> Iterator[Array]:
+            yield np.arange(4)
+            raise boom
+
+        async def aloader() -> AsyncIterator[Array]:
+            yield np.arange(4)
+            raise boom
+
+        dataset = loader() if kind == "generator" else aloader()
+        dist = strategy.distribute_dataset(dataset, prefetch=prefetch)
+        before = live_tasks()
+        seen: list[Any] = []
+        with pytest.raises(RuntimeError, match="loader failed") as info:
+            await consume(dist, seen)
+        assert info.value is boom
+        assert [rows_of(batch, 2) for batch in seen] == [[[0, 1], [2, 3]]]
+        await settle(lambda: live_tasks() <= before)
+        assert live_tasks() == before
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    async def test_get_next_raises_the_dataset_error(self, prefetch: int) -> None:
+        """get_next raises the dataset's own exception object."""
+        strategy = MirroredStrategy(cpus(2))
+        boom = KeyError("missing shard")
+
+        async def aloader() -> AsyncIterator[Array]:
+            raise boom
+            yield np.arange(2)
+
+        it = aiter(strategy.distribute_dataset(aloader(), prefetch=prefetch))
+        with pytest.raises(KeyError, match="missing shard") as info:
+            await it.get_next()
+        assert info.value is boom
+        await it.aclose()
+
+    async def test_negative_prefetch(self) -> None:
+        """prefetch below 0 is a ValueError."""
+        strategy = MirroredStrategy(cpus(2))
+        with pytest.raises(ValueError, match="prefetch"):
+            await collect(strategy.distribute_dataset([np.arange(2)], prefetch=-1))
+
+
+class TestPrefetch:
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_break_leaves_no_task(self, kind: str, prefetch: int) -> None:
+        """Breaking out of the loop mid-epoch leaves no task behind."""
+        strategy = MirroredStrategy(cpus(2))
+        dataset = source(kind, global_batches(40, 4))
+        dist = strategy.distribute_dataset(dataset, prefetch=prefetch)
+        before = live_tasks()
+        seen = []
+        async for _, y in dist:
+            seen.append(rows_of(y, 2))
+            if len(seen) == 2:
+                break
+        await settle(lambda: live_tasks() <= before)
+        assert seen == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+        assert live_tasks() == before
+        if kind == "async generator":
+            await dataset.aclose()  # the test owns it; trio warns about one dropped unfinished
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", ["generator", "async generator"])
+    async def test_cancel_mid_epoch_leaves_no_task(self, kind: str, prefetch: int) -> None:
+        """Cancelling the loop while it waits for the next element leaves no task behind."""
+        strategy = MirroredStrategy(cpus(2))
+        stalled = threading.Event()
+        release = threading.Event()
+
+        def loader() -> Iterator[Array]:
+            yield np.arange(2)
+            yield np.arange(2, 4)
+            stalled.set()
+            release.wait(5)
+
+        async def aloader() -> AsyncIterator[Array]:
+            yield np.arange(2)
+            yield np.arange(2, 4)
+            stalled.set()
+            await anyio.sleep_forever()
+
+        dataset = loader() if kind == "generator" else aloader()
+        dist = strategy.distribute_dataset(dataset, prefetch=prefetch)
+        before = live_tasks()
+        seen: list[Any] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(consume, dist, seen)
+            assert await anyio.to_thread.run_sync(stalled.wait, 5)
+            await anyio.wait_all_tasks_blocked()
+            group.cancel_scope.cancel()
+            release.set()
+        await settle(lambda: live_tasks() <= before)
+        assert [rows_of(batch, 2) for batch in seen] == [[[0], [1]], [[2], [3]]]
+        assert live_tasks() == before
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_task_ends_with_the_epoch(self, kind: str, prefetch: int) -> None:
+        """After a full pass no task is left."""
+        strategy = MirroredStrategy(cpus(3))
+        before = live_tasks()
+        dist = strategy.distribute_dataset(source(kind, global_batches(9, 3)), prefetch=prefetch)
+        assert len(await collect(dist)) == 3
+        await settle(lambda: live_tasks() <= before)
+        assert live_tasks() == before
+
+    @pytest.mark.parametrize("kind", ["generator", "async generator"])
+    async def test_prefetch_zero_pulls_on_demand(self, kind: str) -> None:
+        """With prefetch=0 each element is pulled when asked for, and no task is started."""
+        strategy = MirroredStrategy(cpus(2))
+        events: list[tuple[str, int]] = []
+        extra_tasks = []
+
+        def loader() -> Iterator[Array]:
+            for i in range(3):
+                events.append(("pulled", i))
+                yield np.full(2, i)
+
+        async def aloader() -> AsyncIterator[Array]:
+            for batch in loader():
+                yield batch
+
+        dataset = loader() if kind == "generator" else aloader()
+        before = live_tasks()
+        async for batch in strategy.distribute_dataset(dataset, prefetch=0):
+            events.append(("consumed", int(batch.values[0][0])))
+            extra_tasks.append(live_tasks() - before)
+        assert events == [
+            ("pulled", 0),
+            ("consumed", 0),
+            ("pulled", 1),
+            ("consumed", 1),
+            ("pulled", 2),
+            ("consumed", 2),
+        ]
+        assert extra_tasks == [0, 0, 0]
+
+    @pytest.mark.parametrize("prefetch", [1, 2, 3])
+    @pytest.mark.parametrize("kind", ["generator", "async generator"])
+    async def test_runs_ahead_at_most_prefetch_plus_one(self, kind: str, prefetch: int) -> None:
+        """The loader runs ahead of the loop, at most prefetch + 1 past the elements asked for."""
+        strategy = MirroredStrategy(cpus(2))
+        events: list[tuple[str, int]] = []
+        pulled_ahead = threading.Event()
+
+        def loader() -> Iterator[Array]:
+            for i in range(8):
+                events.append(("pulled", i))
+                if i == 1:
+                    pulled_ahead.set()
+                yield np.full(2, i)
+
+        async def aloader() -> AsyncIterator[Array]:
+            for batch in loader():
+                yield batch
+
+        dataset = loader() if kind == "generator" else aloader()
+        pulled_after_first = []
+        async with aiter(strategy.distribute_dataset(dataset, prefetch=prefetch)) as it:
+            for i in range(9):
+                events.append(("asked", i))
+                optional = await it.get_next_as_optional()
+                if not optional.has_value():
+                    break
+                events.append(("got", int(optional.get_value().values[0][0])))
+                if i == 0:
+                    assert await anyio.to_thread.run_sync(pulled_ahead.wait, 5)
+                    await anyio.wait_all_tasks_blocked()
+                    pulled_after_first.append(sum(what == "pulled" for what, _ in events))
+        assert 2 <= pulled_after_first[0] <= prefetch + 2
+        assert [i for what, i in events if what == "pulled"] == list(range(8))
+        assert [i for what, i in events if what == "got"] == list(range(8))
+        assert most_ahead(events) <= prefetch + 1
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    async def test_sync_loader_does_not_block_the_loop(self, prefetch: int) -> None:
+        """A loader blocked on a threading.Event waits in a worker thread, not on the loop."""
+        strategy = MirroredStrategy(cpus(2))
+        gate = threading.Event()
+        events: list[str] = []
+
+        def loader() -> Iterator[Array]:
+            events.append(f"gate opened: {gate.wait(5)}")
+            yield np.arange(2)
+
+        async def open_gate() -> None:
+            await anyio.wait_all_tasks_blocked()
+            events.append("loop ran")
+            gate.set()
+
+        seen: list[Any] = []
+        async with anyio.create_task_group() as group:
+            group.start_soon(open_gate)
+            await consume(strategy.distribute_dataset(loader(), prefetch=prefetch), seen)
+        assert events == ["loop ran", "gate opened: True"]
+        assert [rows_of(batch, 2) for batch in seen] == [[[0], [1]]]
+
+
+class TestDistributedIterator:
+    async def test_get_next_until_stop(self) -> None:
+        """get_next returns the elements in order, then raises StopAsyncIteration."""
+        strategy = MirroredStrategy(cpus(2))
+        it = aiter(strategy.distribute_dataset(global_batches(6, 4)))
+        assert isinstance(it, DistributedIterator)
+        first = await it.get_next()
+        second = await it.get_next()
+        with pytest.raises(StopAsyncIteration):
+            await it.get_next()
+        await it.aclose()
+        assert [rows_of(y, 2) for _, y in (first, second)] == [[[0, 1], [2, 3]], [[4], [5]]]
+
+    async def test_get_next_as_optional(self) -> None:
+        """get_next_as_optional holds each element, then an empty optional."""
+        strategy = MirroredStrategy(cpus(2))
+        async with aiter(strategy.distribute_dataset([np.arange(3)])) as it:
+            present = await it.get_next_as_optional()
+            empty = await it.get_next_as_optional()
+        assert present.has_value()
+        assert rows_of(present.get_value(), 2) == [[0, 1], [2]]
+        assert not empty.has_value()
+        with pytest.raises(ValueError, match=r"(?i)no value|empty"):
+            empty.get_value()
+
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_async_with_stops_the_prefetch_task(self, kind: str) -> None:
+        """Leaving ``async with aiter(dist)`` mid-epoch ends the prefetch task before it returns."""
+        strategy = MirroredStrategy(cpus(2))
+        dist = strategy.distribute_dataset(source(kind, global_batches(40, 4)), prefetch=2)
+        before = live_tasks()
+        async with aiter(dist) as it:
+            _, y = await it.get_next()
+        assert live_tasks() == before
+        assert rows_of(y, 2) == [[0, 1], [2, 3]]
+
+    async def test_aclose_stops_the_prefetch_task(self) -> None:
+        """aclose mid-epoch ends the prefetch task before it returns."""
+        strategy = MirroredStrategy(cpus(2))
+        dist = strategy.distribute_dataset(source("async generator", global_batches(40, 4)))
+        before = live_tasks()
+        it = aiter(dist)
+        await it.get_next()
+        await anyio.wait_all_tasks_blocked()
+        await it.aclose()
+        assert live_tasks() == before
+
+
+class TestRunOnElements:
+    async def test_step_sees_its_own_slice(self) -> None:
+        """strategy.run on an element gives each replica its own slice of the global batch."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step(batch: Table) -> tuple[int, Array]:
+            x, y = batch
+            return x.shape[0], y
+
+        sizes = []
+        async for x, y in strategy.distribute_dataset(batched(table(10), 4)):
+            size, labels = await strategy.run(step, args=((x, y),))
+            sizes.append(list(size.values))
+            assert all(got is mine for got, mine in zip(labels.values, y.values, strict=True))
+        assert sizes == [[2, 1, 1], [2, 1, 1], [1, 1, 0]]
+
+
+class TestDistributeDatasetsFromFunction:
+    async def test_called_once_with_an_input_context(self) -> None:
+        """dataset_fn is called once, with one pipeline for all the strategy's replicas."""
+        strategy = MirroredStrategy(cpus(3))
+        calls: list[InputContext] = []
+
+        def dataset_fn(context: InputContext) -> list[Array]:
+            calls.append(context)
+            size = context.get_per_replica_batch_size(6)
+            return [np.arange(i * size, (i + 1) * size) for i in range(3)]
+
+        dist = strategy.distribute_datasets_from_function(dataset_fn)
+        assert [rows_of(element, 3) for element in await collect(dist)] == [
+            [[0, 1], [2, 3], [4, 5]]
+        ]
+        assert [
+            (c.num_input_pipelines, c.input_pipeline_id, c.num_replicas_in_sync) for c in calls
+        ] == [(1, 0, 3)]
+        assert all(isinstance(c, InputContext) for c in calls)
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_replica_r_gets_the_rth_batch_of_each_round(
+        self, kind: str, prefetch: int
+    ) -> None:
+        """Per-replica batches go round-robin: replica r gets the r-th of each round."""
+        strategy = MirroredStrategy(cpus(2))
+        batches = global_batches(8, 2)
+        dist = strategy.distribute_datasets_from_function(
+            lambda context: source(kind, batches), prefetch=prefetch
+        )
+        assert [rows_of(y, 2) for _, y in await collect(dist)] == [
+            [[0, 1], [2, 3]],
+            [[4, 5], [6, 7]],
+        ]
+
+    async def test_runs_out_mid_round(self) -> None:
+        """The replicas past the end of the last round get zero rows shaped like the last batch."""
+        strategy = MirroredStrategy(cpus(3))
+        batches = global_batches(8, 2)
+        elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
+        assert [rows_of(y, 3) for _, y in elements] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [], []]]
+        last_x, last_y = elements[-1]
+        assert [(p.shape, p.dtype.name) for p in last_x.values] == [
+            ((2, 3), "float32"),
+            ((0, 3), "float32"),
+            ((0, 3), "float32"),
+        ]
+        assert [(p.shape, p.dtype.name) for p in last_y.values] == [
+            ((2,), "int64"),
+            ((0,), "int64"),
+            ((0,), "int64"),
+        ]
+
+    async def test_runs_out_at_a_round_boundary(self) -> None:
+        """A dataset that ends with a full round ends the iteration there."""
+        strategy = MirroredStrategy(cpus(2))
+        batches = [np.arange(2 * i, 2 * i + 2) for i in range(4)]
+        elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
+        assert [rows_of(element, 2) for element in elements] == [
+            [[0, 1], [2, 3]],
+            [[4, 5], [6, 7]],
+        ]
+
+    async def test_one_replica_gets_each_batch(self) -> None:
+        """With one replica each batch is one element, as plain arrays."""
+        strategy = MirroredStrategy(cpus(1))
+        batches = [np.arange(2), np.arange(2, 5)]
+        elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
+        assert [rows_of(element, 1) for element in elements] == [[[0, 1]], [[2, 3, 4]]]
+
+    async def test_negative_prefetch(self) -> None:
+        """prefetch below 0 is a ValueError."""
+        strategy = MirroredStrategy(cpus(2))
+        with pytest.raises(ValueError, match="prefetch"):
+            await collect(
+                strategy.distribute_datasets_from_function(lambda c: [np.arange(2)], prefetch=-1)
+            )
+
+
+class TestInputContext:
+    def test_defaults(self) -> None:
+        """By default there is one pipeline, number 0, for one replica."""
+        context = InputContext()
+        assert (
+            context.num_input_pipelines,
+            context.input_pipeline_id,
+            context.num_replicas_in_sync,
+        ) == (1, 0, 1)
+
+    def test_per_replica_batch_size(self) -> None:
+        """The global batch size divides evenly over the replicas."""
+        context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)
+        assert context.get_per_replica_batch_size(64) == 16
+
+    def test_batch_size_not_divisible(self) -> None:
+        """A global batch size the replicas do not divide is a ValueError naming both numbers."""
+        context = InputContext(num_replicas_in_sync=4)
+        with pytest.raises(ValueError, match=mentions(r"\b10\b", r"\b4\b")):
+            context.get_per_replica_batch_size(10)
+
+
+class TestDistributeValuesFromFunction:
+    async def test_one_value_per_replica(self) -> None:
+        """value_fn is called once per replica, in order, with that replica's ValueContext."""
+        strategy = MirroredStrategy(cpus(3))
+        calls: list[tuple[int, int]] = []
+
+        def value_fn(context: ValueContext) -> Array:
+            assert isinstance(context, ValueContext)
+            calls.append((context.replica_id_in_sync_group, context.num_replicas_in_sync))
+            return np.full(2, context.replica_id_in_sync_group * 10)
+
+        values = strategy.experimental_distribute_values_from_function(value_fn)
+        assert isinstance(values, PerReplica)
+        assert [v.tolist() for v in values.values] == [[0, 0], [10, 10], [20, 20]]
+        assert calls == [(0, 3), (1, 3), (2, 3)]
+
+    async def test_step_sees_its_value(self) -> None:
+        """strategy.run passes each replica the value made for it."""
+        strategy = MirroredStrategy(cpus(2))
+        values = strategy.experimental_distribute_values_from_function(
+            lambda context: f"replica {context.replica_id_in_sync_group}"
+        )
+
+        def step(value: str) -> str:
+            return value.upper()
+
+        result = await strategy.run(step, args=(values,))
+        assert result.values == ("REPLICA 0", "REPLICA 1")
+
+    def test_value_context_fields(self) -> None:
+        """ValueContext holds the replica id and the replica count."""
+        context = ValueContext(2, 4)
+        assert (context.replica_id_in_sync_group, context.num_replicas_in_sync) == (2, 4)
+
+
+class TestBatched:
+    def test_consecutive_views(self) -> None:
+        """Batches are consecutive views of at most batch_size rows, the last one smaller."""
+        x, y = table(10)
+        batches = list(batched((x, y), 4))
+        assert [b_y.tolist() for _, b_y in batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        assert all(np.shares_memory(b_x, x) and np.shares_memory(b_y, y) for b_x, b_y in batches)
+        np.testing.assert_array_equal(batches[2][0], x[8:])
+
+    def test_nested_structure(self) -> None:
+        """Nested structures come out with the same containers and keys."""
+        x, y = table(3)
+        batches = list(batched({"inputs": (x,), "labels": y}, 2))
+        assert [list(b) for b in batches] == [["inputs", "labels"]] * 2
+        assert [(b["inputs"][0].shape, b["labels"].tolist()) for b in batches] == [
+            ((2, 3), [0, 1]),
+            ((1, 3), [2]),
+        ]
+
+    def test_batch_larger_than_the_data(self) -> None:
+        """A batch size above the row count gives one batch of every row."""
+        assert [b.tolist() for b in batched(np.arange(3), 10)] == [[0, 1, 2]]
+
+    def test_each_iteration_is_an_epoch(self) -> None:
+        """Iterating again starts a new epoch from the first row."""
+        data = batched(np.arange(5), 2)
+        assert [b.tolist() for b in data] == [b.tolist() for b in data] == [[0, 1], [2, 3], [4]]
+
+    def test_shuffle_each_epoch_a_fresh_permutation(self) -> None:
+        """With shuffle=True each epoch covers every row once, rows kept aligned, order new."""
+        data = batched(table(20), 6, shuffle=True, seed=11)
+        epochs = []
+        for _ in range(2):
+            rows: list[int] = []
+            sizes = []
+            for x, y in data:
+                np.testing.assert_array_equal(x[:, 0], y)
+                rows.extend(y.tolist())
+                sizes.append(len(y))
+            assert sizes == [6, 6, 6, 2]
+            assert sorted(rows) == list(range(20))
+            epochs.append(rows)
+        assert epochs[0] != epochs[1]
+
+    def test_same_seed_same_epochs(self) -> None:
+        """The same seed gives the same sequence of epochs."""
+
+        def epochs(seed: int) -> list[list[int]]:
+            data = batched(np.arange(12), 5, shuffle=True, seed=seed)
+            return [[row for b in data for row in b.tolist()] for _ in range(3)]
+
+        assert epochs(4) == epochs(4)
+        assert epochs(4) != epochs(5)
+
+    def test_shuffle_without_seed_covers_every_row(self) -> None:
+        """shuffle=True with no seed still gives every row once per epoch."""
+        rows = [row for b in batched(np.arange(9), 4, shuffle=True) for row in b.tolist()]
+        assert sorted(rows) == list(range(9))
+
+    @pytest.mark.parametrize("batch_size", [0, -1])
+    def test_batch_size_below_one(self, batch_size: int) -> None:
+        """batch_size below 1 is a ValueError."""
+        with pytest.raises(ValueError, match="batch_size"):
+            list(batched(np.arange(4), batch_size))
+
+    def test_leading_sizes_differ(self) -> None:
+        """Arrays with different leading sizes are a ValueError naming the sizes."""
+        with pytest.raises(ValueError, match=mentions(r"\b10\b", r"\b9\b")):
+            list(batched((np.zeros(10), np.zeros(9)), 4))
