@@ -257,14 +257,14 @@ class DistributedDataset:
         self._input_context = input_context
 
     def __aiter__(self) -> DistributedIterator:
-        return DistributedIterator(
+        puller = _Puller(
             self._source(),
             self._devices,
             per_replica_source=self._per_replica_source,
             drop_remainder=self._drop_remainder,
-            prefetch=self._prefetch,
             input_context=self._input_context,
         )
+        return DistributedIterator(puller, self._prefetch)
 
 
 @final
@@ -281,25 +281,10 @@ class DistributedIterator:
         ...         return await iterator.get_next()
     """
 
-    def __init__(
-        self,
-        dataset: Any,
-        devices: tuple[Device, ...],
-        *,
-        per_replica_source: bool,
-        drop_remainder: bool,
-        prefetch: int,
-        input_context: InputContext,
-    ) -> None:
+    def __init__(self, puller: _Puller, prefetch: int) -> None:
         # The prefetch task holds the puller, never the iterator: so a dropped iterator is
         # freed at once, and its ``__del__`` stops the task.
-        self._puller = _Puller(
-            dataset,
-            devices,
-            per_replica_source=per_replica_source,
-            drop_remainder=drop_remainder,
-            input_context=input_context,
-        )
+        self._puller = puller
         self._prefetch = prefetch
         self._closed = False
         self._background: _loop.Background | None = None
