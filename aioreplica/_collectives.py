@@ -417,15 +417,18 @@ class Communicator:
         limit = opts.bytes_per_pack or _DEFAULT_PACK_BYTES
         results: list[list[Any] | None] = [None] * len(leaves)
         packs: dict[Any, list[list[int]]] = {}
+        filled: dict[Any, int] = {}  # bytes in the last pack of each dtype
         for index, leaf in enumerate(leaves):
             first = leaf.components[0]
             if first.nbytes >= limit:
                 results[index] = await self._reduce_arrays(op.value, leaf.components)
                 continue
             groups = packs.setdefault(first.dtype, [[]])
-            if sum(leaves[i].components[0].nbytes for i in groups[-1]) + first.nbytes > limit:
+            if filled.get(first.dtype, 0) + first.nbytes > limit:
                 groups.append([])
+                filled[first.dtype] = 0
             groups[-1].append(index)
+            filled[first.dtype] = filled.get(first.dtype, 0) + first.nbytes
         for groups in packs.values():
             for group in groups:
                 if len(group) == 1:
