@@ -180,10 +180,16 @@ class HostDevice:
             ...     device = aioreplica.get_replica_context().device
             ...     return await device.run(np.linalg.norm, device.asarray([3.0, 4.0]))
         """
+        value: T = await self._queue(fn, args, kwargs)
+        return value
+
+    def _queue(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> _loop.ThreadResult:
+        """Queue a job on this device's worker now; await the result object for its value."""
         result = _loop.current().thread_result()
         self._worker.submit(fn, args, kwargs, result)
-        value: T = await result
-        return value
+        return result
 
     async def synchronize(self) -> None:
         """Wait until every job queued on this device so far has finished.
@@ -285,9 +291,7 @@ def _submit(device: Device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -
     """
     if not isinstance(device, HostDevice):  # pragma: no cover - collectives check the kind
         raise TypeError(f"{device!r} is not a host device")
-    result = _loop.current().thread_result()
-    device._worker.submit(fn, args, kwargs, result)
-    return result
+    return device._queue(fn, args, kwargs)
 
 
 def _cores() -> int:
