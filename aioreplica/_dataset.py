@@ -239,7 +239,7 @@ class DistributedDataset:
 
     def __init__(
         self,
-        source: Callable[[], Any],
+        dataset: Any,
         devices: Sequence[Device],
         *,
         per_replica_source: bool,
@@ -249,7 +249,12 @@ class DistributedDataset:
     ) -> None:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-        self._source = source
+        if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
+            raise TypeError(
+                f"a dataset must be an iterable or async iterable of batches, got "
+                f"{type(dataset).__name__}"
+            )
+        self._dataset = dataset
         self._devices = tuple(devices)
         self._per_replica_source = per_replica_source
         self._drop_remainder = drop_remainder
@@ -258,7 +263,7 @@ class DistributedDataset:
 
     def __aiter__(self) -> DistributedIterator:
         puller = _Puller(
-            self._source(),
+            self._dataset,
             self._devices,
             per_replica_source=self._per_replica_source,
             drop_remainder=self._drop_remainder,

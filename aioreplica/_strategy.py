@@ -303,9 +303,8 @@ class MirroredStrategy:
             >>> anyio.run(sizes)
             [2, 0]
         """
-        _check_iterable(dataset)
         return DistributedDataset(
-            lambda: dataset,
+            dataset,
             self._device_objects,
             per_replica_source=False,
             drop_remainder=drop_remainder,
@@ -334,9 +333,8 @@ class MirroredStrategy:
             >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
         """
         dataset = dataset_fn(self._input_context())
-        _check_iterable(dataset)
         return DistributedDataset(
-            lambda: dataset,
+            dataset,
             self._device_objects,
             per_replica_source=True,
             drop_remainder=False,
@@ -526,14 +524,6 @@ class MirroredStrategy:
                     f"{name} is a {type(leaf).__name__} of {len(leaf.values)} values, but "
                     f"{self!r} has {size} replicas; give one value per replica"
                 )
-
-
-def _check_iterable(dataset: Any) -> None:
-    if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
-        raise TypeError(
-            f"a dataset must be an iterable or async iterable of batches, got "
-            f"{type(dataset).__name__}"
-        )
 
 
 set_default_strategy_factory(lambda: MirroredStrategy(["cpu:0"]))
