@@ -8,8 +8,11 @@ from __future__ import annotations
 import contextlib
 
 from . import nest as nest
+from . import optimizers as optimizers
 from ._backends import Device as Device
 from ._backends import list_devices as list_devices
+from ._checkpoint import Checkpoint as Checkpoint
+from ._checkpoint import CheckpointManager as CheckpointManager
 from ._collectives import CommunicationOptions as CommunicationOptions
 from ._collectives import ReduceOp as ReduceOp
 from ._context import ReplicaContext as ReplicaContext
@@ -24,6 +27,7 @@ from ._dataset import OptionalValue as OptionalValue
 from ._dataset import ValueContext as ValueContext
 from ._dataset import batched as batched
 from ._errors import AioreplicaInternalError as AioreplicaInternalError
+from ._errors import CheckpointError as CheckpointError
 from ._errors import ReplicaSyncError as ReplicaSyncError
 from ._scheduler import SchedulerStatistics as SchedulerStatistics
 from ._strategy import MirroredStrategy as MirroredStrategy
@@ -34,11 +38,19 @@ from ._values import PerReplica as PerReplica
 from ._values import regroup as regroup
 from ._values import select_replica as select_replica
 from ._values import select_replica_mirrored as select_replica_mirrored
+from ._variables import MirroredVariable as MirroredVariable
+from ._variables import SyncOnReadVariable as SyncOnReadVariable
+from ._variables import Variable as Variable
+from ._variables import VariableAggregation as VariableAggregation
+from ._variables import VariableSynchronization as VariableSynchronization
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AioreplicaInternalError",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointManager",
     "CommunicationOptions",
     "Device",
     "DistributedDataset",
@@ -47,6 +59,7 @@ __all__ = [
     "InputContext",
     "Mirrored",
     "MirroredStrategy",
+    "MirroredVariable",
     "OptionalValue",
     "PerReplica",
     "ReduceOp",
@@ -54,7 +67,11 @@ __all__ = [
     "ReplicaSyncError",
     "SchedulerStatistics",
     "StrategyExtended",
+    "SyncOnReadVariable",
     "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
     "batched",
     "get_replica_context",
     "get_strategy",
@@ -62,6 +79,7 @@ __all__ = [
     "in_cross_replica_context",
     "list_devices",
     "nest",
+    "optimizers",
     "regroup",
     "select_replica",
     "select_replica_mirrored",
@@ -72,7 +90,10 @@ def _fixup_module_metadata() -> None:
     """Show the public path (``aioreplica.PerReplica``) in reprs, tracebacks and pickles."""
     for name in __all__:
         obj = globals()[name]
-        if getattr(obj, "__module__", "").startswith("aioreplica.") and name != "nest":
+        if getattr(obj, "__module__", "").startswith("aioreplica.") and name not in (
+            "nest",
+            "optimizers",
+        ):
             with contextlib.suppress(AttributeError, TypeError):  # read-only on some objects
                 obj.__module__ = __name__
 

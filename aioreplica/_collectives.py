@@ -228,7 +228,7 @@ class Communicator:
     async def _merge_all_reduce(
         self, strategy: MirroredStrategy, op: Any, value: Any, opts: Any
     ) -> Any:
-        op, opts = _agreed(op), _agreed(opts)
+        op, opts = agreed(op), agreed(opts)
         leaves, treedef = self._leaves("all_reduce", value)
         self._check_same_shapes("all_reduce", leaves)
         _check_op(op, leaves)
@@ -236,7 +236,7 @@ class Communicator:
         return treedef.unflatten([_mirrored(r) for r in results])
 
     async def _merge_all_gather(self, strategy: MirroredStrategy, value: Any, axis: Any) -> Any:
-        axis = _agreed(axis)
+        axis = agreed(axis)
         leaves, treedef = self._leaves("all_gather", value)
         gathered = []
         for leaf in leaves:
@@ -247,7 +247,7 @@ class Communicator:
         return treedef.unflatten(gathered)
 
     async def _merge_broadcast(self, strategy: MirroredStrategy, value: Any, source: Any) -> Any:
-        source = _agreed(source)
+        source = agreed(source)
         leaves, treedef = self._leaves("broadcast", value)
         results = [
             _mirrored(await self._backend.broadcast(leaf.components[source], self._devices))
@@ -263,7 +263,7 @@ class Communicator:
         axis: Any,
         opts: Any,
     ) -> Any:
-        op, axis, opts = _agreed(op), _agreed(axis), _agreed(opts)
+        op, axis, opts = agreed(op), agreed(axis), agreed(opts)
         leaves, treedef = self._leaves("reduce_scatter", value)
         self._check_same_shapes("reduce_scatter", leaves)
         _check_op(op, leaves)
@@ -326,8 +326,18 @@ class Communicator:
         self._check_same_shapes("batch_reduce_to", leaves)
         _check_op(op, leaves)
         results = await self._reduce_leaves(op, leaves, self.options.override(options))
-        reduced = treedef.unflatten([replicas[0] for replicas in results])
-        return [_place(value, devices) for value, devices in zip(reduced, targets, strict=True)]
+        # Each destination takes the result the backend left on its own device (ordered
+        # there by the backend), not a copy of replica 0's.
+        index = {device.name: i for i, device in enumerate(self._devices)}
+        per_pair = [len(_tree.flatten(value)[0]) for value, _ in pairs]
+        placed: list[Any] = []
+        start = 0
+        for count, devices in zip(per_pair, targets, strict=True):
+            for replicas in results[start : start + count]:
+                chosen = [replicas[index[device.name]] for device in devices]
+                placed.append(chosen[0] if len(chosen) == 1 else _mirrored(chosen))
+            start += count
+        return list(treedef.unflatten(placed))
 
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         self._check_cross_replica("broadcast_to")
@@ -540,7 +550,7 @@ def _barrier(strategy: MirroredStrategy) -> None:
     return None
 
 
-def _agreed(setting: Any) -> Any:
+def agreed(setting: Any) -> Any:
     """A collective's setting (op, axis, options) as the replicas passed it.
 
     Replicas that build equal settings as separate objects arrive regrouped as a
@@ -591,11 +601,6 @@ def _mirrored(results: list[Any]) -> Any:
     if all(result is first for result in results):
         return first
     return Mirrored(results)
-
-
-def _place(value: Any, devices: tuple[Device, ...]) -> Any:
-    placed = [device.asarray(value) for device in devices]
-    return placed[0] if len(placed) == 1 else _mirrored(placed)
 
 
 def _array_kind(value: object) -> str:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
-__all__ = ["AioreplicaInternalError", "ReplicaSyncError"]
+__all__ = ["AioreplicaInternalError", "CheckpointError", "ReplicaSyncError"]
 
 
 def _replica_list(ids: Sequence[int]) -> str:
@@ -49,6 +49,24 @@ class ReplicaSyncError(RuntimeError):
         self.merge_number = merge_number
         self.replicas = tuple(sorted(replicas))
         self.waiting = tuple(sorted(waiting))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file cannot be restored: corrupted, truncated, or not matching the objects.
+
+    Raised before anything is changed: every object keeps its value.
+
+    Attributes:
+        path: the checkpoint file.
+        problems: one line per problem, each naming the object (``model/w``) it concerns.
+    """
+
+    def __init__(self, path: str, problems: Sequence[str]) -> None:
+        self.path = path
+        self.problems = tuple(problems)
+        shown = "; ".join(self.problems[:8])
+        more = f"; and {len(self.problems) - 8} more" if len(self.problems) > 8 else ""
+        super().__init__(f"cannot restore checkpoint {path!r}: {shown}{more}")
 
 
 class AioreplicaInternalError(RuntimeError):

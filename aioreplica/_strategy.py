@@ -24,6 +24,7 @@ from ._dataset import (
 )
 from ._scheduler import Scheduler, SchedulerStatistics
 from ._values import DistributedValues, PerReplica, regroup, select_replica
+from ._variables import Variable, update
 
 __all__ = ["MirroredStrategy", "StrategyExtended"]
 
@@ -107,6 +108,50 @@ class StrategyExtended:
             [array(1.5), array(1.5)]
         """
         return await self.communicator.batch_reduce_to(reduce_op, value_destination_pairs, options)
+
+    async def update(
+        self,
+        var: Variable,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Set every copy of ``var`` to ``fn(copy, *args, **kwargs)``, all or none, as in TF.
+
+        ``fn`` runs once per copy with that copy's device current and the arguments selected
+        for its replica (``Mirrored`` values unwrapped; ``PerReplica`` values are refused). It
+        returns the copy's new value (unlike TF, where ``fn`` assigns to a component
+        variable), so that no copy changes unless every one was computed. Copies that host
+        replicas share are computed once. In replica context every replica must call it; it
+        then takes one merge round.
+
+        Args:
+            var: a variable of this strategy (or an ordinary variable).
+            fn: ``fn(copy, *args, **kwargs) -> new value`` of the copy's shape and dtype.
+            args: positional arguments; plain or ``Mirrored`` values.
+            kwargs: keyword arguments; plain or ``Mirrored`` values.
+            group: return the new value grouped (a ``Mirrored``, or the one array host
+                replicas share); ``False``: a tuple with one entry per copy.
+
+        Returns:
+            The new copies, grouped as ``group`` says.
+
+        Raises:
+            TypeError: ``var`` is not a variable, ``fn`` is not callable, or an argument is a
+                ``PerReplica``.
+            ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
+                shape or dtype; nothing has changed.
+            Exception: whatever ``fn`` raises; nothing has changed.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     v = aioreplica.Variable(np.ones(2))
+            >>> anyio.run(strategy.extended.update, v, lambda copy, x: copy * x, (3.0,))
+            array([3., 3.])
+        """
+        return await update(self._strategy, var, fn, tuple(args), kwargs, group)
 
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         """Place ``value`` on every destination device (host devices share one read-only copy).
@@ -370,10 +415,12 @@ class MirroredStrategy:
         """Return the per-replica components of ``value``, one per replica, as in TF.
 
         Args:
-            value: a ``DistributedValues`` (its ``.values``), or any other value (a 1-tuple).
+            value: a ``DistributedValues`` or a variable (its ``.values``: one copy per
+                replica), or any other value (a 1-tuple).
 
         Returns:
-            A tuple with one entry per replica for distributed values, else ``(value,)``.
+            A tuple with one entry per replica for distributed values and variables, else
+            ``(value,)``.
 
         Example:
             >>> MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results(
@@ -381,7 +428,7 @@ class MirroredStrategy:
             ... )
             (1, 2)
         """
-        if isinstance(value, DistributedValues):
+        if isinstance(value, DistributedValues | Variable):
             return value.values
         return (value,)
 

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import anyio
 import numpy as np
 import pytest
 
 if TYPE_CHECKING:
     from types import ModuleType
+
+    from numpy.typing import NDArray
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -55,3 +59,104 @@ class TestQuickstart:
         )
         assert "step    0" in completed.stdout
         assert "4 replicas, 3 merge rounds" in completed.stdout
+
+
+def plain_numpy_training(
+    digits: ModuleType, steps: int, global_batch: int, learning_rate: float, momentum: float
+) -> dict[str, NDArray[np.float64]]:
+    """The example's training written with NumPy alone: same batches, same SGD with momentum."""
+    x, y, _, _ = digits.load_data(0)
+    params: dict[str, NDArray[np.float64]] = digits.init_params(0)
+    velocity = {name: np.zeros_like(value) for name, value in params.items()}
+    done = 0
+    epoch = 0
+    while done < steps:
+        order = np.random.default_rng(epoch).permutation(len(y))
+        for start in range(0, len(y) - global_batch + 1, global_batch):
+            rows = order[start : start + global_batch]
+            _, grads = digits.loss_and_grads(np, params, x[rows], y[rows], global_batch)
+            for name in params:
+                velocity[name] = momentum * velocity[name] - learning_rate * grads[name]
+                params[name] = params[name] + velocity[name]
+            done += 1
+            if done == steps:
+                break
+        epoch += 1
+    return params
+
+
+class TestTrainDigits:
+    @pytest.mark.anyio
+    async def test_replicas_and_plain_numpy_agree(self) -> None:
+        """50 steps on 4 replicas, on 1 replica, and in plain NumPy give the same parameters."""
+        digits = load("train_digits")
+        settings = {"global_batch": 64, "learning_rate": 0.1, "momentum": 0.9}
+        four = await digits.main(4, max_steps=50, progress=False, **settings)
+        one = await digits.main(1, max_steps=50, progress=False, **settings)
+        plain = plain_numpy_training(digits, 50, 64, 0.1, 0.9)
+        assert four.steps == one.steps == 50
+        for name, value in plain.items():
+            assert value.dtype == np.float64
+            np.testing.assert_allclose(four.params[name], one.params[name], rtol=0, atol=1e-10)
+            np.testing.assert_allclose(four.params[name], value, rtol=0, atol=1e-10)
+        # The parameters did move: 50 steps are not a no-op.
+        assert np.abs(plain["w2"] - digits.init_params(0)["w2"]).max() > 0.05
+
+    @pytest.mark.anyio
+    async def test_resuming_continues_the_same_run(self, tmp_path: Path) -> None:
+        """Two epochs, a restart from the checkpoint and a third equal three epochs straight."""
+        digits = load("train_digits")
+        directory = str(tmp_path / "checkpoints")
+        first = await digits.main(3, epochs=2, checkpoint_dir=directory, progress=False)
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+            "ckpt-1.npz",
+            "ckpt-2.npz",
+        ]
+        resumed = await digits.main(
+            3, epochs=3, checkpoint_dir=directory, resume=True, progress=False
+        )
+        straight = await digits.main(3, epochs=3, progress=False)
+        assert (first.first_epoch, resumed.first_epoch) == (0, 2)
+        assert resumed.steps == straight.steps // 3
+        for name, value in straight.params.items():
+            np.testing.assert_array_equal(resumed.params[name], value)
+
+    def test_reaches_95_percent_test_accuracy(self, tmp_path: Path) -> None:
+        """The default run (4 replicas, 20 epochs) classifies at least 95 % of the test set."""
+        digits = load("train_digits")
+        result = anyio.run(
+            functools.partial(digits.main, checkpoint_dir=str(tmp_path), progress=False)
+        )
+        assert result.test_accuracy >= 0.95
+        assert result.losses[-1] < result.losses[0] / 10
+
+    def test_runs_from_the_command_line(self, tmp_path: Path) -> None:
+        """The command line trains, plots, checkpoints every epoch, and resumes."""
+        plot = tmp_path / "loss.png"
+        command = [
+            sys.executable,
+            str(EXAMPLES / "train_digits.py"),
+            "--checkpoint-dir",
+            str(tmp_path / "ck"),
+            "--loop",
+            "trio",
+        ]
+        first = subprocess.run(
+            [*command, "--epochs", "1", "--plot", str(plot)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert "4 replicas, 22 steps, test accuracy" in first.stdout
+        assert "training: 100%" in first.stderr  # the progress bar
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        again = subprocess.run(
+            [*command, "--epochs", "2", "--resume"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+        assert f"resumed from {tmp_path / 'ck' / 'ckpt-1.npz'} (epoch 1)" in again.stdout
+        assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-1.npz", "ckpt-2.npz"]

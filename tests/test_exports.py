@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 import aioreplica
-from aioreplica import _tree, nest
+from aioreplica import _tree, nest, optimizers
 
 if TYPE_CHECKING:
     import types
@@ -33,7 +33,8 @@ def _public_functions() -> list[tuple[str, Callable[..., Any]]]:
     for module in (aioreplica, nest):
         prefix = "" if module is aioreplica else "nest."
         found += [(prefix + name, obj) for name, obj in _public(module) if inspect.isfunction(obj)]
-    for name, obj in _public(aioreplica):
+    classes = [*_public(aioreplica), *((f"optimizers.{n}", c) for n, c in _public(optimizers))]
+    for name, obj in classes:
         if not isinstance(obj, type) or obj is aioreplica.Device:
             continue
         for attr, value in vars(obj).items():
@@ -52,6 +53,17 @@ RAISING = [
     "MirroredStrategy.run",
     "MirroredStrategy.scope",
     "ReplicaContext.merge_call",
+    "StrategyExtended.update",
+    "Variable.value",
+    "Variable.assign",
+    "Variable.assign_add",
+    "Variable.assign_sub",
+    "Checkpoint.save",
+    "Checkpoint.restore",
+    "CheckpointManager.save",
+    "optimizers.Optimizer.apply_gradients",
+    "optimizers.Optimizer.build",
+    "optimizers.Optimizer.get_slot",
     "nest.assert_same_structure",
     "nest.flatten",
     "nest.map_structure",
@@ -61,7 +73,16 @@ RAISING = [
     "nest.unflatten",
 ]
 
-FINAL = ["PerReplica", "Mirrored", "ReplicaContext", "StrategyExtended"]
+FINAL = [
+    "Checkpoint",
+    "CheckpointManager",
+    "Mirrored",
+    "MirroredVariable",
+    "PerReplica",
+    "ReplicaContext",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+]
 
 NOT_IMPORTED = ["cupy", "trio", "mpi4py", "uvloop"]
 
@@ -84,11 +105,12 @@ class TestAll:
         }
         assert wrong == {}
 
-    def test_every_public_object_is_a_class_function_or_nest(self) -> None:
-        """Besides classes and functions, only the ``nest`` module is exported."""
+    def test_every_public_object_is_a_class_function_or_module(self) -> None:
+        """Besides classes and functions, only the ``nest`` and ``optimizers`` modules are."""
         others = [name for name, obj in _public(aioreplica) if not _is_class_or_function(obj)]
-        assert others == ["nest"]
+        assert others == ["nest", "optimizers"]
         assert aioreplica.nest is nest
+        assert aioreplica.optimizers is optimizers
 
     @pytest.mark.parametrize("name", FINAL)
     def test_class_is_final(self, name: str) -> None:
@@ -105,6 +127,13 @@ class TestAll:
         """The library's exceptions subclass the nearest builtin."""
         assert issubclass(aioreplica.ReplicaSyncError, RuntimeError)
         assert issubclass(aioreplica.AioreplicaInternalError, RuntimeError)
+        assert issubclass(aioreplica.CheckpointError, ValueError)
+
+    def test_variable_classes(self) -> None:
+        """``Variable`` is the base of the distributed variables, open for them only."""
+        assert issubclass(aioreplica.MirroredVariable, aioreplica.Variable)
+        assert issubclass(aioreplica.SyncOnReadVariable, aioreplica.Variable)
+        assert getattr(aioreplica.Variable, "__final__", False) is False
 
     def test_version_is_a_string(self) -> None:
         """``__version__`` is a dotted version string."""
@@ -129,6 +158,17 @@ class TestNest:
         """``nest``'s classes and functions report ``aioreplica._tree``."""
         modules = {obj.__module__ for _, obj in _public(nest) if _is_class_or_function(obj)}
         assert modules == {"aioreplica._tree"}
+
+
+class TestOptimizers:
+    def test_all_sorted_and_present(self) -> None:
+        """``optimizers.__all__`` is sorted, and names the optimizer classes."""
+        assert optimizers.__all__ == ["Adam", "Optimizer", "SGD"]
+
+    def test_classes_show_the_public_module(self) -> None:
+        """Each optimizer class reports ``aioreplica.optimizers`` as its module."""
+        assert {obj.__module__ for _, obj in _public(optimizers)} == {"aioreplica.optimizers"}
+        assert all(issubclass(obj, optimizers.Optimizer) for _, obj in _public(optimizers))
 
 
 class TestDocstrings:

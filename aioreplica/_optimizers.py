@@ -1,0 +1,488 @@
+"""Optimizers: one merge round per step, one packed all-reduce, an all-or-nothing update.
+
+``await opt.apply_gradients(grads_and_vars)`` is called by every replica with its own
+gradients. In the merge round, the gradients of every variable are summed across replicas in
+one ``batch_reduce_to`` (small ones packed together, as TF does: users scale their loss by the
+global batch size), then each variable's new value and new slot values (momentum, moments) are
+computed copy by copy, and all of them, with the step count, are committed at once. If anything
+fails or the caller is cancelled before that, no variable, slot or counter has changed.
+
+The update rules follow Keras' ``SGD`` and ``Adam`` exactly, so the same hyperparameters train
+the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any, ClassVar, final
+
+import numpy as np
+
+from ._context import get_default_strategy, get_replica_context
+from ._values import DistributedValues
+from ._variables import Variable, array_module, commit, compute_update, slot_variable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+    from ._strategy import MirroredStrategy
+
+__all__ = ["SGD", "Adam", "Optimizer", "restore_state", "slot_table", "slots_to_restore"]
+
+
+class Optimizer:
+    """The base of every optimizer: steps, learning rate, slot variables, ``apply_gradients``.
+
+    A subclass names its slots in ``slot_names`` and implements ``_update_step``, a pure
+    function of one copy's arrays.
+
+    Args:
+        learning_rate: a number, or a callable ``learning_rate(step) -> float`` of the step
+            count (``iterations`` before the step), like a Keras schedule.
+
+    Raises:
+        TypeError: ``learning_rate`` is neither a number nor callable.
+        ValueError: ``learning_rate`` is not finite.
+
+    Example:
+        >>> opt = aioreplica.optimizers.SGD(lambda step: 0.1 * 0.5**step)
+        >>> opt.current_learning_rate()
+        0.1
+    """
+
+    #: The names of the per-variable slots this optimizer keeps.
+    slot_names: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, learning_rate: float | Callable[[int], float]) -> None:
+        if not callable(learning_rate):
+            learning_rate = _number("learning_rate", learning_rate)
+        self._learning_rate = learning_rate
+        self._iterations = 0
+        # id(variable) -> (variable, its slots in ``slot_names`` order). Keyed by id because
+        # variables compare elementwise; the entry holds the variable, so the id stays valid.
+        self._slots: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
+
+    @property
+    def learning_rate(self) -> float | Callable[[int], float]:
+        """The learning rate as given: a number or a schedule."""
+        return self._learning_rate
+
+    def current_learning_rate(self) -> float:
+        """The learning rate the next step will use.
+
+        Raises:
+            TypeError: a schedule returned something that is not a number.
+
+        Example:
+            >>> aioreplica.optimizers.SGD(0.5).current_learning_rate()
+            0.5
+        """
+        rate = self._learning_rate
+        if callable(rate):
+            return _number(f"learning_rate({self._iterations})", rate(self._iterations))
+        return rate
+
+    @property
+    def iterations(self) -> int:
+        """How many steps ``apply_gradients`` has applied (restored by checkpoints)."""
+        return self._iterations
+
+    @iterations.setter
+    def iterations(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise ValueError(f"iterations must be an int >= 0, got {value!r}")
+        self._iterations = int(value)
+
+    def build(self, var_list: Iterable[Variable]) -> None:
+        """Create the slot variables of every variable in ``var_list`` that has none yet.
+
+        ``apply_gradients`` does this on first use; call it to read slots, or to restore a
+        checkpoint's slots, before the first step (``Checkpoint.restore`` calls it).
+
+        Raises:
+            TypeError: an item is not an ``aioreplica.Variable``.
+
+        Example:
+            >>> opt = aioreplica.optimizers.SGD(0.1, momentum=0.9)
+            >>> w = aioreplica.Variable(np.ones(2), name="w")
+            >>> opt.build([w])
+            >>> opt.get_slot(w, "momentum").numpy()
+            array([0., 0.])
+        """
+        for variable in var_list:
+            _check_variable(variable)
+            if id(variable) not in self._slots:
+                self._slots[id(variable)] = (variable, self._new_slots(variable))
+
+    def get_slot(self, var: Variable, slot_name: str) -> Variable:
+        """Return the slot variable ``slot_name`` of ``var``.
+
+        Raises:
+            ValueError: this optimizer has no such slot, or none for ``var`` yet.
+
+        Example:
+            >>> opt = aioreplica.optimizers.Adam()
+            >>> w = aioreplica.Variable(0.0)
+            >>> opt.build([w])
+            >>> opt.get_slot(w, "v").shape
+            ()
+        """
+        if slot_name not in self.slot_names:
+            raise ValueError(
+                f"{type(self).__name__} has no slot {slot_name!r}; its slots are "
+                f"{list(self.slot_names)}"
+            )
+        entry = self._slots.get(id(var))
+        if entry is None:
+            raise ValueError(
+                f"{type(self).__name__} has no slots for variable "
+                f"{getattr(var, 'name', var)!r} yet: they are made by its first "
+                "apply_gradients() or by build()"
+            )
+        return entry[1][self.slot_names.index(slot_name)]
+
+    def variables(self) -> list[Variable]:
+        """Every slot variable, in the order their variables were first seen.
+
+        Example:
+            >>> aioreplica.optimizers.SGD(0.1).variables()
+            []
+        """
+        return [slot for _, slots in self._slots.values() for slot in slots]
+
+    async def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Variable]]) -> int:
+        """Apply one step: sum every gradient across replicas, then update every variable.
+
+        Call it from every replica (or outside any strategy, with ordinary variables) with
+        that replica's gradients. It takes one merge round, whose gradients are summed in one
+        packed all-reduce; scale your loss by the global batch size so the sum is the mean.
+        Pairs whose gradient is ``None`` are skipped. Every variable, slot and the step
+        count change together, or (on any error or cancellation) none of them.
+
+        Args:
+            grads_and_vars: ``(gradient, variable)`` pairs; gradients are arrays of their
+                variable's shape on this replica's device.
+
+        Returns:
+            ``iterations`` after the step.
+
+        Raises:
+            ValueError: no gradient at all; a variable listed twice; a gradient of the wrong
+                shape (naming the variable and the replica); a variable of another strategy.
+            TypeError: an item is not a pair of gradient and ``aioreplica.Variable``; a
+                gradient dtype that cannot be cast to its variable's.
+            RuntimeError: called in cross-replica context (``strategy.scope()`` or a merge
+                function): call it inside ``strategy.run``.
+
+        Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     w = aioreplica.Variable(np.zeros(2), name="w")
+            >>> opt = aioreplica.optimizers.SGD(0.1)
+            >>> async def step():
+            ...     return await opt.apply_gradients([(np.ones(2), w)])
+            >>> anyio.run(strategy.run, step)
+            1
+            >>> w.numpy()
+            array([-0.2, -0.2])
+        """
+        ctx = get_replica_context()
+        if ctx is None:
+            raise RuntimeError(
+                "apply_gradients() was called in cross-replica context; call it from the "
+                "step function inside strategy.run(), where each replica passes its gradients"
+            )
+        replica_id = ctx.replica_id_in_sync_group
+        grads: list[Any] = []
+        variables: list[Variable] = []
+        seen: set[int] = set()
+        for pair in grads_and_vars:
+            grad, variable = _check_pair(pair)
+            if grad is None:
+                continue
+            if id(variable) in seen:
+                raise ValueError(
+                    f"apply_gradients(): variable {variable.name!r} is listed twice; sum its "
+                    "gradients first"
+                )
+            seen.add(id(variable))
+            self._check_owner(variable, ctx.strategy)
+            grads.append(_checked_gradient(grad, variable, ctx.device, replica_id))
+            variables.append(variable)
+        if not variables:
+            raise ValueError(
+                "apply_gradients() got no gradients: every pair's gradient is None (or the "
+                "list is empty)"
+            )
+        iterations: int = await ctx.merge_call(self._merge_apply, args=(grads, variables))
+        return iterations
+
+    async def _merge_apply(
+        self, strategy: MirroredStrategy, grads: list[Any], variables: list[Variable]
+    ) -> int:
+        """The merge round: one packed all-reduce, every new copy computed, then one commit."""
+        step = self._iterations
+        rate = self.current_learning_rate()
+        pairs = [(grad, list(v.devices)) for grad, v in zip(grads, variables, strict=True)]
+        summed = await strategy.extended.batch_reduce_to("sum", pairs)
+        made: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
+        updates: list[tuple[Variable, list[Any]]] = []
+        update_step = functools.partial(self._cast_step, rate=rate, step=step)
+        for variable, grad in zip(variables, summed, strict=True):
+            entry = self._slots.get(id(variable))
+            if entry is None:
+                entry = made[id(variable)] = (variable, self._new_slots(variable))
+            slots = entry[1]
+            copies = len(variable.values)
+            per_copy = list(grad.values) if isinstance(grad, DistributedValues) else [grad] * copies
+            new = await compute_update(variable, update_step, per_copy, *(s.values for s in slots))
+            updates.append((variable, [result[0] for result in new]))
+            updates += [(slot, [result[k + 1] for result in new]) for k, slot in enumerate(slots)]
+        # The all-or-nothing point: nothing above changed any state.
+        commit(updates)
+        self._slots.update(made)
+        self._iterations = step + 1
+        return self._iterations
+
+    def _cast_step(
+        self, var: Any, grad: Any, *slots: Any, rate: float, step: int
+    ) -> tuple[Any, ...]:
+        xp = array_module(var)
+        grad = xp.asarray(grad).astype(var.dtype, copy=False)
+        results = self._update_step(xp, var, grad, slots, rate, step)
+        return tuple(xp.asarray(r).astype(var.dtype, copy=False) for r in results)
+
+    def _update_step(
+        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+    ) -> tuple[Any, ...]:
+        """One copy's new ``(var, *slots)`` from its arrays; ``step`` counts from 0."""
+        raise NotImplementedError
+
+    def _new_slots(self, variable: Variable) -> tuple[Variable, ...]:
+        return tuple(slot_variable(variable, f"{variable.name}/{name}") for name in self.slot_names)
+
+    def _check_owner(self, variable: Variable, strategy: MirroredStrategy) -> None:
+        owner = variable.distribute_strategy
+        if owner is strategy or (owner is None and strategy is get_default_strategy()):
+            return
+        if owner is None:
+            raise ValueError(
+                f"variable {variable.name!r} was created outside any strategy scope, but is "
+                f"trained in {strategy!r}; create model variables inside "
+                "`with strategy.scope():`"
+            )
+        raise ValueError(
+            f"variable {variable.name!r} belongs to {owner!r}, but is trained in {strategy!r}; "
+            "train each variable with the strategy that created it"
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        """The hyperparameters, as keyword arguments of the constructor.
+
+        Example:
+            >>> aioreplica.optimizers.SGD(0.1).get_config()
+            {'learning_rate': 0.1, 'momentum': 0.0, 'nesterov': False}
+        """
+        return {"learning_rate": self._learning_rate}
+
+    def __repr__(self) -> str:
+        config = ", ".join(f"{key}={value!r}" for key, value in self.get_config().items())
+        return f"{type(self).__name__}({config})"
+
+
+@final
+class SGD(Optimizer):
+    """Gradient descent, with optional (Nesterov) momentum, as Keras' ``SGD``.
+
+    ``momentum == 0``: ``w -= lr * g``. Otherwise, with a ``momentum`` slot ``m``:
+    ``m = momentum * m - lr * g``, then ``w += m`` (or, with ``nesterov``,
+    ``w += momentum * m - lr * g``).
+
+    Args:
+        learning_rate: a number or a schedule ``step -> rate``.
+        momentum: in ``[0, 1]``.
+        nesterov: use Nesterov momentum.
+
+    Raises:
+        ValueError: ``momentum`` outside ``[0, 1]``; a non-finite learning rate.
+        TypeError: as ``Optimizer``.
+
+    Example:
+        >>> w = aioreplica.Variable([1.0])
+        >>> opt = SGD(0.5, momentum=0.9)
+        >>> anyio.run(opt.apply_gradients, [(np.array([1.0]), w)])
+        1
+        >>> w.numpy(), opt.get_slot(w, "momentum").numpy()
+        (array([0.5]), array([-0.5]))
+    """
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        super().__init__(learning_rate)
+        momentum = _number("momentum", momentum)
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
+        self._momentum = momentum
+        self._nesterov = bool(nesterov)
+        # An instance attribute: whether SGD keeps a slot depends on its momentum.
+        self.slot_names = ("momentum",) if momentum else ()  # type: ignore[misc]
+
+    def _update_step(
+        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+    ) -> tuple[Any, ...]:
+        if not slots:
+            return (var - rate * grad,)
+        momentum = self._momentum * slots[0] - rate * grad
+        if self._nesterov:
+            return (var + self._momentum * momentum - rate * grad, momentum)
+        return (var + momentum, momentum)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "learning_rate": self._learning_rate,
+            "momentum": self._momentum,
+            "nesterov": self._nesterov,
+        }
+
+
+@final
+class Adam(Optimizer):
+    """Adam, as Keras' ``Adam``: slots ``m`` and ``v`` (first and second moments).
+
+    With ``t = iterations + 1``: ``m += (g - m) * (1 - beta_1)``,
+    ``v += (g**2 - v) * (1 - beta_2)``, and
+    ``w -= m * lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) / (sqrt(v) + epsilon)``.
+
+    Args:
+        learning_rate: a number or a schedule ``step -> rate``.
+        beta_1: decay of the first moment, in ``[0, 1)``.
+        beta_2: decay of the second moment, in ``[0, 1)``.
+        epsilon: added to the denominator, ``> 0``.
+
+    Raises:
+        ValueError: a beta outside ``[0, 1)``, ``epsilon <= 0``, a non-finite number.
+        TypeError: as ``Optimizer``.
+
+    Example:
+        >>> w = aioreplica.Variable([1.0])
+        >>> anyio.run(Adam(0.1).apply_gradients, [(np.array([2.0]), w)])
+        1
+        >>> w.numpy().round(6)
+        array([0.9])
+    """
+
+    slot_names = ("m", "v")
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+    ) -> None:
+        super().__init__(learning_rate)
+        self._beta_1 = _number("beta_1", beta_1)
+        self._beta_2 = _number("beta_2", beta_2)
+        self._epsilon = _number("epsilon", epsilon)
+        for name, beta in (("beta_1", self._beta_1), ("beta_2", self._beta_2)):
+            if not 0.0 <= beta < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
+        if self._epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+
+    def _update_step(
+        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+    ) -> tuple[Any, ...]:
+        m, v = slots
+        t = step + 1
+        alpha = rate * math.sqrt(1.0 - self._beta_2**t) / (1.0 - self._beta_1**t)
+        m = m + (grad - m) * (1.0 - self._beta_1)
+        v = v + (grad * grad - v) * (1.0 - self._beta_2)
+        return (var - m * alpha / (xp.sqrt(v) + self._epsilon), m, v)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "learning_rate": self._learning_rate,
+            "beta_1": self._beta_1,
+            "beta_2": self._beta_2,
+            "epsilon": self._epsilon,
+        }
+
+
+# -- for checkpoints ------------------------------------------------------------------------
+
+
+def slot_table(optimizer: Optimizer) -> list[tuple[Variable, tuple[Variable, ...]]]:
+    """Every variable ``optimizer`` keeps slots for, with its slots in ``slot_names`` order."""
+    return list(optimizer._slots.values())
+
+
+def slots_to_restore(optimizer: Optimizer, variable: Variable) -> tuple[Variable, ...]:
+    """``variable``'s slots: the existing ones, or new ones not yet registered (see below)."""
+    entry = optimizer._slots.get(id(variable))
+    return entry[1] if entry is not None else optimizer._new_slots(variable)
+
+
+def restore_state(
+    optimizer: Optimizer, iterations: int, slots: Sequence[tuple[Variable, tuple[Variable, ...]]]
+) -> None:
+    """Set the step count and register slots made for a restore (part of its commit)."""
+    for variable, variable_slots in slots:
+        optimizer._slots.setdefault(id(variable), (variable, variable_slots))
+    optimizer._iterations = iterations
+
+
+# -- checks ---------------------------------------------------------------------------------
+
+
+def _number(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{what} must be finite, got {value!r}")
+    return number
+
+
+def _check_variable(variable: Any) -> Variable:
+    if not isinstance(variable, Variable):
+        raise TypeError(
+            f"expected an aioreplica.Variable, got {type(variable).__name__}; create model "
+            "parameters with aioreplica.Variable(...) (inside strategy.scope())"
+        )
+    return variable
+
+
+def _check_pair(pair: Any) -> tuple[Any, Variable]:
+    if not isinstance(pair, tuple | list) or len(pair) != 2:
+        raise TypeError(
+            f"apply_gradients() takes (gradient, variable) pairs, got {type(pair).__name__} "
+            f"{pair!r:.60}"
+        )
+    grad, variable = pair
+    return grad, _check_variable(variable)
+
+
+def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: int) -> Any:
+    """The gradient on this replica's device, or an error naming the variable and replica."""
+    array = device.asarray(grad)
+    if tuple(array.shape) != variable.shape:
+        raise ValueError(
+            f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
+            f"{replica_id} has shape {tuple(array.shape)}, but the variable has shape "
+            f"{variable.shape}"
+        )
+    if array.dtype.kind not in "biufc" or not np.can_cast(
+        array.dtype, variable.dtype, casting="same_kind"
+    ):
+        raise TypeError(
+            f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
+            f"{replica_id} has dtype {array.dtype}, which cannot be cast to the variable's "
+            f"{variable.dtype}"
+        )
+    return array

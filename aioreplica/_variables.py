@@ -1,0 +1,1051 @@
+"""Distributed variables: state with one copy per replica that stays in sync.
+
+``Variable(...)`` inside ``with strategy.scope():`` makes a ``MirroredVariable`` (every copy
+always equal; writes from replicas are aggregated and applied to every copy in one merge round)
+or a ``SyncOnReadVariable`` (each replica writes its own copy; a cross-replica read aggregates
+them). Anywhere else it makes an ordinary single-copy variable.
+
+How writes stay all-or-nothing
+    Copies are never written in place. An update computes the new array of every copy first
+    (awaiting device work where there is any) and only then swaps all the references in one
+    synchronous step, ``commit``, with no ``await`` in it. A failure or a cancellation before
+    that step leaves every copy as it was; after it, every copy is new. The same holds for the
+    many variables one optimizer step or one checkpoint restore updates together.
+
+    Because stored arrays are never mutated, host copies are read-only (``writeable=False``)
+    and host replicas share one array (DESIGN invariant 6); a read is a reference, and a
+    snapshot of every variable (a checkpoint save) is a list of references taken at once.
+
+Reads follow the context (see ``aioreplica._context``): in replica context the replica's own
+copy; in cross-replica context a mirrored variable's primary copy (replica 0's) and a
+sync-on-read variable's aggregate.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+
+import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
+
+from . import _tree
+from ._collectives import agreed
+from ._context import ContextState, ReplicaContext, context_state, get_default_strategy
+from ._values import DistributedValues, Mirrored, PerReplica, select_replica_mirrored
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Mapping, Sequence
+
+    from ._backends import Device
+    from ._strategy import MirroredStrategy
+
+__all__ = [
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "array_module",
+    "commit",
+    "compute_copies",
+    "compute_update",
+    "new_copies",
+    "slot_variable",
+    "snapshot",
+    "to_host",
+    "update",
+]
+
+E = TypeVar("E", bound=enum.Enum)
+
+#: Host work on arrays smaller than this runs inline on the loop thread: handing it to the
+#: device's worker thread costs more than it saves. Larger work goes to the worker, so a big
+#: update never blocks the event loop (DESIGN invariant 4).
+_INLINE_BYTES: Final = 1 << 20
+
+
+def _parse(cls: type[E], value: E | str, what: str) -> E:
+    """``value`` as a member of ``cls``; strings match the value or name, in any case."""
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        for member in cls:
+            if value.lower() in (member.value, member.name.lower()):
+                return member
+    valid = ", ".join(f"{cls.__name__}.{member.name}" for member in cls)
+    strings = ", ".join(repr(member.value) for member in cls)
+    raise ValueError(f"invalid {what} {value!r}: use one of {valid} (or {strings})")
+
+
+class VariableSynchronization(enum.StrEnum):
+    """When the copies of a distributed variable are brought in sync. Strings are accepted.
+
+    ``AUTO`` and ``ON_WRITE`` make a ``MirroredVariable`` (synced on every write); ``ON_READ``
+    a ``SyncOnReadVariable`` (copies differ; aggregated when read in cross-replica context);
+    ``NONE`` is only for ordinary variables made outside any strategy scope.
+
+    Example:
+        >>> VariableSynchronization.parse("on_read")
+        <VariableSynchronization.ON_READ: 'on_read'>
+    """
+
+    AUTO = "auto"
+    ON_WRITE = "on_write"
+    ON_READ = "on_read"
+    NONE = "none"
+
+    @classmethod
+    def parse(cls, value: VariableSynchronization | str) -> VariableSynchronization:
+        """Return ``value`` as a member; strings match its value or name, in any case.
+
+        Raises:
+            ValueError: ``value`` names no member; the message lists the valid ones.
+        """
+        return _parse(cls, value, "synchronization")
+
+
+class VariableAggregation(enum.StrEnum):
+    """How the replicas' values combine into one. Strings are accepted.
+
+    For a ``MirroredVariable`` it is how the values that replicas write in one merge round
+    combine (``NONE``: writing from replica context is an error); for a ``SyncOnReadVariable``
+    how its copies combine when it is read in cross-replica context.
+
+    Example:
+        >>> VariableAggregation.parse("MEAN")
+        <VariableAggregation.MEAN: 'mean'>
+    """
+
+    NONE = "none"
+    SUM = "sum"
+    MEAN = "mean"
+    ONLY_FIRST_REPLICA = "only_first_replica"
+
+    @classmethod
+    def parse(cls, value: VariableAggregation | str) -> VariableAggregation:
+        """Return ``value`` as a member; strings match its value or name, in any case.
+
+        Raises:
+            ValueError: ``value`` names no member; the message lists the valid ones.
+        """
+        return _parse(cls, value, "aggregation")
+
+
+_Sync = VariableSynchronization
+_Agg = VariableAggregation
+
+# Which operation a write performs on each copy.
+_ASSIGN: Final = "assign"
+_ADD: Final = "assign_add"
+_SUB: Final = "assign_sub"
+
+
+class Variable(NDArrayOperatorsMixin):
+    """State that keeps its value between steps; one copy per replica under a strategy.
+
+    Inside ``with strategy.scope():`` the constructor returns a ``MirroredVariable``
+    (``synchronization`` ``AUTO`` or ``ON_WRITE``) or a ``SyncOnReadVariable`` (``ON_READ``),
+    with one copy on each replica's device, all starting equal. Anywhere else it returns an
+    ordinary variable with one copy on the host.
+
+    A variable reads like an array: ``v.value()``, ``np.asarray(v)``, ``v + 1``, ``x @ v`` and
+    ``v[0]`` use the current replica's copy in replica context (see the subclasses for
+    cross-replica context). It is written only through ``await v.assign(x)``,
+    ``assign_add`` and ``assign_sub``, never in place: ``value()`` arrays are read-only on the
+    host. As with TensorFlow variables and NumPy arrays, ``==`` is elementwise, so variables
+    are not hashable.
+
+    Args:
+        initial_value: an array-like, or a callable returning one (called once).
+        name: a name for messages and reprs; default ``"Variable"``.
+        dtype: the dtype to store; default: ``initial_value``'s (Python floats: float64).
+        trainable: whether optimizers should train it (recorded, as in TF).
+        synchronization: a ``VariableSynchronization`` or its name.
+        aggregation: a ``VariableAggregation`` or its name.
+
+    Raises:
+        ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
+            valid ones); ``synchronization="none"`` or ``"on_read"`` with
+            ``aggregation="none"`` inside a strategy scope.
+        TypeError: ``initial_value`` is not numeric or bool; ``aggregation="mean"`` with a
+            dtype that cannot be averaged (integers, bool).
+        RuntimeError: called inside a replica (create variables in ``strategy.scope()``).
+
+    Example:
+        >>> v = Variable(np.zeros(3), name="bias")
+        >>> v
+        <aioreplica.Variable 'bias' shape=(3,) dtype=float64 value=array([0., 0., 0.])>
+        >>> anyio.run(v.assign_add, 1.0)
+        <aioreplica.Variable 'bias' shape=(3,) dtype=float64 value=array([1., 1., 1.])>
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     w = Variable(np.ones(2), name="w")
+        >>> type(w).__name__, len(w.values)
+        ('MirroredVariable', 2)
+
+    .. versionadded:: 0.2
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_aggregation",
+        "_copies",
+        "_devices",
+        "_dtype",
+        "_name",
+        "_shape",
+        "_strategy",
+        "_synchronization",
+        "_trainable",
+    )
+
+    # Elementwise ``==`` (from the operator mixin) rules out a consistent hash, as for ndarray.
+    __hash__ = None  # type: ignore[assignment]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
+        # ``Variable(...)`` picks its class from the context, as ``tf.Variable`` does; the
+        # subclasses' own constructors check the context instead.
+        if cls is Variable and _scope_strategy("Variable") is not None:
+            sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
+            cls = SyncOnReadVariable if sync is _Sync.ON_READ else MirroredVariable
+        return object.__new__(cls)
+
+    def __init__(
+        self,
+        initial_value: Any,
+        *,
+        name: str | None = None,
+        dtype: Any = None,
+        trainable: bool = True,
+        synchronization: VariableSynchronization | str = "auto",
+        aggregation: VariableAggregation | str = "none",
+    ) -> None:
+        sync = _Sync.parse(synchronization)
+        agg = _Agg.parse(aggregation)
+        if name is None:
+            name = "Variable"
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        strategy = _scope_strategy(name)
+        _check_kind(type(self), strategy, sync, agg, name)
+        value = initial_value() if callable(initial_value) else initial_value
+        devices = (
+            strategy.extended.replica_devices
+            if strategy is not None
+            else get_default_strategy().extended.replica_devices
+        )
+        self._init(strategy, devices, value, name, dtype, bool(trainable), sync, agg)
+
+    def _init(
+        self,
+        strategy: MirroredStrategy | None,
+        devices: Sequence[Device],
+        value: Any,
+        name: str,
+        dtype: Any,
+        trainable: bool,
+        sync: VariableSynchronization,
+        agg: VariableAggregation,
+    ) -> None:
+        array = _initial_array(value, dtype, name)
+        _check_aggregation_dtype(agg, array.dtype, name)
+        self._strategy = strategy
+        self._devices = tuple(devices)
+        self._name = name
+        self._dtype: np.dtype[Any] = np.dtype(array.dtype)
+        self._shape: tuple[int, ...] = tuple(int(d) for d in array.shape)
+        self._trainable = trainable
+        self._synchronization = sync
+        self._aggregation = agg
+        self._copies: tuple[Any, ...] = tuple(
+            _frozen(device.asarray(array)) for device in self._devices
+        )
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """The variable's name."""
+        return self._name
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The NumPy dtype of every copy."""
+        return self._dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of every copy."""
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        """The number of dimensions."""
+        return len(self._shape)
+
+    @property
+    def size(self) -> int:
+        """The number of elements."""
+        return int(np.prod(self._shape))
+
+    @property
+    def trainable(self) -> bool:
+        """Whether optimizers should train it."""
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        """How its copies are kept in sync (``AUTO`` for ordinary variables unless given)."""
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        """How replicas' values combine."""
+        return self._aggregation
+
+    @property
+    def distribute_strategy(self) -> MirroredStrategy | None:
+        """The strategy whose scope created it; ``None`` for an ordinary variable."""
+        return self._strategy
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The device of each copy, in replica order."""
+        return tuple(device.name for device in self._devices)
+
+    @property
+    def values(self) -> tuple[Any, ...]:
+        """The copies, one per replica (host replicas may share one read-only array)."""
+        return self._copies
+
+    # -- reads ----------------------------------------------------------------------------
+
+    def value(self) -> Any:
+        """The value in the current context: this replica's copy, else the cross-replica read.
+
+        Returns:
+            An array on the replica's device (read-only on the host).
+
+        Raises:
+            RuntimeError: read inside a replica of another strategy.
+
+        Example:
+            >>> Variable(2.5).value()
+            array(2.5)
+        """
+        replica = context_state.get().replica
+        if replica is not None and self._strategy is not None:
+            return self._copies[self._replica_id(replica, "read")]
+        return self._read_cross_replica()
+
+    def read_value(self) -> Any:
+        """The same as ``value()`` (TF's spelling).
+
+        Raises:
+            RuntimeError: as ``value()``.
+
+        Example:
+            >>> Variable([1, 2]).read_value()
+            array([1, 2])
+        """
+        return self.value()
+
+    def numpy(self) -> np.ndarray[Any, Any]:
+        """A writeable host (NumPy) copy of ``value()``.
+
+        For a GPU copy this waits for the device, blocking the thread: in async code prefer
+        ``await device.run(...)`` or a checkpoint.
+
+        Raises:
+            RuntimeError: as ``value()``.
+
+        Example:
+            >>> Variable([1.0]).numpy().flags.writeable
+            True
+        """
+        value = self.value()
+        if isinstance(value, np.ndarray):
+            return value.copy()
+        return np.array(value.get())
+
+    def _read_cross_replica(self) -> Any:
+        return self._copies[0]
+
+    def _replica_id(self, replica: ReplicaContext, what: str) -> int:
+        """The copy that ``replica`` owns; ``RuntimeError`` if it is another strategy's."""
+        if replica.strategy is not self._strategy:
+            raise RuntimeError(
+                f"variable {self._name!r} was created in the scope of {self._strategy!r}, but "
+                f"replica {replica.replica_id_in_sync_group} of {replica.strategy!r} tried to "
+                f"{what} it; use each variable only with the strategy that created it"
+            )
+        return replica.replica_id_in_sync_group
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        value = self.value()
+        if not isinstance(value, np.ndarray):
+            if copy is False:
+                raise ValueError(
+                    f"variable {self._name!r} lives on a GPU; NumPy needs a copy of it"
+                )
+            value = value.get()
+        result: np.ndarray[Any, Any] = value
+        if dtype is not None and np.dtype(dtype) != value.dtype:
+            return result.astype(dtype)
+        return result.copy() if copy else result
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        if any(isinstance(out, Variable) for out in kwargs.get("out", ())):
+            raise TypeError(
+                f"a variable cannot be the out= of {ufunc.__name__}; variables change only "
+                "through `await v.assign(...)`, `assign_add` or `assign_sub`"
+            )
+        args = [x.value() if isinstance(x, Variable) else x for x in inputs]
+        return getattr(ufunc, method)(*args, **kwargs)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.value()[key]
+
+    def __len__(self) -> int:
+        if not self._shape:
+            raise TypeError(f"len() of the 0-d variable {self._name!r}")
+        return self._shape[0]
+
+    def __bool__(self) -> bool:
+        return bool(self.value())
+
+    def __float__(self) -> float:
+        return float(self.value())
+
+    def __int__(self) -> int:
+        return int(self.value())
+
+    def __repr__(self) -> str:
+        try:
+            shown = repr(self._read_cross_replica())
+        except Exception:  # a repr must not raise
+            shown = "<unreadable>"
+        return (
+            f"<aioreplica.{type(self).__name__} {self._name!r} shape={self._shape} "
+            f"dtype={self._dtype}{self._placement()} value={shown}>"
+        )
+
+    def _placement(self) -> str:
+        if self._strategy is None:
+            return ""
+        return f" devices={list(self.devices)}"
+
+    # -- writes ---------------------------------------------------------------------------
+
+    async def assign(self, value: Any) -> Variable:
+        """Set the variable to ``value`` (broadcast to its shape, cast to its dtype).
+
+        In replica context a ``MirroredVariable`` aggregates what every replica passes (one
+        merge round) and writes every copy; a ``SyncOnReadVariable`` writes this replica's
+        copy. In cross-replica context every copy is written (see the subclasses).
+
+        Args:
+            value: an array-like, or in cross-replica context a ``Mirrored`` value.
+
+        Returns:
+            The variable.
+
+        Raises:
+            ValueError: ``value`` does not broadcast to the variable's shape; a
+                ``MirroredVariable`` with aggregation ``NONE`` written in replica context.
+            TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``).
+            RuntimeError: written inside a replica of another strategy.
+
+        Example:
+            >>> v = Variable(np.zeros(2))
+            >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
+            array([1., 2.])
+        """
+        return await self._write(_ASSIGN, value)
+
+    async def assign_add(self, value: Any) -> Variable:
+        """Add ``value`` to the variable (see ``assign`` for the contexts).
+
+        Raises:
+            ValueError: as ``assign``; on a ``SyncOnReadVariable`` with aggregation ``SUM`` in
+                cross-replica context (as in TF).
+            TypeError: as ``assign``.
+            RuntimeError: as ``assign``.
+
+        Example:
+            >>> v = Variable(1.0)
+            >>> float(anyio.run(v.assign_add, 2.0))
+            3.0
+        """
+        return await self._write(_ADD, value)
+
+    async def assign_sub(self, value: Any) -> Variable:
+        """Subtract ``value`` from the variable (see ``assign`` for the contexts).
+
+        Raises:
+            ValueError: as ``assign_add``.
+            TypeError: as ``assign``.
+            RuntimeError: as ``assign``.
+
+        Example:
+            >>> v = Variable(1.0)
+            >>> float(anyio.run(v.assign_sub, 0.25))
+            0.75
+        """
+        return await self._write(_SUB, value)
+
+    async def _write(self, op: str, value: Any) -> Variable:
+        """An ordinary variable: one copy, written in any context."""
+        device = self._devices[0]
+        array = self._checked(value, device, None)
+        new = await compute_copies(self._devices, _writer(op), [self._copies, [array]])
+        commit([(self, new)])
+        return self
+
+    def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
+        """``value`` on ``device``, in this variable's dtype, or a clear error."""
+        where = "" if replica is None else f" from replica {replica}"
+        array = value if _is_array(value) else np.asarray(value)
+        if array.dtype.kind not in "biufc" or not np.can_cast(
+            array.dtype, self._dtype, casting="same_kind"
+        ):
+            raise TypeError(
+                f"cannot write a value of dtype {array.dtype} to variable {self._name!r} of "
+                f"dtype {self._dtype}{where}; cast it first (e.g. value.astype({self._dtype}))"
+            )
+        try:
+            shape = np.broadcast_shapes(tuple(array.shape), self._shape)
+        except ValueError:
+            shape = None
+        if shape != self._shape:
+            raise ValueError(
+                f"cannot write a value of shape {tuple(array.shape)} to variable "
+                f"{self._name!r} of shape {self._shape}{where}; it must broadcast to "
+                f"{self._shape}"
+            )
+        return device.asarray(array)
+
+    def _cross_replica_values(self, value: Any) -> list[Any]:
+        """One checked value per copy from a cross-replica write's argument."""
+        if isinstance(value, PerReplica):
+            raise TypeError(
+                f"variable {self._name!r} was written in cross-replica context with a "
+                "PerReplica value, which holds a different value per replica; reduce it "
+                "first (strategy.reduce) or write it from replica context, inside run()"
+            )
+        if isinstance(value, DistributedValues):
+            if len(value.values) != len(self._devices):
+                raise ValueError(
+                    f"variable {self._name!r} has {len(self._devices)} copies but the "
+                    f"Mirrored value written to it has {len(value.values)}"
+                )
+            components = list(value.values)
+        else:
+            components = [value] * len(self._devices)
+        return [
+            self._checked(component, device, None)
+            for component, device in zip(components, self._devices, strict=True)
+        ]
+
+
+@final
+class MirroredVariable(Variable):
+    """A variable whose copies, one per replica, are always equal.
+
+    Made by ``Variable(...)`` in a strategy's scope with ``synchronization`` ``AUTO`` or
+    ``ON_WRITE``. Reads in cross-replica context return the primary copy (replica 0's).
+
+    Writes in replica context (every replica must make the same write) take one merge round:
+    the values of all replicas are combined with the variable's aggregation (``SUM``,
+    ``MEAN``, or ``ONLY_FIRST_REPLICA``: replica 0's) and written to every copy. With
+    aggregation ``NONE`` such a write raises ``ValueError``, since replicas would otherwise
+    drift apart. Writes in cross-replica context write every copy. Every write is
+    all-or-nothing: if it fails or is cancelled, every copy keeps its old value.
+
+    Raises:
+        ValueError: made outside a strategy scope, or with ``synchronization`` ``ON_READ``
+            or ``NONE`` (and as ``Variable``).
+
+    Example:
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     total = Variable(0.0, aggregation="sum")
+        >>> async def step():
+        ...     ctx = aioreplica.get_replica_context()
+        ...     await total.assign_add(ctx.replica_id_in_sync_group + 1.0)
+        >>> anyio.run(strategy.run, step)
+        >>> float(total)
+        3.0
+    """
+
+    __slots__ = ()
+
+    async def _write(self, op: str, value: Any) -> Variable:
+        replica = context_state.get().replica
+        if replica is None:
+            new = await compute_copies(
+                self._devices,
+                _writer(op),
+                [self._copies, self._cross_replica_values(value)],
+            )
+            commit([(self, new)])
+            return self
+        replica_id = self._replica_id(replica, op)
+        if self._aggregation is _Agg.NONE:
+            raise ValueError(
+                f"{op}() on MirroredVariable {self._name!r} in replica context needs an "
+                "aggregation to combine the replicas' values, but its aggregation is NONE; "
+                "create it with aggregation='sum', 'mean' or 'only_first_replica', or write "
+                "it in cross-replica context (outside run())"
+            )
+        local = self._checked(value, replica.device, replica_id)
+        local = replica.device.xp.broadcast_to(local.astype(self._dtype, copy=False), self._shape)
+        await replica.merge_call(_merge_write, args=(self, op, local))
+        return self
+
+
+@final
+class SyncOnReadVariable(Variable):
+    """A variable each replica writes on its own; read across replicas, its copies combine.
+
+    Made by ``Variable(..., synchronization="on_read", aggregation=...)`` in a strategy's
+    scope, typically for metrics: each replica accumulates into its own copy with no
+    communication, and a read in cross-replica context returns the aggregate (``SUM``,
+    ``MEAN``, or ``ONLY_FIRST_REPLICA``: replica 0's copy).
+
+    Writes in replica context change this replica's copy only. In cross-replica context
+    ``assign`` writes every copy so that the aggregate equals the value (with ``SUM`` each
+    copy gets ``value / num_replicas``; integers: the quotient, with the remainder on replica
+    0's copy); ``assign_add``/``assign_sub`` apply to every copy, and raise with ``SUM``, as
+    in TF.
+
+    Raises:
+        ValueError: made outside a strategy scope, with a ``synchronization`` other than
+            ``ON_READ``, or with aggregation ``NONE`` (and as ``Variable``).
+
+    Example:
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     seen = Variable(0, synchronization="on_read", aggregation="sum")
+        >>> async def step(rows):
+        ...     await seen.assign_add(rows)
+        >>> anyio.run(strategy.run, step, (aioreplica.PerReplica([3, 4]),))
+        >>> int(seen)
+        7
+    """
+
+    __slots__ = ()
+
+    def _read_cross_replica(self) -> Any:
+        copies = self._copies
+        if self._aggregation is _Agg.ONLY_FIRST_REPLICA or len(copies) == 1:
+            return copies[0]
+        primary = self._devices[0]
+        with _active(primary):
+            total = primary.asarray(copies[0]).copy()
+            for copy in copies[1:]:
+                total += primary.asarray(copy)
+            if self._aggregation is _Agg.MEAN:
+                total /= len(copies)
+        return _frozen(total)
+
+    async def _write(self, op: str, value: Any) -> Variable:
+        replica = context_state.get().replica
+        if replica is not None:
+            replica_id = self._replica_id(replica, op)
+            local = self._checked(value, replica.device, replica_id)
+            copy = self._copies[replica_id]
+            new = (await compute_copies((replica.device,), _writer(op), [[copy], [local]]))[0]
+            copies = list(self._copies)
+            copies[replica_id] = new
+            commit([(self, copies)])
+            return self
+        if op != _ASSIGN and self._aggregation is _Agg.SUM:
+            raise ValueError(
+                f"{op}() on SyncOnReadVariable {self._name!r} in cross-replica context is not "
+                "supported with aggregation SUM (it would change the sum by num_replicas "
+                "times the value); call it in replica context, or assign() the new total"
+            )
+        values = self._cross_replica_values(value)
+        if op == _ASSIGN and self._aggregation is _Agg.SUM:
+            values = _split_sum(values, self._dtype)
+        new = await compute_copies(self._devices, _writer(op), [self._copies, values])
+        commit([(self, new)])
+        return self
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def commit(updates: Iterable[tuple[Variable, Sequence[Any]]]) -> None:
+    """Swap in the new copies of every variable at once: the all-or-nothing step.
+
+    Synchronous, with nothing in it that can fail for a well-formed update, so a cancellation
+    or error can only come before it (every copy old) or after it (every copy new).
+    """
+    for variable, copies in updates:
+        variable._copies = tuple(copies)
+
+
+async def compute_copies(
+    devices: Sequence[Device],
+    fn: Callable[..., Any],
+    per_copy: Sequence[Sequence[Any]],
+) -> tuple[Any, ...]:
+    """``fn(*inputs_i)`` for each copy ``i``, with device ``i`` current; results frozen.
+
+    ``per_copy`` holds one sequence per argument, each with one entry per copy. Copies whose
+    inputs are the very same objects (host replicas share arrays) are computed once. Small
+    host work runs inline; larger host work and all GPU work go through ``device.run``, so
+    the loop never blocks (DESIGN invariant 4).
+    """
+    results: list[Any] = []
+    done: dict[tuple[int, ...], Any] = {}
+    for i, device in enumerate(devices):
+        inputs = [argument[i] for argument in per_copy]
+        key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
+        result = done.get(key)
+        if result is None:
+            nbytes = max((getattr(x, "nbytes", 0) for x in inputs), default=0)
+            if device.has_context or nbytes >= _INLINE_BYTES:
+                result = await device.run(fn, *inputs)
+            else:
+                result = fn(*inputs)
+            result = done[key] = _tree.map_structure(_frozen, result)
+        results.append(result)
+    return tuple(results)
+
+
+async def compute_update(
+    variable: Variable, fn: Callable[..., Any], *per_copy: Sequence[Any]
+) -> tuple[Any, ...]:
+    """``compute_copies`` over ``variable``'s devices, with its copies as the first input."""
+    return await compute_copies(variable._devices, fn, [variable._copies, *per_copy])
+
+
+async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tuple[Any, ...]:
+    """Copies of ``variable`` holding ``host_value`` (a checkpoint's saved value), uncommitted.
+
+    A sync-on-read variable with ``SUM`` aggregation gets ``value / num_copies`` in each copy
+    (integers: exactly, the remainder on copy 0), so its aggregate is the saved value.
+    """
+    value = host_value.astype(variable._dtype, copy=False)
+    values = [value] * len(variable._devices)
+    if isinstance(variable, SyncOnReadVariable) and variable._aggregation is _Agg.SUM:
+        values = _split_sum(values, variable._dtype)
+    placed = [device.asarray(v) for device, v in zip(variable._devices, values, strict=True)]
+    return await compute_update(variable, _assign, placed)
+
+
+def snapshot(variable: Variable) -> tuple[Any, Device]:
+    """What a checkpoint saves of ``variable`` (its cross-replica read), and on which device.
+
+    A reference, taken synchronously: copies are never written in place, so snapshots of many
+    variables taken in one go are consistent with each other, whatever runs afterwards.
+    """
+    return variable._read_cross_replica(), variable._devices[0]
+
+
+async def to_host(array: Any, device: Device) -> np.ndarray[Any, Any]:
+    """``array`` as a NumPy array; a GPU array is copied once its device's work is done."""
+    if isinstance(array, np.ndarray):
+        return array
+    await device.synchronize()
+    return np.asarray(array.get())
+
+
+def slot_variable(variable: Variable, name: str) -> Variable:
+    """A new zero variable beside ``variable``: same devices and strategy, mirrored.
+
+    Optimizers keep their per-variable state (momentum, moments) in these.
+    """
+    slot = object.__new__(Variable if variable._strategy is None else MirroredVariable)
+    slot._init(
+        variable._strategy,
+        variable._devices,
+        np.zeros(variable._shape, variable._dtype),
+        name,
+        None,
+        False,
+        _Sync.AUTO if variable._strategy is None else _Sync.ON_WRITE,
+        _Agg.NONE,
+    )
+    return slot
+
+
+def _writer(op: str) -> Callable[[Any, Any], Any]:
+    return {_ASSIGN: _assign, _ADD: _add, _SUB: _sub}[op]
+
+
+def _assign(old: Any, value: Any) -> Any:
+    out = _empty_like(old)
+    out[...] = value
+    return out
+
+
+def _add(old: Any, value: Any) -> Any:
+    out = _empty_like(old)
+    array_module(old).add(old, value, out=out, casting="same_kind")
+    return out
+
+
+def _sub(old: Any, value: Any) -> Any:
+    out = _empty_like(old)
+    array_module(old).subtract(old, value, out=out, casting="same_kind")
+    return out
+
+
+def _empty_like(array: Any) -> Any:
+    return array_module(array).empty(array.shape, array.dtype)
+
+
+async def _merge_write(strategy: MirroredStrategy, variable: Any, op: Any, value: Any) -> None:
+    """A ``MirroredVariable`` write from replica context: aggregate, then write every copy."""
+    variable = agreed(variable)
+    op = agreed(op)
+    assert isinstance(variable, MirroredVariable)
+    reduced = await _aggregate(strategy, variable, value)
+    new = await compute_copies(variable._devices, _writer(op), [variable._copies, reduced])
+    commit([(variable, new)])
+
+
+async def _aggregate(strategy: MirroredStrategy, variable: Variable, value: Any) -> list[Any]:
+    """The replicas' values combined with the variable's aggregation, one per copy."""
+    devices = variable._devices
+    if variable._aggregation is _Agg.ONLY_FIRST_REPLICA:
+        first = value.values[0] if isinstance(value, DistributedValues) else value
+        result = await strategy.extended.broadcast_to(first, list(variable.devices))
+    else:
+        op = "sum" if variable._aggregation is _Agg.SUM else "mean"
+        result = await strategy.extended.reduce_to(op, value, list(variable.devices))
+    if isinstance(result, DistributedValues):
+        return list(result.values)
+    return [result] * len(devices)
+
+
+def _split_sum(values: list[Any], dtype: np.dtype[Any]) -> list[Any]:
+    """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first."""
+    n = len(values)
+    if dtype.kind in "iu":
+        parts = []
+        for i, value in enumerate(values):
+            quotient, remainder = divmod(value, n)
+            parts.append(quotient + remainder if i == 0 else quotient)
+        return parts
+    return [value / n for value in values]
+
+
+# -- updates (strategy.extended.update) -----------------------------------------------------
+
+
+async def update(
+    strategy: MirroredStrategy,
+    variable: Variable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None,
+    group: bool,
+) -> Any:
+    """``strategy.extended.update``: the new value of every copy is ``fn(copy, *args)``."""
+    if not isinstance(variable, Variable):
+        raise TypeError(f"update() needs an aioreplica.Variable, got {type(variable).__name__}")
+    if not callable(fn):
+        raise TypeError(f"update() needs a callable fn, got {type(fn).__name__}")
+    kwargs = dict(kwargs or {})
+    replica = context_state.get().replica
+    if replica is not None:
+        if replica.strategy is not strategy:
+            raise RuntimeError(
+                f"update() of {strategy!r} was called in a replica of {replica.strategy!r}"
+            )
+        return await replica.merge_call(_merge_update, args=(variable, fn, args, kwargs, group))
+    return await _update(strategy, variable, fn, args, kwargs, group)
+
+
+async def _merge_update(
+    strategy: MirroredStrategy,
+    variable: Any,
+    fn: Any,
+    args: Any,
+    kwargs: Any,
+    group: Any,
+) -> Any:
+    return await _update(strategy, agreed(variable), agreed(fn), args, kwargs, agreed(group))
+
+
+async def _update(
+    strategy: MirroredStrategy,
+    variable: Variable,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    group: bool,
+) -> Any:
+    owner = variable._strategy
+    if owner is not None and owner is not strategy:
+        raise ValueError(
+            f"update() of {strategy!r} was given variable {variable._name!r}, which belongs "
+            f"to {owner!r}; update it through its own strategy"
+        )
+    devices = variable._devices
+    per_copy_args = []
+    for i in range(len(devices)):
+        try:
+            per_copy_args.append(select_replica_mirrored(i, (args, kwargs)))
+        except TypeError as exc:
+            raise TypeError(
+                f"update() of variable {variable._name!r}: {exc}; the arguments must be the "
+                "same on every replica (Mirrored or plain values): reduce PerReplica values "
+                "first"
+            ) from None
+
+    def apply(copy: Any, selected: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        result = fn(copy, *selected[0], **selected[1])
+        return _as_copy(variable, result, copy)
+
+    new = await compute_copies(devices, apply, [variable._copies, per_copy_args])
+    commit([(variable, new)])
+    if not group:
+        return new
+    return new[0] if all(x is new[0] for x in new) else Mirrored(list(new))
+
+
+def _as_copy(variable: Variable, result: Any, like: Any) -> Any:
+    """``update``'s ``fn`` result as a new copy: an owned array of the variable's dtype/shape."""
+    xp = array_module(like)
+    array = xp.asarray(result)
+    if tuple(array.shape) != variable._shape or not np.can_cast(
+        array.dtype, variable._dtype, casting="same_kind"
+    ):
+        raise ValueError(
+            f"update() of variable {variable._name!r}: fn returned shape "
+            f"{tuple(array.shape)} and dtype {array.dtype}, but the variable has shape "
+            f"{variable._shape} and dtype {variable._dtype}; fn must return the copy's new "
+            "value"
+        )
+    return xp.array(array, dtype=variable._dtype, copy=True)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _scope_strategy(name: str) -> MirroredStrategy | None:
+    """The strategy a new variable belongs to: that of the enclosing ``scope()``, if any."""
+    state: ContextState = context_state.get()
+    if state.replica is not None:
+        raise RuntimeError(
+            f"variable {name!r} was created inside replica "
+            f"{state.replica.replica_id_in_sync_group} of {state.replica.strategy!r}; "
+            "create variables once, in `with strategy.scope():` outside run()"
+        )
+    if state.strategy is None or state.strategy is get_default_strategy():
+        return None
+    return state.strategy
+
+
+def _check_kind(
+    cls: type[Variable],
+    strategy: MirroredStrategy | None,
+    sync: VariableSynchronization,
+    agg: VariableAggregation,
+    name: str,
+) -> None:
+    if strategy is None:
+        if cls is not Variable:
+            raise ValueError(
+                f"{cls.__name__} {name!r} must be created inside `with strategy.scope():`; "
+                "outside a scope, use aioreplica.Variable for an ordinary variable"
+            )
+        return
+    if sync is _Sync.NONE:
+        raise ValueError(
+            f"variable {name!r}: synchronization NONE is not allowed in {strategy!r}'s scope, "
+            "where every variable has a copy per replica; use synchronization='on_write' "
+            "(a MirroredVariable, the default) or 'on_read' (a SyncOnReadVariable)"
+        )
+    wants = SyncOnReadVariable if sync is _Sync.ON_READ else MirroredVariable
+    if cls is not wants:
+        raise ValueError(
+            f"{cls.__name__} {name!r} cannot have synchronization {sync.name}; use "
+            f"aioreplica.Variable, which makes a {wants.__name__} for it"
+        )
+    if wants is SyncOnReadVariable and agg is _Agg.NONE:
+        raise ValueError(
+            f"variable {name!r}: synchronization ON_READ needs an aggregation to combine its "
+            "copies when read across replicas; pass aggregation='sum', 'mean' or "
+            "'only_first_replica'"
+        )
+
+
+def _initial_array(value: Any, dtype: Any, name: str) -> Any:
+    """A fresh array of ``value`` (never the caller's own object), in ``dtype`` if given."""
+    if isinstance(value, Variable):
+        value = value.value()
+    if _is_array(value):
+        array = array_module(value).array(value, dtype=dtype, copy=True)
+    else:
+        try:
+            array = np.array(value, dtype=dtype)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(
+                f"variable {name!r}: cannot make an array of the initial value "
+                f"{type(value).__name__} {value!r:.60}: {exc}"
+            ) from None
+    if array.dtype.kind not in "biufc":
+        raise TypeError(
+            f"variable {name!r}: the initial value has dtype {array.dtype}; variables hold "
+            "numeric or bool arrays"
+        )
+    return array
+
+
+def _check_aggregation_dtype(agg: VariableAggregation, dtype: np.dtype[Any], name: str) -> None:
+    if agg is _Agg.MEAN and dtype.kind not in "fc":
+        raise TypeError(
+            f"variable {name!r} of dtype {dtype} cannot have aggregation MEAN, whose result "
+            "is fractional; use a floating dtype, or aggregation 'sum'"
+        )
+    if agg is _Agg.SUM and dtype.kind == "b":
+        raise TypeError(
+            f"variable {name!r} of dtype bool cannot have aggregation SUM; use an integer "
+            "dtype to count"
+        )
+
+
+def _is_array(value: object) -> bool:
+    """A NumPy or CuPy array (recognised without importing CuPy)."""
+    return isinstance(value, np.ndarray) or type(value).__module__.partition(".")[0] == "cupy"
+
+
+def array_module(array: Any) -> Any:
+    """``numpy`` or ``cupy``: the module of ``array``."""
+    if isinstance(array, np.ndarray):
+        return np
+    import cupy  # only reached with CuPy arrays, so CuPy is imported already
+
+    return cupy
+
+
+def _frozen(array: Any) -> Any:
+    """Mark a host array read-only (stored arrays are never written in place)."""
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
+
+
+class _active:
+    """Make a device current (with its stream) for synchronous work outside a replica."""
+
+    __slots__ = ("_device",)
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+
+    def __enter__(self) -> None:
+        if self._device.has_context:
+            self._device.enter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._device.has_context:
+            self._device.leave()

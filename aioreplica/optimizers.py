@@ -1,0 +1,21 @@
+"""Optimizers that update distributed variables: ``SGD`` and ``Adam``.
+
+``await opt.apply_gradients(grads_and_vars)`` from every replica sums the gradients across
+replicas in one packed all-reduce and updates every copy of every variable, all or nothing.
+See ``help(aioreplica._optimizers)`` for the design.
+"""
+
+from ._optimizers import SGD as SGD
+from ._optimizers import Adam as Adam
+from ._optimizers import Optimizer as Optimizer
+
+__all__ = ["Adam", "Optimizer", "SGD"]
+
+
+def _fixup_module_metadata() -> None:
+    for name in __all__:
+        globals()[name].__module__ = __name__
+
+
+_fixup_module_metadata()
+del _fixup_module_metadata
