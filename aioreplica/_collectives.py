@@ -525,7 +525,10 @@ class Communicator:
         by_name = {device.name: device for device in self._devices}
         devices = []
         for item in items:
-            name = item.name if isinstance(item, Device) else canonical_device_name(item)
+            if isinstance(item, Device):
+                name = item.name
+            else:  # the strategy's own names as they are, else any spelling of them
+                name = item if item in by_name else canonical_device_name(item)
             if name not in by_name:
                 raise ValueError(
                     f"destination {item!r} is not one of this strategy's devices {list(by_name)}"

@@ -21,7 +21,14 @@ import numpy as np
 
 from ._context import get_default_strategy, get_replica_context
 from ._values import DistributedValues
-from ._variables import Variable, array_module, commit, compute_update, slot_variable
+from ._variables import (
+    Variable,
+    array_module,
+    commit,
+    compute_update,
+    same_on_every_replica,
+    slot_variable,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -222,6 +229,10 @@ class Optimizer:
         self, strategy: MirroredStrategy, grads: list[Any], variables: list[Variable]
     ) -> int:
         """The merge round: one packed all-reduce, every new copy computed, then one commit."""
+        variables = [
+            same_on_every_replica(variable, f"the variable of pair {i} of apply_gradients()")
+            for i, variable in enumerate(variables)
+        ]
         step = self._iterations
         rate = self.current_learning_rate()
         pairs = [(grad, list(v.devices)) for grad, v in zip(grads, variables, strict=True)]
@@ -485,4 +496,5 @@ def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: in
             f"{replica_id} has dtype {array.dtype}, which cannot be cast to the variable's "
             f"{variable.dtype}"
         )
-    return array
+    # In the variable's dtype, so every replica's gradients reduce alike.
+    return array.astype(variable.dtype, copy=False)

@@ -30,7 +30,6 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from . import _tree
-from ._collectives import agreed
 from ._context import ContextState, ReplicaContext, context_state, get_default_strategy
 from ._values import DistributedValues, Mirrored, PerReplica, select_replica_mirrored
 
@@ -51,6 +50,7 @@ __all__ = [
     "compute_copies",
     "compute_update",
     "new_copies",
+    "same_on_every_replica",
     "slot_variable",
     "snapshot",
     "to_host",
@@ -206,7 +206,7 @@ class Variable(NDArrayOperatorsMixin):
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         # ``Variable(...)`` picks its class from the context, as ``tf.Variable`` does; the
         # subclasses' own constructors check the context instead.
-        if cls is Variable and _scope_strategy("Variable") is not None:
+        if cls is Variable and _scope_strategy(kwargs.get("name") or "Variable") is not None:
             sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
             cls = SyncOnReadVariable if sync is _Sync.ON_READ else MirroredVariable
         return object.__new__(cls)
@@ -802,8 +802,8 @@ def _empty_like(array: Any) -> Any:
 
 async def _merge_write(strategy: MirroredStrategy, variable: Any, op: Any, value: Any) -> None:
     """A ``MirroredVariable`` write from replica context: aggregate, then write every copy."""
-    variable = agreed(variable)
-    op = agreed(op)
+    variable = same_on_every_replica(variable, "the variable they write")
+    op = same_on_every_replica(op, "the kind of write (assign, assign_add, assign_sub)")
     assert isinstance(variable, MirroredVariable)
     reduced = await _aggregate(strategy, variable, value)
     new = await compute_copies(variable._devices, _writer(op), [variable._copies, reduced])
@@ -822,6 +822,32 @@ async def _aggregate(strategy: MirroredStrategy, variable: Variable, value: Any)
     if isinstance(result, DistributedValues):
         return list(result.values)
     return [result] * len(devices)
+
+
+def same_on_every_replica(value: Any, what: str) -> Any:
+    """A merge argument every replica must pass alike: replica 0's, or ``ValueError``.
+
+    Functions count as alike when their code is (replicas build their own closures).
+    """
+    if not isinstance(value, DistributedValues):
+        return value
+    first = value.values[0]
+    code = getattr(first, "__code__", None)
+    for replica, other in enumerate(value.values[1:], start=1):
+        if code is not None and getattr(other, "__code__", None) is code:
+            continue
+        raise ValueError(
+            f"replicas disagree on {what}: replica 0 passed {_describe(first)}, replica "
+            f"{replica} {_describe(other)}; every replica must make the same updates in the "
+            "same order"
+        )
+    return first
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Variable):
+        return f"variable {value.name!r}"
+    return f"{value!r:.60}"
 
 
 def _split_sum(values: list[Any], dtype: np.dtype[Any]) -> list[Any]:
@@ -871,7 +897,14 @@ async def _merge_update(
     kwargs: Any,
     group: Any,
 ) -> Any:
-    return await _update(strategy, agreed(variable), agreed(fn), args, kwargs, agreed(group))
+    return await _update(
+        strategy,
+        same_on_every_replica(variable, "the variable to update"),
+        same_on_every_replica(fn, "the update function"),
+        args,
+        kwargs,
+        same_on_every_replica(group, "group"),
+    )
 
 
 async def _update(

@@ -9,7 +9,7 @@ from ._optimizers import SGD as SGD
 from ._optimizers import Adam as Adam
 from ._optimizers import Optimizer as Optimizer
 
-__all__ = ["Adam", "Optimizer", "SGD"]
+__all__ = ["SGD", "Adam", "Optimizer"]
 
 
 def _fixup_module_metadata() -> None:

@@ -28,7 +28,8 @@ class TestReadme:
     def test_two_start_commands(self) -> None:
         """The first two commands install and run the example, then install and run tests."""
         run_example, run_tests = shell_commands()[:2]
-        assert run_example.endswith("examples/quickstart.py")
+        assert "'.[examples]'" in run_example
+        assert run_example.endswith("examples/train_digits.py")
         assert "'.[test]'" in run_tests
         assert run_tests.endswith("-m pytest")
 

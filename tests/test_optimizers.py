@@ -1,0 +1,1083 @@
+"""Optimizers: Keras update rules, summed gradients, one merge round, all-or-nothing steps."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import numpy as np
+import pytest
+from fake_devices import FakeDevice
+
+import aioreplica
+from aioreplica import (
+    MirroredStrategy,
+    MirroredVariable,
+    PerReplica,
+    ReplicaSyncError,
+    Variable,
+)
+from aioreplica._backends._numpy import HOST_BACKEND
+from aioreplica.optimizers import SGD, Adam, Optimizer
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from aioreplica._backends import Device
+
+    Rate = float | Callable[[int], float]
+
+pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
+Array = np.ndarray[Any, Any]
+
+
+def cpus(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def assert_close(got: Any, want: Any) -> None:
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+
+
+# -- the reference: Keras' formulas in plain NumPy ----------------------------------------
+
+
+class Reference:
+    """Keras ``SGD``/``Adam`` in plain float64 NumPy, applied to already summed gradients."""
+
+    def __init__(self, kind: str, learning_rate: Rate, **config: float) -> None:
+        self.kind = kind
+        self.learning_rate = learning_rate
+        self.config = config
+        self.iterations = 0
+        self.params: dict[str, Array] = {}
+        self.slots: dict[str, dict[str, Array]] = {}
+
+    def add(self, name: str, value: Any) -> None:
+        self.params[name] = np.array(value, dtype=np.float64)
+
+    def slot_names(self) -> tuple[str, ...]:
+        if self.kind == "adam":
+            return ("m", "v")
+        return ("momentum",) if self.config.get("momentum", 0.0) else ()
+
+    def apply(self, grads: dict[str, Array]) -> None:
+        step = self.iterations
+        rate = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
+        for name, grad in grads.items():
+            slots = self.slots.setdefault(
+                name, {slot: np.zeros_like(self.params[name]) for slot in self.slot_names()}
+            )
+            w = self.params[name]
+            if self.kind == "adam":
+                beta_1 = self.config.get("beta_1", 0.9)
+                beta_2 = self.config.get("beta_2", 0.999)
+                epsilon = self.config.get("epsilon", 1e-7)
+                t = step + 1
+                alpha = rate * math.sqrt(1.0 - beta_2**t) / (1.0 - beta_1**t)
+                slots["m"] = slots["m"] + (grad - slots["m"]) * (1.0 - beta_1)
+                slots["v"] = slots["v"] + (grad * grad - slots["v"]) * (1.0 - beta_2)
+                w = w - (slots["m"] * alpha) / (np.sqrt(slots["v"]) + epsilon)
+            else:
+                momentum = self.config.get("momentum", 0.0)
+                if momentum == 0.0:
+                    w = w - rate * grad
+                else:
+                    slots["momentum"] = momentum * slots["momentum"] - rate * grad
+                    if self.config.get("nesterov", False):
+                        w = w + momentum * slots["momentum"] - rate * grad
+                    else:
+                        w = w + slots["momentum"]
+            self.params[name] = w
+        self.iterations = step + 1
+
+
+def assert_matches(opt: Optimizer, variables: Sequence[Variable], ref: Reference) -> None:
+    """Every copy of every variable and of every slot equals the reference; same step count."""
+    assert opt.iterations == ref.iterations
+    for variable in variables:
+        for copy in variable.values:
+            assert_close(copy, ref.params[variable.name])
+        slots = ref.slots.get(variable.name, {})
+        for slot_name, value in slots.items():
+            for copy in opt.get_slot(variable, slot_name).values:
+                assert_close(copy, value)
+    assert len(opt.variables()) == sum(len(ref.slots.get(v.name, {})) for v in variables)
+
+
+def snapshot(opt: Optimizer, variables: Sequence[Variable]) -> tuple[Any, ...]:
+    """Host copies of every copy of every variable and slot, the slot objects and the step."""
+    slots = opt.variables()
+    return (
+        [[np.array(copy) for copy in v.values] for v in [*variables, *slots]],
+        [id(slot) for slot in slots],
+        opt.iterations,
+    )
+
+
+def assert_unchanged(before: tuple[Any, ...], after: tuple[Any, ...]) -> None:
+    (arrays_before, slots_before, step_before) = before
+    (arrays_after, slots_after, step_after) = after
+    assert (slots_after, step_after) == (slots_before, step_before)
+    assert len(arrays_after) == len(arrays_before)
+    for old, new in zip(arrays_before, arrays_after, strict=True):
+        assert len(new) == len(old)
+        for a, b in zip(old, new, strict=True):
+            np.testing.assert_array_equal(b, a)
+
+
+async def train_step(
+    strategy: MirroredStrategy,
+    opt: Optimizer,
+    variables: Sequence[Variable],
+    grads: Sequence[Sequence[Any]],
+) -> Any:
+    """One ``strategy.run`` step: replica ``r`` applies ``grads[r][i]`` to ``variables[i]``."""
+
+    async def step(*mine: Any) -> int:
+        return await opt.apply_gradients(zip(mine, variables, strict=True))
+
+    args = tuple(
+        PerReplica([grads[r][i] for r in range(len(grads))]) for i in range(len(variables))
+    )
+    return await strategy.run(step, args)
+
+
+def random_grads(
+    rng: np.random.Generator, replicas: int, shapes: Sequence[tuple[int, ...]]
+) -> list[list[Array]]:
+    return [[rng.normal(size=shape) for shape in shapes] for _ in range(replicas)]
+
+
+def summed(grads: Sequence[Sequence[Array]], names: Sequence[str]) -> dict[str, Array]:
+    return {name: np.sum([g[i] for g in grads], axis=0) for i, name in enumerate(names)}
+
+
+def make_variables(
+    strategy: MirroredStrategy, rng: np.random.Generator, shapes: dict[str, tuple[int, ...]]
+) -> list[Variable]:
+    with strategy.scope():
+        return [Variable(rng.normal(size=shape), name=name) for name, shape in shapes.items()]
+
+
+SHAPES = {"kernel": (3, 2), "bias": (2,), "scale": ()}
+
+OPTIMIZERS: list[Any] = [
+    pytest.param("sgd", 0.1, {}, id="sgd"),
+    pytest.param("sgd", 0.1, {"momentum": 0.9}, id="momentum"),
+    pytest.param("sgd", 0.05, {"momentum": 0.8, "nesterov": True}, id="nesterov"),
+    pytest.param("adam", 0.01, {}, id="adam"),
+    pytest.param("adam", 0.2, {"beta_1": 0.5, "beta_2": 0.75, "epsilon": 1e-3}, id="adam-custom"),
+]
+
+
+def make_optimizer(kind: str, learning_rate: Rate, config: dict[str, Any]) -> Optimizer:
+    if kind == "adam":
+        return Adam(learning_rate, **config)
+    return SGD(learning_rate, **config)
+
+
+# -- update rules ------------------------------------------------------------------------
+
+
+class TestUpdateRules:
+    @pytest.mark.parametrize(("kind", "learning_rate", "config"), OPTIMIZERS)
+    async def test_matches_keras_reference_step_by_step(
+        self, kind: str, learning_rate: float, config: dict[str, Any]
+    ) -> None:
+        """Five steps on two replicas match the NumPy reference after every step."""
+        rng = np.random.default_rng(1)
+        strategy = MirroredStrategy(cpus(2))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = make_optimizer(kind, learning_rate, config)
+        ref = Reference(kind, learning_rate, **config)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for _ in range(5):
+            grads = random_grads(rng, 2, list(SHAPES.values()))
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+            assert_matches(opt, variables, ref)
+
+    async def test_sgd_known_values(self) -> None:
+        """Plain, momentum and Nesterov SGD give the hand-computed values of two steps."""
+        results = []
+        for momentum, nesterov in [(0.0, False), (0.5, False), (0.5, True)]:
+            w = Variable([1.0], name="w")
+            opt = SGD(0.5, momentum=momentum, nesterov=nesterov)
+            for _ in range(2):
+                await opt.apply_gradients([(np.array([1.0]), w)])
+            results.append(w.numpy().tolist())
+        # m1 = -0.5, m2 = -0.75; nesterov adds 0.5 * m - 0.5 each step.
+        assert results == [[0.0], [-0.25], [-0.625]]
+
+    async def test_adam_bias_correction_uses_iterations_plus_one(self) -> None:
+        """With ``iterations`` set to 5, the first step uses t = 6 in the bias correction."""
+        w = Variable(np.array([1.0, -2.0]), name="w")
+        opt = Adam(0.1)
+        opt.iterations = 5
+        ref = Reference("adam", 0.1)
+        ref.add("w", [1.0, -2.0])
+        ref.iterations = 5
+        for grad in ([0.5, -1.0], [2.0, 3.0]):
+            assert await opt.apply_gradients([(np.array(grad), w)]) == ref.iterations + 1
+            ref.apply({"w": np.array(grad)})
+            assert_matches(opt, [w], ref)
+        assert opt.iterations == 7
+
+    async def test_adam_first_step_moves_by_learning_rate(self) -> None:
+        """Bias correction makes Adam's first step ``lr * sign(g)`` (up to epsilon)."""
+        w = Variable(np.array([1.0, 1.0]), name="w")
+        await Adam(0.1, epsilon=1e-12).apply_gradients([(np.array([2.0, -3.0]), w)])
+        assert_close(w.numpy(), [0.9, 1.1])
+
+    async def test_float32_variable_stays_float32(self) -> None:
+        """A float64 gradient is cast to a float32 variable's dtype; slots are float32 too."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(3, dtype=np.float32), name="w")
+        opt = Adam(0.1)
+        await train_step(strategy, opt, [w], [[np.ones(3)], [np.ones(3)]])
+        assert [copy.dtype for copy in w.values] == [np.dtype(np.float32)] * 2
+        assert [slot.dtype for slot in opt.variables()] == [np.dtype(np.float32)] * 2
+        np.testing.assert_allclose(w.numpy(), np.full(3, 0.9, dtype=np.float32), rtol=1e-6)
+
+
+# -- apply_gradients across replicas ------------------------------------------------------
+
+
+class TestApplyGradients:
+    async def test_gradients_summed_across_replicas(self) -> None:
+        """Each replica's own gradients are summed; every copy and slot copy gets the update."""
+        rng = np.random.default_rng(2)
+        strategy = MirroredStrategy(cpus(4))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = SGD(0.1, momentum=0.9)
+        ref = Reference("sgd", 0.1, momentum=0.9)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for _ in range(3):
+            grads = random_grads(rng, 4, list(SHAPES.values()))
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+        assert_matches(opt, variables, ref)
+        for v in [*variables, *opt.variables()]:
+            assert len(v.values) == 4
+
+    async def test_returns_iterations_after_step(self) -> None:
+        """Every replica gets ``iterations`` after the step; ``opt.iterations`` counts steps."""
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        opt = Adam(0.01)
+        returned: list[list[int]] = []
+
+        async def step() -> None:
+            returned.append([await opt.apply_gradients([(np.ones(2), w)])])
+
+        assert opt.iterations == 0
+        results = [await train_step(strategy, opt, [w], [[np.ones(2)]] * 3) for _ in range(3)]
+        for _ in range(2):
+            await strategy.run(step)
+        assert results == [1, 2, 3]
+        assert returned == [[4], [4], [4], [5], [5], [5]]
+        assert opt.iterations == 5
+
+    async def test_one_merge_round_per_step(self) -> None:
+        """A step over several variables takes exactly one merge round."""
+        rng = np.random.default_rng(3)
+        strategy = MirroredStrategy(cpus(4))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = Adam(0.01)
+        rounds = []
+        for _ in range(3):
+            before = strategy.statistics().merge_rounds_completed
+            await train_step(strategy, opt, variables, random_grads(rng, 4, list(SHAPES.values())))
+            rounds.append(strategy.statistics().merge_rounds_completed - before)
+        assert rounds == [1, 1, 1]
+
+    async def test_one_packed_all_reduce_per_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Several small float64 gradients go through one all-reduce per step, packed."""
+        rng = np.random.default_rng(4)
+        shapes = {"a": (4,), "b": (2, 3), "c": (), "d": (5,)}
+        strategy = MirroredStrategy(cpus(3))
+        variables = make_variables(strategy, rng, shapes)
+        calls: list[tuple[str, int, int]] = []
+        original = HOST_BACKEND.all_reduce
+
+        async def recording(op: str, inputs: Sequence[Any], devices: Sequence[Device]) -> Any:
+            calls.append((op, len(inputs), int(np.asarray(inputs[0]).size)))
+            return await original(op, inputs, devices)
+
+        monkeypatch.setattr(HOST_BACKEND, "all_reduce", recording)
+        opt = SGD(0.1, momentum=0.5)
+        ref = Reference("sgd", 0.1, momentum=0.5)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for _ in range(3):
+            grads = random_grads(rng, 3, list(shapes.values()))
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(shapes)))
+        assert calls == [("sum", 3, 4 + 6 + 1 + 5)] * 3
+        assert_matches(opt, variables, ref)
+
+    async def test_accepts_zip_and_lists(self) -> None:
+        """``grads_and_vars`` may be a one-shot iterator such as ``zip``, of tuples or lists."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+            b = Variable(0.0, name="b")
+
+        async def step() -> int:
+            grads = [np.ones(2), 1]
+            await opt.apply_gradients(zip(grads, [w, b], strict=True))
+            pairs: list[Any] = [[np.ones(2), w], [2.0, b]]
+            return await opt.apply_gradients(pairs)
+
+        opt = SGD(0.25)
+        assert await strategy.run(step) == 2
+        assert [w.numpy().tolist(), float(b)] == [[-1.0, -1.0], -1.5]
+
+    async def test_none_gradients_are_skipped(self) -> None:
+        """Variables whose gradient is None keep their value and get no slots; others update."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(2), name="w")
+            b = Variable(np.ones(3), name="b")
+        opt = SGD(0.5, momentum=0.9)
+
+        async def step() -> int:
+            return await opt.apply_gradients([(None, w), (np.ones(3), b)])
+
+        assert await strategy.run(step) == 1
+        assert [copy.tolist() for copy in w.values] == [[1.0, 1.0]] * 2
+        assert [copy.tolist() for copy in b.values] == [[0.0, 0.0, 0.0]] * 2
+        assert [slot.name for slot in opt.variables()] == ["b/momentum"]
+        with pytest.raises(ValueError, match="SGD has no slots for variable 'w' yet"):
+            opt.get_slot(w, "momentum")
+
+    async def test_shared_gradient_object_counts_once_per_replica(self) -> None:
+        """One array object passed by every replica is summed once per replica, as a value."""
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        shared = np.array([1.0, -2.0])
+        opt = SGD(0.1)
+
+        async def step() -> int:
+            return await opt.apply_gradients([(shared, w)])
+
+        await strategy.run(step)
+        assert_close(w.values[0], [-0.3, 0.6])
+        assert_close(w.values[2], [-0.3, 0.6])
+
+    async def test_replicas_disagreeing_on_variables(self) -> None:
+        """Replicas that train different variables get a clear error; nothing changes."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(3), name="w")
+            b = Variable(np.ones(3), name="b")
+        opt = SGD(0.1)
+        before = snapshot(opt, [w, b])
+
+        async def step() -> int:
+            ctx = aioreplica.get_replica_context()
+            assert ctx is not None
+            mine = w if ctx.replica_id_in_sync_group == 0 else b
+            return await opt.apply_gradients([(np.ones(3), mine)])
+
+        with pytest.raises((ValueError, ReplicaSyncError)) as info:
+            await strategy.run(step)
+        assert "replica" in str(info.value)
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+
+# -- replica equivalence ------------------------------------------------------------------
+
+
+class TestReplicaEquivalence:
+    @pytest.mark.parametrize(
+        "make",
+        [
+            pytest.param(lambda: SGD(0.05, momentum=0.9), id="sgd-momentum"),
+            pytest.param(lambda: SGD(0.05, momentum=0.9, nesterov=True), id="nesterov"),
+            pytest.param(lambda: Adam(0.05), id="adam"),
+        ],
+    )
+    async def test_four_replicas_train_like_one(self, make: Callable[[], Optimizer]) -> None:
+        """4 replicas on a split global batch reach the parameters of 1 replica on all of it."""
+        rng = np.random.default_rng(5)
+        batches = [(rng.normal(size=(16, 3)), rng.normal(size=16)) for _ in range(10)]
+        w0, b0 = rng.normal(size=3), 0.5
+        global_batch = 16
+
+        async def step(x: Array, y: Array, w: Variable, b: Variable, opt: Optimizer) -> None:
+            residual = x @ w.value() + b.value() - y
+            # Gradients of sum(residual**2) / global_batch: summed over replicas, the mean.
+            grad_w = 2.0 * x.T @ residual / global_batch
+            grad_b = 2.0 * residual.sum() / global_batch
+            await opt.apply_gradients([(grad_w, w), (grad_b, b)])
+
+        trained = []
+        for replicas in (1, 4):
+            strategy = MirroredStrategy(cpus(replicas))
+            with strategy.scope():
+                w = Variable(w0, name="w")
+                b = Variable(b0, name="b")
+            opt = make()
+            for x, y in batches:
+                parts = 16 // replicas
+                xs = PerReplica([x[r * parts : (r + 1) * parts] for r in range(replicas)])
+                ys = PerReplica([y[r * parts : (r + 1) * parts] for r in range(replicas)])
+                await strategy.run(step, (xs, ys, w, b, opt))
+            assert opt.iterations == 10
+            for v in (w, b, *opt.variables()):
+                for copy in v.values[1:]:
+                    np.testing.assert_array_equal(copy, v.values[0])
+            trained.append([np.array(v.values[0]) for v in (w, b, *opt.variables())])
+        one, four = trained
+        assert len(one) == len(four)
+        for a, b_ in zip(one, four, strict=True):
+            np.testing.assert_allclose(b_, a, rtol=1e-12, atol=1e-12)
+        assert not np.allclose(one[0], w0)  # it did train
+
+
+# -- learning rate ------------------------------------------------------------------------
+
+
+class TestLearningRate:
+    def test_float(self) -> None:
+        """A number is the rate of every step; ints become floats."""
+        opt = SGD(1)
+        assert opt.learning_rate == 1
+        assert opt.current_learning_rate() == 1.0
+        assert isinstance(opt.current_learning_rate(), float)
+        half: Any = np.float32(0.5)
+        assert Adam(half).current_learning_rate() == 0.5
+
+    async def test_schedule_gets_iterations_before_step(self) -> None:
+        """The schedule is called with the step count before each step; its rate is used."""
+        calls: list[int] = []
+
+        def rates(step: int) -> float:
+            return 0.5 * 0.5**step
+
+        def schedule(step: int) -> float:
+            calls.append(step)
+            return rates(step)
+
+        rng = np.random.default_rng(6)
+        strategy = MirroredStrategy(cpus(2))
+        variables = make_variables(strategy, rng, {"w": (3,)})
+        opt = SGD(schedule, momentum=0.5)
+        ref = Reference("sgd", rates, momentum=0.5)
+        ref.add("w", variables[0].numpy())
+        for _ in range(4):
+            grads = random_grads(rng, 2, [(3,)])
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, ["w"]))
+        assert calls == [0, 1, 2, 3]
+        assert opt.learning_rate is schedule
+        assert_matches(opt, variables, ref)
+
+    async def test_current_learning_rate_follows_schedule(self) -> None:
+        """``current_learning_rate()`` is the schedule at the current step count."""
+        calls: list[int] = []
+
+        def schedule(step: int) -> float:
+            calls.append(step)
+            return 1.0 / (step + 1)
+
+        w = Variable(np.zeros(1), name="w")
+        opt = Adam(schedule)
+        seen = [opt.current_learning_rate()]
+        await opt.apply_gradients([(np.ones(1), w)])
+        seen.append(opt.current_learning_rate())
+        opt.iterations = 9
+        seen.append(opt.current_learning_rate())
+        assert seen == [1.0, 0.5, 0.1]
+        assert calls == [0, 0, 1, 9]
+
+    async def test_schedule_returning_non_number_changes_nothing(self) -> None:
+        """A schedule returning a string fails the step with TypeError; nothing changes."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(2), name="w")
+        opt = Adam(lambda step: 0.1 if step == 0 else "fast")  # type: ignore[arg-type, return-value]
+        await train_step(strategy, opt, [w], [[np.ones(2)]] * 2)
+        before = snapshot(opt, [w])
+        with pytest.raises(
+            TypeError, match=re.escape("learning_rate(1) must be a number, got str")
+        ):
+            await train_step(strategy, opt, [w], [[np.ones(2)]] * 2)
+        assert_unchanged(before, snapshot(opt, [w]))
+
+    async def test_schedule_returning_nan_changes_nothing(self) -> None:
+        """A schedule returning NaN fails the first step with ValueError; no slots are made."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(2), name="w")
+        opt = SGD(lambda step: math.nan, momentum=0.9)
+        before = snapshot(opt, [w])
+        with pytest.raises(ValueError, match=re.escape("learning_rate(0) must be finite, got nan")):
+            await train_step(strategy, opt, [w], [[np.ones(2)]] * 2)
+        assert_unchanged(before, snapshot(opt, [w]))
+        assert opt.variables() == []
+
+
+# -- slots -----------------------------------------------------------------------------
+
+
+class TestSlots:
+    def test_slot_names(self) -> None:
+        """SGD with momentum keeps "momentum", without none; Adam keeps "m" and "v"."""
+        assert SGD(0.1, momentum=0.9).slot_names == ("momentum",)
+        assert SGD(0.1).slot_names == ()
+        assert SGD(0.1, momentum=0.0, nesterov=True).slot_names == ()
+        assert Adam().slot_names == ("m", "v")
+
+    async def test_created_on_first_step_beside_variable(self) -> None:
+        """The first step makes mirrored slots on the variable's devices, of its strategy."""
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            w = Variable(np.ones((2, 2), dtype=np.float32), name="w")
+        opt = Adam(0.1)
+        assert opt.variables() == []
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "Adam has no slots for variable 'w' yet: they are made by its first "
+                "apply_gradients() or by build()"
+            ),
+        ):
+            opt.get_slot(w, "m")
+        await train_step(strategy, opt, [w], [[np.ones((2, 2))]] * 3)
+        m, v = opt.get_slot(w, "m"), opt.get_slot(w, "v")
+        assert opt.variables() == [m, v]
+        for slot, name in ((m, "w/m"), (v, "w/v")):
+            assert isinstance(slot, MirroredVariable)
+            assert slot.name == name
+            assert slot.devices == w.devices == ("cpu:0", "cpu:1", "cpu:2")
+            assert slot.distribute_strategy is strategy
+            assert (slot.shape, slot.dtype) == ((2, 2), np.dtype(np.float32))
+            assert len(slot.values) == 3
+            assert not slot.trainable
+        np.testing.assert_allclose(m.values[2], np.full((2, 2), 0.3, np.float32), rtol=1e-6)
+        np.testing.assert_allclose(v.values[1], np.full((2, 2), 0.009, np.float32), rtol=1e-6)
+
+    async def test_build_creates_zero_slots_beforehand(self) -> None:
+        """``build`` makes zero slots that the steps then update (the same objects)."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(3), name="w")
+            b = Variable(0.0, name="b")
+        opt = Adam(0.1)
+        opt.build([w, b])
+        slots = opt.variables()
+        assert [slot.name for slot in slots] == ["w/m", "w/v", "b/m", "b/v"]
+        assert [[np.array(copy).tolist() for copy in s.values] for s in slots] == [
+            [[0.0, 0.0, 0.0]] * 2,
+            [[0.0, 0.0, 0.0]] * 2,
+            [0.0, 0.0],
+            [0.0, 0.0],
+        ]
+        assert all(isinstance(s, MirroredVariable) for s in slots)
+        assert all(s.distribute_strategy is strategy for s in slots)
+        opt.build([b, w])  # already built: nothing new
+        assert opt.variables() == slots
+        assert opt.iterations == 0
+        ref = Reference("adam", 0.1)
+        ref.add("w", np.ones(3))
+        ref.add("b", 0.0)
+        await train_step(strategy, opt, [w, b], [[np.ones(3), 1.0], [np.ones(3), 2.0]])
+        ref.apply({"w": np.full(3, 2.0), "b": np.array(3.0)})
+        assert all(a is b_ for a, b_ in zip(opt.variables(), slots, strict=True))
+        assert_matches(opt, [w, b], ref)
+
+    def test_build_rejects_non_variables(self) -> None:
+        """``build`` takes aioreplica Variables only."""
+        opt = Adam()
+        with pytest.raises(
+            TypeError, match=re.escape("expected an aioreplica.Variable, got ndarray")
+        ):
+            opt.build([np.zeros(2)])  # type: ignore[list-item]
+        assert opt.variables() == []
+
+    def test_ordinary_variable_gets_ordinary_slots(self) -> None:
+        """Slots of a variable made outside any scope are ordinary variables too."""
+        w = Variable(np.ones(2), name="w")
+        opt = SGD(0.1, momentum=0.9)
+        opt.build([w])
+        slot = opt.get_slot(w, "momentum")
+        assert type(slot) is Variable
+        assert slot.distribute_strategy is None
+        assert slot.devices == w.devices
+        assert slot.numpy().tolist() == [0.0, 0.0]
+
+    async def test_sgd_without_momentum_has_no_slots(self) -> None:
+        """Plain SGD keeps nothing per variable; asking for "momentum" names its slots."""
+        w = Variable(np.ones(2), name="w")
+        opt = SGD(0.1)
+        await opt.apply_gradients([(np.ones(2), w)])
+        opt.build([w])
+        assert opt.variables() == []
+        with pytest.raises(
+            ValueError, match=re.escape("SGD has no slot 'momentum'; its slots are []")
+        ):
+            opt.get_slot(w, "momentum")
+
+    def test_unknown_slot_name(self) -> None:
+        """An unknown slot name is a ValueError listing the valid ones."""
+        w = Variable(np.ones(2), name="w")
+        opt = Adam()
+        opt.build([w])
+        with pytest.raises(
+            ValueError, match=re.escape("Adam has no slot 'velocity'; its slots are ['m', 'v']")
+        ):
+            opt.get_slot(w, "velocity")
+
+    def test_variable_without_slots(self) -> None:
+        """A variable the optimizer has not seen has no slots: ValueError naming it."""
+        w = Variable(np.ones(2), name="w")
+        other = Variable(np.ones(2), name="other")
+        opt = SGD(0.1, momentum=0.5)
+        opt.build([w])
+        with pytest.raises(ValueError, match="SGD has no slots for variable 'other' yet"):
+            opt.get_slot(other, "momentum")
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+class TestErrors:
+    @staticmethod
+    async def trained() -> tuple[MirroredStrategy, list[Variable], Optimizer]:
+        """A 2-replica strategy with variables w (3,) and b () after one Adam step."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(3), name="w")
+            b = Variable(2.0, name="b")
+        opt = Adam(0.1)
+        await train_step(strategy, opt, [w, b], [[np.ones(3), 1.0], [np.ones(3), 0.5]])
+        return strategy, [w, b], opt
+
+    async def test_wrong_gradient_shape_names_variable_and_replica(self) -> None:
+        """A gradient of the wrong shape on one replica is a ValueError; nothing changes."""
+        strategy, variables, opt = await self.trained()
+        before = snapshot(opt, variables)
+        grads = [[np.ones(3), 1.0], [np.ones(2), 1.0]]
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "apply_gradients(): the gradient of variable 'w' from replica 1 has shape "
+                "(2,), but the variable has shape (3,)"
+            ),
+        ):
+            await train_step(strategy, opt, variables, grads)
+        assert_unchanged(before, snapshot(opt, variables))
+
+    async def test_gradient_dtype_that_cannot_be_cast(self) -> None:
+        """A complex gradient for a float64 variable is a TypeError; nothing changes."""
+        strategy, variables, opt = await self.trained()
+        before = snapshot(opt, variables)
+        grads: list[list[Any]] = [[np.ones(3), 1.0], [np.ones(3), np.complex128(1 + 1j)]]
+        with pytest.raises(
+            TypeError,
+            match=re.escape(
+                "apply_gradients(): the gradient of variable 'b' from replica 1 has dtype "
+                "complex128, which cannot be cast to the variable's float64"
+            ),
+        ):
+            await train_step(strategy, opt, variables, grads)
+        assert_unchanged(before, snapshot(opt, variables))
+
+    async def test_variable_listed_twice(self) -> None:
+        """The same variable twice is a ValueError; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        before = snapshot(opt, [w, b])
+
+        async def step() -> int:
+            return await opt.apply_gradients([(np.ones(3), w), (1.0, b), (np.ones(3), w)])
+
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "apply_gradients(): variable 'w' is listed twice; sum its gradients first"
+            ),
+        ):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+    @pytest.mark.parametrize("empty", [False, True])
+    async def test_no_gradients(self, empty: bool) -> None:
+        """All gradients None (or no pairs) is a ValueError; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        before = snapshot(opt, [w, b])
+        pairs: list[tuple[Any, Variable]] = [] if empty else [(None, w), (None, b)]
+
+        async def step() -> int:
+            return await opt.apply_gradients(pairs)
+
+        with pytest.raises(
+            ValueError,
+            match=re.escape("apply_gradients() got no gradients: every pair's gradient is None"),
+        ):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+    @pytest.mark.parametrize(
+        ("item", "message"),
+        [
+            pytest.param(
+                lambda w: np.ones(3),
+                "apply_gradients() takes (gradient, variable) pairs, got ndarray",
+                id="bare-gradient",
+            ),
+            pytest.param(
+                lambda w: (np.ones(3), w, 1),
+                "apply_gradients() takes (gradient, variable) pairs, got tuple",
+                id="triple",
+            ),
+            pytest.param(
+                lambda w: (np.ones(3), np.ones(3)),
+                "expected an aioreplica.Variable, got ndarray",
+                id="not-a-variable",
+            ),
+            pytest.param(
+                lambda w: (np.ones(3), "w"),
+                "expected an aioreplica.Variable, got str",
+                id="name-not-variable",
+            ),
+        ],
+    )
+    async def test_malformed_items(self, item: Callable[[Variable], Any], message: str) -> None:
+        """Items that are not (gradient, Variable) pairs are a TypeError; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        before = snapshot(opt, [w, b])
+
+        async def step() -> int:
+            return await opt.apply_gradients([(1.0, b), item(w)])
+
+        with pytest.raises(TypeError, match=re.escape(message)):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+    async def test_cross_replica_context(self) -> None:
+        """``apply_gradients`` inside ``strategy.scope()`` is a RuntimeError; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        before = snapshot(opt, [w, b])
+        with (
+            strategy.scope(),
+            pytest.raises(
+                RuntimeError,
+                match=re.escape(
+                    "apply_gradients() was called in cross-replica context; call it from the "
+                    "step function inside strategy.run()"
+                ),
+            ),
+        ):
+            await opt.apply_gradients([(np.ones(3), w), (1.0, b)])
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+    async def test_variable_from_outside_any_scope(self) -> None:
+        """An ordinary variable trained in a 2-replica run is a ValueError; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        plain = Variable(np.ones(2), name="plain")
+        before = snapshot(opt, [w, b, plain])
+
+        async def step() -> int:
+            return await opt.apply_gradients([(np.ones(3), w), (np.ones(2), plain)])
+
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "variable 'plain' was created outside any strategy scope, but is trained in "
+                "MirroredStrategy(devices=['cpu:0', 'cpu:1']); create model variables inside "
+                "`with strategy.scope():`"
+            ),
+        ):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b, plain]))
+
+    async def test_variable_of_another_strategy(self) -> None:
+        """A variable of another strategy is a ValueError naming both; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        other = MirroredStrategy(["cpu:2", "cpu:3"])
+        with other.scope():
+            foreign = Variable(np.ones(2), name="foreign")
+        before = snapshot(opt, [w, b, foreign])
+
+        async def step() -> int:
+            return await opt.apply_gradients([(np.ones(3), w), (np.ones(2), foreign)])
+
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "variable 'foreign' belongs to MirroredStrategy(devices=['cpu:2', 'cpu:3']), "
+                "but is trained in MirroredStrategy(devices=['cpu:0', 'cpu:1']); train each "
+                "variable with the strategy that created it"
+            ),
+        ):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b, foreign]))
+
+    async def test_failed_first_step_makes_no_slots(self) -> None:
+        """A first step that fails leaves no slots behind and the step count at 0."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(3), name="w")
+        opt = SGD(0.1, momentum=0.9)
+        with pytest.raises(ValueError, match="from replica 0 has shape"):
+            await train_step(strategy, opt, [w], [[np.ones(4)], [np.ones(3)]])
+        assert (opt.variables(), opt.iterations) == ([], 0)
+        assert [copy.tolist() for copy in w.values] == [[1.0, 1.0, 1.0]] * 2
+
+    @pytest.mark.parametrize(
+        ("cls", "kwargs", "error", "message"),
+        [
+            (SGD, {"momentum": 1.5}, ValueError, "momentum must be in [0, 1], got 1.5"),
+            (SGD, {"momentum": -0.1}, ValueError, "momentum must be in [0, 1], got -0.1"),
+            (Adam, {"beta_1": 1.0}, ValueError, "beta_1 must be in [0, 1), got 1.0"),
+            (Adam, {"beta_2": -0.5}, ValueError, "beta_2 must be in [0, 1), got -0.5"),
+            (Adam, {"epsilon": 0}, ValueError, "epsilon must be > 0, got 0"),
+            (Adam, {"epsilon": -1e-7}, ValueError, "epsilon must be > 0, got -1e-07"),
+            (SGD, {"learning_rate": "x"}, TypeError, "learning_rate must be a number, got str 'x'"),
+            (SGD, {"learning_rate": True}, TypeError, "learning_rate must be a number, got bool"),
+            (
+                Adam,
+                {"learning_rate": math.nan},
+                ValueError,
+                "learning_rate must be finite, got nan",
+            ),
+            (SGD, {"learning_rate": math.inf}, ValueError, "learning_rate must be finite, got inf"),
+            (SGD, {"momentum": "0.9"}, TypeError, "momentum must be a number, got str '0.9'"),
+            (Adam, {"beta_1": math.nan}, ValueError, "beta_1 must be finite, got nan"),
+        ],
+    )
+    def test_invalid_hyperparameters(
+        self, cls: type[Optimizer], kwargs: dict[str, Any], error: type[Exception], message: str
+    ) -> None:
+        """Out-of-range or non-numeric hyperparameters fail at construction."""
+        with pytest.raises(error, match=re.escape(message)):
+            cls(**kwargs)
+
+    def test_invalid_iterations(self) -> None:
+        """``iterations`` must be an int >= 0."""
+        opt = SGD(0.1)
+        for bad in (-1, True, 1.5):
+            with pytest.raises(
+                ValueError, match=re.escape(f"iterations must be an int >= 0, got {bad!r}")
+            ):
+                opt.iterations = bad  # type: ignore[assignment]
+        opt.iterations = np.int64(3)  # type: ignore[assignment]
+        assert opt.iterations == 3
+        assert type(opt.iterations) is int
+
+
+# -- the default context -------------------------------------------------------------------
+
+
+class TestDefaultContext:
+    @pytest.mark.parametrize(("kind", "learning_rate", "config"), OPTIMIZERS)
+    async def test_ordinary_variables_train_without_strategy(
+        self, kind: str, learning_rate: float, config: dict[str, Any]
+    ) -> None:
+        """Outside any strategy, ``apply_gradients`` updates ordinary variables directly."""
+        rng = np.random.default_rng(7)
+        w = Variable(rng.normal(size=(2, 3)), name="w")
+        b = Variable(rng.normal(size=3), name="b")
+        opt = make_optimizer(kind, learning_rate, config)
+        ref = Reference(kind, learning_rate, **config)
+        ref.add("w", w.numpy())
+        ref.add("b", b.numpy())
+        assert aioreplica.get_replica_context() is not None
+        for step in range(1, 5):
+            gw, gb = rng.normal(size=(2, 3)), rng.normal(size=3)
+            assert await opt.apply_gradients([(gw, w), (gb, b)]) == step
+            ref.apply({"w": gw, "b": gb})
+            assert_matches(opt, [w, b], ref)
+        assert all(type(slot) is Variable for slot in opt.variables())
+
+    async def test_one_replica_strategy_rejects_ordinary_variable(self) -> None:
+        """A one-replica strategy of one's own is not the default: scope variables needed."""
+        strategy = MirroredStrategy(["cpu:0"])
+        w = Variable(np.ones(2), name="w")
+        opt = SGD(0.1)
+
+        async def step() -> int:
+            return await opt.apply_gradients([(np.ones(2), w)])
+
+        with pytest.raises(ValueError, match="was created outside any strategy scope"):
+            await strategy.run(step)
+        assert w.numpy().tolist() == [1.0, 1.0]
+
+    async def test_mirrored_variable_outside_run(self) -> None:
+        """A strategy's variable trained in the default context is a ValueError; no change."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.ones(2), name="w")
+        opt = SGD(0.1, momentum=0.5)
+        with pytest.raises(
+            ValueError,
+            match=re.escape("variable 'w' belongs to MirroredStrategy(devices=['cpu:0', 'cpu:1'])"),
+        ):
+            await opt.apply_gradients([(np.ones(2), w)])
+        assert [copy.tolist() for copy in w.values] == [[1.0, 1.0]] * 2
+        assert (opt.variables(), opt.iterations) == ([], 0)
+
+
+# -- all or nothing --------------------------------------------------------------------------
+
+
+class DeviceLost(Exception):
+    pass
+
+
+class Trap:
+    """Where a ``TrapDevice`` stops: the update of ``target``'s copy, blocking or raising."""
+
+    def __init__(self, watch: Sequence[Variable]) -> None:
+        self.watch = list(watch)
+        self.target: Variable | None = None
+        self.error: BaseException | None = None
+        self.reached = anyio.Event()
+        self.never = anyio.Event()
+        self.updated: list[str] = []
+
+
+class TrapDevice(FakeDevice):
+    """A host-backed device whose ``run`` of a watched variable's update can block or raise."""
+
+    def __init__(self, index: int, trap: Trap) -> None:
+        super().__init__(f"cpu:{index}", index)
+        self.trap = trap
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        trap = self.trap
+        first = args[0] if args else None
+        for variable in trap.watch:
+            if any(first is copy for copy in variable.values):
+                trap.updated.append(variable.name)
+                if variable is trap.target:
+                    if trap.error is not None:
+                        raise trap.error
+                    trap.reached.set()
+                    await trap.never.wait()
+        return await super().run(fn, *args, **kwargs)
+
+
+class TestAllOrNothing:
+    @staticmethod
+    def setup() -> tuple[MirroredStrategy, list[Variable], Trap, Reference]:
+        trap = Trap([])
+        strategy = MirroredStrategy([TrapDevice(i, trap) for i in range(2)])
+        with strategy.scope():
+            w = Variable(np.ones(3), name="w")
+            b = Variable(np.array([2.0, -1.0]), name="b")
+        trap.watch = [w, b]
+        ref = Reference("adam", 0.1)
+        ref.add("w", np.ones(3))
+        ref.add("b", [2.0, -1.0])
+        return strategy, [w, b], trap, ref
+
+    GRADS: tuple[list[Any], list[Any]] = (
+        [np.array([1.0, 2.0, 3.0]), np.array([0.5, 0.5])],
+        [np.array([-1.0, 0.0, 1.0]), np.array([1.5, -2.5])],
+    )
+
+    @pytest.mark.parametrize("steps_before", [0, 1])
+    async def test_cancelled_inside_second_update(self, steps_before: int) -> None:
+        """Cancelled while the second variable's copy is updated: no copy, slot or count moved."""
+        strategy, variables, trap, ref = self.setup()
+        opt = Adam(0.1)
+        for _ in range(steps_before):
+            await train_step(strategy, opt, variables, self.GRADS)
+            ref.apply(summed(self.GRADS, ["w", "b"]))
+        before = snapshot(opt, variables)
+        trap.updated.clear()
+        trap.target = variables[1]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(train_step, strategy, opt, variables, self.GRADS)
+            await trap.reached.wait()
+            tg.cancel_scope.cancel()
+        assert trap.updated[0] == "w"
+        assert trap.updated[-1] == "b"
+        assert_unchanged(before, snapshot(opt, variables))
+        assert opt.iterations == steps_before
+        assert strategy.statistics().runs_active == 0
+        # The optimizer carries on from the state before the cancelled step.
+        trap.target = None
+        assert await train_step(strategy, opt, variables, self.GRADS) == steps_before + 1
+        ref.apply(summed(self.GRADS, ["w", "b"]))
+        assert_matches(opt, variables, ref)
+
+    @pytest.mark.parametrize("steps_before", [0, 1])
+    async def test_error_in_second_update(self, steps_before: int) -> None:
+        """A device error in the second variable's update fails run(); nothing changed."""
+        strategy, variables, trap, ref = self.setup()
+        opt = Adam(0.1)
+        for _ in range(steps_before):
+            await train_step(strategy, opt, variables, self.GRADS)
+            ref.apply(summed(self.GRADS, ["w", "b"]))
+        before = snapshot(opt, variables)
+        trap.updated.clear()
+        trap.target = variables[1]
+        trap.error = DeviceLost("device lost during update")
+        with pytest.raises(DeviceLost, match="device lost during update"):
+            await train_step(strategy, opt, variables, self.GRADS)
+        assert trap.updated[0] == "w"
+        assert trap.updated[-1] == "b"
+        assert_unchanged(before, snapshot(opt, variables))
+        assert opt.iterations == steps_before
+        trap.target = None
+        assert await train_step(strategy, opt, variables, self.GRADS) == steps_before + 1
+        ref.apply(summed(self.GRADS, ["w", "b"]))
+        assert_matches(opt, variables, ref)
+
+
+# -- repr and config ------------------------------------------------------------------------
+
+
+class TestConfig:
+    def test_repr(self) -> None:
+        """The repr shows the class and every hyperparameter."""
+        assert repr(SGD(0.1)) == "SGD(learning_rate=0.1, momentum=0.0, nesterov=False)"
+        assert repr(SGD(0.5, momentum=0.9, nesterov=True)) == (
+            "SGD(learning_rate=0.5, momentum=0.9, nesterov=True)"
+        )
+        assert repr(Adam()) == (
+            "Adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)"
+        )
+
+    def test_get_config(self) -> None:
+        """``get_config`` holds the constructor's keyword arguments, as floats."""
+        assert SGD(0.1).get_config() == {"learning_rate": 0.1, "momentum": 0.0, "nesterov": False}
+        assert Adam(0.01, beta_1=0, beta_2=0.5, epsilon=1).get_config() == {
+            "learning_rate": 0.01,
+            "beta_1": 0.0,
+            "beta_2": 0.5,
+            "epsilon": 1.0,
+        }
+
+    def test_config_round_trips(self) -> None:
+        """An optimizer rebuilt from its config has the same config; schedules are kept."""
+
+        def schedule(step: int) -> float:
+            return 0.1
+
+        for opt in (SGD(schedule, momentum=0.3, nesterov=True), Adam(0.2, epsilon=1e-3)):
+            rebuilt = type(opt)(**opt.get_config())
+            assert rebuilt.get_config() == opt.get_config()
+            assert repr(rebuilt) == repr(opt)
+        assert SGD(schedule).get_config()["learning_rate"] is schedule
+
+    def test_public_names(self) -> None:
+        """The classes are public as ``aioreplica.optimizers.*``."""
+        assert aioreplica.optimizers.SGD is SGD
+        assert aioreplica.optimizers.Adam is Adam
+        assert issubclass(SGD, aioreplica.optimizers.Optimizer)
+        assert issubclass(Adam, aioreplica.optimizers.Optimizer)

@@ -1,0 +1,1463 @@
+"""Distributed variables: creation, reads, writes in every context, all-or-nothing, update."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import numpy as np
+import pytest
+from fake_devices import FakeDevice
+
+import aioreplica
+from aioreplica import (
+    Mirrored,
+    MirroredStrategy,
+    MirroredVariable,
+    PerReplica,
+    ReplicaContext,
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+)
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Sequence
+
+pytestmark = pytest.mark.anyio
+
+T = TypeVar("T")
+Array = np.ndarray[Any, Any]
+
+REPLICAS = [1, 2, 4]
+OPS = ["assign", "assign_add", "assign_sub"]
+WRITES: dict[str, Callable[[Variable, Any], Awaitable[Variable]]] = {
+    "assign": Variable.assign,
+    "assign_add": Variable.assign_add,
+    "assign_sub": Variable.assign_sub,
+}
+
+
+def cpus(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def ctx() -> ReplicaContext:
+    context = aioreplica.get_replica_context()
+    assert context is not None
+    return context
+
+
+def rid() -> int:
+    return ctx().replica_id_in_sync_group
+
+
+def scoped(strategy: MirroredStrategy, initial: Any, **kwargs: Any) -> Variable:
+    """A variable made in ``strategy``'s scope."""
+    with strategy.scope():
+        return Variable(initial, **kwargs)
+
+
+def expected_write(op: str, old: Array, value: Any) -> Array:
+    """What ``op`` makes of a copy holding ``old``, computed with NumPy."""
+    if op == "assign":
+        return np.broadcast_to(np.asarray(value, dtype=old.dtype), old.shape).copy()
+    if op == "assign_add":
+        result: Array = old + value
+        return result.astype(old.dtype)
+    result = old - value
+    return result.astype(old.dtype)
+
+
+def snapshot(v: Variable) -> list[Array]:
+    """Host copies of every copy of ``v``, to compare against later."""
+    return [np.array(copy) for copy in v.values]
+
+
+def assert_copies(v: Variable, expected: Sequence[Any]) -> None:
+    """Every copy of ``v`` equals its expected value exactly (shape and dtype too); read-only."""
+    assert len(v.values) == len(expected)
+    for copy, want in zip(v.values, expected, strict=True):
+        assert isinstance(copy, np.ndarray)
+        assert copy.flags.writeable is False
+        np.testing.assert_array_equal(copy, np.asarray(want, dtype=v.dtype), strict=True)
+
+
+def assert_all(v: Variable, want: Any) -> None:
+    """Every copy of ``v`` equals ``want``."""
+    assert_copies(v, [want] * len(v.values))
+
+
+class DeviceFailure(Exception):
+    """What a GatedDevice raises when told to fail."""
+
+
+@dataclass
+class Gate:
+    """Controls a set of GatedDevices and records the copies they were asked to compute."""
+
+    blocked: anyio.Event
+    calls: list[str] = field(default_factory=list)
+    block: int | None = None
+    fail: int | None = None
+
+
+class GatedDevice(FakeDevice):
+    """A device whose ``run`` is recorded and can block forever or fail, for one index."""
+
+    def __init__(self, index: int, gate: Gate) -> None:
+        super().__init__(f"cpu:{index}", index)
+        self.gate = gate
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        gate = self.gate
+        gate.calls.append(self.name)
+        if gate.block == self.index:
+            gate.blocked.set()
+            await anyio.Event().wait()  # never set: only a cancellation ends this
+        if gate.fail == self.index:
+            raise DeviceFailure(f"{self.name} failed")
+        return await super().run(fn, *args, **kwargs)
+
+
+def gated_strategy(n: int) -> tuple[MirroredStrategy, Gate]:
+    gate = Gate(blocked=anyio.Event())
+    return MirroredStrategy([GatedDevice(i, gate) for i in range(n)]), gate
+
+
+async def distinct_copies(v: Variable, value: Array) -> None:
+    """Give every copy of ``v`` its own array holding ``value``, so each is computed apart.
+
+    Host copies that are the same object are computed once; separate objects make a write
+    go through every device's ``run``.
+    """
+    await v.assign(Mirrored([value.copy() for _ in v.values]))
+    assert len({id(copy) for copy in v.values}) == len(v.values)
+
+
+class TestEnums:
+    def test_members_and_strings_parse(self) -> None:
+        """Members, values and names in any case parse to the member."""
+        for text in ("on_read", "ON_READ", "On_Read", VariableSynchronization.ON_READ):
+            assert VariableSynchronization.parse(text) is VariableSynchronization.ON_READ
+        for text in (
+            "only_first_replica",
+            "ONLY_FIRST_REPLICA",
+            VariableAggregation.ONLY_FIRST_REPLICA,
+        ):
+            assert VariableAggregation.parse(text) is VariableAggregation.ONLY_FIRST_REPLICA
+        assert VariableAggregation.parse("Mean") is VariableAggregation.MEAN
+
+    def test_invalid_names_list_the_valid_ones(self) -> None:
+        """An unknown name raises ValueError listing every member and its string."""
+        with pytest.raises(
+            ValueError,
+            match=r"^invalid synchronization 'sometimes': use one of "
+            r"VariableSynchronization\.AUTO, VariableSynchronization\.ON_WRITE, "
+            r"VariableSynchronization\.ON_READ, VariableSynchronization\.NONE "
+            r"\(or 'auto', 'on_write', 'on_read', 'none'\)$",
+        ):
+            VariableSynchronization.parse("sometimes")
+        with pytest.raises(
+            ValueError,
+            match=r"^invalid aggregation 'avg': use one of VariableAggregation\.NONE, "
+            r"VariableAggregation\.SUM, VariableAggregation\.MEAN, "
+            r"VariableAggregation\.ONLY_FIRST_REPLICA "
+            r"\(or 'none', 'sum', 'mean', 'only_first_replica'\)$",
+        ):
+            VariableAggregation.parse("avg")
+
+
+class TestCreation:
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize(
+        "sync",
+        [
+            VariableSynchronization.AUTO,
+            "auto",
+            VariableSynchronization.ON_WRITE,
+            "ON_WRITE",
+            "On_Write",
+        ],
+    )
+    def test_scope_makes_mirrored_variable(
+        self, n: int, sync: VariableSynchronization | str
+    ) -> None:
+        """AUTO/ON_WRITE in a scope: a MirroredVariable, one equal read-only copy per replica."""
+        strategy = MirroredStrategy(cpus(n))
+        with strategy.scope():
+            v = Variable(np.array([1.0, 2.0]), name="w", synchronization=sync, aggregation="SUM")
+        assert type(v) is MirroredVariable
+        assert len(v.values) == n
+        assert_all(v, [1.0, 2.0])
+        assert v.devices == strategy.devices == tuple(cpus(n))
+        assert v.distribute_strategy is strategy
+        assert v.synchronization is VariableSynchronization.parse(sync)
+        assert v.aggregation is VariableAggregation.SUM
+        assert (v.name, v.shape, v.dtype, v.trainable) == ("w", (2,), np.dtype(np.float64), True)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("sync", [VariableSynchronization.ON_READ, "on_read", "ON_READ"])
+    def test_scope_makes_sync_on_read_variable(
+        self, n: int, sync: VariableSynchronization | str
+    ) -> None:
+        """ON_READ in a scope: a SyncOnReadVariable, one equal read-only copy per replica."""
+        strategy = MirroredStrategy(cpus(n))
+        with strategy.scope():
+            v = Variable(
+                np.arange(3),
+                name="count",
+                synchronization=sync,
+                aggregation=VariableAggregation.SUM,
+            )
+        assert type(v) is SyncOnReadVariable
+        assert_all(v, np.arange(3))
+        assert v.devices == tuple(cpus(n))
+        assert v.distribute_strategy is strategy
+        assert v.synchronization is VariableSynchronization.ON_READ
+        assert v.aggregation is VariableAggregation.SUM
+
+    def test_outside_scope_makes_plain_variable(self) -> None:
+        """Outside any scope the result is exactly a Variable with one read-only copy."""
+        v = Variable([1.0, 2.0], name="b", trainable=False)
+        assert type(v) is Variable
+        assert_copies(v, [[1.0, 2.0]])
+        assert v.devices == ("cpu:0",)
+        assert v.distribute_strategy is None
+        assert v.trainable is False
+        assert v.synchronization is VariableSynchronization.AUTO
+        assert v.aggregation is VariableAggregation.NONE
+
+    def test_synchronization_none_outside_scope(self) -> None:
+        """synchronization='none' is allowed for an ordinary variable."""
+        v = Variable(1.0, synchronization="none")
+        assert type(v) is Variable
+        assert v.synchronization is VariableSynchronization.NONE
+
+    @pytest.mark.parametrize("sync", ["none", "NONE", VariableSynchronization.NONE])
+    def test_synchronization_none_in_scope_refused(
+        self, sync: VariableSynchronization | str
+    ) -> None:
+        """synchronization NONE in a scope raises ValueError naming the allowed ones."""
+        strategy = MirroredStrategy(cpus(2))
+        with (
+            strategy.scope(),
+            pytest.raises(
+                ValueError,
+                match=r"^variable 'w': synchronization NONE is not allowed in "
+                r"MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\)'s scope, .* use "
+                r"synchronization='on_write' \(a MirroredVariable, the default\) or 'on_read' "
+                r"\(a SyncOnReadVariable\)$",
+            ),
+        ):
+            Variable(1.0, name="w", synchronization=sync)
+
+    @pytest.mark.parametrize("agg", ["none", VariableAggregation.NONE])
+    def test_on_read_needs_aggregation(self, agg: VariableAggregation | str) -> None:
+        """ON_READ with aggregation NONE in a scope raises ValueError."""
+        strategy = MirroredStrategy(cpus(2))
+        with (
+            strategy.scope(),
+            pytest.raises(
+                ValueError,
+                match=r"^variable 's': synchronization ON_READ needs an aggregation to combine its "
+                r"copies when read across replicas; pass aggregation='sum', 'mean' or "
+                r"'only_first_replica'$",
+            ),
+        ):
+            Variable(1.0, name="s", synchronization="on_read", aggregation=agg)
+
+    @pytest.mark.parametrize("in_scope", [False, True])
+    def test_invalid_synchronization_or_aggregation(self, in_scope: bool) -> None:
+        """Invalid synchronization or aggregation strings raise ValueError in and out of scope."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope() if in_scope else contextlib.nullcontext():
+            with pytest.raises(
+                ValueError, match=r"^invalid synchronization 'mirrored': use one of"
+            ):
+                Variable(1.0, synchronization="mirrored")
+            with pytest.raises(ValueError, match=r"^invalid aggregation 'max': use one of"):
+                Variable(1.0, aggregation="max")
+
+    def test_callable_initial_value_called_once(self) -> None:
+        """A callable initial value is called exactly once, even with 4 replicas."""
+        calls: list[str] = []
+
+        def initial() -> Array:
+            calls.append("called")
+            return np.array([3.0, 4.0])
+
+        strategy = MirroredStrategy(cpus(4))
+        with strategy.scope():
+            v = Variable(initial, synchronization="on_write")
+            s = Variable(initial, synchronization="on_read", aggregation="mean")
+        plain = Variable(initial)
+        assert calls == ["called", "called", "called"]
+        assert_all(v, [3.0, 4.0])
+        assert_all(s, [3.0, 4.0])
+        assert_copies(plain, [[3.0, 4.0]])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    def test_dtype_casts(self, n: int) -> None:
+        """dtype= casts the initial value; without it, the initial value's dtype is kept."""
+        strategy = MirroredStrategy(cpus(n))
+        with strategy.scope():
+            v = Variable([1, 2], dtype=np.float32)
+            i = Variable(7)
+            f = Variable(0.5)
+        assert v.dtype == np.dtype(np.float32)
+        assert_all(v, np.array([1.0, 2.0], dtype=np.float32))
+        assert (i.dtype, i.shape) == (np.array(7).dtype, ())
+        assert (f.dtype, f.shape) == (np.dtype(np.float64), ())
+        assert Variable([True, False], dtype=np.int8).dtype == np.dtype(np.int8)
+
+    @pytest.mark.parametrize("in_scope", [False, True])
+    async def test_created_inside_replica_refused(self, in_scope: bool) -> None:
+        """Creating a variable inside a replica raises RuntimeError, also under scope()."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            with strategy.scope() if in_scope else contextlib.nullcontext():
+                Variable(1.0, name="w")
+
+        with pytest.raises(
+            RuntimeError,
+            match=r"^variable 'w' was created inside replica [01] of "
+            r"MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\); create variables once, in "
+            r"`with strategy\.scope\(\):` outside run\(\)\n",
+        ):
+            await strategy.run(step)
+
+    @pytest.mark.parametrize("sync", ["on_write", "on_read"])
+    def test_mean_with_integer_dtype_refused(self, sync: str) -> None:
+        """aggregation MEAN with an integer dtype raises TypeError, in a scope and outside."""
+        strategy = MirroredStrategy(cpus(2))
+        message = (
+            r"^variable 'n' of dtype int32 cannot have aggregation MEAN, whose result is "
+            r"fractional; use a floating dtype, or aggregation 'sum'$"
+        )
+        with strategy.scope(), pytest.raises(TypeError, match=message):
+            Variable(3, name="n", dtype=np.int32, synchronization=sync, aggregation="mean")
+        with pytest.raises(TypeError, match=message):
+            Variable(3, name="n", dtype=np.int32, aggregation="mean")
+
+    def test_sum_with_bool_refused(self) -> None:
+        """aggregation SUM with a bool dtype raises TypeError."""
+        with pytest.raises(
+            TypeError, match=r"^variable 'flag' of dtype bool cannot have aggregation SUM"
+        ):
+            Variable(True, name="flag", aggregation="sum")
+
+    @pytest.mark.parametrize(
+        ("initial", "message"),
+        [
+            (
+                "abc",
+                r"^variable 'w': the initial value has dtype <U3; variables hold numeric or bool "
+                r"arrays$",
+            ),
+            (None, r"^variable 'w': the initial value has dtype object; variables hold numeric"),
+            (
+                {"a": 1},
+                r"^variable 'w': the initial value has dtype object; variables hold numeric",
+            ),
+            (
+                [1, [2, 3]],
+                r"^variable 'w': cannot make an array of the initial value list \[1, \[2, 3\]\]: ",
+            ),
+        ],
+    )
+    def test_non_numeric_initial_value_refused(self, initial: Any, message: str) -> None:
+        """A non-numeric or ragged initial value raises TypeError, in a scope and outside."""
+        with pytest.raises(TypeError, match=message):
+            Variable(initial, name="w")
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope(), pytest.raises(TypeError, match=message):
+            Variable(initial, name="w")
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    def test_initial_array_is_copied(self, n: int) -> None:
+        """Changing the caller's array afterwards changes no copy; the caller's stays writeable."""
+        initial = np.array([1.0, 2.0, 3.0])
+        strategy = MirroredStrategy(cpus(n))
+        with strategy.scope():
+            v = Variable(initial)
+        plain = Variable(initial)
+        initial[0] = 99.0
+        assert initial.flags.writeable is True
+        assert_all(v, [1.0, 2.0, 3.0])
+        assert_copies(plain, [[1.0, 2.0, 3.0]])
+
+    def test_initial_value_from_variable(self) -> None:
+        """A variable as initial value gives a new variable with its value."""
+        strategy = MirroredStrategy(cpus(2))
+        source = Variable([5.0, 6.0])
+        with strategy.scope():
+            v = Variable(source)
+        assert_all(v, [5.0, 6.0])
+        assert all(copy is not source.values[0] for copy in v.values)
+
+    @pytest.mark.parametrize("cls", [MirroredVariable, SyncOnReadVariable])
+    def test_subclass_outside_scope_refused(self, cls: type[Variable]) -> None:
+        """Calling MirroredVariable/SyncOnReadVariable outside a scope raises ValueError."""
+        with pytest.raises(
+            ValueError,
+            match=rf"^{cls.__name__} 'w' must be created inside `with strategy\.scope\(\):`; "
+            r"outside a scope, use aioreplica\.Variable for an ordinary variable$",
+        ):
+            cls(1.0, name="w", synchronization="on_read", aggregation="sum")
+
+    def test_subclass_in_scope(self) -> None:
+        """The subclasses can be called directly in a scope with a matching synchronization."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            m = MirroredVariable(1.0)
+            s = SyncOnReadVariable(1.0, synchronization="on_read", aggregation="sum")
+            with pytest.raises(
+                ValueError,
+                match=r"^SyncOnReadVariable 'x' cannot have synchronization AUTO; use "
+                r"aioreplica\.Variable, which makes a MirroredVariable for it$",
+            ):
+                SyncOnReadVariable(1.0, name="x", aggregation="sum")
+            with pytest.raises(
+                ValueError,
+                match=r"^MirroredVariable 'y' cannot have synchronization ON_READ; use "
+                r"aioreplica\.Variable, which makes a SyncOnReadVariable for it$",
+            ):
+                MirroredVariable(1.0, name="y", synchronization="on_read", aggregation="sum")
+        assert (type(m), type(s)) == (MirroredVariable, SyncOnReadVariable)
+        assert_all(m, 1.0)
+        assert_all(s, 1.0)
+
+    def test_name(self) -> None:
+        """The name defaults to 'Variable'; a name that is not a str raises TypeError."""
+        assert Variable(1.0).name == "Variable"
+        with pytest.raises(TypeError, match=r"^name must be a str or None, got int$"):
+            Variable(1.0, name=3)  # type: ignore[arg-type]
+
+    def test_repr(self) -> None:
+        """The repr shows class, name, shape, dtype, devices and the cross-replica value."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            v = Variable(np.zeros(2), name="w")
+        assert repr(v) == (
+            "<aioreplica.MirroredVariable 'w' shape=(2,) dtype=float64 "
+            "devices=['cpu:0', 'cpu:1'] value=array([0., 0.])>"
+        )
+        assert (
+            repr(Variable(1.5, name="p"))
+            == "<aioreplica.Variable 'p' shape=() dtype=float64 value=array(1.5)>"
+        )
+
+
+class TestReads:
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_replica_reads_own_copy(self, n: int) -> None:
+        """In replica context value(), numpy(), np.asarray and facts read the replica's copy."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), name="s", synchronization="on_read", aggregation="sum")
+        seen: list[tuple[Any, ...]] = []
+
+        async def step() -> None:
+            me = rid()
+            await v.assign([me + 1.0, 10.0 * me])
+            numpy = v.numpy()
+            seen.append(
+                (
+                    me,
+                    v.value().tolist(),
+                    v.read_value().tolist(),
+                    numpy.tolist(),
+                    numpy.flags.writeable,
+                    np.asarray(v).tolist(),
+                    v.value() is v.values[me],
+                    (v.name, v.shape, v.dtype, v.ndim, v.size),
+                )
+            )
+
+        await strategy.run(step)
+        facts = ("s", (2,), np.dtype(np.float64), 1, 2)
+        assert sorted(seen) == [
+            (
+                i,
+                [i + 1.0, 10.0 * i],
+                [i + 1.0, 10.0 * i],
+                [i + 1.0, 10.0 * i],
+                True,
+                [i + 1.0, 10.0 * i],
+                True,
+                facts,
+            )
+            for i in range(n)
+        ]
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_mirrored_cross_replica_reads_copy_0(self, n: int) -> None:
+        """In cross-replica context a MirroredVariable reads its primary copy, in scope and out."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), name="w")
+        await v.assign(Mirrored([np.array([float(i), 1.0]) for i in range(n)]))
+        for in_scope in (False, True):
+            with strategy.scope() if in_scope else contextlib.nullcontext():
+                assert v.value() is v.values[0]
+                np.testing.assert_array_equal(v.numpy(), [0.0, 1.0], strict=True)
+                np.testing.assert_array_equal(np.asarray(v), [0.0, 1.0], strict=True)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize(
+        ("agg", "reduce"),
+        [
+            ("sum", lambda xs: np.sum(xs, axis=0)),
+            ("mean", lambda xs: np.mean(xs, axis=0)),
+            ("only_first_replica", lambda xs: xs[0]),
+        ],
+    )
+    async def test_sync_on_read_cross_replica_reads_aggregate(
+        self, n: int, agg: str, reduce: Callable[[list[Array]], Array]
+    ) -> None:
+        """In cross-replica context a SyncOnReadVariable reads the aggregate of its copies."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(3), name="s", synchronization="on_read", aggregation=agg)
+        parts = [np.array([1.0, 2.0, 4.0]) * (i + 1) for i in range(n)]
+
+        async def step(x: Array) -> None:
+            await v.assign(x)
+
+        await strategy.run(step, (PerReplica(parts),))
+        assert_copies(v, parts)
+        want = reduce(parts)
+        for in_scope in (False, True):
+            with strategy.scope() if in_scope else contextlib.nullcontext():
+                value = v.value()
+                np.testing.assert_array_equal(value, want, strict=True)
+                assert value.flags.writeable is False
+                np.testing.assert_array_equal(v.numpy(), want, strict=True)
+                np.testing.assert_array_equal(np.asarray(v), want, strict=True)
+                np.testing.assert_array_equal(v + 0, want, strict=True)
+        assert_copies(v, parts)
+
+    async def test_sync_on_read_int_sum_is_exact(self) -> None:
+        """An int SUM variable's cross-replica read is the integer sum, in its dtype."""
+        strategy = MirroredStrategy(cpus(4))
+        v = scoped(
+            strategy, 0, name="seen", dtype=np.int32, synchronization="on_read", aggregation="sum"
+        )
+
+        async def step(x: int) -> None:
+            await v.assign_add(x)
+
+        await strategy.run(step, (PerReplica([3, 4, 5, -2]),))
+        np.testing.assert_array_equal(v.value(), np.array(10, dtype=np.int32), strict=True)
+        assert int(v) == 10
+
+    def test_value_is_read_only(self) -> None:
+        """value() is read-only on the host; numpy() is a writeable copy that changes nothing."""
+        strategy = MirroredStrategy(cpus(2))
+        v = scoped(strategy, np.zeros(2))
+        with pytest.raises(ValueError, match="read-only"):
+            v.value()[0] = 1.0
+        copy = v.numpy()
+        assert copy.flags.writeable is True
+        assert not np.shares_memory(copy, v.values[0])
+        copy[0] = 5.0
+        assert_all(v, [0.0, 0.0])
+
+    async def test_replica_of_other_strategy_refused(self) -> None:
+        """Reading a variable inside a replica of another strategy raises RuntimeError."""
+        owner = MirroredStrategy(cpus(2))
+        other = MirroredStrategy(cpus(1))
+        v = scoped(owner, 1.0, name="w")
+
+        async def step() -> None:
+            np.asarray(v)
+
+        with pytest.raises(
+            RuntimeError,
+            match=r"^variable 'w' was created in the scope of "
+            r"MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\), but replica 0 of "
+            r"MirroredStrategy\(devices=\['cpu:0'\]\) tried to read it; use each variable only "
+            r"with the strategy that created it\n",
+        ):
+            await other.run(step)
+
+    async def test_plain_variable_reads_in_any_replica(self) -> None:
+        """An ordinary variable reads its one copy inside any strategy's replicas."""
+        strategy = MirroredStrategy(cpus(2))
+        v = Variable([1.0, 2.0])
+        seen: list[tuple[int, list[float]]] = []
+
+        async def step() -> None:
+            seen.append((rid(), (v * 2).tolist()))
+
+        await strategy.run(step)
+        assert sorted(seen) == [(0, [2.0, 4.0]), (1, [2.0, 4.0])]
+
+
+class TestOperators:
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_replica_context_uses_own_copy(self, n: int) -> None:
+        """Operators, indexing, len() and float() use the replica's own copy."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
+        t = scoped(strategy, 0.0, synchronization="on_read", aggregation="sum")
+        x = np.array([1.0, 10.0])
+        seen: list[tuple[Any, ...]] = []
+
+        async def step() -> None:
+            me = rid()
+            await v.assign([me + 1.0, me + 2.0])
+            await t.assign(me + 0.5)
+            seen.append(
+                (
+                    me,
+                    (v + 1).tolist(),
+                    float(x @ v),
+                    (-v).tolist(),
+                    (v * v).tolist(),
+                    float(v[0]),
+                    len(v),
+                    float(t),
+                    (v == v).tolist(),
+                )
+            )
+
+        await strategy.run(step)
+        assert sorted(seen) == [
+            (
+                i,
+                [i + 2.0, i + 3.0],
+                (i + 1.0) + 10.0 * (i + 2.0),
+                [-(i + 1.0), -(i + 2.0)],
+                [(i + 1.0) ** 2, (i + 2.0) ** 2],
+                i + 1.0,
+                2,
+                i + 0.5,
+                [True, True],
+            )
+            for i in range(n)
+        ]
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_cross_replica_uses_aggregate(self, n: int) -> None:
+        """In cross-replica context operators use the SyncOnRead aggregate."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
+        t = scoped(strategy, 0.0, synchronization="on_read", aggregation="sum")
+
+        async def step() -> None:
+            await v.assign([1.0, 2.0])
+            await t.assign(0.5)
+
+        await strategy.run(step)
+        with strategy.scope():
+            np.testing.assert_array_equal(v + 1, [n + 1.0, 2.0 * n + 1], strict=True)
+            np.testing.assert_array_equal(np.array([1.0, 10.0]) @ v, np.float64(21.0 * n))
+            np.testing.assert_array_equal(-v, [-1.0 * n, -2.0 * n], strict=True)
+            np.testing.assert_array_equal(v * v, [n * n * 1.0, n * n * 4.0], strict=True)
+            assert float(v[1]) == 2.0 * n
+            assert float(t) == 0.5 * n
+
+    def test_eq_is_elementwise_and_unhashable(self) -> None:
+        """== is elementwise, and hash() raises TypeError, for plain and mirrored variables."""
+        strategy = MirroredStrategy(cpus(2))
+        for v in (Variable([1, 5]), scoped(strategy, [1, 5])):
+            np.testing.assert_array_equal(v == v, [True, True], strict=True)
+            np.testing.assert_array_equal(v == np.array([1, 6]), [True, False], strict=True)
+            with pytest.raises(TypeError, match="unhashable type"):
+                hash(v)
+
+    def test_len_and_scalar_conversions(self) -> None:
+        """len() of a vector is its length; of a 0-d variable TypeError; float/int/bool of 0-d."""
+        assert len(Variable(np.zeros((3, 2)))) == 3
+        with pytest.raises(TypeError, match=r"^len\(\) of the 0-d variable 'z'$"):
+            len(Variable(1.0, name="z"))
+        assert (float(Variable(2.5)), int(Variable(7)), bool(Variable(0))) == (2.5, 7, False)
+
+    @pytest.mark.parametrize("n", [1, 2])
+    def test_ufunc_out_refused(self, n: int) -> None:
+        """A ufunc with out=variable, or an in-place operator, raises TypeError; nothing changes."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        with pytest.raises(
+            TypeError,
+            match=r"^a variable cannot be the out= of add; variables change only through "
+            r"`await v\.assign\(\.\.\.\)`, `assign_add` or `assign_sub`$",
+        ):
+            np.add(v, 1.0, out=v)  # type: ignore[call-overload]
+        with pytest.raises(TypeError, match=r"^a variable cannot be the out= of multiply"):
+            v *= 2.0
+        assert_all(v, [1.0, 2.0])
+
+
+class TestMirroredWrites:
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    @pytest.mark.parametrize(
+        ("agg", "reduce"),
+        [
+            ("sum", lambda xs: np.sum(xs, axis=0)),
+            ("mean", lambda xs: np.mean(xs, axis=0)),
+            ("only_first_replica", lambda xs: xs[0]),
+            (VariableAggregation.SUM, lambda xs: np.sum(xs, axis=0)),
+        ],
+    )
+    async def test_replica_write_aggregates(
+        self, n: int, op: str, agg: str, reduce: Callable[[list[Array]], Array]
+    ) -> None:
+        """Per-replica values are aggregated and written to every copy, in one merge round."""
+        strategy = MirroredStrategy(cpus(n))
+        initial = np.array([10.0, 20.0, 30.0])
+        v = scoped(strategy, initial, name="w", aggregation=agg)
+        parts = [np.array([1.0, 2.0, 4.0]) * (i + 1) for i in range(n)]
+        rounds = strategy.statistics().merge_rounds_completed
+
+        async def step(x: Array) -> Variable:
+            return await WRITES[op](v, x)
+
+        result = await strategy.run(step, (PerReplica(parts),))
+        assert result is v
+        assert strategy.statistics().merge_rounds_completed == rounds + 1
+        assert_all(v, expected_write(op, initial, reduce(parts)))
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    @pytest.mark.parametrize("agg", ["sum", "only_first_replica"])
+    async def test_replica_write_int_variable(self, n: int, op: str, agg: str) -> None:
+        """Integer variables aggregate integer writes exactly and keep their dtype."""
+        strategy = MirroredStrategy(cpus(n))
+        initial = np.array([100, -100], dtype=np.int32)
+        v = scoped(strategy, initial, name="n", aggregation=agg)
+        parts = [np.array([i + 1, 3 * i - 5]) for i in range(n)]
+        reduced = np.sum(parts, axis=0) if agg == "sum" else parts[0]
+
+        async def step(x: Array) -> None:
+            await WRITES[op](v, x)
+
+        await strategy.run(step, (PerReplica(parts),))
+        assert_all(v, expected_write(op, initial, reduced).astype(np.int32))
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("agg", ["sum", "mean", "only_first_replica"])
+    async def test_replica_write_broadcasts_scalar(self, n: int, agg: str) -> None:
+        """A scalar written from replica context is broadcast to the variable's shape."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros((2, 2)), aggregation=agg)
+
+        async def step() -> None:
+            await v.assign_add(float(rid() + 1))
+
+        await strategy.run(step)
+        want = {"sum": n * (n + 1) / 2, "mean": (n + 1) / 2, "only_first_replica": 1.0}[agg]
+        assert_all(v, np.full((2, 2), want))
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_replica_write_without_aggregation_refused(self, n: int, op: str) -> None:
+        """Aggregation NONE in replica context raises ValueError saying to choose one; no change."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        old = snapshot(v)
+
+        async def step() -> None:
+            await WRITES[op](v, 1.0)
+
+        with pytest.raises(
+            ValueError,
+            match=rf"^{op}\(\) on MirroredVariable 'w' in replica context needs an aggregation "
+            r"to combine the replicas' values, but its aggregation is NONE; create it with "
+            r"aggregation='sum', 'mean' or 'only_first_replica', or write it in cross-replica "
+            r"context \(outside run\(\)\)\n",
+        ):
+            await strategy.run(step)
+        assert_copies(v, old)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    @pytest.mark.parametrize("in_scope", [False, True])
+    @pytest.mark.parametrize("agg", ["none", "sum"])
+    async def test_cross_replica_write_every_copy(
+        self, n: int, op: str, in_scope: bool, agg: str
+    ) -> None:
+        """In cross-replica context a write applies the value to every copy and returns v."""
+        strategy = MirroredStrategy(cpus(n))
+        initial = np.array([1.0, 2.0, 3.0])
+        v = scoped(strategy, initial, aggregation=agg)
+        with strategy.scope() if in_scope else contextlib.nullcontext():
+            result = await WRITES[op](v, [0.5, 1.0, -4.0])
+        assert result is v
+        assert_all(v, expected_write(op, initial, np.array([0.5, 1.0, -4.0])))
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_cross_replica_broadcasts_scalar(self, n: int) -> None:
+        """A scalar written in cross-replica context is broadcast to every copy's shape."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.ones((2, 3)))
+        await v.assign_sub(2)
+        assert_all(v, np.full((2, 3), -1.0))
+
+    async def test_write_inside_merge_fn(self) -> None:
+        """A write inside merge_fn is cross-replica: applied once, to every copy."""
+        strategy = MirroredStrategy(cpus(3))
+        v = scoped(strategy, np.zeros(2))
+
+        async def merge(strategy: MirroredStrategy) -> None:
+            await v.assign_add(1.0)
+
+        async def step() -> None:
+            await ctx().merge_call(merge)
+
+        await strategy.run(step)
+        assert_all(v, [1.0, 1.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_cross_replica_mirrored_value_per_copy(self, n: int, op: str) -> None:
+        """A Mirrored value writes its component i into copy i."""
+        strategy = MirroredStrategy(cpus(n))
+        initial = np.array([1.0, 2.0])
+        v = scoped(strategy, initial)
+        parts = [np.array([float(i), -float(i)]) for i in range(n)]
+        await WRITES[op](v, Mirrored(parts))
+        assert_copies(v, [expected_write(op, initial, part) for part in parts])
+
+    async def test_cross_replica_mirrored_value_wrong_count(self) -> None:
+        """A Mirrored value with a different number of components raises ValueError."""
+        strategy = MirroredStrategy(cpus(2))
+        v = scoped(strategy, np.zeros(2), name="w")
+        with pytest.raises(
+            ValueError,
+            match=r"^variable 'w' has 2 copies but the Mirrored value written to it has 3$",
+        ):
+            await v.assign(Mirrored([1.0, 2.0, 3.0]))
+        assert_all(v, [0.0, 0.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_cross_replica_per_replica_refused(self, n: int, op: str) -> None:
+        """A PerReplica value in cross-replica context raises TypeError; nothing changes."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), name="w", aggregation="sum")
+        with pytest.raises(
+            TypeError,
+            match=r"^variable 'w' was written in cross-replica context with a PerReplica value, "
+            r"which holds a different value per replica; reduce it first \(strategy\.reduce\) "
+            r"or write it from replica context, inside run\(\)$",
+        ):
+            await WRITES[op](v, PerReplica([np.ones(2)] * n))
+        assert_all(v, [0.0, 0.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_cross_replica_wrong_shape_refused(self, n: int, op: str) -> None:
+        """A value that does not broadcast raises ValueError naming the variable; no change."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(3), name="w")
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write a value of shape \(2,\) to variable 'w' of shape \(3,\); it must "
+            r"broadcast to \(3,\)$",
+        ):
+            await WRITES[op](v, [1.0, 2.0])
+        with pytest.raises(
+            ValueError, match=r"^cannot write a value of shape \(2, 3\) to variable 'w'"
+        ):
+            await WRITES[op](v, np.ones((2, 3)))
+        assert_all(v, [0.0, 0.0, 0.0])
+
+    @pytest.mark.parametrize("n", [2, 4])
+    @pytest.mark.parametrize("op", OPS)
+    async def test_replica_wrong_shape_names_replica(self, n: int, op: str) -> None:
+        """A replica passing a bad shape raises ValueError naming it and the variable; no change."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(3), name="w", aggregation="sum")
+        old = snapshot(v)
+        parts = [np.ones(3)] * n
+        parts[1] = np.ones(4)
+
+        async def step(x: Array) -> None:
+            await WRITES[op](v, x)
+
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write a value of shape \(4,\) to variable 'w' of shape \(3,\) from "
+            r"replica 1; it must broadcast to \(3,\)\n",
+        ):
+            await strategy.run(step, (PerReplica(parts),))
+        assert_copies(v, old)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_uncastable_dtype_refused(self, n: int, op: str) -> None:
+        """A float written to an int variable raises TypeError in both contexts; no change."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1, 2]), name="n", aggregation="sum")
+        old = snapshot(v)
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot write a value of dtype float64 to variable 'n' of dtype int64; cast it "
+            r"first \(e\.g\. value\.astype\(int64\)\)$",
+        ):
+            await WRITES[op](v, [1.5, 2.0])
+
+        async def step() -> None:
+            await WRITES[op](v, 1.5)
+
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot write a value of dtype float64 to variable 'n' of dtype int64 from "
+            r"replica \d; cast it first \(e\.g\. value\.astype\(int64\)\)\n",
+        ):
+            await strategy.run(step)
+        with pytest.raises(TypeError, match=r"^cannot write a value of dtype <U1 to variable 'n'"):
+            await WRITES[op](v, "a")
+        assert_copies(v, old)
+
+    async def test_replica_of_other_strategy_refused(self) -> None:
+        """Writing inside a replica of another strategy raises RuntimeError; nothing changes."""
+        owner = MirroredStrategy(cpus(2))
+        other = MirroredStrategy(cpus(1))
+        v = scoped(owner, 1.0, name="w", aggregation="sum")
+
+        async def step() -> None:
+            await v.assign_add(1.0)
+
+        with pytest.raises(
+            RuntimeError,
+            match=r"^variable 'w' was created in the scope of MirroredStrategy\(devices=\['cpu:0', "
+            r"'cpu:1'\]\), but replica 0 of MirroredStrategy\(devices=\['cpu:0'\]\) tried to "
+            r"assign_add it; use each variable only with the strategy that created it\n",
+        ):
+            await other.run(step)
+        assert_all(v, 1.0)
+
+    @pytest.mark.parametrize("agg", ["sum", "mean", "only_first_replica"])
+    async def test_replica_write_on_devices_with_custom_names(self, agg: str) -> None:
+        """A replica-context write works on third-party devices whose names are not cpu:N."""
+        strategy = MirroredStrategy([FakeDevice(f"fake:{i}", i) for i in range(2)])
+        v = scoped(strategy, np.zeros(2), name="w", aggregation=agg)
+        await v.assign([1.0, 1.0])  # cross-replica writes work on these devices
+
+        async def step(x: float) -> None:
+            await v.assign_add(x)
+
+        await strategy.run(step, (PerReplica([1.0, 3.0]),))
+        want = {"sum": 5.0, "mean": 3.0, "only_first_replica": 2.0}[agg]
+        assert_all(v, [want, want])
+
+
+class TestSyncOnReadWrites:
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    @pytest.mark.parametrize("agg", ["sum", "mean", "only_first_replica"])
+    async def test_replica_write_changes_local_copy(self, n: int, op: str, agg: str) -> None:
+        """In replica context each replica writes its own copy only, and gets v back."""
+        strategy = MirroredStrategy(cpus(n))
+        initial = np.array([1.0, 2.0])
+        v = scoped(strategy, initial, synchronization="on_read", aggregation=agg)
+        rounds = strategy.statistics().merge_rounds_completed
+
+        async def step() -> Variable:
+            return await WRITES[op](v, [10.0 * (rid() + 1), 1.0])
+
+        assert await strategy.run(step) is v
+        assert strategy.statistics().merge_rounds_completed == rounds
+        assert_copies(
+            v, [expected_write(op, initial, np.array([10.0 * (i + 1), 1.0])) for i in range(n)]
+        )
+
+    @pytest.mark.parametrize("op", OPS)
+    async def test_one_replica_writing_leaves_others(self, op: str) -> None:
+        """A write by replica 2 alone changes copy 2 and no other."""
+        strategy = MirroredStrategy(cpus(4))
+        v = scoped(strategy, np.array([1, 2]), synchronization="on_read", aggregation="sum")
+
+        async def step() -> None:
+            if rid() == 2:
+                await WRITES[op](v, 5)
+
+        await strategy.run(step)
+        mine = expected_write(op, np.array([1, 2]), 5)
+        assert_copies(v, [[1, 2], [1, 2], mine, [1, 2]])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("in_scope", [False, True])
+    async def test_cross_replica_assign_sum_splits_float(self, n: int, in_scope: bool) -> None:
+        """assign() with SUM stores value / n in each float copy, so the aggregate is the value."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(3), synchronization="on_read", aggregation="sum")
+        x = np.array([8.0, -4.0, 2.0])
+        with strategy.scope() if in_scope else contextlib.nullcontext():
+            assert await v.assign(x) is v
+            np.testing.assert_array_equal(v.value(), x, strict=True)
+        assert_all(v, x / n)
+
+    @pytest.mark.parametrize("n", [*REPLICAS, 3])
+    async def test_cross_replica_assign_sum_splits_int(self, n: int) -> None:
+        """An int SUM variable gets the quotient in each copy and the remainder on copy 0."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(
+            strategy, np.zeros(5, dtype=np.int64), synchronization="on_read", aggregation="sum"
+        )
+        x = np.array([7, -7, 8, 0, 1])
+        await v.assign(x)
+        quotient, remainder = np.divmod(x, n)
+        assert_copies(v, [quotient + remainder] + [quotient] * (n - 1))
+        np.testing.assert_array_equal(np.sum(v.values, axis=0), x, strict=True)
+        np.testing.assert_array_equal(v.value(), x, strict=True)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("agg", ["mean", "only_first_replica"])
+    async def test_cross_replica_assign_mean_first_each_copy(self, n: int, agg: str) -> None:
+        """assign() with MEAN or ONLY_FIRST_REPLICA writes the value into every copy."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation=agg)
+        await v.assign([3.0, 5.0])
+        assert_all(v, [3.0, 5.0])
+        np.testing.assert_array_equal(v.value(), [3.0, 5.0], strict=True)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", ["assign_add", "assign_sub"])
+    async def test_cross_replica_add_sub_with_sum_refused(self, n: int, op: str) -> None:
+        """assign_add/assign_sub with SUM in cross-replica context raise ValueError; no change."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), name="s", synchronization="on_read", aggregation="sum")
+        with pytest.raises(
+            ValueError,
+            match=rf"^{op}\(\) on SyncOnReadVariable 's' in cross-replica context is not supported "
+            r"with aggregation SUM \(it would change the sum by num_replicas times the value\); "
+            r"call it in replica context, or assign\(\) the new total$",
+        ):
+            await WRITES[op](v, 1.0)
+        assert_all(v, [0.0, 0.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", ["assign_add", "assign_sub"])
+    @pytest.mark.parametrize("agg", ["mean", "only_first_replica"])
+    async def test_cross_replica_add_sub_every_copy(self, n: int, op: str, agg: str) -> None:
+        """assign_add/assign_sub with MEAN or ONLY_FIRST_REPLICA apply to every copy."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation=agg)
+
+        async def step() -> None:
+            await v.assign([float(rid()), 1.0])
+
+        await strategy.run(step)
+        assert await WRITES[op](v, [2.0, 0.5]) is v
+        assert_copies(
+            v,
+            [expected_write(op, np.array([float(i), 1.0]), np.array([2.0, 0.5])) for i in range(n)],
+        )
+
+    async def test_cross_replica_per_replica_refused(self) -> None:
+        """A PerReplica value in cross-replica context raises TypeError; nothing changes."""
+        strategy = MirroredStrategy(cpus(2))
+        v = scoped(strategy, 0.0, name="s", synchronization="on_read", aggregation="mean")
+        with pytest.raises(
+            TypeError, match=r"^variable 's' was written in cross-replica context with a PerReplica"
+        ):
+            await v.assign(PerReplica([1.0, 2.0]))
+        assert_all(v, 0.0)
+
+    @pytest.mark.parametrize("op", OPS)
+    async def test_replica_bad_value_refused(self, op: str) -> None:
+        """A bad shape or dtype from a replica raises an error naming it; no copy changes."""
+        strategy = MirroredStrategy(cpus(2))
+        v = scoped(
+            strategy,
+            np.zeros(2, dtype=np.int64),
+            name="s",
+            synchronization="on_read",
+            aggregation="sum",
+        )
+
+        async def step(x: Any) -> None:
+            if x is not None:  # the other replicas write nothing
+                await WRITES[op](v, x)
+
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write a value of shape \(3,\) to variable 's' of shape \(2,\) from "
+            r"replica 0; it must broadcast to \(2,\)\n",
+        ):
+            await strategy.run(step, (PerReplica([[1, 2, 3], None]),))
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot write a value of dtype float64 to variable 's' of dtype int64 from "
+            r"replica 1; cast it first \(e\.g\. value\.astype\(int64\)\)\n",
+        ):
+            await strategy.run(step, (PerReplica([None, 0.5]),))
+        assert_copies(v, [[0, 0], [0, 0]])
+
+    async def test_replica_of_other_strategy_refused(self) -> None:
+        """Writing inside a replica of another strategy raises RuntimeError."""
+        owner = MirroredStrategy(cpus(2))
+        other = MirroredStrategy(cpus(1))
+        v = scoped(owner, 1.0, name="s", synchronization="on_read", aggregation="sum")
+
+        async def step() -> None:
+            await v.assign(2.0)
+
+        with pytest.raises(
+            RuntimeError, match=r"^variable 's' was created in the scope of .* tried to assign it;"
+        ):
+            await other.run(step)
+        assert_all(v, 1.0)
+
+
+class TestPlainVariable:
+    @pytest.mark.parametrize("op", OPS)
+    async def test_write_in_default_context(self, op: str) -> None:
+        """assign/assign_add/assign_sub work in the default context and return the variable."""
+        v = Variable(np.array([1.0, 2.0]))
+        assert await WRITES[op](v, [3.0, 5.0]) is v
+        assert_copies(v, [expected_write(op, np.array([1.0, 2.0]), np.array([3.0, 5.0]))])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("op", ["assign_add", "assign_sub"])
+    async def test_write_inside_replicas(self, n: int, op: str) -> None:
+        """Inside a strategy's replicas every replica's write applies to the one copy."""
+        strategy = MirroredStrategy(cpus(n))
+        v = Variable(100)
+
+        async def step() -> None:
+            await WRITES[op](v, rid() + 1)
+
+        await strategy.run(step)
+        total = n * (n + 1) // 2
+        assert_copies(v, [100 + total if op == "assign_add" else 100 - total])
+
+    async def test_assign_inside_replica(self) -> None:
+        """assign() from a replica writes the one copy."""
+        strategy = MirroredStrategy(cpus(1))
+        v = Variable(np.zeros(2))
+
+        async def step() -> None:
+            await v.assign([1.0, 2.0])
+
+        await strategy.run(step)
+        assert_copies(v, [[1.0, 2.0]])
+
+    async def test_write_in_a_scope(self) -> None:
+        """An ordinary variable is written in another strategy's cross-replica context too."""
+        strategy = MirroredStrategy(cpus(2))
+        v = Variable(1.0)
+        with strategy.scope():
+            await v.assign_add(1.0)
+        assert_copies(v, [2.0])
+
+    async def test_bad_values_refused(self) -> None:
+        """Bad shape, dtype or a PerReplica raise; nothing changes."""
+        v = Variable(np.zeros(2, dtype=np.int32), name="p")
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write a value of shape \(3,\) to variable 'p' of shape \(2,\); it",
+        ):
+            await v.assign([1, 2, 3])
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot write a value of dtype float64 to variable 'p' of dtype int32;",
+        ):
+            await v.assign_add(0.5)
+        assert_copies(v, [[0, 0]])
+
+
+class TestAllOrNothing:
+    async def test_cancel_cross_replica_write(self) -> None:
+        """A write cancelled while a copy is computed leaves every copy old; a later one works."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.arange(3.0), name="w")
+        gate.block = 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(v.assign, [5.0, 6.0, 7.0])
+            await gate.blocked.wait()
+            tg.cancel_scope.cancel()
+        assert gate.calls == ["cpu:0", "cpu:1"]
+        assert_all(v, [0.0, 1.0, 2.0])
+
+        gate.block = None
+        gate.calls.clear()
+        await v.assign_add([5.0, 6.0, 7.0])
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [5.0, 7.0, 9.0])
+
+    async def test_cancel_replica_write(self) -> None:
+        """Cancelling a run while its merged write is computed leaves every copy old."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.zeros(2), name="w", aggregation="sum")
+        await distinct_copies(v, np.array([1.0, 2.0]))
+        gate.calls.clear()
+        gate.block = 2
+
+        async def step(x: float) -> None:
+            await v.assign_add(x)
+
+        args = (PerReplica([1.0, 2.0, 3.0]),)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(strategy.run, step, args)
+            await gate.blocked.wait()
+            tg.cancel_scope.cancel()
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [1.0, 2.0])
+        stats = strategy.statistics()
+        assert (stats.runs_active, stats.replicas_waiting) == (0, 0)
+
+        gate.block = None
+        gate.calls.clear()
+        await strategy.run(step, args)
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [7.0, 8.0])
+
+    async def test_cancel_sync_on_read_cross_replica_write(self) -> None:
+        """A cancelled cross-replica write of a SyncOnReadVariable leaves every copy old."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.zeros(2), name="s", synchronization="on_read", aggregation="sum")
+        gate.block = 2
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(v.assign, [3.0, 6.0])
+            await gate.blocked.wait()
+            tg.cancel_scope.cancel()
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [0.0, 0.0])
+
+    async def test_cancel_update(self) -> None:
+        """A cancelled strategy.extended.update leaves every copy old."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.zeros(2), name="w")
+        await distinct_copies(v, np.array([1.0, 2.0]))
+        gate.calls.clear()
+        gate.block = 1
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(strategy.extended.update, v, np.add, (1.0,))
+            await gate.blocked.wait()
+            tg.cancel_scope.cancel()
+        assert gate.calls == ["cpu:0", "cpu:1"]
+        assert_all(v, [1.0, 2.0])
+
+    async def test_device_failure_cross_replica(self) -> None:
+        """A device failing on copy 2 fails the write with its error; no copy changes."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.arange(3.0), name="w")
+        gate.fail = 2
+        with pytest.raises(DeviceFailure, match=r"^cpu:2 failed$"):
+            await v.assign_add([1.0, 1.0, 1.0])
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [0.0, 1.0, 2.0])
+
+    async def test_device_failure_replica_write(self) -> None:
+        """A device failing on copy 2 fails the run with its error; no copy changes."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.zeros(2), name="w", aggregation="mean")
+        await distinct_copies(v, np.array([1.0, 2.0]))
+        gate.calls.clear()
+        gate.fail = 2
+
+        async def step(x: float) -> None:
+            await v.assign(x)
+
+        with pytest.raises(DeviceFailure, match=r"^cpu:2 failed\n"):
+            await strategy.run(step, (PerReplica([1.0, 2.0, 3.0]),))
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [1.0, 2.0])
+
+    async def test_device_failure_update(self) -> None:
+        """A device failing on copy 2 fails update with its error; no copy changes."""
+        strategy, gate = gated_strategy(3)
+        v = scoped(strategy, np.zeros(2), name="w")
+        await distinct_copies(v, np.array([1.0, 2.0]))
+        gate.calls.clear()
+        gate.fail = 2
+        with pytest.raises(DeviceFailure, match=r"^cpu:2 failed$"):
+            await strategy.extended.update(v, np.multiply, (3.0,))
+        assert gate.calls == ["cpu:0", "cpu:1", "cpu:2"]
+        assert_all(v, [1.0, 2.0])
+
+
+def scale_and_shift(copy: Array, factor: float, *, shift: float = 0.0) -> Array:
+    result: Array = copy * factor + shift
+    return result
+
+
+class TestUpdate:
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_every_copy_becomes_fn_of_copy(self, n: int) -> None:
+        """Every copy becomes fn(copy, *args, **kwargs); shared host copies are computed once."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        calls: list[list[float]] = []
+
+        def fn(copy: Array, factor: float, *, shift: float) -> Array:
+            calls.append(copy.tolist())
+            return scale_and_shift(copy, factor, shift=shift)
+
+        result = await strategy.extended.update(v, fn, (3.0,), {"shift": 1.0})
+        assert calls == [[1.0, 2.0]]
+        np.testing.assert_array_equal(result, [4.0, 7.0], strict=True)
+        assert_all(v, [4.0, 7.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_mirrored_args_unwrapped(self, n: int) -> None:
+        """Mirrored args and kwargs give copy i component i; group=True returns a Mirrored."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+        factors = Mirrored([float(i + 1) for i in range(n)])
+        shifts = Mirrored([10.0 * i for i in range(n)])
+        result = await strategy.extended.update(v, scale_and_shift, (factors,), {"shift": shifts})
+        want = [np.array([1.0, 2.0]) * (i + 1) + 10.0 * i for i in range(n)]
+        assert_copies(v, want)
+        if n == 1:
+            np.testing.assert_array_equal(result, want[0], strict=True)
+        else:
+            assert isinstance(result, Mirrored)
+            assert all(got is copy for got, copy in zip(result.values, v.values, strict=True))
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_group_false_returns_tuple(self, n: int) -> None:
+        """group=False returns a tuple with one entry per copy."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+        result = await strategy.extended.update(v, scale_and_shift, (2.0,), group=False)
+        assert isinstance(result, tuple)
+        assert all(got is copy for got, copy in zip(result, v.values, strict=True))
+        assert_all(v, [2.0, 4.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.parametrize("where", ["args", "kwargs"])
+    async def test_per_replica_args_refused(self, n: int, where: str) -> None:
+        """A PerReplica argument raises TypeError; nothing changes."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        per_replica = PerReplica([2.0] * n)
+        args: tuple[Any, ...] = (per_replica,) if where == "args" else (2.0,)
+        kwargs = {"shift": per_replica} if where == "kwargs" else {}
+        with pytest.raises(
+            TypeError,
+            match=r"^update\(\) of variable 'w': select_replica_mirrored\(\) expected Mirrored "
+            r"values or plain leaves, got PerReplica at .*; the arguments must be the same on "
+            r"every replica \(Mirrored or plain values\): reduce PerReplica values first$",
+        ):
+            await strategy.extended.update(v, scale_and_shift, args, kwargs)
+        assert_all(v, [1.0, 2.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_wrong_shape_or_dtype_refused(self, n: int) -> None:
+        """fn returning the wrong shape or an uncastable dtype raises ValueError; no change."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        with pytest.raises(
+            ValueError,
+            match=r"^update\(\) of variable 'w': fn returned shape \(3,\) and dtype float64, but "
+            r"the variable has shape \(2,\) and dtype float64; fn must return the copy's new "
+            r"value$",
+        ):
+            await strategy.extended.update(v, lambda copy: np.zeros(3))
+        with pytest.raises(
+            ValueError, match=r"^update\(\) of variable 'w': fn returned shape \(\) "
+        ):
+            await strategy.extended.update(v, lambda copy: 1.0)
+        with pytest.raises(ValueError, match=r"fn returned shape \(2,\) and dtype complex128, but"):
+            await strategy.extended.update(v, lambda copy: copy + 1j)
+        assert_all(v, [1.0, 2.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_fn_raising_changes_nothing(self, n: int) -> None:
+        """fn raising for the last copy propagates that exception; no copy changes."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+        await distinct_copies(v, np.array([1.0, 2.0]))
+        seen: list[int] = []
+
+        def fn(copy: Array, index: int) -> Array:
+            seen.append(index)
+            if index == n - 1:
+                raise ZeroDivisionError(f"copy {index}")
+            result: Array = copy * 0
+            return result
+
+        with pytest.raises(ZeroDivisionError, match=rf"^copy {n - 1}$"):
+            await strategy.extended.update(v, fn, (Mirrored(list(range(n))),))
+        assert seen == list(range(n))
+        assert_all(v, [1.0, 2.0])
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    async def test_replica_context_one_merge_round(self, n: int) -> None:
+        """Called by every replica, update takes one merge round and updates every copy once."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+        calls: list[list[float]] = []
+
+        def fn(copy: Array, factor: float) -> Array:
+            calls.append(copy.tolist())
+            return scale_and_shift(copy, factor)
+
+        async def step() -> Any:
+            return await strategy.extended.update(v, fn, (3.0,))
+
+        rounds = strategy.statistics().merge_rounds_completed
+        result = await strategy.run(step)
+        assert strategy.statistics().merge_rounds_completed == rounds + 1
+        assert calls == [[1.0, 2.0]]
+        np.testing.assert_array_equal(result, [3.0, 6.0], strict=True)
+        assert_all(v, [3.0, 6.0])
+
+    async def test_variable_of_other_strategy_refused(self) -> None:
+        """A variable of another strategy raises ValueError; nothing changes."""
+        owner = MirroredStrategy(cpus(2))
+        other = MirroredStrategy(cpus(2))
+        v = scoped(owner, np.array([1.0, 2.0]), name="w")
+        with pytest.raises(
+            ValueError,
+            match=r"^update\(\) of MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\) was given "
+            r"variable 'w', which belongs to MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\); "
+            r"update it through its own strategy$",
+        ):
+            await other.extended.update(v, scale_and_shift, (2.0,))
+        assert_all(v, [1.0, 2.0])
+
+    async def test_other_strategy_replica_refused(self) -> None:
+        """update called inside a replica of another strategy raises RuntimeError."""
+        owner = MirroredStrategy(cpus(2))
+        other = MirroredStrategy(cpus(1))
+        v = scoped(owner, np.array([1.0, 2.0]))
+
+        async def step() -> None:
+            await owner.extended.update(v, scale_and_shift, (2.0,))
+
+        with pytest.raises(
+            RuntimeError,
+            match=r"^update\(\) of MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\) was called in "
+            r"a replica of MirroredStrategy\(devices=\['cpu:0'\]\)\n",
+        ):
+            await other.run(step)
+        assert_all(v, [1.0, 2.0])
+
+    async def test_plain_variable(self) -> None:
+        """An ordinary variable is updated through any strategy."""
+        strategy = MirroredStrategy(cpus(2))
+        v = Variable(np.array([1.0, 2.0]))
+        result = await strategy.extended.update(v, scale_and_shift, (2.0,))
+        np.testing.assert_array_equal(result, [2.0, 4.0], strict=True)
+        assert_copies(v, [[2.0, 4.0]])
+
+    async def test_bad_arguments(self) -> None:
+        """A non-variable or non-callable fn raises TypeError."""
+        strategy = MirroredStrategy(cpus(2))
+        v = scoped(strategy, 1.0)
+        with pytest.raises(
+            TypeError, match=r"^update\(\) needs an aioreplica\.Variable, got ndarray$"
+        ):
+            await strategy.extended.update(np.zeros(2), scale_and_shift)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^update\(\) needs a callable fn, got int$"):
+            await strategy.extended.update(v, 3)  # type: ignore[arg-type]
+        assert_all(v, 1.0)
+
+    @pytest.mark.parametrize("n", REPLICAS)
+    def test_local_results_are_values(self, n: int) -> None:
+        """experimental_local_results(v) returns v.values."""
+        strategy = MirroredStrategy(cpus(n))
+        v = scoped(strategy, np.zeros(2))
+        s = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
+        assert strategy.experimental_local_results(v) is v.values
+        assert strategy.experimental_local_results(s) is s.values
