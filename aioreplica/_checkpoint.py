@@ -6,7 +6,7 @@ File format
 
         {"format": "aioreplica.checkpoint", "version": 1, "entries": [
           {"path": ["model", "w"], "kind": "variable", "array": "a0", "dtype": "<f8",
-           "shape": [64, 10], "synchronization": "on_write", "aggregation": "none"},
+           "shape": [64, 10], "synchronization": "auto", "aggregation": "none"},
           {"path": ["optimizer"], "kind": "optimizer", "class": "SGD", "array": "a1",
            "slots": [{"variable": ["model", "w"], "slot": "momentum", "array": "a2",
                       "dtype": "<f8", "shape": [64, 10]}]},
@@ -459,7 +459,8 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     member = _MANIFEST
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        # Our own file object: np.load leaves the file it opens open when ZipFile refuses it.
+        with open(path, "rb") as file, np.load(file, allow_pickle=False) as npz:
             raw = npz[_MANIFEST]
             if not isinstance(raw, bytes):
                 raise ValueError("the manifest is not a JSON document")

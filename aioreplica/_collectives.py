@@ -525,10 +525,12 @@ class Communicator:
         by_name = {device.name: device for device in self._devices}
         devices = []
         for item in items:
-            if isinstance(item, Device):
-                name = item.name
-            else:  # the strategy's own names as they are, else any spelling of them
+            if isinstance(item, str):  # the strategy's own names as they are, else any spelling
                 name = item if item in by_name else canonical_device_name(item)
+            elif isinstance(item, Device):  # a Protocol check: slow, so strings go first
+                name = item.name
+            else:
+                name = canonical_device_name(item)
             if name not in by_name:
                 raise ValueError(
                     f"destination {item!r} is not one of this strategy's devices {list(by_name)}"

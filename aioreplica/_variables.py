@@ -704,7 +704,10 @@ async def compute_copies(
     done: dict[tuple[int, ...], Any] = {}
     for i, device in enumerate(devices):
         inputs = [argument[i] for argument in per_copy]
-        key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
+        if all(isinstance(x, np.ndarray) for x in inputs):
+            key = tuple(map(id, inputs))
+        else:
+            key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
         result = done.get(key)
         if result is None:
             nbytes = max((getattr(x, "nbytes", 0) for x in inputs), default=0)
@@ -712,7 +715,9 @@ async def compute_copies(
                 result = await device.run(fn, *inputs)
             else:
                 result = fn(*inputs)
-            result = done[key] = _tree.map_structure(_frozen, result)
+            # An optimizer's step returns several new arrays per copy.
+            multiple = isinstance(result, tuple)
+            result = done[key] = tuple(map(_frozen, result)) if multiple else _frozen(result)
         results.append(result)
     return tuple(results)
 

@@ -1,0 +1,1139 @@
+"""Checkpoints: round trips, the file format, atomic saves, checked restores and the manager."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import io
+import json
+import os
+import re
+import sys
+import threading
+import zipfile
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import pytest
+
+import aioreplica
+from aioreplica import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    MirroredStrategy,
+    MirroredVariable,
+    PerReplica,
+    SyncOnReadVariable,
+    Variable,
+)
+from aioreplica.optimizers import SGD, Adam, Optimizer
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+pytestmark = pytest.mark.anyio
+
+#: The directory that holds the ``aioreplica`` package, for subprocesses' ``PYTHONPATH``.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aioreplica.__file__)))
+
+#: The end of every message about a file that cannot be read.
+UNREADABLE = "; the file is truncated, corrupted or not an aioreplica checkpoint"
+
+
+def cpus(n: int) -> list[str]:
+    return [f"cpu:{i}" for i in range(n)]
+
+
+def copies(variable: Variable) -> list[Any]:
+    """Every copy of ``variable``, as nested lists (exact values, comparable with ``==``)."""
+    return [np.asarray(copy).tolist() for copy in variable.values]
+
+
+def state(*objects: Variable | Optimizer, of: tuple[Variable, ...] = ()) -> list[Any]:
+    """Every copy of every variable, and the step count and slot copies of every optimizer.
+
+    Slots are read for the variables in ``of``; a variable without slots reads as ``None``.
+    """
+    result: list[Any] = []
+    for obj in objects:
+        if isinstance(obj, Variable):
+            result.append(copies(obj))
+            continue
+        slots: list[Any] = []
+        for variable in of:
+            for name in obj.slot_names:
+                try:
+                    slots.append(copies(obj.get_slot(variable, name)))
+                except ValueError:
+                    slots.append(None)
+        result.append((obj.iterations, len(obj.variables()), slots))
+    return result
+
+
+def open_files(path: str | os.PathLike[str]) -> list[io.BufferedReader]:
+    """The file objects still open on ``path`` (alive or awaiting collection)."""
+    name = os.fspath(path)
+    return [
+        obj
+        for obj in gc.get_objects()
+        if isinstance(obj, io.BufferedReader) and obj.name == name and not obj.closed
+    ]
+
+
+def manifest(path: str | os.PathLike[str]) -> Any:
+    """The parsed ``manifest.json`` member of a checkpoint file."""
+    with np.load(path, allow_pickle=False) as npz:
+        return json.loads(bytes(npz["manifest.json"]))
+
+
+def saved(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Every value in a checkpoint file by object path, as nested lists.
+
+    Optimizer slots are keyed ``<optimizer path>/<variable path>/<slot name>``.
+    """
+    values: dict[str, Any] = {}
+    with np.load(path, allow_pickle=False) as npz:
+        for entry in json.loads(bytes(npz["manifest.json"]))["entries"]:
+            where = "/".join(map(str, entry["path"]))
+            values[where] = npz[entry["array"]].tolist()
+            for slot in entry.get("slots", []):
+                variable = "/".join(map(str, slot["variable"]))
+                values[f"{where}/{variable}/{slot['slot']}"] = npz[slot["array"]].tolist()
+    return values
+
+
+def member_of(path: str | os.PathLike[str], object_path: list[Any]) -> str:
+    """The ``.npy`` member (without suffix) holding the object at ``object_path``."""
+    for entry in manifest(path)["entries"]:
+        if entry["path"] == object_path:
+            member: str = entry["array"]
+            return member
+    raise AssertionError(f"{object_path} is not in {path}")
+
+
+def rewrite(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    replace: dict[str, bytes | None],
+) -> None:
+    """Copy a checkpoint's ZIP members, replacing some (``None``: leave the member out)."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w") as new:
+        for info in old.infolist():
+            if info.filename not in replace:
+                new.writestr(info.filename, old.read(info.filename))
+            elif (data := replace[info.filename]) is not None:
+                new.writestr(info.filename, data)
+
+
+UNPICKLED: list[str] = []
+
+
+def _record_unpickling(what: str) -> str:
+    UNPICKLED.append(what)
+    return what
+
+
+class Tracer:
+    """An object that records it if it is ever unpickled."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _record_unpickling, ("unpickled",)
+
+
+@dataclass
+class Model:
+    """Two variables trained by one optimizer, in a strategy or (``strategy=None``) without."""
+
+    strategy: MirroredStrategy | None
+    w: Variable
+    b: Variable
+    opt: Optimizer
+
+    @property
+    def variables(self) -> tuple[Variable, Variable]:
+        return (self.w, self.b)
+
+    def state(self) -> list[Any]:
+        return state(self.w, self.b, self.opt, of=self.variables)
+
+
+def build(
+    replicas: int | None,
+    opt: Optimizer,
+    *,
+    offset: float = 0.0,
+    w_shape: tuple[int, ...] = (2, 3),
+    dtype: Any = np.float64,
+) -> Model:
+    """A model: ``w`` of ``w_shape``, ``b`` of shape ``(3,)``, values shifted by ``offset``."""
+    strategy = MirroredStrategy(cpus(replicas)) if replicas is not None else None
+    scope: contextlib.AbstractContextManager[object] = (
+        strategy.scope() if strategy is not None else contextlib.nullcontext()
+    )
+    with scope:
+        size = int(np.prod(w_shape))
+        w = Variable(
+            (np.arange(size, dtype=np.float64).reshape(w_shape) / 4 + offset).astype(dtype),
+            name="w",
+        )
+        b = Variable((np.array([1.0, -2.0, 0.5]) + offset).astype(dtype), name="b")
+    return Model(strategy, w, b, opt)
+
+
+async def train(model: Model, steps: int) -> None:
+    """``steps`` optimizer steps; gradients depend on the weights and the replica."""
+
+    async def step() -> None:
+        context = aioreplica.get_replica_context()
+        assert context is not None
+        replica = context.replica_id_in_sync_group
+        await model.opt.apply_gradients(
+            [
+                (np.asarray(model.w) * 0.5 + replica + 1.0, model.w),
+                (np.asarray(model.b) - replica, model.b),
+            ]
+        )
+
+    for _ in range(steps):
+        if model.strategy is None:
+            await step()
+        else:
+            await model.strategy.run(step)
+
+
+async def set_copies(strategy: MirroredStrategy, variable: Variable, values: list[Any]) -> None:
+    """Give each copy of a sync-on-read variable its own value (written in replica context)."""
+
+    async def step(value: Any) -> None:
+        await variable.assign(value)
+
+    await strategy.run(step, args=(PerReplica(values),))
+
+
+@dataclass
+class Saved:
+    """A trained 2-replica model saved to ``path``, then changed (one more step, new numbers)."""
+
+    model: Model
+    history: list[float]
+    ckpt: Checkpoint
+    path: Path
+
+    def state(self) -> list[Any]:
+        return [*self.model.state(), self.ckpt.epoch, list(self.history)]
+
+
+async def saved_then_changed(tmp_path: Path) -> Saved:
+    model = build(2, SGD(0.1, momentum=0.9))
+    await train(model, 2)
+    history = [0.5]
+    ckpt = Checkpoint(
+        model={"w": model.w, "b": model.b}, optimizer=model.opt, epoch=3, history=history
+    )
+    path = tmp_path / "ckpt.npz"
+    await ckpt.save(path)
+    await train(model, 1)
+    ckpt.epoch = 9
+    history[0] = 2.0
+    return Saved(model, history, ckpt, path)
+
+
+class TestRoundTrip:
+    async def test_restore_brings_everything_back(self, tmp_path: Path) -> None:
+        """Every copy, every slot, the step count and the numbers come back as saved."""
+        model = build(2, SGD(0.1, momentum=0.9))
+        await train(model, 2)
+        history = [0.5]
+        ckpt = Checkpoint(
+            model={"w": model.w, "b": model.b}, optimizer=model.opt, epoch=3, history=history
+        )
+        before = model.state()
+        assert await ckpt.save(tmp_path / "ckpt.npz") == str(tmp_path / "ckpt.npz")
+        await model.w.assign(np.full((2, 3), 7.0))
+        await train(model, 3)
+        ckpt.epoch = 9
+        history[0] = 2.0
+        assert model.state() != before
+
+        await ckpt.restore(tmp_path / "ckpt.npz")
+
+        assert model.state() == before
+        assert model.opt.iterations == 2
+        assert ckpt.epoch == 3
+        assert type(ckpt.epoch) is int
+        assert history == [0.5]
+        assert type(history[0]) is float
+        assert ckpt.history is history
+
+    async def test_numbers_in_dicts_and_lists_restored_in_place(self, tmp_path: Path) -> None:
+        """Numbers nested in dicts and lists are written back into those containers."""
+        counters: dict[str, Any] = {"step": 5, "losses": [1.5, 2.5], "best": {"loss": 0.25}}
+        ckpt = Checkpoint(counters=counters, rate=0.125)
+        await ckpt.save(tmp_path / "n.npz")
+        counters["step"] = 6
+        counters["losses"][1] = 9.0
+        counters["best"]["loss"] = 0.5
+        ckpt.rate = 1.0
+
+        await ckpt.restore(tmp_path / "n.npz")
+
+        assert counters == {"step": 5, "losses": [1.5, 2.5], "best": {"loss": 0.25}}
+        assert ckpt.counters is counters
+        assert [type(counters["step"]), type(counters["losses"][0])] == [int, float]
+        assert ckpt.rate == 0.125
+        assert type(ckpt.rate) is float
+
+    async def test_save_returns_path_as_string(self, tmp_path: Path) -> None:
+        """``save`` returns the path it wrote, as a string, for str and PathLike arguments."""
+        ckpt = Checkpoint(step=1)
+        assert await ckpt.save(tmp_path / "a.npz") == os.path.join(tmp_path, "a.npz")
+        assert await ckpt.save(str(tmp_path / "b.npz")) == os.path.join(tmp_path, "b.npz")
+        assert sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz"]
+
+    def test_attributes(self) -> None:
+        """Objects read back as attributes; an unknown name or a private one is refused."""
+        ckpt = Checkpoint(epoch=1)
+        ckpt.step = 2
+        assert (ckpt.epoch, ckpt.step) == (1, 2)
+        assert repr(ckpt) == "Checkpoint(epoch, step)"
+        with pytest.raises(AttributeError, match="this Checkpoint holds no object named 'loss'"):
+            _ = ckpt.loss
+        with pytest.raises(AttributeError, match="names cannot start with '_': '_x'"):
+            ckpt._x = 1
+
+
+class TestFileFormat:
+    async def test_valid_npz_with_manifest(self, tmp_path: Path) -> None:
+        """The file is an ``.npz`` with one member per array and the documented manifest."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.zeros((2, 3), np.float32), name="w", synchronization="on_write")
+            m = Variable(np.zeros(4, np.int64), synchronization="on_read", aggregation="sum")
+        assert (type(w), type(m)) == (MirroredVariable, SyncOnReadVariable)
+        opt = SGD(0.1, momentum=0.5)
+        opt.build([w])
+        ckpt = Checkpoint(model={"w": w}, metrics=[m], optimizer=opt, epoch=3)
+        path = await ckpt.save(tmp_path / "ckpt.npz")
+
+        with np.load(path, allow_pickle=False) as npz:
+            assert npz.files == ["manifest.json", "a0", "a1", "a2", "a3", "a4"]
+            assert npz["a0"].tolist() == 3
+            assert npz["a0"].shape == ()
+        assert manifest(path) == {
+            "format": "aioreplica.checkpoint",
+            "version": 1,
+            "entries": [
+                {"path": ["epoch"], "kind": "number", "type": "int", "array": "a0"},
+                {
+                    "path": ["metrics", 0],
+                    "kind": "variable",
+                    "array": "a1",
+                    "dtype": "<i8",
+                    "shape": [4],
+                    "synchronization": "on_read",
+                    "aggregation": "sum",
+                },
+                {
+                    "path": ["model", "w"],
+                    "kind": "variable",
+                    "array": "a2",
+                    "dtype": "<f4",
+                    "shape": [2, 3],
+                    "synchronization": "on_write",
+                    "aggregation": "none",
+                },
+                {
+                    "path": ["optimizer"],
+                    "kind": "optimizer",
+                    "class": "SGD",
+                    "slot_names": ["momentum"],
+                    "array": "a4",
+                    "slots": [
+                        {
+                            "variable": ["model", "w"],
+                            "slot": "momentum",
+                            "array": "a3",
+                            "dtype": "<f4",
+                            "shape": [2, 3],
+                        }
+                    ],
+                },
+            ],
+        }
+
+    async def test_members_are_plain_arrays(self, tmp_path: Path) -> None:
+        """Each member loads without pickle, with the manifest's dtype and shape."""
+        saved_model = await saved_then_changed(tmp_path)
+        with np.load(saved_model.path, allow_pickle=False) as npz:
+            for entry in manifest(saved_model.path)["entries"]:
+                for item in [entry, *entry.get("slots", [])]:
+                    array = npz[item["array"]]
+                    assert array.dtype != object
+                    if "dtype" in item:
+                        assert (array.dtype.str, list(array.shape)) == (
+                            item["dtype"],
+                            item["shape"],
+                        )
+
+
+class TestSavedValues:
+    async def test_mirrored_saves_primary_copy(self, tmp_path: Path) -> None:
+        """A mirrored variable's file value is its primary copy."""
+        model = build(4, SGD(0.1))
+        await train(model, 1)
+        await Checkpoint(w=model.w).save(tmp_path / "c.npz")
+        assert saved(tmp_path / "c.npz") == {"w": copies(model.w)[0]}
+
+    async def test_sum_float_saves_aggregate_and_restores_share(self, tmp_path: Path) -> None:
+        """SUM saves the sum of the copies; restoring gives each copy the sum / n."""
+        strategy = MirroredStrategy(cpus(4))
+        with strategy.scope():
+            v = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
+        await set_copies(strategy, v, [np.array([1.0, 10.0]) * (i + 1) for i in range(4)])
+        ckpt = Checkpoint(v=v)
+        await ckpt.save(tmp_path / "c.npz")
+        assert saved(tmp_path / "c.npz") == {"v": [10.0, 100.0]}
+        await set_copies(strategy, v, [np.zeros(2)] * 4)
+
+        await ckpt.restore(tmp_path / "c.npz")
+
+        assert copies(v) == [[2.5, 25.0]] * 4
+        assert v.numpy().tolist() == [10.0, 100.0]
+
+    async def test_sum_float_into_other_replica_count(self, tmp_path: Path) -> None:
+        """A SUM variable restored into 3 replicas gets the saved sum / 3 in each copy."""
+        strategy = MirroredStrategy(cpus(4))
+        with strategy.scope():
+            v = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
+        await set_copies(strategy, v, [np.array([1.0, 10.0]) * (i + 1) for i in range(4)])
+        await Checkpoint(v=v).save(tmp_path / "c.npz")
+        with MirroredStrategy(cpus(3)).scope():
+            target = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
+
+        await Checkpoint(v=target).restore(tmp_path / "c.npz")
+
+        assert copies(target) == [(np.array([10.0, 100.0]) / 3).tolist()] * 3
+
+    @pytest.mark.parametrize(
+        ("replicas", "expected"),
+        [
+            (4, [[5, 0], [2, -1], [2, -1], [2, -1]]),
+            (3, [[5, -1], [3, -1], [3, -1]]),
+            (1, [[11, -3]]),
+        ],
+    )
+    async def test_sum_int_exact_remainder_on_first_copy(
+        self, tmp_path: Path, replicas: int, expected: list[list[int]]
+    ) -> None:
+        """An int SUM variable restores the quotient per copy, the remainder on copy 0."""
+        strategy = MirroredStrategy(cpus(4))
+        with strategy.scope():
+            v = Variable(np.zeros(2, np.int64), synchronization="on_read", aggregation="sum")
+        await set_copies(strategy, v, [[1, -3], [2, 0], [3, 0], [5, 0]])
+        await Checkpoint(v=v).save(tmp_path / "c.npz")
+        assert saved(tmp_path / "c.npz") == {"v": [11, -3]}
+        with MirroredStrategy(cpus(replicas)).scope():
+            target = Variable(np.zeros(2, np.int64), synchronization="on_read", aggregation="sum")
+
+        await Checkpoint(v=target).restore(tmp_path / "c.npz")
+
+        assert copies(target) == expected
+        assert np.sum(np.asarray(target.values), axis=0).tolist() == [11, -3]
+        assert {np.asarray(copy).dtype for copy in target.values} == {np.dtype(np.int64)}
+
+    async def test_mean_restores_value_into_every_copy(self, tmp_path: Path) -> None:
+        """MEAN saves the mean of the copies and restores it into every copy."""
+        strategy = MirroredStrategy(cpus(4))
+        with strategy.scope():
+            v = Variable(np.zeros(2), synchronization="on_read", aggregation="mean")
+        await set_copies(strategy, v, [np.array([1.0, -2.0]) * (i + 1) for i in range(4)])
+        ckpt = Checkpoint(v=v)
+        await ckpt.save(tmp_path / "c.npz")
+        assert saved(tmp_path / "c.npz") == {"v": [2.5, -5.0]}
+        await set_copies(strategy, v, [np.zeros(2)] * 4)
+
+        await ckpt.restore(tmp_path / "c.npz")
+
+        assert copies(v) == [[2.5, -5.0]] * 4
+
+    async def test_only_first_replica_restores_value_into_every_copy(self, tmp_path: Path) -> None:
+        """ONLY_FIRST_REPLICA saves copy 0 and restores it into every copy."""
+        strategy = MirroredStrategy(cpus(4))
+        with strategy.scope():
+            v = Variable(
+                np.zeros(2, np.int32), synchronization="on_read", aggregation="only_first_replica"
+            )
+        await set_copies(strategy, v, [[7 + i, -i] for i in range(4)])
+        ckpt = Checkpoint(v=v)
+        await ckpt.save(tmp_path / "c.npz")
+        assert saved(tmp_path / "c.npz") == {"v": [7, 0]}
+        await set_copies(strategy, v, [[1, 1]] * 4)
+
+        await ckpt.restore(tmp_path / "c.npz")
+
+        assert copies(v) == [[7, 0]] * 4
+
+
+class TestRestoreElsewhere:
+    @pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+    @pytest.mark.parametrize("replicas", [1, 2, 8, None], ids=["1", "2", "8", "no-strategy"])
+    async def test_saved_with_4_restored_anywhere(
+        self, tmp_path: Path, replicas: int | None, stepped: bool
+    ) -> None:
+        """Every copy of every variable and slot equals the file's value, in any replica count."""
+        source = build(4, Adam(0.1))
+        await train(source, 2)
+        path = tmp_path / "four.npz"
+        await Checkpoint(model={"w": source.w, "b": source.b}, optimizer=source.opt).save(path)
+        values = saved(path)
+        target = build(replicas, Adam(0.1), offset=100.0)
+        if stepped:
+            await train(target, 3)
+        else:
+            with pytest.raises(ValueError, match="Adam has no slots for variable 'w' yet"):
+                target.opt.get_slot(target.w, "m")
+        count = 1 if replicas is None else replicas
+
+        await Checkpoint(model={"w": target.w, "b": target.b}, optimizer=target.opt).restore(path)
+
+        assert copies(target.w) == [values["model/w"]] * count
+        assert copies(target.b) == [values["model/b"]] * count
+        assert target.opt.iterations == 2 == values["optimizer"]
+        for name in ("w", "b"):
+            variable = getattr(target, name)
+            for slot_name in ("m", "v"):
+                slot = target.opt.get_slot(variable, slot_name)
+                assert copies(slot) == [values[f"optimizer/model/{name}/{slot_name}"]] * count
+                assert slot.devices == variable.devices
+                if replicas is not None:
+                    assert isinstance(slot, MirroredVariable)
+        assert len(target.opt.variables()) == 4
+
+    async def test_training_continues_identically(self, tmp_path: Path) -> None:
+        """Save after 3 steps, restore into a fresh model, 2 more steps == 5 steps straight."""
+        straight = build(2, SGD(0.05, momentum=0.9))
+        await train(straight, 5)
+
+        first = build(2, SGD(0.05, momentum=0.9))
+        await train(first, 3)
+        path = tmp_path / "mid.npz"
+        await Checkpoint(model={"w": first.w, "b": first.b}, optimizer=first.opt).save(path)
+        resumed = build(2, SGD(0.05, momentum=0.9), offset=-3.0)
+        await Checkpoint(model={"w": resumed.w, "b": resumed.b}, optimizer=resumed.opt).restore(
+            path
+        )
+        await train(resumed, 2)
+
+        assert resumed.opt.iterations == 5
+        assert resumed.state() == straight.state()
+
+
+class TestAtomicSave:
+    async def test_failed_write_keeps_old_file(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A write that fails midway raises, leaves the old file byte for byte, and no temp."""
+        saved_model = await saved_then_changed(tmp_path)
+        old = saved_model.path.read_bytes()
+        real = np.lib.format.write_array
+        calls: list[int] = []
+
+        def failing(*args: Any, **kwargs: Any) -> None:
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError(28, "No space left on device")
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(np.lib.format, "write_array", failing)
+        with pytest.raises(OSError, match="No space left on device"):
+            await saved_model.ckpt.save(saved_model.path)
+
+        assert len(calls) == 2
+        assert saved_model.path.read_bytes() == old
+        assert os.listdir(tmp_path) == ["ckpt.npz"]
+
+    async def test_crash_mid_save_keeps_old_checkpoint(self, tmp_path: Path) -> None:
+        """A process killed while saving over a checkpoint leaves the old one restorable."""
+        script = """if True:
+            import hashlib, os, sys
+            import anyio, numpy as np
+            import aioreplica
+            path = sys.argv[1]
+            w = aioreplica.Variable(np.arange(4.0), name="w")
+            ckpt = aioreplica.Checkpoint(model={"w": w}, epoch=1)
+            anyio.run(ckpt.save, path)
+            with open(path, "rb") as file:
+                print(hashlib.sha256(file.read()).hexdigest(), flush=True)
+            anyio.run(w.assign, -1.0)
+            ckpt.epoch = 2
+            real = np.lib.format.write_array
+            calls = []
+            def crash(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    os._exit(1)
+                real(*args, **kwargs)
+            np.lib.format.write_array = crash
+            anyio.run(ckpt.save, path)
+            print("not reached", flush=True)
+        """
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        path = tmp_path / "ckpt.npz"
+        result = await anyio.run_process(
+            [sys.executable, "-c", script, str(path)], check=False, env=env
+        )
+
+        assert (result.returncode, result.stderr) == (1, b"")
+        first_hash = result.stdout.decode().split()
+        assert first_hash == [hashlib.sha256(path.read_bytes()).hexdigest()]
+        leftovers = sorted(set(os.listdir(tmp_path)) - {"ckpt.npz"})
+        assert "ckpt.npz" in os.listdir(tmp_path)
+        assert len(leftovers) <= 1
+        assert all(re.fullmatch(r"\.ckpt\.npz\..+\.tmp", name) for name in leftovers)
+        w = Variable(np.zeros(4), name="w")
+        ckpt = Checkpoint(model={"w": w}, epoch=0)
+        await ckpt.restore(path)
+        assert (w.numpy().tolist(), ckpt.epoch) == ([0.0, 1.0, 2.0, 3.0], 1)
+
+    async def test_save_into_missing_directory_fails_cleanly(self, tmp_path: Path) -> None:
+        """Saving into a directory that does not exist raises FileNotFoundError."""
+        with pytest.raises(FileNotFoundError):
+            await Checkpoint(step=1).save(tmp_path / "nowhere" / "c.npz")
+        assert os.listdir(tmp_path) == []
+
+
+class TestRefusedRestore:
+    async def refusal(self, saved_model: Saved, path: Path) -> tuple[str, ...]:
+        """The problems of a refused restore, checked to change nothing and to close the file.
+
+        A file object left open would only be noticed when collected, as a ``ResourceWarning``
+        in whatever test runs then; open ones are looked for (and closed) here instead.
+        """
+        before = saved_model.state()
+        problems = await self._problems(saved_model, path)
+        assert saved_model.state() == before
+        left_open = open_files(path)
+        for file in left_open:
+            file.close()
+        assert [file.name for file in left_open] == []
+        return problems
+
+    async def _problems(self, saved_model: Saved, path: Path) -> tuple[str, ...]:
+        with pytest.raises(CheckpointError, match=r"^cannot restore checkpoint ") as caught:
+            await saved_model.ckpt.restore(path)
+        assert isinstance(caught.value, ValueError)
+        assert caught.value.path == str(path)
+        return caught.value.problems
+
+    async def expect_refused(self, saved_model: Saved, path: Path, problems: list[str]) -> None:
+        assert list(await self.refusal(saved_model, path)) == problems
+
+    async def expect_unreadable(self, saved_model: Saved, path: Path, pattern: str) -> None:
+        problems = await self.refusal(saved_model, path)
+        assert len(problems) == 1
+        assert re.fullmatch(pattern + re.escape(UNREADABLE), problems[0]), problems[0]
+
+    @pytest.mark.parametrize("keep", ["10 bytes", "half", "all but 1 byte", "empty"])
+    async def test_truncated_file(self, tmp_path: Path, keep: str) -> None:
+        """A file cut short is refused before anything changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        data = saved_model.path.read_bytes()
+        size = {"10 bytes": 10, "half": len(data) // 2, "all but 1 byte": len(data) - 1}
+        cut = tmp_path / "cut.npz"
+        cut.write_bytes(data[: size.get(keep, 0)])
+        await self.expect_unreadable(
+            saved_model, cut, r"the manifest cannot be read \((BadZipFile|EOFError): .*\)"
+        )
+
+    async def test_flipped_byte_fails_crc(self, tmp_path: Path) -> None:
+        """One byte changed inside an array's data is caught by the ZIP checksum."""
+        saved_model = await saved_then_changed(tmp_path)
+        member = member_of(saved_model.path, ["model", "w"])
+        data = bytearray(saved_model.path.read_bytes())
+        raw = np.asarray(saved(saved_model.path)["model/w"]).tobytes()
+        start = data.find(raw)
+        assert start > 0
+        assert data.find(raw, start + 1) == -1
+        data[start + len(raw) // 2] ^= 0xFF
+        bad = tmp_path / "bad.npz"
+        bad.write_bytes(bytes(data))
+        await self.expect_refused(
+            saved_model,
+            bad,
+            [
+                f"array {member!r} cannot be read (BadZipFile: Bad CRC-32 for file "
+                f"'{member}.npy')" + UNREADABLE
+            ],
+        )
+
+    async def test_object_array_refused_without_unpickling(self, tmp_path: Path) -> None:
+        """A member holding Python objects is refused; nothing in it is ever unpickled."""
+        saved_model = await saved_then_changed(tmp_path)
+        member = member_of(saved_model.path, ["model", "w"])
+        buffer = io.BytesIO()
+        np.save(buffer, np.array([{"a": 1}, Tracer()], dtype=object), allow_pickle=True)
+        evil = tmp_path / "evil.npz"
+        rewrite(saved_model.path, evil, {f"{member}.npy": buffer.getvalue()})
+        UNPICKLED.clear()
+
+        await self.expect_refused(
+            saved_model,
+            evil,
+            [
+                f"array {member!r} cannot be read (it holds Python objects, which checkpoints "
+                "never load)" + UNREADABLE
+            ],
+        )
+        assert UNPICKLED == []
+
+    async def test_manifest_not_json(self, tmp_path: Path) -> None:
+        """A manifest that is not JSON is refused."""
+        saved_model = await saved_then_changed(tmp_path)
+        bad = tmp_path / "bad.npz"
+        rewrite(saved_model.path, bad, {"manifest.json": b"{not json"})
+        await self.expect_unreadable(
+            saved_model, bad, r"the manifest cannot be read \(JSONDecodeError: .*\)"
+        )
+
+    @pytest.mark.parametrize(
+        ("document", "detail"),
+        [
+            (
+                {"format": "other", "version": 1, "entries": []},
+                "no 'aioreplica.checkpoint' manifest",
+            ),
+            (
+                {"format": "aioreplica.checkpoint", "version": 2, "entries": []},
+                "format version 2; this aioreplica reads version 1",
+            ),
+            (
+                {"format": "aioreplica.checkpoint", "version": 1, "entries": [{"path": 1}]},
+                "malformed manifest entries",
+            ),
+        ],
+    )
+    async def test_manifest_of_another_kind(
+        self, tmp_path: Path, document: dict[str, Any], detail: str
+    ) -> None:
+        """A JSON manifest of another format, version or shape is refused."""
+        saved_model = await saved_then_changed(tmp_path)
+        bad = tmp_path / "bad.npz"
+        rewrite(saved_model.path, bad, {"manifest.json": json.dumps(document).encode()})
+        await self.expect_refused(
+            saved_model, bad, [f"the manifest cannot be read (ValueError: {detail})" + UNREADABLE]
+        )
+
+    async def test_missing_manifest(self, tmp_path: Path) -> None:
+        """A plain ``.npz`` without a manifest is refused."""
+        saved_model = await saved_then_changed(tmp_path)
+        plain = tmp_path / "plain.npz"
+        np.savez(plain, w=np.zeros(3))
+        await self.expect_refused(
+            saved_model, plain, ["the manifest cannot be read (it is missing)" + UNREADABLE]
+        )
+
+    async def test_missing_member(self, tmp_path: Path) -> None:
+        """A member the manifest names but the archive lacks is refused."""
+        saved_model = await saved_then_changed(tmp_path)
+        member = member_of(saved_model.path, ["model", "b"])
+        bad = tmp_path / "bad.npz"
+        rewrite(saved_model.path, bad, {f"{member}.npy": None})
+        await self.expect_refused(
+            saved_model, bad, [f"array {member!r} cannot be read (it is missing)" + UNREADABLE]
+        )
+
+    async def test_missing_file(self, tmp_path: Path) -> None:
+        """A path with no file raises FileNotFoundError naming it."""
+        with pytest.raises(FileNotFoundError, match=r"no checkpoint at '.*nothing\.npz'"):
+            await Checkpoint(step=1).restore(tmp_path / "nothing.npz")
+
+    async def test_other_shape(self, tmp_path: Path) -> None:
+        """A variable of another shape is named, with its slot; nothing changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        other = build(2, SGD(0.1, momentum=0.9), offset=50.0, w_shape=(3, 2))
+        history = [7.5]
+        ckpt = Checkpoint(
+            model={"w": other.w, "b": other.b}, optimizer=other.opt, epoch=1, history=history
+        )
+        before = other.state()
+        with pytest.raises(CheckpointError, match="model/w: dtype float64 and shape") as caught:
+            await ckpt.restore(saved_model.path)
+        assert caught.value.problems == (
+            "model/w: dtype float64 and shape (2, 3) in the checkpoint, dtype float64 and shape "
+            "(3, 2) here",
+            "optimizer/slots/model/w/momentum: dtype float64 and shape (2, 3) in the "
+            "checkpoint, dtype float64 and shape (3, 2) here",
+        )
+        assert other.state() == before
+        assert other.opt.variables() == []
+        assert (ckpt.epoch, history) == (1, [7.5])
+
+    async def test_other_dtype(self, tmp_path: Path) -> None:
+        """A variable of another dtype is named; nothing changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        other = build(2, SGD(0.1, momentum=0.9), offset=50.0, dtype=np.float32)
+        await train(other, 1)
+        ckpt = Checkpoint(
+            model={"w": other.w, "b": saved_model.model.b},
+            optimizer=SGD(0.1, momentum=0.9),
+            epoch=1,
+            history=[7.5],
+        )
+        before = [*other.state(), *saved_model.state()]
+        with pytest.raises(CheckpointError) as caught:
+            await ckpt.restore(saved_model.path)
+        assert caught.value.problems == (
+            "model/w: dtype float64 and shape (2, 3) in the checkpoint, dtype float32 and shape "
+            "(2, 3) here",
+            "optimizer/slots/model/w/momentum: dtype float64 and shape (2, 3) in the "
+            "checkpoint, dtype float32 and shape (2, 3) here",
+        )
+        assert [*other.state(), *saved_model.state()] == before
+        assert ckpt.epoch == 1
+
+    async def test_object_missing_from_file(self, tmp_path: Path) -> None:
+        """An object the file does not hold is named; nothing changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        saved_model.ckpt.step = 4
+        await self.expect_refused(saved_model, saved_model.path, ["step: not in the checkpoint"])
+        assert saved_model.ckpt.step == 4
+
+    async def test_extra_object_in_file(self, tmp_path: Path) -> None:
+        """An object in the file that the checkpoint lacks is named; nothing changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        model = saved_model.model
+        ckpt = Checkpoint(model={"w": model.w, "b": model.b}, optimizer=model.opt, epoch=9)
+        before = [*model.state(), list(saved_model.history)]
+        with pytest.raises(CheckpointError) as caught:
+            await ckpt.restore(saved_model.path)
+        assert caught.value.problems == ("history/0: in the checkpoint but not restored here",)
+        assert [*model.state(), list(saved_model.history)] == before
+        assert ckpt.epoch == 9
+
+    async def test_every_mismatch_listed(self, tmp_path: Path) -> None:
+        """Several mismatches are all listed, in one error."""
+        saved_model = await saved_then_changed(tmp_path)
+        model = saved_model.model
+        ckpt = Checkpoint(model={"w": model.w}, optimizer=model.opt, epoch=9.0, step=1)
+        before = model.state()
+        with pytest.raises(CheckpointError) as caught:
+            await ckpt.restore(saved_model.path)
+        assert caught.value.problems == (
+            "epoch: the checkpoint holds a number of type int there, this is of type float",
+            "optimizer: slot 'momentum' of model/b: no such variable here",
+            "optimizer: has slots for variable 'b', which is not in this checkpoint",
+            "step: not in the checkpoint",
+            "history/0: in the checkpoint but not restored here",
+            "model/b: in the checkpoint but not restored here",
+        )
+        assert model.state() == before
+        assert (ckpt.epoch, ckpt.step) == (9.0, 1)
+
+    async def test_optimizer_of_another_class(self, tmp_path: Path) -> None:
+        """An Adam is not restored from an SGD's state; it gets no slots."""
+        saved_model = await saved_then_changed(tmp_path)
+        model = saved_model.model
+        adam = Adam(0.1)
+        ckpt = Checkpoint(
+            model={"w": model.w, "b": model.b}, optimizer=adam, epoch=9, history=[2.0]
+        )
+        before = model.state()
+        with pytest.raises(CheckpointError) as caught:
+            await ckpt.restore(saved_model.path)
+        assert caught.value.problems == (
+            "optimizer: the checkpoint holds a SGD optimizer with slots ['momentum'], this is "
+            "a Adam with slots ['m', 'v']",
+        )
+        assert model.state() == before
+        assert (adam.iterations, adam.variables()) == (0, [])
+
+    async def test_sgd_without_momentum_differs_from_sgd_with(self, tmp_path: Path) -> None:
+        """An SGD without momentum slots is not restored from one with them."""
+        saved_model = await saved_then_changed(tmp_path)
+        model = saved_model.model
+        plain = SGD(0.1)
+        ckpt = Checkpoint(
+            model={"w": model.w, "b": model.b}, optimizer=plain, epoch=9, history=[2.0]
+        )
+        with pytest.raises(CheckpointError) as caught:
+            await ckpt.restore(saved_model.path)
+        assert caught.value.problems == (
+            "optimizer: the checkpoint holds a SGD optimizer with slots ['momentum'], this is "
+            "a SGD with slots []",
+        )
+        assert plain.iterations == 0
+
+    async def test_number_of_another_type(self, tmp_path: Path) -> None:
+        """An int in the file is not restored into a float; nothing changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        saved_model.ckpt.epoch = 9.0
+        await self.expect_refused(
+            saved_model,
+            saved_model.path,
+            ["epoch: the checkpoint holds a number of type int there, this is of type float"],
+        )
+        assert saved_model.ckpt.epoch == 9.0
+
+    async def test_variable_where_number_was(self, tmp_path: Path) -> None:
+        """An object of another kind at a saved path is refused."""
+        saved_model = await saved_then_changed(tmp_path)
+        saved_model.ckpt.epoch = Variable(0)
+        await self.expect_refused(
+            saved_model,
+            saved_model.path,
+            [
+                "epoch: the checkpoint holds an object of kind number there, this is of kind "
+                "variable"
+            ],
+        )
+
+
+class TestConstruction:
+    def test_non_string_dict_key(self) -> None:
+        """A dict key that is not a string is refused."""
+        with pytest.raises(TypeError, match=r"the dict key 1 at model/1 is not a string"):
+            Checkpoint(model={1: Variable(0.0)})
+
+    @pytest.mark.parametrize(
+        ("value", "kind"),
+        [("x", "str"), (np.zeros(2), "ndarray"), (True, "bool"), (None, "NoneType")],
+        ids=["str", "ndarray", "bool", "None"],
+    )
+    def test_unsupported_object(self, value: Any, kind: str) -> None:
+        """Strings, arrays, bools and None are not checkpoint objects."""
+        with pytest.raises(TypeError, match=rf"Checkpoint: thing is a {kind}; a checkpoint holds"):
+            Checkpoint(thing=value)
+        with pytest.raises(TypeError, match=rf"Checkpoint: model/0 is a {kind}; a checkpoint"):
+            Checkpoint(model=[value])
+
+    def test_unsupported_object_assigned(self) -> None:
+        """Assigning an unsupported object is refused and leaves the checkpoint as it was."""
+        ckpt = Checkpoint(epoch=1)
+        with pytest.raises(TypeError, match="Checkpoint: epoch is a str"):
+            ckpt.epoch = "one"
+        assert ckpt.epoch == 1
+
+    def test_number_inside_tuple(self) -> None:
+        """A number inside a tuple cannot be restored in place, so it is refused."""
+        with pytest.raises(TypeError, match="the number at pair/1 is inside a tuple"):
+            Checkpoint(pair=(Variable(0.0), 3))
+
+    def test_variables_inside_tuple_allowed(self) -> None:
+        """Variables may sit in tuples: they are restored in place anyway."""
+        ckpt = Checkpoint(pair=(Variable(0.0), Variable(1.0)))
+        assert repr(ckpt) == "Checkpoint(pair)"
+
+    async def test_optimizer_slots_for_foreign_variable(self, tmp_path: Path) -> None:
+        """Saving an optimizer with slots for a variable not in the checkpoint is refused."""
+        w = Variable(np.zeros(2), name="w")
+        other = Variable(np.zeros(2), name="other")
+        opt = SGD(0.1, momentum=0.9)
+        opt.build([w, other])
+        with pytest.raises(
+            ValueError,
+            match="the optimizer at optimizer has slots for variable 'other', which is not in "
+            "this checkpoint",
+        ):
+            await Checkpoint(model={"w": w}, optimizer=opt).save(tmp_path / "c.npz")
+        assert os.listdir(tmp_path) == []
+
+    @pytest.mark.parametrize("method", ["save", "restore"])
+    async def test_inside_replica(self, tmp_path: Path, method: str) -> None:
+        """``save`` and ``restore`` inside ``strategy.run`` raise RuntimeError."""
+        strategy = MirroredStrategy(cpus(2))
+        ckpt = Checkpoint(step=1)
+        await ckpt.save(tmp_path / "c.npz")
+
+        async def step() -> None:
+            await getattr(ckpt, method)(tmp_path / "c.npz")
+
+        with pytest.raises(
+            RuntimeError,
+            match=rf"Checkpoint\.{method}\(\) was called inside replica 0; call it from "
+            r"cross-replica code, outside strategy\.run\(\)",
+        ):
+            await strategy.run(step)
+
+
+class TestCheckpointManager:
+    async def test_numbers_and_keeps_newest(self, tmp_path: Path) -> None:
+        """Files are numbered from 1 and only the newest ``max_to_keep`` stay on disk."""
+        directory = tmp_path / "run"
+        manager = CheckpointManager(Checkpoint(step=0), directory, max_to_keep=2)
+        assert (manager.latest, manager.checkpoints) == (None, [])
+        assert not directory.exists()
+        paths = [await manager.save() for _ in range(3)]
+        assert paths == [str(directory / f"ckpt-{n}.npz") for n in (1, 2, 3)]
+        assert manager.checkpoints == [str(directory / "ckpt-2.npz"), str(directory / "ckpt-3.npz")]
+        assert manager.latest == str(directory / "ckpt-3.npz")
+        assert sorted(os.listdir(directory)) == ["ckpt-2.npz", "ckpt-3.npz"]
+        assert manager.directory == str(directory)
+
+    async def test_directory_created_on_first_save(self, tmp_path: Path) -> None:
+        """A missing directory, nested too, is created by the first save, not before."""
+        directory = tmp_path / "a" / "b"
+        manager = CheckpointManager(Checkpoint(step=0), directory)
+        assert not (tmp_path / "a").exists()
+        await manager.save()
+        assert os.listdir(directory) == ["ckpt-1.npz"]
+
+    async def test_new_manager_finds_existing(self, tmp_path: Path) -> None:
+        """A new manager over the same directory resumes from the newest file."""
+        step = Variable(np.zeros(()), name="step")
+        ckpt = Checkpoint(step=step)
+        manager = CheckpointManager(ckpt, tmp_path, max_to_keep=3)
+        for value in range(4):
+            await step.assign(float(value))
+            await manager.save()
+        (tmp_path / "ckpt-x.npz").write_bytes(b"")
+        (tmp_path / "other-9.npz").write_bytes(b"")
+        (tmp_path / ".ckpt-9.npz.0a1b2c3d.tmp").write_bytes(b"")
+
+        again = CheckpointManager(ckpt, tmp_path, max_to_keep=3)
+
+        assert again.latest == str(tmp_path / "ckpt-4.npz")
+        assert again.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (2, 3, 4)]
+        await step.assign(-1.0)
+        assert again.latest is not None
+        await ckpt.restore(again.latest)
+        assert step.numpy().tolist() == 3.0
+        assert await again.save() == str(tmp_path / "ckpt-5.npz")
+        assert not (tmp_path / "ckpt-2.npz").exists()
+
+    async def test_explicit_checkpoint_number(self, tmp_path: Path) -> None:
+        """``save(checkpoint_number=7)`` writes ``ckpt-7.npz``; the next save is 8."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path)
+        await manager.save()
+        assert await manager.save(checkpoint_number=7) == str(tmp_path / "ckpt-7.npz")
+        assert await manager.save() == str(tmp_path / "ckpt-8.npz")
+        assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (1, 7, 8)]
+
+    async def test_resaving_a_number_replaces_it(self, tmp_path: Path) -> None:
+        """Saving a number again overwrites that file and lists it once."""
+        ckpt = Checkpoint(step=1)
+        manager = CheckpointManager(ckpt, tmp_path)
+        await manager.save(checkpoint_number=3)
+        ckpt.step = 2
+        await manager.save(checkpoint_number=3)
+        assert manager.checkpoints == [str(tmp_path / "ckpt-3.npz")]
+        assert saved(tmp_path / "ckpt-3.npz") == {"step": 2}
+
+    async def test_keep_all(self, tmp_path: Path) -> None:
+        """``max_to_keep=None`` never deletes."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=None)
+        for _ in range(7):
+            await manager.save()
+        assert sorted(os.listdir(tmp_path)) == sorted(f"ckpt-{n}.npz" for n in range(1, 8))
+
+    async def test_checkpoint_name(self, tmp_path: Path) -> None:
+        """``checkpoint_name`` is the file name prefix."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path, checkpoint_name="model")
+        assert await manager.save() == str(tmp_path / "model-1.npz")
+        assert repr(manager) == f"CheckpointManager({str(tmp_path)!r}, latest={manager.latest!r})"
+
+    @pytest.mark.parametrize("max_to_keep", [0, -1, True, 1.5])
+    def test_bad_max_to_keep(self, tmp_path: Path, max_to_keep: Any) -> None:
+        """``max_to_keep`` must be an int >= 1 or None."""
+        with pytest.raises(
+            ValueError, match=rf"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}"
+        ):
+            CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=max_to_keep)
+
+    @pytest.mark.parametrize("name", ["", "a/b"])
+    def test_bad_checkpoint_name(self, tmp_path: Path, name: str) -> None:
+        """An empty prefix or one with a path separator is refused."""
+        with pytest.raises(ValueError, match="checkpoint_name must be a non-empty file name"):
+            CheckpointManager(Checkpoint(step=0), tmp_path, checkpoint_name=name)
+
+    def test_not_a_checkpoint(self, tmp_path: Path) -> None:
+        """The first argument must be a Checkpoint."""
+        with pytest.raises(TypeError, match="checkpoint must be a Checkpoint, got dict"):
+            CheckpointManager({"step": 0}, tmp_path)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("number", [-1, True, 2.0])
+    async def test_bad_checkpoint_number(self, tmp_path: Path, number: Any) -> None:
+        """``checkpoint_number`` must be an int >= 0; nothing is written."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path / "run")
+        with pytest.raises(
+            ValueError, match=rf"checkpoint_number must be an int >= 0, got {number!r}"
+        ):
+            await manager.save(checkpoint_number=number)
+        assert not (tmp_path / "run").exists()
+
+
+class TestConsistentSnapshot:
+    async def test_saves_values_at_call_time(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Updates made while a save is writing do not reach the file: it holds the old values.
+
+        The save is held inside its first array write (in its worker thread) while the main
+        task trains one step, assigns and changes the numbers; then the write resumes.
+        """
+        model = build(2, SGD(0.1, momentum=0.9))
+        await train(model, 2)
+        history = [0.5]
+        ckpt = Checkpoint(
+            model={"w": model.w, "b": model.b}, optimizer=model.opt, epoch=3, history=history
+        )
+        before = model.state()
+        path = tmp_path / "c.npz"
+        writing = threading.Event()
+        resume = threading.Event()
+        real = np.lib.format.write_array
+
+        def held(*args: Any, **kwargs: Any) -> None:
+            writing.set()
+            assert resume.wait(10), "the test never resumed the save"
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(np.lib.format, "write_array", held)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ckpt.save, path)
+            assert await anyio.to_thread.run_sync(writing.wait, 10)
+            await train(model, 1)
+            await model.b.assign(np.full(3, 42.0))
+            ckpt.epoch = 9
+            history[0] = 2.0
+            resume.set()
+
+        assert model.state() != before
+        target = build(2, SGD(0.1, momentum=0.9), offset=10.0)
+        restored = Checkpoint(
+            model={"w": target.w, "b": target.b}, optimizer=target.opt, epoch=0, history=[0.0]
+        )
+        await restored.restore(path)
+        assert target.state() == before
+        assert (restored.epoch, restored.history) == (3, [0.5])
+
+    async def test_cancelled_save_still_writes(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A save cancelled while writing finishes its file, whole and restorable."""
+        w = Variable(np.arange(3.0), name="w")
+        ckpt = Checkpoint(w=w)
+        path = tmp_path / "c.npz"
+        writing = threading.Event()
+        resume = threading.Event()
+        real = np.lib.format.write_array
+
+        def held(*args: Any, **kwargs: Any) -> None:
+            writing.set()
+            assert resume.wait(10), "the test never resumed the save"
+            real(*args, **kwargs)
+
+        monkeypatch.setattr(np.lib.format, "write_array", held)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ckpt.save, path)
+            assert await anyio.to_thread.run_sync(writing.wait, 10)
+            tg.cancel_scope.cancel()
+            resume.set()
+
+        assert os.listdir(tmp_path) == ["c.npz"]
+        assert saved(path) == {"w": [0.0, 1.0, 2.0]}
