@@ -708,8 +708,7 @@ async def compute_copies(
             key = tuple(map(id, inputs))
         else:
             key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
-        result = done.get(key)
-        if result is None:
+        if key not in done:
             nbytes = max((getattr(x, "nbytes", 0) for x in inputs), default=0)
             if device.has_context or nbytes >= _INLINE_BYTES:
                 result = await device.run(fn, *inputs)
@@ -717,8 +716,8 @@ async def compute_copies(
                 result = fn(*inputs)
             # An optimizer's step returns several new arrays per copy.
             multiple = isinstance(result, tuple)
-            result = done[key] = tuple(map(_frozen, result)) if multiple else _frozen(result)
-        results.append(result)
+            done[key] = tuple(map(_frozen, result)) if multiple else _frozen(result)
+        results.append(done[key])
     return tuple(results)
 
 

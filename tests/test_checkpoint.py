@@ -19,6 +19,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 import pytest
+from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -43,10 +44,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aioreplica.__file__)))
 
 #: The end of every message about a file that cannot be read.
 UNREADABLE = "; the file is truncated, corrupted or not an aioreplica checkpoint"
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
 
 
 def copies(variable: Variable) -> list[Any]:

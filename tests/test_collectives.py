@@ -9,6 +9,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from replicas import cpus, ctx, rid
 
 import aioreplica
 from aioreplica import (
@@ -17,25 +18,10 @@ from aioreplica import (
     MirroredStrategy,
     PerReplica,
     ReduceOp,
-    ReplicaContext,
     ReplicaSyncError,
 )
 
 pytestmark = pytest.mark.anyio
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
-
-
-def ctx() -> ReplicaContext:
-    context = aioreplica.get_replica_context()
-    assert context is not None
-    return context
-
-
-def rid() -> int:
-    return ctx().replica_id_in_sync_group
 
 
 def local(strategy: MirroredStrategy, value: Any) -> tuple[Any, ...]:

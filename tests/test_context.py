@@ -15,6 +15,7 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
+from replicas import ctx
 
 import aioreplica
 from aioreplica import (
@@ -33,12 +34,6 @@ Facts = tuple[ReplicaContext | None, bool, MirroredStrategy, bool]
 def facts() -> Facts:
     """Everything the context functions say about where the caller runs."""
     return get_replica_context(), in_cross_replica_context(), get_strategy(), has_strategy()
-
-
-def ctx() -> ReplicaContext:
-    context = get_replica_context()
-    assert context is not None
-    return context
 
 
 def default_strategy() -> MirroredStrategy:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import sniffio
 import trio
+from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -36,10 +37,6 @@ Array = np.ndarray[Any, Any]
 Table = tuple[Array, Array]
 
 SOURCES = ["list", "generator", "async generator"]
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
 
 
 def mentions(*patterns: str) -> str:

@@ -10,6 +10,7 @@ import anyio
 import numpy as np
 import pytest
 from fake_devices import FakeDevice
+from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -33,10 +34,6 @@ pytestmark = pytest.mark.anyio
 
 T = TypeVar("T")
 Array = np.ndarray[Any, Any]
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
 
 
 def assert_close(got: Any, want: Any) -> None:

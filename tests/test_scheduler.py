@@ -9,12 +9,12 @@ import anyio
 import anyio.lowlevel
 import pytest
 from fake_devices import RecordingDevice
+from replicas import cpus, ctx, rid
 
 import aioreplica
 from aioreplica import (
     MirroredStrategy,
     PerReplica,
-    ReplicaContext,
     ReplicaSyncError,
     get_replica_context,
 )
@@ -28,20 +28,6 @@ ASYNCIO_ONLY = pytest.mark.parametrize(
         pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
     ],
 )
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
-
-
-def ctx() -> ReplicaContext:
-    context = get_replica_context()
-    assert context is not None
-    return context
-
-
-def rid() -> int:
-    return ctx().replica_id_in_sync_group
 
 
 def noop(strategy: MirroredStrategy) -> None:

@@ -9,17 +9,12 @@ from typing import Any
 
 import anyio
 import pytest
+from replicas import rid
 
 import aioreplica
 from aioreplica import Mirrored, MirroredStrategy, PerReplica, get_replica_context
 
 pytestmark = pytest.mark.anyio
-
-
-def rid() -> int:
-    ctx = get_replica_context()
-    assert ctx is not None
-    return ctx.replica_id_in_sync_group
 
 
 Pair = collections.namedtuple("Pair", ["x", "y"])

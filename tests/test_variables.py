@@ -10,14 +10,13 @@ import anyio
 import numpy as np
 import pytest
 from fake_devices import FakeDevice
+from replicas import cpus, ctx, rid
 
-import aioreplica
 from aioreplica import (
     Mirrored,
     MirroredStrategy,
     MirroredVariable,
     PerReplica,
-    ReplicaContext,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
@@ -39,20 +38,6 @@ WRITES: dict[str, Callable[[Variable, Any], Awaitable[Variable]]] = {
     "assign_add": Variable.assign_add,
     "assign_sub": Variable.assign_sub,
 }
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
-
-
-def ctx() -> ReplicaContext:
-    context = aioreplica.get_replica_context()
-    assert context is not None
-    return context
-
-
-def rid() -> int:
-    return ctx().replica_id_in_sync_group
 
 
 def scoped(strategy: MirroredStrategy, initial: Any, **kwargs: Any) -> Variable:
