@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, Self
 
 from . import _tree
 from ._backends import Device, canonical_device_name
@@ -39,13 +40,43 @@ if TYPE_CHECKING:
     from ._backends import ArrayBackend
     from ._strategy import MirroredStrategy
 
-__all__ = ["CommunicationOptions", "Communicator", "CrossWorkerStage", "ReduceOp"]
+__all__ = ["Choice", "CommunicationOptions", "Communicator", "CrossWorkerStage", "ReduceOp"]
 
 #: Pack size when ``CommunicationOptions.bytes_per_pack`` is 0 (let aioreplica choose).
 _DEFAULT_PACK_BYTES: Final = 4 << 20
 
 
-class ReduceOp(enum.StrEnum):
+class Choice(enum.StrEnum):
+    """A string enum whose ``parse`` takes a member or its value in any case.
+
+    The base of ``ReduceOp``, ``VariableSynchronization`` and ``VariableAggregation``: each
+    member's value is its name in lower case, so names and values both parse.
+    """
+
+    @classmethod
+    def parse(cls, value: Self | str) -> Self:
+        """Return ``value`` as a member; strings are matched without regard to case.
+
+        Raises:
+            ValueError: ``value`` names no member; the message lists the valid ones.
+
+        Example:
+            >>> ReduceOp.parse("MEAN")
+            <ReduceOp.MEAN: 'mean'>
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
+        valid = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}")
+
+
+class ReduceOp(Choice):
     """How values are combined across replicas. Strings (``"sum"``, ...) are accepted too.
 
     Example:
@@ -58,23 +89,6 @@ class ReduceOp(enum.StrEnum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
-
-    @classmethod
-    def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        """Return ``op`` as a ``ReduceOp``; strings are matched without regard to case.
-
-        Raises:
-            ValueError: ``op`` names no reduction; the message lists the valid ones.
-        """
-        if isinstance(op, ReduceOp):
-            return op
-        if isinstance(op, str):
-            try:
-                return cls(op.lower())
-            except ValueError:
-                pass
-        valid = ", ".join(repr(member.value) for member in cls)
-        raise ValueError(f"unknown reduce op {op!r}: use a ReduceOp or one of {valid}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,13 +23,13 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
-import enum
-from typing import TYPE_CHECKING, Any, Final, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from . import _tree
+from ._collectives import Choice
 from ._context import ContextState, ReplicaContext, context_state, get_default_strategy
 from ._values import DistributedValues, Mirrored, PerReplica, select_replica_mirrored
 
@@ -57,28 +57,13 @@ __all__ = [
     "update",
 ]
 
-E = TypeVar("E", bound=enum.Enum)
-
 #: Host work on arrays smaller than this runs inline on the loop thread: handing it to the
 #: device's worker thread costs more than it saves. Larger work goes to the worker, so a big
 #: update never blocks the event loop (DESIGN invariant 4).
 _INLINE_BYTES: Final = 1 << 20
 
 
-def _parse(cls: type[E], value: E | str, what: str) -> E:
-    """``value`` as a member of ``cls``; strings match the value or name, in any case."""
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, str):
-        for member in cls:
-            if value.lower() in (member.value, member.name.lower()):
-                return member
-    valid = ", ".join(f"{cls.__name__}.{member.name}" for member in cls)
-    strings = ", ".join(repr(member.value) for member in cls)
-    raise ValueError(f"invalid {what} {value!r}: use one of {valid} (or {strings})")
-
-
-class VariableSynchronization(enum.StrEnum):
+class VariableSynchronization(Choice):
     """When the copies of a distributed variable are brought in sync. Strings are accepted.
 
     ``AUTO`` and ``ON_WRITE`` make a ``MirroredVariable`` (synced on every write); ``ON_READ``
@@ -95,17 +80,8 @@ class VariableSynchronization(enum.StrEnum):
     ON_READ = "on_read"
     NONE = "none"
 
-    @classmethod
-    def parse(cls, value: VariableSynchronization | str) -> VariableSynchronization:
-        """Return ``value`` as a member; strings match its value or name, in any case.
 
-        Raises:
-            ValueError: ``value`` names no member; the message lists the valid ones.
-        """
-        return _parse(cls, value, "synchronization")
-
-
-class VariableAggregation(enum.StrEnum):
+class VariableAggregation(Choice):
     """How the replicas' values combine into one. Strings are accepted.
 
     For a ``MirroredVariable`` it is how the values that replicas write in one merge round
@@ -121,15 +97,6 @@ class VariableAggregation(enum.StrEnum):
     SUM = "sum"
     MEAN = "mean"
     ONLY_FIRST_REPLICA = "only_first_replica"
-
-    @classmethod
-    def parse(cls, value: VariableAggregation | str) -> VariableAggregation:
-        """Return ``value`` as a member; strings match its value or name, in any case.
-
-        Raises:
-            ValueError: ``value`` names no member; the message lists the valid ones.
-        """
-        return _parse(cls, value, "aggregation")
 
 
 _Sync = VariableSynchronization
