@@ -418,6 +418,22 @@ class TestCrossReplica:
         with pytest.raises(ValueError, match="destination 'cpu:7' is not one of"):
             await strategy.extended.reduce_to("sum", value, "cpu:7")
 
+    async def test_batch_reduce_to_nested_values(self) -> None:
+        """batch_reduce_to keeps each value's structure, each leaf on its destinations."""
+        strategy = MirroredStrategy(cpus(3))
+        grads = {
+            "w": PerReplica([np.full(2, 1.0), np.full(2, 2.0), np.full(2, 3.0)]),
+            "b": PerReplica([np.array(1), np.array(2), np.array(4)]),
+        }
+        nested, single = await strategy.extended.batch_reduce_to(
+            "sum", [(grads, ["cpu:0", "cpu:2"]), (grads["w"], "cpu:1")]
+        )
+        assert set(nested) == {"w", "b"}
+        for got in local(strategy, nested["w"]):
+            np.testing.assert_array_equal(got, [6.0, 6.0])
+        assert {int(got) for got in local(strategy, nested["b"])} == {7}  # shared on the host
+        np.testing.assert_array_equal(single, [6.0, 6.0])
+
     async def test_broadcast_to(self) -> None:
         """broadcast_to places one read-only copy on the destinations."""
         strategy = MirroredStrategy(cpus(2))
