@@ -225,10 +225,7 @@ class Checkpoint:
             yield _plain_path(key_path), leaf
 
     def _set_number(self, path: Path, value: int | float) -> None:
-        container: Any = self._objects
-        for key in path[:-1]:
-            container = container[key]
-        container[path[-1]] = value
+        _parent(self._objects, path)[path[-1]] = value
 
 
 @final
@@ -708,10 +705,14 @@ def _check_objects(name: str, value: Any) -> None:
 
 def _restorable(root: Any, key_path: _tree.KeyPath) -> bool:
     """Whether the leaf at ``key_path`` sits in a container it can be written back into."""
-    container = root
-    for key in _plain_path(key_path[:-1]):
-        container = container[key]
-    return isinstance(container, dict | list)
+    return isinstance(_parent(root, _plain_path(key_path)), dict | list)
+
+
+def _parent(root: Any, path: Path) -> Any:
+    """The container holding the object at ``path`` below ``root``."""
+    for key in path[:-1]:
+        root = root[key]
+    return root
 
 
 def _plain_path(key_path: _tree.KeyPath) -> Path:

@@ -242,7 +242,7 @@ class Communicator:
     async def _merge_all_reduce(
         self, strategy: MirroredStrategy, op: Any, value: Any, opts: Any
     ) -> Any:
-        op, opts = agreed(op), agreed(opts)
+        op, opts = _agreed(op), _agreed(opts)
         leaves, treedef = self._leaves("all_reduce", value)
         self._check_same_shapes("all_reduce", leaves)
         _check_op(op, leaves)
@@ -250,7 +250,7 @@ class Communicator:
         return treedef.unflatten([_mirrored(r) for r in results])
 
     async def _merge_all_gather(self, strategy: MirroredStrategy, value: Any, axis: Any) -> Any:
-        axis = agreed(axis)
+        axis = _agreed(axis)
         leaves, treedef = self._leaves("all_gather", value)
         gathered = []
         for leaf in leaves:
@@ -261,7 +261,7 @@ class Communicator:
         return treedef.unflatten(gathered)
 
     async def _merge_broadcast(self, strategy: MirroredStrategy, value: Any, source: Any) -> Any:
-        source = agreed(source)
+        source = _agreed(source)
         leaves, treedef = self._leaves("broadcast", value)
         results = [
             _mirrored(await self._backend.broadcast(leaf.components[source], self._devices))
@@ -277,7 +277,7 @@ class Communicator:
         axis: Any,
         opts: Any,
     ) -> Any:
-        op, axis, opts = agreed(op), agreed(axis), agreed(opts)
+        op, axis, opts = _agreed(op), _agreed(axis), _agreed(opts)
         leaves, treedef = self._leaves("reduce_scatter", value)
         self._check_same_shapes("reduce_scatter", leaves)
         _check_op(op, leaves)
@@ -569,7 +569,7 @@ def _barrier(strategy: MirroredStrategy) -> None:
     return None
 
 
-def agreed(setting: Any) -> Any:
+def _agreed(setting: Any) -> Any:
     """A collective's setting (op, axis, options) as the replicas passed it.
 
     Replicas that build equal settings as separate objects arrive regrouped as a

@@ -259,8 +259,9 @@ class Optimizer:
     def _cast_step(
         self, var: Any, grad: Any, *slots: Any, rate: float, step: int
     ) -> tuple[Any, ...]:
+        # Gradients arrive in the variable's dtype (cast per replica before the merge); the
+        # results are cast back, since Python-float hyperparameters may promote them.
         xp = array_module(var)
-        grad = xp.asarray(grad).astype(var.dtype, copy=False)
         results = self._update_step(xp, var, grad, slots, rate, step)
         return tuple(xp.asarray(r).astype(var.dtype, copy=False) for r in results)
 

@@ -47,7 +47,6 @@ __all__ = [
     "VariableSynchronization",
     "array_module",
     "commit",
-    "compute_copies",
     "compute_update",
     "new_copies",
     "same_on_every_replica",
@@ -465,10 +464,12 @@ class Variable(NDArrayOperatorsMixin):
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
         device = self._devices[0]
-        array = self._checked(value, device, None)
-        new = await compute_copies(self._devices, _writer(op), [self._copies, [array]])
-        commit([(self, new)])
+        await self._write_copies(op, [self._checked(value, device, None)])
         return self
+
+    async def _write_copies(self, op: str, values: Sequence[Any]) -> None:
+        """Write ``values[i]`` into copy ``i`` with ``op``, every copy or (on error) none."""
+        commit([(self, await compute_update(self, _writer(op), values))])
 
     def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
         """``value`` on ``device``, in this variable's dtype, or a clear error."""
@@ -551,12 +552,7 @@ class MirroredVariable(Variable):
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
         if replica is None:
-            new = await compute_copies(
-                self._devices,
-                _writer(op),
-                [self._copies, self._cross_replica_values(value)],
-            )
-            commit([(self, new)])
+            await self._write_copies(op, self._cross_replica_values(value))
             return self
         replica_id = self._replica_id(replica, op)
         if self._aggregation is _Agg.NONE:
@@ -623,7 +619,7 @@ class SyncOnReadVariable(Variable):
             replica_id = self._replica_id(replica, op)
             local = self._checked(value, replica.device, replica_id)
             copy = self._copies[replica_id]
-            new = (await compute_copies((replica.device,), _writer(op), [[copy], [local]]))[0]
+            new = (await _compute_copies((replica.device,), _writer(op), [[copy], [local]]))[0]
             copies = list(self._copies)
             copies[replica_id] = new
             commit([(self, copies)])
@@ -637,8 +633,7 @@ class SyncOnReadVariable(Variable):
         values = self._cross_replica_values(value)
         if op == _ASSIGN and self._aggregation is _Agg.SUM:
             values = _split_sum(values, self._dtype)
-        new = await compute_copies(self._devices, _writer(op), [self._copies, values])
-        commit([(self, new)])
+        await self._write_copies(op, values)
         return self
 
 
@@ -655,7 +650,7 @@ def commit(updates: Iterable[tuple[Variable, Sequence[Any]]]) -> None:
         variable._copies = tuple(copies)
 
 
-async def compute_copies(
+async def _compute_copies(
     devices: Sequence[Device],
     fn: Callable[..., Any],
     per_copy: Sequence[Sequence[Any]],
@@ -691,8 +686,8 @@ async def compute_copies(
 async def compute_update(
     variable: Variable, fn: Callable[..., Any], *per_copy: Sequence[Any]
 ) -> tuple[Any, ...]:
-    """``compute_copies`` over ``variable``'s devices, with its copies as the first input."""
-    return await compute_copies(variable._devices, fn, [variable._copies, *per_copy])
+    """``_compute_copies`` over ``variable``'s devices, with its copies as the first input."""
+    return await _compute_copies(variable._devices, fn, [variable._copies, *per_copy])
 
 
 async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tuple[Any, ...]:
@@ -777,8 +772,7 @@ async def _merge_write(strategy: MirroredStrategy, variable: Any, op: Any, value
     op = same_on_every_replica(op, "the kind of write (assign, assign_add, assign_sub)")
     assert isinstance(variable, MirroredVariable)
     reduced = await _aggregate(strategy, variable, value)
-    new = await compute_copies(variable._devices, _writer(op), [variable._copies, reduced])
-    commit([(variable, new)])
+    await variable._write_copies(op, reduced)
 
 
 async def _aggregate(strategy: MirroredStrategy, variable: Variable, value: Any) -> list[Any]:
@@ -908,7 +902,7 @@ async def _update(
         result = fn(copy, *selected[0], **selected[1])
         return _as_copy(variable, result, copy)
 
-    new = await compute_copies(devices, apply, [variable._copies, per_copy_args])
+    new = await compute_update(variable, apply, per_copy_args)
     commit([(variable, new)])
     if not group:
         return new
