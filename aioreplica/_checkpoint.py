@@ -48,7 +48,8 @@ from . import _tree
 from ._context import context_state
 from ._errors import CheckpointError
 from ._optimizers import Optimizer, restore_state, slot_table, slots_to_restore
-from ._variables import Variable, commit, new_copies, snapshot, to_host
+from ._variables import Variable, new_copies, snapshot
+from ._writes import commit, to_host
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -88,6 +89,7 @@ class Checkpoint:
         >>> ckpt = Checkpoint(model={"w": w}, epoch=0)
         >>> path = anyio.run(ckpt.save, tmp / "model.npz")
         >>> anyio.run(w.assign, 1.0)
+        <aioreplica.Variable 'w' shape=(3,) dtype=float64 value=array([1., 1., 1.])>
         >>> anyio.run(ckpt.restore, path)
         >>> w.numpy()
         array([0., 0., 0.])

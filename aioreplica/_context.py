@@ -1,9 +1,9 @@
-"""Replica and cross-replica contexts.
+"""Replica and cross-replica contexts, and ``ReplicaContext``: a replica's view of its run.
 
-Code runs in one of three contexts, each found from two ``ContextVar``s (never from the
-thread: every replica is a task on one thread, and both asyncio and trio copy the context into
-each task, so the replica id travels with its coroutine and concurrent ``run()`` calls never
-see each other):
+Code runs in one of three contexts, each found from one ``ContextVar`` (never from the thread:
+every replica is a task on one thread, and both asyncio and trio copy the context into each
+task, so the replica travels with its coroutine and concurrent ``run()`` calls never see each
+other):
 
 - **replica context**: inside a replica of ``strategy.run``. ``get_replica_context()``
   returns that replica's ``ReplicaContext``.
@@ -14,6 +14,14 @@ see each other):
   so code written for replicas also runs without any strategy.
 
 Exactly one of ``get_replica_context() is not None`` and ``in_cross_replica_context()`` holds.
+
+The strategy is the facade above this layer, so here it is an opaque object (typed ``Any``)
+that is passed to merge functions and compared by identity. The default strategy is reached
+through one registration point, ``register_default_context``, which the facade calls once at
+import with a factory of the default replica context.
+
+A ``ReplicaContext`` holds the reduction engine of its strategy; each of its collectives is one
+merge call whose merge function calls the engine.
 """
 
 from __future__ import annotations
@@ -22,21 +30,28 @@ import inspect
 import types
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Protocol, final
+from typing import TYPE_CHECKING, Any, final
+
+from ._merge import MergeRequest
+from ._options import ReduceOp
+from ._values import PerReplica, agreed, select_replica
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Generator, Mapping
 
     from ._backends import Device
-    from ._collectives import CommunicationOptions, ReduceOp
-    from ._strategy import MirroredStrategy
+    from ._collectives import ReductionEngine
+    from ._merge import MergePoint
+    from ._options import CommunicationOptions
 
 __all__ = [
+    "ContextState",
     "ReplicaContext",
+    "context_state",
+    "default_replica_context",
     "get_replica_context",
-    "get_strategy",
-    "has_strategy",
     "in_cross_replica_context",
+    "register_default_context",
 ]
 
 
@@ -47,11 +62,13 @@ class ContextState:
     Attributes:
         replica: the replica whose code is running, or None.
         strategy: the strategy of the enclosing ``scope()`` or ``merge_fn``, or None.
+        engine: that strategy's reduction engine (variables made in its scope use it).
         merging: true inside ``merge_fn`` (cross-replica, but ``run()`` may not nest there).
     """
 
     replica: ReplicaContext | None = None
-    strategy: MirroredStrategy | None = None
+    strategy: Any = None
+    engine: ReductionEngine | None = None
     merging: bool = False
 
 
@@ -60,57 +77,11 @@ context_state: ContextVar[ContextState] = ContextVar(
     "aioreplica.context_state", default=ContextState()
 )
 
-_default_strategy: MirroredStrategy | None = None
-_default_strategy_factory: Callable[[], MirroredStrategy] | None = None
-
-
-class MergePoint(Protocol):
-    """The scheduler's side of one replica: where ``merge_call`` leaves its request.
-
-    ``merge_call`` checks ``stepping`` (true only while the scheduler is running this
-    replica's own coroutine) and that no earlier request is pending (``merge_fn is None``),
-    stores its request here and returns the trap; awaiting the trap yields ``MERGE`` to the
-    scheduler, which runs the round, clears the request and sends the replica its result.
-    """
-
-    stepping: bool
-    merge_fn: Callable[..., Any] | None
-    merge_args: tuple[Any, ...]
-    merge_kwargs: Mapping[str, Any] | None
-
-    def set_merge_timeout(self, timeout: float) -> None: ...
-
-    def misuse_message(self) -> str: ...
-
-
-@final
-class _MergeTrapMarker:
-    """What a replica coroutine yields to its driver at a merge point.
-
-    It only ever reaches an event loop when a trap is awaited somewhere the scheduler does not
-    drive, and both asyncio and trio then print its repr in their error: so the repr says what
-    went wrong.
-    """
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return (
-            "<aioreplica merge_call trap: merge_call() must be awaited by the replica's own "
-            "coroutine, not by a task it spawned (a task group child, asyncio.shield, or "
-            "asyncio.wait_for, which runs its argument in a new task on Python 3.11); to "
-            "bound the wait use `with anyio.fail_after(seconds): await ctx.merge_call(...)` "
-            "instead>"
-        )
-
-
-MERGE: Final = _MergeTrapMarker()
-
 
 @types.coroutine
-def _merge_trap() -> Generator[Any, Any, Any]:
-    """The one private primitive a replica awaits: the scheduler sends back its result."""
-    return (yield MERGE)
+def merge_trap(request: MergeRequest) -> Generator[Any, Any, Any]:
+    """Yield ``request`` to the replica's driver; return the result the scheduler sends back."""
+    return (yield request)
 
 
 @final
@@ -118,7 +89,6 @@ class ReplicaContext:
     """The view of one replica from inside its code (``get_replica_context()``).
 
     Example:
-        >>> import anyio, aioreplica
         >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
         >>> async def step():
         ...     ctx = aioreplica.get_replica_context()
@@ -128,23 +98,24 @@ class ReplicaContext:
         1
     """
 
-    __slots__ = ("_device", "_merge_point", "_replica_id", "_strategy")
+    __slots__ = ("_device", "_engine", "_merge_point", "_replica_id", "_strategy")
 
     def __init__(
         self,
-        strategy: MirroredStrategy,
+        strategy: Any,
+        engine: ReductionEngine,
         replica_id: int,
-        device: Device,
         merge_point: MergePoint | None,
     ) -> None:
         self._strategy = strategy
+        self._engine = engine
         self._replica_id = replica_id
-        self._device = device
+        self._device = engine.devices[replica_id]
         self._merge_point = merge_point
 
     @property
-    def strategy(self) -> MirroredStrategy:
-        """The strategy this replica belongs to."""
+    def strategy(self) -> Any:
+        """The strategy this replica belongs to (a ``MirroredStrategy``)."""
         return self._strategy
 
     @property
@@ -155,7 +126,7 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run in sync."""
-        return self._strategy.num_replicas_in_sync
+        return len(self._engine.devices)
 
     @property
     def device(self) -> Device:
@@ -183,7 +154,8 @@ class ReplicaContext:
 
         Args:
             merge_fn: called as ``merge_fn(strategy, *args, **kwargs)``; every replica must pass
-                the same function (the same code) in the same round.
+                the same function in the same round: the same code, and for a
+                ``functools.partial`` or bound method equal bound arguments.
             args: this replica's positional arguments for ``merge_fn``.
             kwargs: this replica's keyword arguments for ``merge_fn``.
 
@@ -198,6 +170,7 @@ class ReplicaContext:
                 context, after ``run()`` returned, or from a task the replica spawned (such as
                 ``asyncio.wait_for`` on Python 3.11; use ``anyio.fail_after`` instead); or
                 called again before the previous call was awaited.
+            ReplicaSyncError: (from ``run()``) replicas passed different merge functions.
             Exception: whatever ``merge_fn`` raises; ``run()`` then raises it once and cancels
                 every replica.
 
@@ -205,20 +178,36 @@ class ReplicaContext:
             >>> async def step():
             ...     ctx = aioreplica.get_replica_context()
             ...     return await ctx.merge_call(lambda strategy: "merged")
+            >>> anyio.run(aioreplica.MirroredStrategy(["cpu:0", "cpu:1"]).run, step)
+            'merged'
         """
         # A plain function returning a generator trap, not a coroutine: one frame less on the
         # hottest path there is, and a forgotten ``await`` still fails loudly (see Returns).
         point = self._merge_point
         if point is None:
-            return _merge_now(merge_fn, args, kwargs)
-        if not point.stepping or point.merge_fn is not None:
+            return _merge_now(self._strategy, merge_fn, args, kwargs)
+        if not point.stepping or point.pending is not None:
             raise RuntimeError(point.misuse_message())
-        point.merge_fn = merge_fn
-        point.merge_args = args
-        point.merge_kwargs = kwargs
-        return _merge_trap()
+        request = point.pending = MergeRequest(merge_fn, args, kwargs, None)
+        return merge_trap(request)
 
-    # -- collectives (each one merge call; see aioreplica._collectives) -------------------
+    async def _collective(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        timeout: float | None,  # noqa: ASYNC109 - bounds the arrival of others, not this call
+    ) -> Any:
+        """One merge round running ``merge_fn`` (which returns a ``PerReplica``), bounded by
+        ``timeout`` seconds of waiting for the other replicas to arrive."""
+        point = self._merge_point
+        if point is None:
+            return select_replica(0, await _merge_now(self._strategy, merge_fn, args, None))
+        if not point.stepping or point.pending is not None:
+            raise RuntimeError(point.misuse_message())
+        request = point.pending = MergeRequest(merge_fn, args, None, timeout)
+        return await merge_trap(request)
+
+    # -- collectives (each one merge round; the engine does the work) ----------------------
 
     async def all_reduce(
         self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None
@@ -244,11 +233,19 @@ class ReplicaContext:
             ReplicaSyncError: (from ``run()``) replicas late past ``timeout_seconds``.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
             ...     ctx = aioreplica.get_replica_context()
             ...     return await ctx.all_reduce("sum", np.ones(3))
+            >>> anyio.run(strategy.run, step)
+            array([2., 2., 2.])
         """
-        return await self._strategy.extended.communicator.all_reduce(self, op, value, options)
+        op = ReduceOp.parse(op)
+        engine = self._engine
+        options = engine.options.override(options)
+        return await self._collective(
+            _merge_all_reduce, (engine, op, value, options), options.timeout_seconds
+        )
 
     async def all_gather(
         self, value: Any, axis: int = 0, options: CommunicationOptions | None = None
@@ -262,11 +259,16 @@ class ReplicaContext:
             TypeError: NumPy and CuPy arrays mixed.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
             ...     ctx = aioreplica.get_replica_context()
             ...     return await ctx.all_gather(np.arange(2) + ctx.replica_id_in_sync_group)
+            >>> anyio.run(strategy.run, step)
+            array([0, 1, 1, 2])
         """
-        return await self._strategy.extended.communicator.all_gather(self, value, axis, options)
+        engine = self._engine
+        timeout = engine.options.override(options).timeout_seconds
+        return await self._collective(_merge_all_gather, (engine, value, axis), timeout)
 
     async def broadcast(
         self, value: Any, source_replica: int = 0, options: CommunicationOptions | None = None
@@ -277,13 +279,26 @@ class ReplicaContext:
             ValueError: ``source_replica`` is out of range, or structures differ.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
             ...     ctx = aioreplica.get_replica_context()
-            ...     return await ctx.broadcast(np.random.default_rng().random(3))
+            ...     mine = np.full(2, float(ctx.replica_id_in_sync_group))
+            ...     return await ctx.broadcast(mine, source_replica=1)
+            >>> anyio.run(strategy.run, step)
+            array([1., 1.])
         """
-        return await self._strategy.extended.communicator.broadcast(
-            self, value, source_replica, options
-        )
+        engine = self._engine
+        size = len(engine.devices)
+        if (
+            isinstance(source_replica, bool)
+            or not isinstance(source_replica, int)
+            or not 0 <= source_replica < size
+        ):
+            raise ValueError(
+                f"source_replica must be a replica id from 0 to {size - 1}, got {source_replica!r}"
+            )
+        timeout = engine.options.override(options).timeout_seconds
+        return await self._collective(_merge_broadcast, (engine, value, source_replica), timeout)
 
     async def reduce_scatter(
         self,
@@ -301,12 +316,18 @@ class ReplicaContext:
             TypeError: as ``all_reduce``.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
             ...     ctx = aioreplica.get_replica_context()
-            ...     return await ctx.reduce_scatter("sum", np.arange(8.0))
+            ...     return await ctx.reduce_scatter("sum", np.arange(4.0))
+            >>> anyio.run(strategy.run, step)
+            PerReplica({0: array([0., 2.]), 1: array([4., 6.])})
         """
-        return await self._strategy.extended.communicator.reduce_scatter(
-            self, op, value, axis, options
+        op = ReduceOp.parse(op)
+        engine = self._engine
+        options = engine.options.override(options)
+        return await self._collective(
+            _merge_reduce_scatter, (engine, op, value, axis, options), options.timeout_seconds
         )
 
     async def barrier(self, options: CommunicationOptions | None = None) -> None:
@@ -316,10 +337,13 @@ class ReplicaContext:
             ReplicaSyncError: (from ``run()``) replicas late past ``timeout_seconds``.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
             ...     await aioreplica.get_replica_context().barrier()
+            >>> anyio.run(strategy.run, step)
         """
-        await self._strategy.extended.communicator.barrier(self, options)
+        timeout = self._engine.options.override(options).timeout_seconds
+        await self._collective(_merge_barrier, (), timeout)
 
     def __repr__(self) -> str:
         return (
@@ -328,7 +352,48 @@ class ReplicaContext:
         )
 
 
+# -- the collectives' merge functions (the engine is an argument: one object, kept plain) ---
+
+
+async def _merge_all_reduce(
+    strategy: Any, engine: ReductionEngine, op: Any, value: Any, options: Any
+) -> PerReplica[Any]:
+    op = agreed(op, "the reduce op of all_reduce")
+    options = agreed(options, "the communication options of all_reduce")
+    return PerReplica(await engine.all_reduce(op, value, options))
+
+
+async def _merge_all_gather(
+    strategy: Any, engine: ReductionEngine, value: Any, axis: Any
+) -> PerReplica[Any]:
+    return PerReplica(await engine.all_gather(value, agreed(axis, "the axis of all_gather")))
+
+
+async def _merge_broadcast(
+    strategy: Any, engine: ReductionEngine, value: Any, source: Any
+) -> PerReplica[Any]:
+    source = agreed(source, "the source_replica of broadcast")
+    return PerReplica(await engine.broadcast(value, source))
+
+
+async def _merge_reduce_scatter(
+    strategy: Any, engine: ReductionEngine, op: Any, value: Any, axis: Any, options: Any
+) -> PerReplica[Any]:
+    op = agreed(op, "the reduce op of reduce_scatter")
+    axis = agreed(axis, "the axis of reduce_scatter")
+    options = agreed(options, "the communication options of reduce_scatter")
+    return PerReplica(await engine.reduce_scatter(op, value, axis, options))
+
+
+def _merge_barrier(strategy: Any) -> None:
+    return None
+
+
+# -- the default context ----------------------------------------------------------------------
+
+
 async def _merge_now(
+    strategy: Any,
     merge_fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any] | None,
@@ -340,8 +405,9 @@ async def _merge_now(
             "strategy.scope()); call it from replica code, or call the merge function "
             "directly"
         )
-    strategy = get_default_strategy()
-    token = context_state.set(ContextState(strategy=strategy, merging=True))
+    token = context_state.set(
+        ContextState(strategy=strategy, engine=default_replica_context()._engine, merging=True)
+    )
     try:
         result = merge_fn(strategy, *args, **(kwargs or {}))
         if inspect.isawaitable(result):
@@ -351,52 +417,33 @@ async def _merge_now(
         context_state.reset(token)
 
 
-def merge_call_with_timeout(
-    ctx: ReplicaContext,
-    merge_fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    timeout: float | None,
-) -> Awaitable[Any]:
-    """``ctx.merge_call(merge_fn, args)`` whose round fails after ``timeout`` seconds.
+_default_context_factory: Callable[[], ReplicaContext] | None = None
+_default_context: ReplicaContext | None = None
 
-    Collectives use it for ``CommunicationOptions.timeout_seconds``: when replicas wait at this
-    merge point longer than that for the others, the run fails with ``ReplicaSyncError``
-    naming the late replicas.
+
+def register_default_context(factory: Callable[[], ReplicaContext]) -> None:
+    """Say how to make the default replica context: the one registration point.
+
+    The facade (``_strategy``) calls it once at import with a factory that builds the default
+    single-replica strategy and returns its replica context; the context is made on first use.
+    Imports point down only, so this layer never imports the facade.
     """
-    awaitable = ctx.merge_call(merge_fn, args)
-    point = ctx._merge_point
-    if timeout is not None and point is not None:
-        point.set_merge_timeout(timeout)
-    return awaitable
+    global _default_context_factory
+    _default_context_factory = factory
 
 
-def set_default_strategy_factory(factory: Callable[[], MirroredStrategy]) -> None:
-    """Let ``_strategy`` say how to make the default strategy (imports point down only)."""
-    global _default_strategy_factory
-    _default_strategy_factory = factory
+def default_replica_context() -> ReplicaContext:
+    """The default single-replica context (its ``.strategy`` is the default strategy).
 
-
-def get_default_strategy() -> MirroredStrategy:
-    """The process-wide default single-replica strategy, made on first use."""
-    global _default_strategy
-    if _default_strategy is None:
-        if _default_strategy_factory is None:  # pragma: no cover - _strategy is always imported
+    Raises:
+        RuntimeError: nothing was registered (``aioreplica._strategy`` was never imported).
+    """
+    global _default_context
+    if _default_context is None:
+        if _default_context_factory is None:  # pragma: no cover - the package imports _strategy
             raise RuntimeError("aioreplica._strategy was not imported")
-        _default_strategy = _default_strategy_factory()
-    return _default_strategy
-
-
-_default_replica_context: ReplicaContext | None = None
-
-
-def _get_default_replica_context() -> ReplicaContext:
-    global _default_replica_context
-    if _default_replica_context is None:
-        strategy = get_default_strategy()
-        _default_replica_context = ReplicaContext(
-            strategy, 0, strategy.extended.replica_devices[0], None
-        )
-    return _default_replica_context
+        _default_context = _default_context_factory()
+    return _default_context
 
 
 def get_replica_context() -> ReplicaContext | None:
@@ -416,7 +463,7 @@ def get_replica_context() -> ReplicaContext | None:
         return state.replica
     if state.strategy is not None:
         return None
-    return _get_default_replica_context()
+    return default_replica_context()
 
 
 def in_cross_replica_context() -> bool:
@@ -428,26 +475,3 @@ def in_cross_replica_context() -> bool:
     """
     state = context_state.get()
     return state.replica is None and state.strategy is not None
-
-
-def get_strategy() -> MirroredStrategy:
-    """Return the current strategy: of this replica, ``merge_fn`` or ``scope()``, else the default.
-
-    Example:
-        >>> get_strategy().num_replicas_in_sync
-        1
-    """
-    state = context_state.get()
-    if state.replica is not None:
-        return state.replica.strategy
-    return state.strategy if state.strategy is not None else get_default_strategy()
-
-
-def has_strategy() -> bool:
-    """Return whether a strategy other than the default one is current.
-
-    Example:
-        >>> has_strategy()
-        False
-    """
-    return get_strategy() is not get_default_strategy()

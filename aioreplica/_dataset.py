@@ -14,24 +14,21 @@ into an async iterable of per-replica batches:
   task owned by the iterator. It ends when the iteration ends, ``break``s (the iterator is
   dropped) or is cancelled; a synchronous dataset is pulled in a worker thread, so a slow loader
   never blocks the event loop.
-- **workers**: each input pipeline takes its own contiguous part of every global batch, and the
-  pipelines agree at every step whether any still has data (``_agree``), so none waits for a
-  batch that will never come. With one process there is one pipeline; the multi-worker strategy
-  plugs in there.
+- **input pipelines**: each input pipeline takes its own contiguous part of every global batch
+  (``InputContext``). With one process there is one pipeline.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
 
 import anyio
-import numpy as np
 
-from . import _loop, _tree
+from . import _loops, _tree
+from ._batched import batch_rows, batched
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -48,7 +45,6 @@ __all__ = [
     "InputContext",
     "OptionalValue",
     "ValueContext",
-    "batched",
 ]
 
 T = TypeVar("T")
@@ -154,74 +150,6 @@ class OptionalValue(Generic[T]):
         return f"OptionalValue({'' if self._value is _END else repr(self._value)})"
 
 
-# -- in-memory datasets ------------------------------------------------------------------
-
-
-@final
-class batched:
-    """Batches of in-memory arrays: an iterable of global batches, one epoch per iteration.
-
-    Args:
-        arrays: a nested structure of arrays sharing a leading dimension, e.g. ``(x, y)``.
-        batch_size: rows per batch; the last batch of an epoch may be smaller.
-        shuffle: draw a new permutation of the rows for every epoch.
-        seed: seeds the permutations (the same seed gives the same sequence of epochs).
-
-    Raises:
-        ValueError: ``batch_size`` < 1, or the arrays' leading sizes differ.
-        TypeError: a leaf has no leading dimension.
-
-    Example:
-        >>> [b.tolist() for b in batched(np.arange(5), 2)]
-        [[0, 1], [2, 3], [4]]
-    """
-
-    def __init__(
-        self, arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int | None = None
-    ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
-        self._leaves, self._treedef = _tree.flatten(arrays)
-        self._rows = _batch_rows(self._leaves, self._treedef, "batched")
-        self._batch_size = batch_size
-        self._rng = np.random.default_rng(seed) if shuffle else None
-
-    def __len__(self) -> int:
-        return math.ceil(self._rows / self._batch_size)
-
-    def __iter__(self) -> Iterator[Any]:
-        order = None if self._rng is None else self._rng.permutation(self._rows)
-        for start in range(0, self._rows, self._batch_size):
-            stop = min(start + self._batch_size, self._rows)
-            if order is None:
-                parts = [leaf[start:stop] for leaf in self._leaves]
-            else:
-                rows = order[start:stop]
-                parts = [leaf[rows] for leaf in self._leaves]
-            yield self._treedef.unflatten(parts)
-
-
-def _batch_rows(leaves: Sequence[Any], treedef: _tree.TreeDef, what: str) -> int:
-    """The shared leading size of ``leaves``; ``TypeError``/``ValueError`` naming the path."""
-    sizes = [shape[0] if (shape := getattr(leaf, "shape", None)) else None for leaf in leaves]
-    if sizes and sizes[0] is not None and all(size == sizes[0] for size in sizes):
-        return int(sizes[0])
-    paths = [path for path, _ in _tree.flatten_with_path(treedef.unflatten(leaves))[0]]
-    for path, leaf, size in zip(paths, leaves, sizes, strict=True):
-        if size is None:
-            raise TypeError(
-                f"{what}: the leaf at {_tree.describe_path(path)} is a {type(leaf).__name__}, "
-                "which has no batch dimension; every leaf must be an array whose first "
-                "dimension is the batch"
-            )
-    if not sizes:
-        raise ValueError(f"{what}: the batch has no arrays")
-    listed = ", ".join(
-        f"{_tree.describe_path(path)} has {size}" for path, size in zip(paths, sizes, strict=True)
-    )
-    raise ValueError(f"{what}: leaves have different leading (batch) sizes: {listed}")
-
-
 # -- the distributed dataset -------------------------------------------------------------
 
 
@@ -232,9 +160,16 @@ class DistributedDataset:
     Each ``aiter()`` is a new pass over the underlying dataset. See the module docstring.
 
     Example:
-        >>> async def epoch(strategy, x):
-        ...     async for batch in strategy.distribute_dataset(aioreplica.batched(x, 8)):
-        ...         await strategy.run(step, args=(batch,))
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> dataset = strategy.distribute_dataset(aioreplica.batched(np.arange(6), 4))
+        >>> def step(x):
+        ...     return int(x.sum())
+        >>> async def epoch():
+        ...     return [await strategy.run(step, args=(batch,)) async for batch in dataset]
+        >>> anyio.run(epoch)
+        [PerReplica({0: 1, 1: 5}), PerReplica({0: 4, 1: 5})]
+        >>> anyio.run(epoch)  # each pass starts over
+        [PerReplica({0: 1, 1: 5}), PerReplica({0: 4, 1: 5})]
     """
 
     def __init__(
@@ -281,9 +216,13 @@ class DistributedIterator:
     of ``async for``) stops its prefetching as well.
 
     Example:
-        >>> async def first(dataset):
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> dataset = strategy.distribute_dataset(aioreplica.batched(np.arange(3), 4))
+        >>> async def first():
         ...     async with aiter(dataset) as iterator:
         ...         return await iterator.get_next()
+        >>> anyio.run(first)
+        PerReplica({0: array([0, 1]), 1: array([2])})
     """
 
     def __init__(self, puller: _Puller, prefetch: int) -> None:
@@ -292,7 +231,7 @@ class DistributedIterator:
         self._puller = puller
         self._prefetch = prefetch
         self._closed = False
-        self._background: _loop.Background | None = None
+        self._background: _loops.Background | None = None
         self._receive: MemoryObjectReceiveStream[Any] | None = None
 
     # -- the iterator protocol --------------------------------------------------------------
@@ -313,7 +252,7 @@ class DistributedIterator:
         if self._receive is None:
             send, self._receive = anyio.create_memory_object_stream[Any](self._prefetch)
             puller = self._puller
-            self._background = _loop.current().spawn_background(lambda: _prefetch(puller, send))
+            self._background = _loops.current().spawn_background(lambda: _prefetch(puller, send))
         try:
             return await self._receive.receive()
         except anyio.EndOfStream:
@@ -335,8 +274,17 @@ class DistributedIterator:
             Exception: whatever the dataset raised, unchanged.
 
         Example:
-            >>> async def first(dataset):
-            ...     return await aiter(dataset).get_next()
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.distribute_dataset(aioreplica.batched(np.arange(3), 4))
+            >>> async def first_two():
+            ...     async with aiter(dataset) as iterator:
+            ...         first = await iterator.get_next()
+            ...         try:
+            ...             await iterator.get_next()
+            ...         except StopAsyncIteration:
+            ...             return first, "then StopAsyncIteration"
+            >>> anyio.run(first_two)
+            (PerReplica({0: array([0, 1]), 1: array([2])}), 'then StopAsyncIteration')
         """
         return await self.__anext__()
 
@@ -347,9 +295,13 @@ class DistributedIterator:
             Exception: whatever the dataset raised, unchanged.
 
         Example:
-            >>> async def first_or_none(dataset):
-            ...     optional = await aiter(dataset).get_next_as_optional()
-            ...     return optional.get_value() if optional.has_value() else None
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.distribute_dataset(aioreplica.batched(np.arange(3), 4))
+            >>> async def first_two():
+            ...     async with aiter(dataset) as iterator:
+            ...         return [await iterator.get_next_as_optional() for _ in range(2)]
+            >>> anyio.run(first_two)
+            [OptionalValue(PerReplica({0: array([0, 1]), 1: array([2])})), OptionalValue()]
         """
         try:
             return OptionalValue(await self.__anext__())
@@ -360,12 +312,15 @@ class DistributedIterator:
         """Stop prefetching, wait for it to end, and close the underlying dataset.
 
         Example:
-            >>> async def peek(dataset):
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.distribute_dataset(aioreplica.batched(np.arange(12), 4))
+            >>> async def peek():
             ...     iterator = aiter(dataset)
-            ...     try:
-            ...         return await iterator.get_next()
-            ...     finally:
-            ...         await iterator.aclose()
+            ...     first = await iterator.get_next()
+            ...     await iterator.aclose()
+            ...     return first, await iterator.get_next_as_optional()  # closed: no more
+            >>> anyio.run(peek)
+            (PerReplica({0: array([0, 1]), 1: array([2, 3])}), OptionalValue())
         """
         self._closed = True
         background = self._background
@@ -477,7 +432,7 @@ class _Puller:
         """The next element (replicas' slices, regrouped), or ``_END``."""
         if self._per_replica:
             parts = await self._pull_round()
-            if parts is None or not await _agree(self._input_context, True):
+            if parts is None:
                 return _END
             placed = [
                 _tree.map_structure(device.asarray, part)
@@ -485,7 +440,7 @@ class _Puller:
             ]
             return regroup(placed, PerReplica)
         split = await self._pull_split()
-        if split is None or not await _agree(self._input_context, True):
+        if split is None:
             return _END
         treedef, columns = split
         if len(self._devices) == 1:
@@ -498,7 +453,7 @@ class _Puller:
         if batch is _END:
             return None
         leaves, treedef = _tree.flatten(batch)
-        rows = _batch_rows(leaves, treedef, "distribute_dataset")
+        rows = batch_rows(leaves, treedef, "distribute_dataset")
         if self._first_rows is None:
             self._first_rows = rows
         elif self._drop_remainder and rows < self._first_rows:
@@ -524,7 +479,7 @@ class _Puller:
             if batch is _END:
                 break
             leaves, treedef = _tree.flatten(batch)
-            _batch_rows(leaves, treedef, "distribute_datasets_from_function")
+            batch_rows(leaves, treedef, "distribute_datasets_from_function")
             self._last = batch
             parts.append(batch)
         if not parts:
@@ -563,15 +518,6 @@ def _shares(rows: int, parts: int) -> list[tuple[int, int]]:
 
 def _share(rows: int, parts: int, part: int) -> tuple[int, int]:
     return _shares(rows, parts)[part]
-
-
-async def _agree(context: InputContext, local_has_data: bool) -> bool:
-    """Whether any input pipeline still has data. One pipeline: its own answer.
-
-    The multi-worker strategy replaces this with an all-reduce (MAX) over its workers, so a
-    worker that has run out keeps stepping (with empty batches) until every worker has.
-    """
-    return local_has_data
 
 
 def distribute_values(

@@ -9,12 +9,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
-__all__ = ["AioreplicaInternalError", "CheckpointError", "ReplicaSyncError"]
+__all__ = ["AioreplicaInternalError", "CheckpointError", "ReplicaSyncError", "replica_list"]
 
 
-def _replica_list(ids: Sequence[int]) -> str:
+def replica_list(ids: Sequence[int]) -> str:
     """Format replica ids for a message, e.g. ``replicas 0, 1 and 3``."""
     ids = sorted(ids)
     if len(ids) == 1:
@@ -32,7 +32,8 @@ class ReplicaSyncError(RuntimeError):
     from inside a replica.
 
     Attributes:
-        merge_number: the 1-based number of the ``merge_call`` round where it went wrong.
+        merge_number: the 1-based number of the ``merge_call`` round where it went wrong
+            (``None`` only while it is raised inside a merge function: the scheduler sets it).
         replicas: the replicas at fault (those that finished early, differ, or are late).
         waiting: the replicas that were waiting at that merge point.
     """
@@ -41,9 +42,9 @@ class ReplicaSyncError(RuntimeError):
         self,
         message: str,
         *,
-        merge_number: int,
-        replicas: Sequence[int] = (),
-        waiting: Sequence[int] = (),
+        merge_number: int | None,
+        replicas: Iterable[int] = (),
+        waiting: Iterable[int] = (),
     ) -> None:
         super().__init__(message)
         self.merge_number = merge_number

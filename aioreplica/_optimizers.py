@@ -2,10 +2,11 @@
 
 ``await opt.apply_gradients(grads_and_vars)`` is called by every replica with its own
 gradients. In the merge round, the gradients of every variable are summed across replicas in
-one ``batch_reduce_to`` (small ones packed together, as TF does: users scale their loss by the
-global batch size), then each variable's new value and new slot values (momentum, moments) are
-computed copy by copy, and all of them, with the step count, are committed at once. If anything
-fails or the caller is cancelled before that, no variable, slot or counter has changed.
+one packed all-reduce on the strategy's reduction engine (small ones packed together, as TF
+does: users scale their loss by the global batch size), then each variable's new value and
+new slot values (momentum, moments) are computed copy by copy, and all of them, with the step
+count, are committed at once. If anything fails or the caller is cancelled before that, no
+variable, slot or counter has changed.
 
 The update rules follow Keras' ``SGD`` and ``Adam`` exactly, so the same hyperparameters train
 the same way.
@@ -19,21 +20,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, final
 
 import numpy as np
 
-from ._context import get_default_strategy, get_replica_context
-from ._values import DistributedValues
-from ._variables import (
-    Variable,
-    array_module,
-    commit,
-    compute_update,
-    same_on_every_replica,
-    slot_variable,
-)
+from ._context import default_replica_context, get_replica_context
+from ._options import ReduceOp
+from ._values import DistributedValues, agreed
+from ._variables import Variable, slot_variable
+from ._writes import commit, compute_update
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
-    from ._strategy import MirroredStrategy
+    from ._collectives import ReductionEngine
 
 __all__ = ["SGD", "Adam", "Optimizer", "restore_state", "slot_table", "slots_to_restore"]
 
@@ -222,32 +218,45 @@ class Optimizer:
                 "apply_gradients() got no gradients: every pair's gradient is None (or the "
                 "list is empty)"
             )
-        iterations: int = await ctx.merge_call(self._merge_apply, args=(grads, variables))
+        iterations: int = await ctx.merge_call(
+            self._merge_apply, args=(ctx._engine, grads, variables)
+        )
         return iterations
 
     async def _merge_apply(
-        self, strategy: MirroredStrategy, grads: list[Any], variables: list[Variable]
+        self,
+        strategy: Any,
+        engine: ReductionEngine,
+        grads: list[Any],
+        variables: list[Variable],
     ) -> int:
-        """The merge round: one packed all-reduce, every new copy computed, then one commit."""
+        """The merge round: one packed all-reduce, every new copy computed, then one commit.
+
+        The gradients were checked and cast to their variables' dtypes in each replica, and
+        every variable lives on the engine's devices (its owner was checked there too), so
+        they go straight to the engine's reduction, one array per replica each.
+        """
         variables = [
-            same_on_every_replica(variable, f"the variable of pair {i} of apply_gradients()")
+            agreed(variable, f"the variable of pair {i} of apply_gradients()")
             for i, variable in enumerate(variables)
         ]
         step = self._iterations
         rate = self.current_learning_rate()
-        pairs = [(grad, list(v.devices)) for grad, v in zip(grads, variables, strict=True)]
-        summed = await strategy.extended.batch_reduce_to("sum", pairs)
+        size = len(engine.devices)
+        per_replica = [
+            grad.values if isinstance(grad, DistributedValues) else (grad,) * size for grad in grads
+        ]
+        summed = await engine.all_reduce_arrays(ReduceOp.SUM, per_replica, engine.options)
         made: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
         updates: list[tuple[Variable, list[Any]]] = []
-        update_step = functools.partial(self._cast_step, rate=rate, step=step)
+        xp = engine.devices[0].xp  # one backend for every device of a strategy
+        update_step = functools.partial(self._cast_step, xp=xp, rate=rate, step=step)
         for variable, grad in zip(variables, summed, strict=True):
             entry = self._slots.get(id(variable))
             if entry is None:
                 entry = made[id(variable)] = (variable, self._new_slots(variable))
             slots = entry[1]
-            copies = len(variable.values)
-            per_copy = list(grad.values) if isinstance(grad, DistributedValues) else [grad] * copies
-            new = await compute_update(variable, update_step, per_copy, *(s.values for s in slots))
+            new = await compute_update(variable, update_step, grad, *(s._copies for s in slots))
             updates.append((variable, [result[0] for result in new]))
             updates += [(slot, [result[k + 1] for result in new]) for k, slot in enumerate(slots)]
         # The all-or-nothing point: nothing above changed any state.
@@ -257,11 +266,10 @@ class Optimizer:
         return self._iterations
 
     def _cast_step(
-        self, var: Any, grad: Any, *slots: Any, rate: float, step: int
+        self, var: Any, grad: Any, *slots: Any, xp: Any, rate: float, step: int
     ) -> tuple[Any, ...]:
         # Gradients arrive in the variable's dtype (cast per replica before the merge); the
         # results are cast back, since Python-float hyperparameters may promote them.
-        xp = array_module(var)
         results = self._update_step(xp, var, grad, slots, rate, step)
         return tuple(xp.asarray(r).astype(var.dtype, copy=False) for r in results)
 
@@ -274,9 +282,9 @@ class Optimizer:
     def _new_slots(self, variable: Variable) -> tuple[Variable, ...]:
         return tuple(slot_variable(variable, f"{variable.name}/{name}") for name in self.slot_names)
 
-    def _check_owner(self, variable: Variable, strategy: MirroredStrategy) -> None:
-        owner = variable.distribute_strategy
-        if owner is strategy or (owner is None and strategy is get_default_strategy()):
+    def _check_owner(self, variable: Variable, strategy: Any) -> None:
+        owner = variable._strategy
+        if owner is strategy or (owner is None and strategy is default_replica_context().strategy):
             return
         if owner is None:
             raise ValueError(
@@ -483,14 +491,14 @@ def _check_pair(pair: Any) -> tuple[Any, Variable]:
 def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: int) -> Any:
     """The gradient on this replica's device, or an error naming the variable and replica."""
     array = device.asarray(grad)
-    if tuple(array.shape) != variable.shape:
+    if tuple(array.shape) != variable._shape:
         raise ValueError(
             f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
             f"{replica_id} has shape {tuple(array.shape)}, but the variable has shape "
             f"{variable.shape}"
         )
     if array.dtype.kind not in "biufc" or not np.can_cast(
-        array.dtype, variable.dtype, casting="same_kind"
+        array.dtype, variable._dtype, casting="same_kind"
     ):
         raise TypeError(
             f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
@@ -498,4 +506,4 @@ def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: in
             f"{variable.dtype}"
         )
     # In the variable's dtype, so every replica's gradients reduce alike.
-    return array.astype(variable.dtype, copy=False)
+    return array.astype(variable._dtype, copy=False)

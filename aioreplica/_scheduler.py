@@ -2,33 +2,44 @@
 
 The protocol, in plain words
 ----------------------------
-``run_replicas`` starts one task per replica. Each task runs a *driver*, a generator that steps
-the replica's coroutine by hand (``send``/``throw``). Before every step it enters the replica's
-device and after it leaves it; whatever the coroutine awaits (an asyncio future, a trio trap)
-it passes up to the event loop unchanged, and it passes the loop's answer back down. So a
-replica's device follows it across every await, whatever the other replicas do in between
+``Scheduler.run`` starts one task per replica. Each task runs a *driver*, a generator that
+steps the replica's coroutine by hand (``send``/``throw``). Before every step it enters the
+replica's device and after it leaves it; whatever the coroutine awaits (an asyncio future, a
+trio trap) it passes up to the event loop unchanged, and it passes the loop's answer back down.
+So a replica's device follows it across every await, whatever the other replicas do in between
 (invariant 1), and replica code needs no cooperation for it.
 
-Replica code has exactly one way into the scheduler: ``ReplicaContext.merge_call`` yields the
-private ``MERGE`` trap, with its request stored on the replica's ``_Replica``. The driver sees
-the trap instead of passing it to the loop and *arrives* at the current round:
+Replica code has exactly one way into the scheduler: ``ReplicaContext.merge_call`` yields a
+``MergeRequest`` (``aioreplica._merge``). The driver sees the request instead of passing it to
+the loop and *arrives* at the current round:
 
-- the replica is appended to the round and parks;
-- the last replica to arrive checks that every replica passed the same merge function (the
-  same code), regroups the arguments of all replicas by replica id, runs ``merge_fn`` once in
-  cross-replica context, stores the result and wakes the others (invariant 2);
+- the request is filed under the replica's id and the replica parks at the round's gate;
+- the last replica to arrive checks that every replica passed the same merge function
+  (``agreed``), regroups the arguments of all replicas by replica id, runs ``merge_fn`` once in
+  cross-replica context, stores the result and opens the gate (invariant 2);
 - each replica resumes with ``select_replica(its id, result)``.
+
+The fast path
+-------------
+An arrival that is not the last, in a run where nothing unusual has happened (``smooth``: no
+``sync_timeout``, no failure, nobody finished early) and without a timeout of its own, does
+three things: file its request, append itself to the round, and ``yield from`` the gate's park.
+Everything else (timeouts, failing runs, early finishers) takes ``_Run.arrive``, the slow path.
+On asyncio with ``interleave="ordered"`` the gate is one shared future, so parking costs no
+allocation and one ``set_result`` wakes the whole round in arrival order.
 
 Every replica must make the same sequence of merge calls (invariant 3). A replica that finishes
 while others wait, a replica that arrives where a finished one can never join it, a merge
-function that differs, or (with ``sync_timeout``) a round that does not fill in time, becomes a
-``ReplicaSyncError``: the run fails, every replica is cancelled, nothing hangs.
+function that differs, or (with ``sync_timeout`` or a collective's timeout) a round that does
+not fill in time, becomes a ``ReplicaSyncError``: the run fails, every replica is cancelled,
+nothing hangs. A timeout bounds the wait for the others to *arrive*, never the merge
+function's own work.
 
 Failures (invariant 5): the first failure, a replica's own exception, an exception from
 ``merge_fn`` or a ``ReplicaSyncError``, is what ``run()`` raises, unwrapped, with a note saying
-where it came from and notes summarising any later failures. Replicas are spawned in one task
-group (on asyncio a lean native equivalent, see ``_loop``), so no task outlives ``run()`` and
-cancelling the caller cancels every replica.
+where it came from and notes summarising any later failures. Replicas are spawned by the loop
+adapter (``aioreplica._loops``), so no task outlives ``run()`` and cancelling the caller
+cancels every replica.
 
 Order: with ``interleave="ordered"`` replicas start in id order; at every merge point the replica
 that completes the round carries on first and the others resume in the order they arrived: the
@@ -42,52 +53,31 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import types
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 
-from . import _loop
-from ._context import (
-    MERGE,
-    ContextState,
-    ReplicaContext,
-    context_state,
-)
-from ._errors import AioreplicaInternalError, ReplicaSyncError, _replica_list
-from ._values import regroup, select_replica
+from . import _loops
+from ._context import ContextState, ReplicaContext, context_state
+from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list
+from ._merge import MergeRequest
+from ._values import PerReplica, agreed, regroup, select_replica
 
 if TYPE_CHECKING:
     import random
-    from collections.abc import Iterable
 
-    from ._backends import Device
-    from ._strategy import MirroredStrategy
+    from ._collectives import ReductionEngine
 
 __all__ = ["Scheduler", "SchedulerStatistics"]
 
 _Step = Generator[Any, Any, Any]
 
 
-def _merge_fn_identity(fn: Callable[..., Any]) -> object:
-    """What must agree between replicas: the code of the merge function, not the object.
-
-    A lambda or closure defined inside the step function is a new object in every replica
-    but shares its code; partials and bound methods compare by the function they wrap.
-    """
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    code = getattr(fn, "__code__", None)
-    if code is None:  # a callable object: compare the code of its class's __call__
-        code = getattr(getattr(type(fn), "__call__", None), "__code__", None)  # noqa: B004
-    return code if code is not None else fn
-
-
 def _describe_fn(fn: Callable[..., Any] | None) -> str:
+    """A merge function's name and where it is defined, for messages."""
     inner: Any = fn
     while isinstance(inner, functools.partial):
         inner = inner.func
@@ -98,58 +88,37 @@ def _describe_fn(fn: Callable[..., Any] | None) -> str:
 
 
 class _Round:
-    """One merge round: who has arrived, and once done, what ``merge_fn`` returned.
+    """One merge round: who has arrived with which request, and once done, the result."""
 
-    ``future`` is the one future all its replicas park on, where the run uses one (asyncio,
-    ``interleave="ordered"``); otherwise each replica parks on its own waker.
-    """
+    __slots__ = ("arrived", "done", "gate", "number", "requests", "result", "watched")
 
-    __slots__ = ("arrived", "done", "future", "number", "result", "watched")
-
-    def __init__(self, number: int, future: Any) -> None:
+    def __init__(self, number: int, size: int, gate: _loops.Gate) -> None:
         self.number = number
         self.arrived: list[_Replica] = []
+        self.requests: list[MergeRequest | None] = [None] * size  # by replica id
         self.done = False
         self.result: Any = None
-        self.future = future
+        self.gate = gate
         self.watched = False  # an arrival is timing the round
 
 
 class _Replica:
-    """One replica of one ``run()``: its context, its driver and its merge request."""
+    """One replica of one ``run()``: its context and its driver."""
 
-    __slots__ = (
-        "context",
-        "device",
-        "id",
-        "merge_args",
-        "merge_fn",
-        "merge_kwargs",
-        "merge_timeout",
-        "run",
-        "stepping",
-        "waker",
-    )
+    __slots__ = ("context", "device", "id", "pending", "run", "stepping")
 
-    def __init__(self, run: _Run, replica_id: int, device: Device) -> None:
+    def __init__(self, run: _Run, replica_id: int) -> None:
         self.run = run
         self.id = replica_id
-        self.device = device
-        self.context: ReplicaContext | None = ReplicaContext(run.strategy, replica_id, device, self)
+        self.device = run.engine.devices[replica_id]
+        self.context: ReplicaContext | None = ReplicaContext(
+            run.strategy, run.engine, replica_id, self
+        )
         self.stepping = False  # true only while the driver is inside this replica's coroutine
-        self.merge_fn: Callable[..., Any] | None = None
-        self.merge_args: tuple[Any, ...] = ()
-        self.merge_kwargs: Mapping[str, Any] | None = None
-        self.merge_timeout: float | None = None  # a collective's timeout, for this round only
-        self.waker: Any = None  # the loop's handle for waking this replica while parked
-
-    def set_merge_timeout(self, timeout: float) -> None:
-        """Bound the wait of this replica's pending merge call (a collective's timeout)."""
-        self.merge_timeout = timeout
-        self.run.smooth = False  # its arrival takes the slow path, which watches the round
+        self.pending: MergeRequest | None = None  # made by merge_call, not yet received
 
     def misuse_message(self) -> str:
-        if self.stepping and self.merge_fn is not None:
+        if self.stepping and self.pending is not None:
             return (
                 f"replica {self.id} called merge_call() again before awaiting its previous "
                 "merge_call(); await each merge_call() where you call it"
@@ -192,11 +161,11 @@ class _Replica:
                 raise
             self.run.replica_failed(self, exc)
             return
-        if self.merge_fn is not None:
+        if self.pending is not None:
             self.run.replica_failed(
                 self,
                 RuntimeError(
-                    f"replica {self.id} called merge_call({_describe_fn(self.merge_fn)}) but "
+                    f"replica {self.id} called merge_call({_describe_fn(self.pending.fn)}) but "
                     "never awaited it; write `await ctx.merge_call(...)`"
                 ),
             )
@@ -229,10 +198,8 @@ class _Replica:
 
         send = coro.send
         run = self.run
-        park = run.loop.park
-        new_future = run.loop.new_future
-        shared = run.shared
         size = run.size
+        replica_id = self.id
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -250,29 +217,24 @@ class _Replica:
             error = None
             value = None
             try:
-                if yielded is MERGE:
-                    # The hot path of every merge round: arrive, park until the round is done.
+                if type(yielded) is MergeRequest:
+                    # The fast path of every merge round: file the request, park at the gate.
+                    self.pending = None
                     rnd = run.round
+                    rnd.requests[replica_id] = yielded
                     arrived = rnd.arrived
                     arrived.append(self)
-                    if not run.smooth:
-                        yield from run.arrive(self, rnd)
+                    if not run.smooth or yielded.timeout is not None:
+                        yield from run.arrive(self, rnd, yielded)
                     elif len(arrived) == size:
                         yield from run.complete(rnd, self)
                     else:
                         try:
-                            if shared:  # asyncio, ordered: the round's one future
-                                yield from rnd.future
-                            elif new_future is not None:  # asyncio, random: a future each
-                                self.waker = future = new_future()
-                                yield from future
-                            else:
-                                yield from park(self)
+                            yield from rnd.gate.park(replica_id)
                         except BaseException as exc:
                             yield from run.park_interrupted(self, rnd, exc)
-                    self.merge_fn = None  # the request is served
                     result = rnd.result
-                    value = result if result is None else select_replica(self.id, result)
+                    value = result if result is None else select_replica(replica_id, result)
                 else:
                     value = yield yielded
             except GeneratorExit:
@@ -280,8 +242,6 @@ class _Replica:
                 raise
             except BaseException as exc:
                 error = exc
-                if yielded is MERGE:
-                    self.merge_fn = None  # it leaves this merge point with the exception
 
 
 class _Run:
@@ -290,23 +250,20 @@ class _Run:
     def __init__(
         self,
         scheduler: Scheduler,
-        devices: Sequence[Device],
         *,
         sync_timeout: float | None,
         rng: random.Random | None,
     ) -> None:
         self.scheduler = scheduler
         self.strategy = scheduler.strategy
-        self.merge_state = ContextState(strategy=self.strategy, merging=True)
-        self.replicas = [_Replica(self, i, device) for i, device in enumerate(devices)]
-        self.size = len(self.replicas)
+        self.engine = scheduler.engine
+        self.merge_state = ContextState(strategy=self.strategy, engine=self.engine, merging=True)
+        self.size = len(self.engine.devices)
+        self.replicas = [_Replica(self, i) for i in range(self.size)]
         self.sync_timeout = sync_timeout
         self.rng = rng
-        self.loop = _loop.current()
-        # asyncio with interleave="ordered": every replica of a round parks on one future and
-        # resumes in the order it parked. Otherwise each parks on its own waker, woken in the
-        # order interleave asks for (a future each for asyncio's random order; trio anyway).
-        self.shared = rng is None and self.loop.new_future is not None
+        self.loop = _loops.current()
+        self.ordered = rng is None
         self.round = self._new_round(1)
         self.results: list[Any] = [None] * self.size
         self.finished: dict[int, int] = {}  # replica id -> merge calls it made
@@ -331,6 +288,9 @@ class _Run:
             f"raised in replica {replica.id} of {self.size} (device {replica.device.name})",
         )
 
+    def scheduler_crashed(self, exc: BaseException) -> None:
+        self.fail(exc, "raised by the scheduler")
+
     @property
     def merges_completed(self) -> int:
         """Merge rounds completed; every replica took part in each (a round needs them all)."""
@@ -347,7 +307,7 @@ class _Run:
             self.fail(
                 ReplicaSyncError(
                     f"replica {replica.id} finished after {merges} merge_call()s while "
-                    f"{_replica_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
+                    f"{replica_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
                     f"merge_call #{number}; every replica must reach the same merge_calls, so "
                     "move merge_call out of replica-dependent branches",
                     merge_number=number,
@@ -362,7 +322,7 @@ class _Run:
         done = sorted(self.finished)
         merges = self.finished[done[0]]
         return ReplicaSyncError(
-            f"replica {replica.id} reached merge_call #{number}, but {_replica_list(done)} "
+            f"replica {replica.id} reached merge_call #{number}, but {replica_list(done)} "
             f"already finished after {merges} merge_call()s and can never join it; every "
             "replica must reach the same merge_calls, so move merge_call out of "
             "replica-dependent branches",
@@ -374,72 +334,56 @@ class _Run:
     # -- the merge rendezvous ----------------------------------------------------------------
 
     def _new_round(self, number: int) -> _Round:
-        new_future = self.loop.new_future
-        return _Round(number, new_future() if self.shared and new_future is not None else None)
+        return _Round(number, self.size, self.loop.new_gate(self.ordered))
 
-    def arrive(self, replica: _Replica, rnd: _Round) -> _Step:
-        """The slow path of an arrival (already appended to ``rnd``): last, first with a
-        sync timeout, or a run that is going wrong."""
-        timeout = replica.merge_timeout or self.sync_timeout
-        replica.merge_timeout = None  # it bounds this round only
+    def arrive(self, replica: _Replica, rnd: _Round, request: MergeRequest) -> _Step:
+        """The slow path of an arrival (already filed in ``rnd``): last, first with a
+        timeout, or a run that is going wrong."""
+        timeout = request.timeout if request.timeout is not None else self.sync_timeout
         if self.finished and not self.failures:
             self.fail(self._early_finishers_error(replica), "detected at a merge point")
         if len(rnd.arrived) == self.size and not self.failures:
             yield from self.complete(rnd, replica)
             return
         if self.failures:
-            yield from self.loop.park_cancelled(replica)
+            yield from self.loop.park_cancelled()
         try:
             if timeout is not None and not rnd.watched:
                 rnd.watched = True
-                yield from self._park_watching(rnd, replica, timeout)
+                yield from self._park_watching(rnd, replica, request, timeout)
             else:
-                yield from self._park(replica, rnd)
+                yield from rnd.gate.park(replica.id)
         except BaseException as exc:
             yield from self.park_interrupted(replica, rnd, exc)
 
-    def _park(self, replica: _Replica, rnd: _Round) -> Iterable[Any]:
-        return rnd.future if self.shared else self.loop.park(replica)
-
     def park_interrupted(self, replica: _Replica, rnd: _Round, exc: BaseException) -> _Step:
-        """A parked replica was woken by an exception: re-park if it was not meant for it,
-        else leave the round and raise it.
+        """A parked replica was woken by an exception: the gate re-parks it if the exception
+        was meant for another replica; else it leaves the round with it."""
+        try:
+            yield from rnd.gate.interrupted(exc)
+        except BaseException:
+            if not rnd.done:
+                rnd.arrived.remove(replica)  # it leaves the round (cancelled or timed out)
+                rnd.requests[replica.id] = None
+            raise
 
-        On asyncio, cancelling a task cancels the future it waits on; when that is a round's
-        shared future, every replica parked there wakes with ``CancelledError``, but only the
-        one whose task was cancelled (``Task.cancelling()``) is meant: the others park again.
-        """
-        while (
-            self.shared
-            and isinstance(exc, self.cancelled_class)
-            and not self.loop.current_task_cancelling()
-        ):
-            if rnd.done:
-                return
-            if rnd.future.cancelled():
-                rnd.future = self.loop.new_future()  # type: ignore[misc]
-            try:
-                yield from rnd.future
-            except BaseException as again:
-                exc = again
-            else:
-                return
-        if not rnd.done:
-            rnd.arrived.remove(replica)  # it leaves the round (cancelled or timed out)
-        raise exc
-
-    def _park_watching(self, rnd: _Round, replica: _Replica, timeout: float) -> _Step:
-        """The first arrival with a timeout parks under it; when it expires, the run fails."""
+    def _park_watching(
+        self, rnd: _Round, replica: _Replica, request: MergeRequest, timeout: float
+    ) -> _Step:
+        """The first arrival with a timeout parks under it; if the others have not all arrived
+        when it expires, the run fails (a round that filled is never timed out)."""
         with anyio.move_on_after(timeout) as scope:  # noqa: ASYNC100 - parks inside
-            yield from self._park(replica, rnd)
-        if rnd.done or not scope.cancelled_caught:
+            yield from rnd.gate.park(replica.id)
+        if rnd.done or not scope.cancelled_caught or len(rnd.arrived) == self.size:
+            if not rnd.done:  # every replica arrived: the round is running its merge_fn
+                yield from rnd.gate.park(replica.id)
             return
         arrived = [r.id for r in rnd.arrived]
         late = sorted(set(range(self.size)) - set(arrived))
         self.fail(
             ReplicaSyncError(
-                f"{_replica_list(arrived)} waited {timeout:g} s in merge_call "
-                f"#{rnd.number} ({_describe_fn(replica.merge_fn)}) for {_replica_list(late)}, "
+                f"{replica_list(arrived)} waited {timeout:g} s in merge_call "
+                f"#{rnd.number} ({_describe_fn(request.fn)}) for {replica_list(late)}, "
                 "which did not arrive; a replica is stuck or skips this merge_call (raise the "
                 "timeout if it is just slow)",
                 merge_number=rnd.number,
@@ -448,15 +392,15 @@ class _Run:
             ),
             "detected by a merge timeout",
         )
-        yield from self.loop.park_cancelled(replica)
+        yield from self.loop.park_cancelled()
         raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
     def complete(self, rnd: _Round, last: _Replica) -> _Step:
         """The last arrival runs ``merge_fn`` once and wakes everyone in order.
 
-        ``"ordered"``: ``last`` carries on at once, the others resume in arrival order (one
-        future wakes them in the order they parked on it); ``"random"``: in a seeded shuffle,
-        ``last`` taking its turn among them.
+        ``"ordered"``: ``last`` carries on at once, the others resume in arrival order (the
+        gate wakes them in the order they parked); ``"random"``: in a seeded shuffle, ``last``
+        taking its turn among them.
         """
         try:
             merge_fn, args, kwargs = self._merge_arguments(rnd)
@@ -466,7 +410,7 @@ class _Run:
         else:
             failed = False
         if failed:
-            yield from self.loop.park_cancelled(last)
+            yield from self.loop.park_cancelled()
             raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
         token = context_state.set(self.merge_state)
@@ -477,6 +421,8 @@ class _Run:
         except BaseException as exc:
             if isinstance(exc, self.cancelled_class):
                 raise
+            if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
+                exc.merge_number = rnd.number
             self.fail(
                 exc,
                 f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
@@ -486,7 +432,7 @@ class _Run:
         finally:
             context_state.reset(token)
         if failed:
-            yield from self.loop.park_cancelled(last)
+            yield from self.loop.park_cancelled()
             raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
         rnd.result = result
@@ -494,66 +440,43 @@ class _Run:
         self.round = self._new_round(rnd.number + 1)
         self.smooth = self.sync_timeout is None and not self.failures and not self.finished
         self.scheduler.merge_rounds_completed += 1
-        loop = self.loop
-        if self.shared:
-            if not rnd.future.done():  # done: cancelled; its replicas see ``rnd.done``
-                rnd.future.set_result(None)
+        order = [r.id for r in rnd.arrived]
+        if self.rng is None:
+            rnd.gate.open(order)
             return
-        order = rnd.arrived
-        if self.rng is not None:
-            self.rng.shuffle(order)
-        position = order.index(last)
-        loop.wake(order[:position])
+        self.rng.shuffle(order)
+        position = order.index(last.id)
+        rnd.gate.open(order[:position])
         if position + 1 < len(order):
             try:
-                yield from loop.yield_once()
+                yield from self.loop.yield_once()
             finally:
-                loop.wake(order[position + 1 :])
+                rnd.gate.open(order[position + 1 :])
 
     def _merge_arguments(self, rnd: _Round) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
-        """Check the round (callable, same merge function everywhere); regroup its arguments."""
-        replicas = self.replicas
-        merge_fn = replicas[0].merge_fn
+        """Check the round (callable, one merge function everywhere); regroup its arguments."""
+        requests = cast("list[MergeRequest]", rnd.requests)  # every replica has filed one
+        merge_fn = requests[0].fn
         if not callable(merge_fn):
             raise TypeError(
                 f"merge_fn must be callable, got {type(merge_fn).__name__} {merge_fn!r} (replica 0)"
             )
-        if list(map(_get_merge_fn, replicas)).count(merge_fn) != self.size:
-            self._check_same_merge_fn(rnd, merge_fn)
-        all_args = list(map(_get_merge_args, replicas))
+        fns = [request.fn for request in requests]
+        if fns.count(merge_fn) != self.size:
+            try:
+                agreed(PerReplica(fns), "the merge function")
+            except ReplicaSyncError as exc:
+                exc.merge_number = rnd.number
+                exc.add_note(
+                    "move the branch inside merge_fn, or pass the same function (a partial "
+                    "with equal arguments) from every replica"
+                )
+                raise
+        all_args = [request.args for request in requests]
         args = _regroup_args(all_args) if any(all_args) else ()
-        all_kwargs = list(map(_get_merge_kwargs, replicas))
+        all_kwargs = [request.kwargs for request in requests]
         kwargs = _regroup_kwargs(all_kwargs) if any(all_kwargs) else {}
         return merge_fn, args, kwargs
-
-    def _check_same_merge_fn(self, rnd: _Round, merge_fn: Callable[..., Any]) -> None:
-        groups: dict[object, list[int]] = {}
-        fns: dict[object, Callable[..., Any]] = {}
-        for r in self.replicas:
-            assert r.merge_fn is not None
-            key = _merge_fn_identity(r.merge_fn)
-            groups.setdefault(key, []).append(r.id)
-            fns.setdefault(key, r.merge_fn)
-        if len(groups) == 1:
-            return
-        parts = [
-            f"{_replica_list(ids)} passed {_describe_fn(fns[key])}" for key, ids in groups.items()
-        ]
-        odd = [i for ids in sorted(groups.values(), key=len)[:-1] for i in ids]
-        raise ReplicaSyncError(
-            f"replicas passed different merge functions to merge_call #{rnd.number}: "
-            + "; ".join(parts)
-            + ". Every replica must pass the same function in the same round; move the "
-            "branch inside merge_fn",
-            merge_number=rnd.number,
-            replicas=odd,
-            waiting=[r.id for r in self.replicas],
-        )
-
-
-_get_merge_fn = operator.attrgetter("merge_fn")
-_get_merge_args = operator.attrgetter("merge_args")
-_get_merge_kwargs = operator.attrgetter("merge_kwargs")
 
 
 def _regroup_args(all_args: list[Any]) -> Any:
@@ -600,14 +523,14 @@ class Scheduler:
 
     def __init__(
         self,
-        strategy: MirroredStrategy,
-        devices: Sequence[Device],
+        strategy: Any,
+        engine: ReductionEngine,
         *,
         sync_timeout: float | None,
         rng: random.Random | None,
     ) -> None:
         self.strategy = strategy
-        self._devices = tuple(devices)
+        self.engine = engine
         self._sync_timeout = sync_timeout
         self._rng = rng
         self._active: set[_Run] = set()
@@ -630,15 +553,18 @@ class Scheduler:
         Raises:
             BaseException: the first failure, unwrapped, with notes (see the module docstring).
         """
-        run = _Run(self, self._devices, sync_timeout=self._sync_timeout, rng=self._rng)
+        run = _Run(self, sync_timeout=self._sync_timeout, rng=self._rng)
         order = list(run.replicas)
         if self._rng is not None:
             self._rng.shuffle(order)
         self._active.add(run)
         try:
-            await run.loop.run_tasks(
-                [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order], run
+            tasks = run.loop.replica_tasks(
+                [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order],
+                run.scheduler_crashed,
             )
+            run.cancel_all = tasks.cancel
+            await tasks.wait()
         finally:
             run.finished_run = True
             self._active.discard(run)

@@ -1,4 +1,12 @@
-"""``MirroredStrategy``: a thin facade over the scheduler and the device backends."""
+"""``MirroredStrategy``: the facade, and the composition root of everything below it.
+
+The constructor builds the parts and hands them down: the devices, the reduction engine
+(``aioreplica._collectives``) and the scheduler. Its methods check the context, turn what users
+pass (device names, op names) into what the engine takes (device objects, ``ReduceOp``), and
+wrap the engine's one-result-per-device lists as ``Mirrored`` at this public boundary only.
+Nothing below this module calls back into it: the default strategy is made here and reached
+from below through ``aioreplica._context.register_default_context``.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +17,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, final
 
 from . import _tree
-from ._backends import Device, resolve_devices
-from ._collectives import CommunicationOptions, Communicator, ReduceOp
+from ._backends import Device, canonical_device_name, resolve_devices
+from ._collectives import ReductionEngine
 from ._context import (
     ContextState,
+    ReplicaContext,
     context_state,
-    set_default_strategy_factory,
+    default_replica_context,
+    register_default_context,
 )
 from ._dataset import (
     DistributedDataset,
@@ -22,11 +32,12 @@ from ._dataset import (
     ValueContext,
     distribute_values,
 )
+from ._options import CommunicationOptions, ReduceOp
 from ._scheduler import Scheduler, SchedulerStatistics
-from ._values import DistributedValues, PerReplica, regroup, select_replica
+from ._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
 from ._variables import Variable, update
 
-__all__ = ["MirroredStrategy", "StrategyExtended"]
+__all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
 
 _INTERLEAVES = ("ordered", "random")
 
@@ -49,11 +60,6 @@ class StrategyExtended:
     def replica_devices(self) -> tuple[Device, ...]:
         """The device objects of the replicas, in replica order."""
         return self._strategy._device_objects
-
-    @property
-    def communicator(self) -> Communicator:
-        """The object that runs this strategy's collectives."""
-        return self._strategy._communicator
 
     async def reduce_to(
         self,
@@ -86,7 +92,7 @@ class StrategyExtended:
             ... )
             array(3.)
         """
-        return await self.communicator.reduce_to(reduce_op, value, destinations, options)
+        return (await self.batch_reduce_to(reduce_op, [(value, destinations)], options))[0]
 
     async def batch_reduce_to(
         self,
@@ -107,7 +113,12 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.batch_reduce_to, "mean", pairs)
             [array(1.5), array(1.5)]
         """
-        return await self.communicator.batch_reduce_to(reduce_op, value_destination_pairs, options)
+        strategy = self._strategy
+        op = ReduceOp.parse(reduce_op)
+        strategy._check_cross_replica("batch_reduce_to")
+        pairs = [(value, strategy._destinations(dest)) for value, dest in value_destination_pairs]
+        results = await strategy._engine.batch_reduce_to(op, pairs, options)
+        return [_grouped(per_destination) for per_destination in results]
 
     async def update(
         self,
@@ -165,7 +176,10 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.broadcast_to, np.zeros(2), ["cpu:0", "cpu:1"])
             Mirrored({0: array([0., 0.]), 1: array([0., 0.])})
         """
-        return await self.communicator.broadcast_to(value, destinations)
+        strategy = self._strategy
+        strategy._check_cross_replica("broadcast_to")
+        devices = strategy._destinations(destinations)
+        return _grouped(await strategy._engine.broadcast_to(value, devices))
 
 
 class MirroredStrategy:
@@ -217,7 +231,7 @@ class MirroredStrategy:
                 "communication_options must be a CommunicationOptions, got "
                 f"{type(communication_options).__name__}"
             )
-        self._communicator = Communicator(self, self._device_objects, communication_options)
+        self._engine = ReductionEngine(self._device_objects, communication_options)
         if interleave not in _INTERLEAVES:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
         if sync_timeout is not None and not (
@@ -239,7 +253,7 @@ class MirroredStrategy:
         if interleave == "random":
             self._seed = seed if seed is not None else random.randrange(2**32)
             rng = random.Random(self._seed)
-        self._scheduler = Scheduler(self, self._device_objects, sync_timeout=sync_timeout, rng=rng)
+        self._scheduler = Scheduler(self, self._engine, sync_timeout=sync_timeout, rng=rng)
         self._extended = StrategyExtended(self)
 
     # -- facts ----------------------------------------------------------------------------
@@ -301,7 +315,9 @@ class MirroredStrategy:
             >>> anyio.run(strategy.reduce, "mean", losses, 0)
             2.5
         """
-        return await self._communicator.reduce(reduce_op, value, axis)
+        op = ReduceOp.parse(reduce_op)
+        self._check_cross_replica("reduce")
+        return await self._engine.reduce(op, value, axis)
 
     async def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate a distributed ``value``'s components along ``axis``.
@@ -316,7 +332,44 @@ class MirroredStrategy:
             >>> anyio.run(strategy.gather, parts)
             array([1, 2, 3])
         """
-        return await self._communicator.gather(value, axis)
+        self._check_cross_replica("gather")
+        return await self._engine.gather(value, axis)
+
+    def _check_cross_replica(self, what: str) -> None:
+        replica = context_state.get().replica
+        if replica is not None:
+            raise RuntimeError(
+                f"strategy.{what}() was called inside replica "
+                f"{replica.replica_id_in_sync_group}; it works on distributed values in "
+                "cross-replica context: call it on run()'s result, or use the replica "
+                f"context's collectives (ctx.all_reduce, ctx.all_gather) inside the step"
+            )
+
+    def _destinations(self, destinations: Any) -> tuple[Device, ...]:
+        """TF's destinations as device objects: a device name or object, a list of them, or a
+        distributed value or variable (meaning its devices: the strategy's own)."""
+        if destinations is None or isinstance(destinations, DistributedValues):
+            return self._device_objects
+        if isinstance(destinations, Variable):
+            return destinations._devices
+        items = destinations if isinstance(destinations, list | tuple) else [destinations]
+        by_name = {device.name: device for device in self._device_objects}
+        devices = []
+        for item in items:
+            if isinstance(item, str):  # the strategy's own names as they are, else any spelling
+                name = item if item in by_name else canonical_device_name(item)
+            elif isinstance(item, Device):  # a Protocol check: slow, so strings go first
+                name = item.name
+            else:
+                name = canonical_device_name(item)
+            if name not in by_name:
+                raise ValueError(
+                    f"destination {item!r} is not one of this strategy's devices {list(by_name)}"
+                )
+            devices.append(by_name[name])
+        if not devices:
+            raise ValueError("destinations must name at least one device")
+        return tuple(devices)
 
     # -- input --------------------------------------------------------------------------
 
@@ -475,7 +528,7 @@ class MirroredStrategy:
         if replica is not None or current is self:
             yield self
             return
-        token = context_state.set(ContextState(strategy=self))
+        token = context_state.set(ContextState(strategy=self, engine=self._engine))
         try:
             yield self
         finally:
@@ -573,4 +626,49 @@ class MirroredStrategy:
                 )
 
 
-set_default_strategy_factory(lambda: MirroredStrategy(["cpu:0"]))
+def _default_context() -> ReplicaContext:
+    """The default strategy's replica context (see ``aioreplica._context``)."""
+    strategy = MirroredStrategy(["cpu:0"])
+    return ReplicaContext(strategy, strategy._engine, 0, None)
+
+
+register_default_context(_default_context)
+
+
+def get_strategy() -> MirroredStrategy:
+    """Return the current strategy: of this replica, ``merge_fn`` or ``scope()``, else the default.
+
+    Example:
+        >>> get_strategy().num_replicas_in_sync
+        1
+    """
+    state = context_state.get()
+    if state.replica is not None:
+        strategy: MirroredStrategy = state.replica.strategy
+        return strategy
+    if state.strategy is not None:
+        current: MirroredStrategy = state.strategy
+        return current
+    default: MirroredStrategy = default_replica_context().strategy
+    return default
+
+
+def has_strategy() -> bool:
+    """Return whether a strategy other than the default one is current.
+
+    Example:
+        >>> has_strategy()
+        False
+    """
+    return get_strategy() is not default_replica_context().strategy
+
+
+def _grouped(per_destination: list[Any]) -> Any:
+    """One result per destination as users see it: the value itself for one destination,
+    else the same structure with a ``Mirrored`` at each leaf (one component per destination,
+    as in TF, even where host destinations share one read-only array)."""
+    if len(per_destination) == 1:
+        return per_destination[0]
+    leaves, treedef = _tree.flatten(per_destination[0])
+    columns = [leaves] + [_tree.flatten(other)[0] for other in per_destination[1:]]
+    return treedef.unflatten([Mirrored(list(column)) for column in zip(*columns, strict=True)])

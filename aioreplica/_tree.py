@@ -263,9 +263,6 @@ def register_node(
             match when their aux data are equal.
         unflatten_fn: ``unflatten_fn(aux_data, children_tuple) -> x``.
 
-    Returns:
-        None.
-
     Raises:
         TypeError: `nodetype` is not a class, or a function is not callable.
         ValueError: `nodetype` is a built-in container (list, tuple, dict, OrderedDict,
@@ -922,9 +919,6 @@ def assert_same_structure(a: Any, b: Any) -> None:
     Args:
         a: A structure.
         b: Another structure.
-
-    Returns:
-        None.
 
     Raises:
         TypeError: Two containers at the same path have different types.

@@ -21,15 +21,21 @@ and a ``DistributedValues`` is itself a leaf.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
 
+import numpy as np
+
+from ._errors import ReplicaSyncError, replica_list
 from ._tree import describe_path, find_mismatch, flatten, flatten_with_path, is_leaf
 
 __all__ = [
     "DistributedValues",
     "Mirrored",
     "PerReplica",
+    "agreed",
     "regroup",
     "select_replica",
     "select_replica_mirrored",
@@ -271,3 +277,106 @@ def _raise_not_mirrored(structure: Any, bad: DistributedValues[Any]) -> None:
         f"{type(bad).__name__} at {describe_path(path)}; use select_replica() for values "
         "that differ between replicas"
     )
+
+
+def agreed(value: Any, what: str) -> Any:
+    """The one value every replica passed for ``what``: the rule wherever replicas must agree.
+
+    A value every replica passed as the very same object arrives plain (``regroup`` keeps it)
+    and is returned as it is. Otherwise ``value`` is a ``PerReplica`` whose components must be
+    equal: plain values by ``==`` (an array, or anything whose ``==`` is not a plain bool,
+    only by identity), callables by the same code and equal bound arguments (a
+    ``functools.partial`` compares its function, args and keywords; a bound method its
+    function and ``self``; a lambda or closure made in each replica its code).
+
+    Args:
+        value: a merge argument, regrouped.
+        what: what the value is, for the message (``"the reduce op"``).
+
+    Returns:
+        Replica 0's value.
+
+    Raises:
+        ReplicaSyncError: replicas passed different values; it names the odd replicas (those
+            outside the largest group of equal values). Its ``merge_number`` is filled in by
+            the scheduler when it comes out of a merge function.
+
+    Example:
+        >>> agreed(PerReplica(["sum", "sum"]), "the reduce op")
+        'sum'
+        >>> agreed(PerReplica(["sum", "sum", "max"]), "the reduce op")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        aioreplica.ReplicaSyncError: replicas disagree on the reduce op: replicas 0 and 1 ...
+    """
+    if not isinstance(value, DistributedValues):
+        return value
+    values = value.values
+    first = values[0]
+    if all(other is first or _same(first, other) for other in values):
+        return first
+    groups: list[list[int]] = []
+    for replica, other in enumerate(values):
+        for group in groups:
+            if _same(values[group[0]], other):
+                group.append(replica)
+                break
+        else:
+            groups.append([replica])
+    ranked = sorted(groups, key=len, reverse=True)
+    odd = sorted(replica for group in ranked[1:] for replica in group)
+    parts = "; ".join(
+        f"{replica_list(group)} passed {_describe(values[group[0]])}" for group in groups
+    )
+    raise ReplicaSyncError(
+        f"replicas disagree on {what}: {parts}; every replica must pass the same value in the "
+        "same merge_call",
+        merge_number=None,
+        replicas=odd,
+        waiting=range(len(values)),
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two replicas' values count as the same (see ``agreed``)."""
+    if a is b:
+        return True
+    if isinstance(a, functools.partial):
+        return (
+            isinstance(b, functools.partial)
+            and _same(a.func, b.func)
+            and len(a.args) == len(b.args)
+            and all(map(_same, a.args, b.args))
+            and a.keywords.keys() == b.keywords.keys()
+            and all(_same(v, b.keywords[k]) for k, v in a.keywords.items())
+        )
+    if isinstance(a, types.MethodType):
+        return (
+            isinstance(b, types.MethodType)
+            and _same(a.__func__, b.__func__)
+            and _same(a.__self__, b.__self__)
+        )
+    code = getattr(a, "__code__", None)
+    if code is not None:
+        return getattr(b, "__code__", None) is code
+    try:
+        equal = a == b
+    except Exception:  # an == that cannot answer: not the same
+        return False
+    return equal is True or (isinstance(equal, np.bool_) and bool(equal))
+
+
+def _describe(value: Any) -> str:
+    """A short description of a replica's value for a disagreement message."""
+    if isinstance(value, functools.partial):
+        bound = [f"{arg!r:.40}" for arg in value.args]
+        bound += [f"{key}={arg!r:.40}" for key, arg in value.keywords.items()]
+        return f"partial({', '.join([_describe(value.func), *bound])})"
+    code = getattr(getattr(value, "__func__", value), "__code__", None)
+    if code is not None:
+        name = getattr(value, "__qualname__", type(value).__qualname__)
+        return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and type(value).__name__.endswith("Variable"):
+        return f"variable {name!r}"
+    return f"{value!r:.60}"

@@ -5,16 +5,10 @@ always equal; writes from replicas are aggregated and applied to every copy in o
 or a ``SyncOnReadVariable`` (each replica writes its own copy; a cross-replica read aggregates
 them). Anywhere else it makes an ordinary single-copy variable.
 
-How writes stay all-or-nothing
-    Copies are never written in place. An update computes the new array of every copy first
-    (awaiting device work where there is any) and only then swaps all the references in one
-    synchronous step, ``commit``, with no ``await`` in it. A failure or a cancellation before
-    that step leaves every copy as it was; after it, every copy is new. The same holds for the
-    many variables one optimizer step or one checkpoint restore updates together.
-
-    Because stored arrays are never mutated, host copies are read-only (``writeable=False``)
-    and host replicas share one array (DESIGN invariant 6); a read is a reference, and a
-    snapshot of every variable (a checkpoint save) is a list of references taken at once.
+Writes are all-or-nothing: every copy's new array is computed first, then all are swapped in
+at once (``aioreplica._writes``, the write engine that optimizers and checkpoints share). A
+mirrored variable's replica-context write aggregates the replicas' values on its strategy's
+reduction engine, which the variable keeps from the scope it was made in.
 
 Reads follow the context (see ``aioreplica._context``): in replica context the replica's own
 copy; in cross-replica context a mirrored variable's primary copy (replica 0's) and a
@@ -23,21 +17,32 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from . import _tree
-from ._collectives import Choice
-from ._context import ContextState, ReplicaContext, context_state, get_default_strategy
-from ._values import DistributedValues, Mirrored, PerReplica, select_replica_mirrored
+from ._backends import array_module, host_device, is_array
+from ._context import ContextState, ReplicaContext, context_state, default_replica_context
+from ._options import CaseInsensitiveStrEnum, ReduceOp
+from ._values import DistributedValues, Mirrored, PerReplica, agreed, select_replica_mirrored
+from ._writes import (
+    ADD,
+    ASSIGN,
+    SUB,
+    commit,
+    compute_copies,
+    compute_update,
+    frozen,
+    split_sum,
+    writer,
+)
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ._backends import Device
-    from ._strategy import MirroredStrategy
+    from ._collectives import ReductionEngine
 
 __all__ = [
     "MirroredVariable",
@@ -45,24 +50,14 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
-    "array_module",
-    "commit",
-    "compute_update",
     "new_copies",
-    "same_on_every_replica",
     "slot_variable",
     "snapshot",
-    "to_host",
     "update",
 ]
 
-#: Host work on arrays smaller than this runs inline on the loop thread: handing it to the
-#: device's worker thread costs more than it saves. Larger work goes to the worker, so a big
-#: update never blocks the event loop (DESIGN invariant 4).
-_INLINE_BYTES: Final = 1 << 20
 
-
-class VariableSynchronization(Choice):
+class VariableSynchronization(CaseInsensitiveStrEnum):
     """When the copies of a distributed variable are brought in sync. Strings are accepted.
 
     ``AUTO`` and ``ON_WRITE`` make a ``MirroredVariable`` (synced on every write); ``ON_READ``
@@ -80,7 +75,7 @@ class VariableSynchronization(Choice):
     NONE = "none"
 
 
-class VariableAggregation(Choice):
+class VariableAggregation(CaseInsensitiveStrEnum):
     """How the replicas' values combine into one. Strings are accepted.
 
     For a ``MirroredVariable`` it is how the values that replicas write in one merge round
@@ -100,11 +95,6 @@ class VariableAggregation(Choice):
 
 _Sync = VariableSynchronization
 _Agg = VariableAggregation
-
-# Which operation a write performs on each copy.
-_ASSIGN: Final = "assign"
-_ADD: Final = "assign_add"
-_SUB: Final = "assign_sub"
 
 
 class Variable(NDArrayOperatorsMixin):
@@ -159,6 +149,7 @@ class Variable(NDArrayOperatorsMixin):
         "_copies",
         "_devices",
         "_dtype",
+        "_engine",
         "_name",
         "_shape",
         "_strategy",
@@ -172,7 +163,7 @@ class Variable(NDArrayOperatorsMixin):
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         # ``Variable(...)`` picks its class from the context, as ``tf.Variable`` does; the
         # subclasses' own constructors check the context instead.
-        if cls is Variable and _scope_strategy(kwargs.get("name") or "Variable") is not None:
+        if cls is Variable and _scope(kwargs.get("name") or "Variable")[0] is not None:
             sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
             cls = SyncOnReadVariable if sync is _Sync.ON_READ else MirroredVariable
         return object.__new__(cls)
@@ -193,20 +184,15 @@ class Variable(NDArrayOperatorsMixin):
             name = "Variable"
         if not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
-        strategy = _scope_strategy(name)
+        strategy, engine = _scope(name)
         _check_kind(type(self), strategy, sync, agg, name)
         value = initial_value() if callable(initial_value) else initial_value
-        devices = (
-            strategy.extended.replica_devices
-            if strategy is not None
-            else get_default_strategy().extended.replica_devices
-        )
-        self._init(strategy, devices, value, name, dtype, bool(trainable), sync, agg)
+        self._init(strategy, engine, value, name, dtype, bool(trainable), sync, agg)
 
     def _init(
         self,
-        strategy: MirroredStrategy | None,
-        devices: Sequence[Device],
+        strategy: Any,
+        engine: ReductionEngine | None,
         value: Any,
         name: str,
         dtype: Any,
@@ -217,7 +203,10 @@ class Variable(NDArrayOperatorsMixin):
         array = _initial_array(value, dtype, name)
         _check_aggregation_dtype(agg, array.dtype, name)
         self._strategy = strategy
-        self._devices = tuple(devices)
+        self._engine = engine
+        self._devices: tuple[Device, ...] = (
+            engine.devices if engine is not None else (host_device(0),)
+        )
         self._name = name
         self._dtype: np.dtype[Any] = np.dtype(array.dtype)
         self._shape: tuple[int, ...] = tuple(int(d) for d in array.shape)
@@ -225,7 +214,7 @@ class Variable(NDArrayOperatorsMixin):
         self._synchronization = sync
         self._aggregation = agg
         self._copies: tuple[Any, ...] = tuple(
-            _frozen(device.asarray(array)) for device in self._devices
+            frozen(device.asarray(array)) for device in self._devices
         )
 
     # -- facts ----------------------------------------------------------------------------
@@ -271,7 +260,7 @@ class Variable(NDArrayOperatorsMixin):
         return self._aggregation
 
     @property
-    def distribute_strategy(self) -> MirroredStrategy | None:
+    def distribute_strategy(self) -> Any:
         """The strategy whose scope created it; ``None`` for an ordinary variable."""
         return self._strategy
 
@@ -428,7 +417,7 @@ class Variable(NDArrayOperatorsMixin):
             >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
             array([1., 2.])
         """
-        return await self._write(_ASSIGN, value)
+        return await self._write(ASSIGN, value)
 
     async def assign_add(self, value: Any) -> Variable:
         """Add ``value`` to the variable (see ``assign`` for the contexts).
@@ -444,7 +433,7 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_add, 2.0))
             3.0
         """
-        return await self._write(_ADD, value)
+        return await self._write(ADD, value)
 
     async def assign_sub(self, value: Any) -> Variable:
         """Subtract ``value`` from the variable (see ``assign`` for the contexts).
@@ -459,7 +448,7 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_sub, 0.25))
             0.75
         """
-        return await self._write(_SUB, value)
+        return await self._write(SUB, value)
 
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
@@ -469,12 +458,12 @@ class Variable(NDArrayOperatorsMixin):
 
     async def _write_copies(self, op: str, values: Sequence[Any]) -> None:
         """Write ``values[i]`` into copy ``i`` with ``op``, every copy or (on error) none."""
-        commit([(self, await compute_update(self, _writer(op), values))])
+        commit([(self, await compute_update(self, writer(op), values))])
 
     def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
         """``value`` on ``device``, in this variable's dtype, or a clear error."""
         where = "" if replica is None else f" from replica {replica}"
-        array = value if _is_array(value) else np.asarray(value)
+        array = value if is_array(value) else np.asarray(value)
         if array.dtype.kind not in "biufc" or not np.can_cast(
             array.dtype, self._dtype, casting="same_kind"
         ):
@@ -611,7 +600,7 @@ class SyncOnReadVariable(Variable):
                 total += primary.asarray(copy)
             if self._aggregation is _Agg.MEAN:
                 total /= len(copies)
-        return _frozen(total)
+        return frozen(total)
 
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
@@ -619,75 +608,25 @@ class SyncOnReadVariable(Variable):
             replica_id = self._replica_id(replica, op)
             local = self._checked(value, replica.device, replica_id)
             copy = self._copies[replica_id]
-            new = (await _compute_copies((replica.device,), _writer(op), [[copy], [local]]))[0]
+            new = (await compute_copies((replica.device,), writer(op), [[copy], [local]]))[0]
             copies = list(self._copies)
             copies[replica_id] = new
             commit([(self, copies)])
             return self
-        if op != _ASSIGN and self._aggregation is _Agg.SUM:
+        if op != ASSIGN and self._aggregation is _Agg.SUM:
             raise ValueError(
                 f"{op}() on SyncOnReadVariable {self._name!r} in cross-replica context is not "
                 "supported with aggregation SUM (it would change the sum by num_replicas "
                 "times the value); call it in replica context, or assign() the new total"
             )
         values = self._cross_replica_values(value)
-        if op == _ASSIGN and self._aggregation is _Agg.SUM:
-            values = _split_sum(values, self._dtype)
+        if op == ASSIGN and self._aggregation is _Agg.SUM:
+            values = split_sum(values, self._dtype)
         await self._write_copies(op, values)
         return self
 
 
 # -- writing ------------------------------------------------------------------------------
-
-
-def commit(updates: Iterable[tuple[Variable, Sequence[Any]]]) -> None:
-    """Swap in the new copies of every variable at once: the all-or-nothing step.
-
-    Synchronous, with nothing in it that can fail for a well-formed update, so a cancellation
-    or error can only come before it (every copy old) or after it (every copy new).
-    """
-    for variable, copies in updates:
-        variable._copies = tuple(copies)
-
-
-async def _compute_copies(
-    devices: Sequence[Device],
-    fn: Callable[..., Any],
-    per_copy: Sequence[Sequence[Any]],
-) -> tuple[Any, ...]:
-    """``fn(*inputs_i)`` for each copy ``i``, with device ``i`` current; results frozen.
-
-    ``per_copy`` holds one sequence per argument, each with one entry per copy. Copies whose
-    inputs are the very same objects (host replicas share arrays) are computed once. Small
-    host work runs inline; larger host work and all GPU work go through ``device.run``, so
-    the loop never blocks (DESIGN invariant 4).
-    """
-    results: list[Any] = []
-    done: dict[tuple[int, ...], Any] = {}
-    for i, device in enumerate(devices):
-        inputs = [argument[i] for argument in per_copy]
-        if all(isinstance(x, np.ndarray) for x in inputs):
-            key = tuple(map(id, inputs))
-        else:
-            key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
-        if key not in done:
-            nbytes = max((getattr(x, "nbytes", 0) for x in inputs), default=0)
-            if device.has_context or nbytes >= _INLINE_BYTES:
-                result = await device.run(fn, *inputs)
-            else:
-                result = fn(*inputs)
-            # An optimizer's step returns several new arrays per copy.
-            multiple = isinstance(result, tuple)
-            done[key] = tuple(map(_frozen, result)) if multiple else _frozen(result)
-        results.append(done[key])
-    return tuple(results)
-
-
-async def compute_update(
-    variable: Variable, fn: Callable[..., Any], *per_copy: Sequence[Any]
-) -> tuple[Any, ...]:
-    """``_compute_copies`` over ``variable``'s devices, with its copies as the first input."""
-    return await _compute_copies(variable._devices, fn, [variable._copies, *per_copy])
 
 
 async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tuple[Any, ...]:
@@ -699,9 +638,9 @@ async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tu
     value = host_value.astype(variable._dtype, copy=False)
     values = [value] * len(variable._devices)
     if isinstance(variable, SyncOnReadVariable) and variable._aggregation is _Agg.SUM:
-        values = _split_sum(values, variable._dtype)
+        values = split_sum(values, variable._dtype)
     placed = [device.asarray(v) for device, v in zip(variable._devices, values, strict=True)]
-    return await compute_update(variable, _assign, placed)
+    return await compute_update(variable, writer(ASSIGN), placed)
 
 
 def snapshot(variable: Variable) -> tuple[Any, Device]:
@@ -713,14 +652,6 @@ def snapshot(variable: Variable) -> tuple[Any, Device]:
     return variable._read_cross_replica(), variable._devices[0]
 
 
-async def to_host(array: Any, device: Device) -> np.ndarray[Any, Any]:
-    """``array`` as a NumPy array; a GPU array is copied once its device's work is done."""
-    if isinstance(array, np.ndarray):
-        return array
-    await device.synchronize()
-    return np.asarray(array.get())
-
-
 def slot_variable(variable: Variable, name: str) -> Variable:
     """A new zero variable beside ``variable``: same devices and strategy, mirrored.
 
@@ -729,7 +660,7 @@ def slot_variable(variable: Variable, name: str) -> Variable:
     slot = object.__new__(Variable if variable._strategy is None else MirroredVariable)
     slot._init(
         variable._strategy,
-        variable._devices,
+        variable._engine,
         np.zeros(variable._shape, variable._dtype),
         name,
         None,
@@ -740,98 +671,32 @@ def slot_variable(variable: Variable, name: str) -> Variable:
     return slot
 
 
-def _writer(op: str) -> Callable[[Any, Any], Any]:
-    return {_ASSIGN: _assign, _ADD: _add, _SUB: _sub}[op]
-
-
-def _assign(old: Any, value: Any) -> Any:
-    out = _empty_like(old)
-    out[...] = value
-    return out
-
-
-def _add(old: Any, value: Any) -> Any:
-    out = _empty_like(old)
-    array_module(old).add(old, value, out=out, casting="same_kind")
-    return out
-
-
-def _sub(old: Any, value: Any) -> Any:
-    out = _empty_like(old)
-    array_module(old).subtract(old, value, out=out, casting="same_kind")
-    return out
-
-
-def _empty_like(array: Any) -> Any:
-    return array_module(array).empty(array.shape, array.dtype)
-
-
-async def _merge_write(strategy: MirroredStrategy, variable: Any, op: Any, value: Any) -> None:
+async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any) -> None:
     """A ``MirroredVariable`` write from replica context: aggregate, then write every copy."""
-    variable = same_on_every_replica(variable, "the variable they write")
-    op = same_on_every_replica(op, "the kind of write (assign, assign_add, assign_sub)")
+    variable = agreed(variable, "the variable the replicas write")
+    op = agreed(op, "the kind of write (assign, assign_add, assign_sub)")
     assert isinstance(variable, MirroredVariable)
-    reduced = await _aggregate(strategy, variable, value)
+    reduced = await _aggregate(variable, value)
     await variable._write_copies(op, reduced)
 
 
-async def _aggregate(strategy: MirroredStrategy, variable: Variable, value: Any) -> list[Any]:
+async def _aggregate(variable: Variable, value: Any) -> list[Any]:
     """The replicas' values combined with the variable's aggregation, one per copy."""
+    engine = variable._engine
+    assert engine is not None  # a mirrored variable always has its strategy's engine
     devices = variable._devices
     if variable._aggregation is _Agg.ONLY_FIRST_REPLICA:
         first = value.values[0] if isinstance(value, DistributedValues) else value
-        result = await strategy.extended.broadcast_to(first, list(variable.devices))
-    else:
-        op = "sum" if variable._aggregation is _Agg.SUM else "mean"
-        result = await strategy.extended.reduce_to(op, value, list(variable.devices))
-    if isinstance(result, DistributedValues):
-        return list(result.values)
-    return [result] * len(devices)
-
-
-def same_on_every_replica(value: Any, what: str) -> Any:
-    """A merge argument every replica must pass alike: replica 0's, or ``ValueError``.
-
-    Functions count as alike when their code is (replicas build their own closures).
-    """
-    if not isinstance(value, DistributedValues):
-        return value
-    first = value.values[0]
-    code = getattr(first, "__code__", None)
-    for replica, other in enumerate(value.values[1:], start=1):
-        if code is not None and getattr(other, "__code__", None) is code:
-            continue
-        raise ValueError(
-            f"replicas disagree on {what}: replica 0 passed {_describe(first)}, replica "
-            f"{replica} {_describe(other)}; every replica must make the same updates in the "
-            "same order"
-        )
-    return first
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, Variable):
-        return f"variable {value.name!r}"
-    return f"{value!r:.60}"
-
-
-def _split_sum(values: list[Any], dtype: np.dtype[Any]) -> list[Any]:
-    """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first."""
-    n = len(values)
-    if dtype.kind in "iu":
-        parts = []
-        for i, value in enumerate(values):
-            quotient, remainder = divmod(value, n)
-            parts.append(quotient + remainder if i == 0 else quotient)
-        return parts
-    return [value / n for value in values]
+        return await engine.broadcast_to(first, devices)
+    op = ReduceOp.SUM if variable._aggregation is _Agg.SUM else ReduceOp.MEAN
+    return (await engine.batch_reduce_to(op, [(value, devices)]))[0]
 
 
 # -- updates (strategy.extended.update) -----------------------------------------------------
 
 
 async def update(
-    strategy: MirroredStrategy,
+    strategy: Any,
     variable: Variable,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -855,7 +720,7 @@ async def update(
 
 
 async def _merge_update(
-    strategy: MirroredStrategy,
+    strategy: Any,
     variable: Any,
     fn: Any,
     args: Any,
@@ -864,16 +729,16 @@ async def _merge_update(
 ) -> Any:
     return await _update(
         strategy,
-        same_on_every_replica(variable, "the variable to update"),
-        same_on_every_replica(fn, "the update function"),
+        agreed(variable, "the variable to update"),
+        agreed(fn, "the update function"),
         args,
         kwargs,
-        same_on_every_replica(group, "group"),
+        agreed(group, "group"),
     )
 
 
 async def _update(
-    strategy: MirroredStrategy,
+    strategy: Any,
     variable: Variable,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -928,8 +793,9 @@ def _as_copy(variable: Variable, result: Any, like: Any) -> Any:
 # -- helpers ------------------------------------------------------------------------------
 
 
-def _scope_strategy(name: str) -> MirroredStrategy | None:
-    """The strategy a new variable belongs to: that of the enclosing ``scope()``, if any."""
+def _scope(name: str) -> tuple[Any, ReductionEngine | None]:
+    """The strategy a new variable belongs to, with its engine: the enclosing ``scope()``'s,
+    or ``(None, None)`` outside any scope (and in the default strategy's)."""
     state: ContextState = context_state.get()
     if state.replica is not None:
         raise RuntimeError(
@@ -937,14 +803,14 @@ def _scope_strategy(name: str) -> MirroredStrategy | None:
             f"{state.replica.replica_id_in_sync_group} of {state.replica.strategy!r}; "
             "create variables once, in `with strategy.scope():` outside run()"
         )
-    if state.strategy is None or state.strategy is get_default_strategy():
-        return None
-    return state.strategy
+    if state.strategy is None or state.strategy is default_replica_context().strategy:
+        return None, None
+    return state.strategy, state.engine
 
 
 def _check_kind(
     cls: type[Variable],
-    strategy: MirroredStrategy | None,
+    strategy: Any,
     sync: VariableSynchronization,
     agg: VariableAggregation,
     name: str,
@@ -980,7 +846,7 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
     """A fresh array of ``value`` (never the caller's own object), in ``dtype`` if given."""
     if isinstance(value, Variable):
         value = value.value()
-    if _is_array(value):
+    if is_array(value):
         array = array_module(value).array(value, dtype=dtype, copy=True)
     else:
         try:
@@ -1009,27 +875,6 @@ def _check_aggregation_dtype(agg: VariableAggregation, dtype: np.dtype[Any], nam
             f"variable {name!r} of dtype bool cannot have aggregation SUM; use an integer "
             "dtype to count"
         )
-
-
-def _is_array(value: object) -> bool:
-    """A NumPy or CuPy array (recognised without importing CuPy)."""
-    return isinstance(value, np.ndarray) or type(value).__module__.partition(".")[0] == "cupy"
-
-
-def array_module(array: Any) -> Any:
-    """``numpy`` or ``cupy``: the module of ``array``."""
-    if isinstance(array, np.ndarray):
-        return np
-    import cupy  # only reached with CuPy arrays, so CuPy is imported already
-
-    return cupy
-
-
-def _frozen(array: Any) -> Any:
-    """Mark a host array read-only (stored arrays are never written in place)."""
-    if isinstance(array, np.ndarray):
-        array.flags.writeable = False
-    return array
 
 
 class _active:

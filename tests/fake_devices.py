@@ -34,6 +34,9 @@ class FakeDevice:
     def backend(self) -> ArrayBackend:
         return self._host.backend
 
+    async def compute(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        return await self.run(fn, *args)
+
     def enter(self) -> None:
         pass
 

@@ -247,32 +247,54 @@ class TestAllReduce:
         assert (info.value.replicas, info.value.waiting) == ((1,), (0, 2))
         assert "waited 0.05 s" in str(info.value)
 
-    async def test_cross_worker_stage(self) -> None:
-        """A cross-worker stage combines local results: local reduce, across, local result."""
 
-        class TwoIdenticalWorkers:
-            num_workers = 2
+class TestSettingsMustAgree:
+    """A collective's settings (op, axis, source, options) must be equal on every replica."""
 
-            def __init__(self) -> None:
-                self.calls: list[str] = []
+    async def test_all_reduce_ops_that_differ(self) -> None:
+        """Replica 0 summing while the others take the max is refused, not silently summed."""
+        strategy = MirroredStrategy(cpus(3))
+        reduced: list[Any] = []
 
-            async def all_reduce(self, op: str, local: Any) -> Any:
-                self.calls.append(op)
-                return local * 2 if op == "sum" else local
+        async def step() -> None:
+            op = "sum" if rid() == 0 else "max"
+            reduced.append(await ctx().all_reduce(op, np.full(2, float(rid()))))
 
+        with pytest.raises(ReplicaSyncError, match="disagree on the reduce op") as info:
+            await strategy.run(step)
+        assert (info.value.merge_number, info.value.replicas) == (1, (0,))
+        assert "replica 0 passed <ReduceOp.SUM: 'sum'>" in str(info.value)
+        assert reduced == []
+
+    async def test_equal_settings_made_per_replica_agree(self) -> None:
+        """Equal ops and options built separately in every replica are one setting."""
         strategy = MirroredStrategy(cpus(2))
-        stage = TwoIdenticalWorkers()
-        strategy.extended.communicator.cross_worker = stage
 
         async def step() -> Any:
-            total = await ctx().all_reduce("sum", np.full(2, float(rid())))
-            mean = await ctx().all_reduce("mean", np.full(2, float(rid())))
-            return total, mean
+            options = CommunicationOptions(bytes_per_pack=64)
+            return await ctx().all_reduce(ReduceOp.parse("SUM"), np.ones(2), options)
 
-        total, mean = await strategy.run(step)
-        np.testing.assert_array_equal(total, [2.0, 2.0])
-        np.testing.assert_array_equal(mean, [0.5, 0.5])
-        assert stage.calls == ["sum", "sum"]
+        np.testing.assert_array_equal(await strategy.run(step), [2.0, 2.0])
+
+    async def test_gather_axes_that_differ(self) -> None:
+        """all_gather along different axes per replica is a ReplicaSyncError."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().all_gather(np.ones((2, 2)), axis=rid())
+
+        with pytest.raises(ReplicaSyncError, match="disagree on the axis of all_gather"):
+            await strategy.run(step)
+
+    async def test_broadcast_sources_that_differ(self) -> None:
+        """Each replica naming itself as the source is a ReplicaSyncError."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().broadcast(np.ones(2), source_replica=rid())
+
+        with pytest.raises(ReplicaSyncError, match="disagree on the source_replica"):
+            await strategy.run(step)
 
 
 class TestOtherReplicaCollectives:

@@ -156,7 +156,7 @@ class TestMergeCall:
         assert merged == [tuple(10 * r + i for i in range(4)) for r in range(5)]
 
     async def test_same_code_in_different_closures_is_fine(self) -> None:
-        """Lambdas and partials made per replica share code, so they count as one merge_fn."""
+        """Lambdas made per replica share code, and partials with equal arguments agree."""
         strategy = MirroredStrategy(cpus(3))
 
         def add(strategy: MirroredStrategy, v: PerReplica[int], offset: int) -> int:
@@ -164,10 +164,32 @@ class TestMergeCall:
 
         async def step() -> tuple[int, int]:
             a: int = await ctx().merge_call(lambda s, v: sum(v.values), args=(rid(),))
-            b: int = await ctx().merge_call(functools.partial(add, offset=rid()), args=(rid(),))
+            b: int = await ctx().merge_call(functools.partial(add, offset=10), args=(rid(),))
             return a, b
 
-        assert await strategy.run(step) == (3, 3)  # replica 0's partial runs: offset 0
+        assert await strategy.run(step) == (3, 13)
+
+    async def test_partials_with_different_arguments_are_refused(self) -> None:
+        """A partial whose bound arguments differ between replicas is not one merge function:
+        ReplicaSyncError names the odd replica, and the merge function never runs."""
+        strategy = MirroredStrategy(cpus(3))
+        ran: list[int] = []
+
+        def add(strategy: MirroredStrategy, offset: int) -> int:
+            ran.append(offset)
+            return offset
+
+        async def step() -> int:
+            offset = 5 if rid() == 1 else 0
+            result: int = await ctx().merge_call(functools.partial(add, offset=offset))
+            return result
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.merge_number, info.value.replicas) == (1, (1,))
+        assert "replicas 0 and 2 passed partial(" in str(info.value)
+        assert "offset=5" in str(info.value)
+        assert ran == []
 
     async def test_one_replica_merges_immediately(self) -> None:
         """With one replica, merge_fn gets the plain values."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -17,6 +18,7 @@ from aioreplica import (
     MirroredStrategy,
     MirroredVariable,
     PerReplica,
+    ReplicaSyncError,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
@@ -1262,6 +1264,34 @@ def scale_and_shift(copy: Array, factor: float, *, shift: float = 0.0) -> Array:
 
 
 class TestUpdate:
+    async def test_per_replica_partials_with_equal_arguments(self) -> None:
+        """Each replica's own partial of one function with equal arguments is one update
+        function: extended.update in replica context applies it once to every copy."""
+        strategy = MirroredStrategy(cpus(3))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+
+        async def step() -> None:
+            fn = functools.partial(scale_and_shift, shift=2.0)
+            await strategy.extended.update(v, fn, (10.0,))
+
+        await strategy.run(step)
+        assert_all(v, [12.0, 22.0])
+
+    async def test_per_replica_partials_with_different_arguments(self) -> None:
+        """Partials whose bound arguments differ per replica are refused with ReplicaSyncError
+        naming the odd replica; no copy changes (replica 0's partial does not silently win)."""
+        strategy = MirroredStrategy(cpus(3))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+
+        async def step() -> None:
+            fn = functools.partial(scale_and_shift, shift=float(rid() == 2))
+            await strategy.extended.update(v, fn, (10.0,))
+
+        with pytest.raises(ReplicaSyncError, match="disagree on the update function") as info:
+            await strategy.run(step)
+        assert (info.value.merge_number, info.value.replicas) == (1, (2,))
+        assert_all(v, [1.0, 2.0])
+
     @pytest.mark.parametrize("n", REPLICAS)
     async def test_every_copy_becomes_fn_of_copy(self, n: int) -> None:
         """Every copy becomes fn(copy, *args, **kwargs); shared host copies are computed once."""

@@ -12,6 +12,7 @@ import importlib.util
 import re
 from typing import TYPE_CHECKING
 
+from ._arrays import array_kind, array_module, is_array, is_cupy_array
 from ._numpy import HostDevice, host_device
 from ._protocol import ArrayBackend, Device
 
@@ -22,9 +23,13 @@ __all__ = [
     "ArrayBackend",
     "Device",
     "HostDevice",
+    "array_kind",
+    "array_module",
     "canonical_device_name",
     "default_devices",
     "host_device",
+    "is_array",
+    "is_cupy_array",
     "list_devices",
     "resolve_devices",
 ]

@@ -41,13 +41,12 @@ stream has waited for that read.
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio.lowlevel
 import cupy
 
-from .. import _loop
+from .. import _loops
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -82,6 +81,8 @@ class CudaDevice:
         >>> device.name, device.kind
         ('gpu:0', 'gpu')
         >>> x = device.asarray([1.0, 2.0])  # a cupy.ndarray on GPU 0
+        >>> x.device.id, x.get().tolist()
+        (0, [1.0, 2.0])
     """
 
     __slots__ = ("_index", "_previous", "_stream")
@@ -115,6 +116,10 @@ class CudaDevice:
     def stream(self) -> Any:
         """The ``cupy.cuda.Stream`` that this device's replica work is queued on."""
         return self._stream
+
+    async def compute(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` through ``run``, with this device and its stream current."""
+        return await self.run(fn, *args)
 
     def enter(self) -> None:
         """Make this GPU and its stream current on the calling thread; remember the previous.
@@ -171,16 +176,20 @@ class CudaDevice:
             cupy.cuda.runtime.CUDARuntimeError: the stream's work failed on the device.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["gpu:0"])
             >>> async def step():
             ...     device = aioreplica.get_replica_context().device
-            ...     y = device.xp.linalg.norm(device.asarray([3.0, 4.0]))
-            ...     await device.synchronize()
+            ...     y = device.xp.linalg.norm(device.asarray([3.0, 4.0]))  # queued on the stream
+            ...     await device.synchronize()  # y is computed now
+            ...     return float(y)
+            >>> anyio.run(strategy.run, step)
+            5.0
         """
         stream = self._stream
         if stream.done:
             await anyio.lowlevel.checkpoint()
             return
-        result = _loop.current().thread_result()
+        result = _loops.current().thread_result()
         stream.add_callback(_stream_callback, result)
         status: int = await result
         if status != 0:
@@ -198,9 +207,13 @@ class CudaDevice:
             BaseException: whatever ``fn`` raises.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["gpu:0"])
             >>> async def step():
             ...     device = aioreplica.get_replica_context().device
             ...     norm = await device.run(device.xp.linalg.norm, device.asarray([3.0, 4.0]))
+            ...     return float(norm)
+            >>> anyio.run(strategy.run, step)
+            5.0
         """
         with _Active(self._index, self._stream):
             return fn(*args, **kwargs)
@@ -260,12 +273,6 @@ class CupyBackend:
         self._plans: dict[tuple[Device, ...], _Plan] = {}
         self._communicators: dict[tuple[int, ...], list[Any]] = {}
 
-    def is_array(self, value: object) -> bool:
-        """Whether ``value`` is a CuPy array (false without importing CuPy if it is not
-        imported, like array-api-compat's ``is_cupy_array``)."""
-        module = sys.modules.get("cupy")
-        return module is not None and isinstance(value, module.ndarray)
-
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
     ) -> list[Any]:
@@ -284,7 +291,7 @@ class CupyBackend:
             RuntimeError: the replicas span several GPUs and NCCL is not available.
 
         Example:
-            >>> a, b = cuda_device(0), cuda_device(1)
+            >>> a = b = cuda_device(0)  # two replicas on one GPU; on two GPUs it is the same
             >>> xs = [a.asarray([1.0, 2.0]), b.asarray([3.0, 4.0])]
             >>> [r.get() for r in anyio.run(CUPY_BACKEND.all_reduce, "sum", xs, [a, b])]
             [array([4., 6.]), array([4., 6.])]
@@ -354,7 +361,7 @@ class CupyBackend:
             RuntimeError: the replicas span several GPUs and NCCL is not available.
 
         Example:
-            >>> a, b = cuda_device(0), cuda_device(1)
+            >>> a = b = cuda_device(0)  # two replicas on one GPU; on two GPUs it is the same
             >>> xs = [a.asarray([1, 2]), b.asarray([3])]
             >>> [r.get() for r in anyio.run(CUPY_BACKEND.all_gather, xs, 0, [a, b])]
             [array([1, 2, 3]), array([1, 2, 3])]
@@ -425,10 +432,10 @@ class CupyBackend:
             RuntimeError: the replicas span several GPUs and NCCL is not available.
 
         Example:
-            >>> a, b = cuda_device(0), cuda_device(1)
+            >>> a = b = cuda_device(0)  # two replicas on one GPU; on two GPUs it is the same
             >>> results = anyio.run(CUPY_BACKEND.broadcast, a.asarray([5, 6]), [a, b])
-            >>> [r.device.id for r in results]
-            [0, 1]
+            >>> [r.get().tolist() for r in results], results[0] is results[1]
+            ([[5, 6], [5, 6]], False)
         """
         plan = self._plan(devices)
         groups = plan.groups
@@ -537,7 +544,7 @@ class _Active:
         _restore(self._index, self._stream, self._previous)
 
 
-def _stream_callback(stream: Any, status: int, result: _loop.ThreadResult) -> None:
+def _stream_callback(stream: Any, status: int, result: _loops.ThreadResult) -> None:
     # Runs on a CUDA driver thread, which may make no CUDA calls: hand the bare status over
     # and let the waiting task build the exception.
     result.set(status, None)

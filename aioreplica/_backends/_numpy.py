@@ -19,13 +19,13 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import sys
 import threading
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import numpy as np
 
-from .. import _loop
+from .. import _loops
+from ._arrays import is_cupy_array
 from ._hostreduce import BufferPool, reduce_range, split_ranges
 
 if TYPE_CHECKING:
@@ -34,13 +34,13 @@ if TYPE_CHECKING:
 
     from ._protocol import Device
 
-__all__ = ["HOST_BACKEND", "HostBackend", "HostDevice", "host_device"]
+__all__ = ["HOST_BACKEND", "INLINE_BYTES", "HostBackend", "HostDevice", "host_device"]
 
 T = TypeVar("T")
 
-#: Below this many output bytes a host collective runs inline on the loop thread: handing it
-#: to worker threads costs more than it saves.
-_INLINE_BYTES: Final = 1 << 20
+#: Below this many bytes host work (a collective's output, a variable update) runs inline on
+#: the loop thread: handing it to a worker thread costs more than it saves.
+INLINE_BYTES: Final = 1 << 20
 
 
 # -- the device --------------------------------------------------------------------------
@@ -62,7 +62,7 @@ class _Worker:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        result: _loop.ThreadResult,
+        result: _loops.ThreadResult,
     ) -> None:
         if self._thread is None:
             with self._lock:
@@ -92,7 +92,7 @@ class _Worker:
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        result: _loop.ThreadResult,
+        result: _loops.ThreadResult,
     ) -> None:
         if result.cancelled:  # its waiter gave up before it started
             return
@@ -147,6 +147,22 @@ class HostDevice:
     def backend(self) -> HostBackend:
         return HOST_BACKEND
 
+    async def compute(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` inline under ``INLINE_BYTES`` of work, else in the worker thread.
+
+        A thread handoff costs more than small work; large work must not block the loop.
+
+        Raises:
+            BaseException: whatever ``fn`` raises.
+
+        Example:
+            >>> anyio.run(HostDevice(0).compute, 16, sum, [1, 2])
+            3
+        """
+        if nbytes < INLINE_BYTES:
+            return fn(*args)
+        return await self.run(fn, *args)
+
     def enter(self) -> None:
         pass
 
@@ -160,7 +176,9 @@ class HostDevice:
             >>> HostDevice(0).asarray([1, 2]).tolist()
             [1, 2]
         """
-        if _is_cupy_array(value):
+        if type(value) is np.ndarray:  # the common case, before any dispatch
+            return value
+        if is_cupy_array(value):
             return value.get()  # type: ignore[no-any-return]
         return np.asarray(value)
 
@@ -176,18 +194,21 @@ class HostDevice:
             BaseException: whatever ``fn`` raises.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
             ...     device = aioreplica.get_replica_context().device
-            ...     return await device.run(np.linalg.norm, device.asarray([3.0, 4.0]))
+            ...     return float(await device.run(np.linalg.norm, device.asarray([3.0, 4.0])))
+            >>> anyio.run(strategy.run, step)
+            PerReplica({0: 5.0, 1: 5.0})
         """
         value: T = await self._queue(fn, args, kwargs)
         return value
 
     def _queue(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> _loop.ThreadResult:
+    ) -> _loops.ThreadResult:
         """Queue a job on this device's worker now; await the result object for its value."""
-        result = _loop.current().thread_result()
+        result = _loops.current().thread_result()
         self._worker.submit(fn, args, kwargs, result)
         return result
 
@@ -195,8 +216,13 @@ class HostDevice:
         """Wait until every job queued on this device so far has finished.
 
         Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
-            ...     await aioreplica.get_replica_context().device.synchronize()
+            ...     device = aioreplica.get_replica_context().device
+            ...     await device.synchronize()  # every job queued on it so far has finished
+            ...     return device.name
+            >>> anyio.run(strategy.run, step)
+            PerReplica({0: 'cpu:0', 1: 'cpu:1'})
         """
         await self.run(_nothing)
 
@@ -237,9 +263,6 @@ class HostBackend:
     def __init__(self) -> None:
         self._pool = BufferPool()
 
-    def is_array(self, value: object) -> bool:
-        return isinstance(value, np.ndarray)
-
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
     ) -> list[Any]:
@@ -247,7 +270,7 @@ class HostBackend:
         out = self._pool.take(np.shape(inputs[0]), flat[0].dtype)
         out_flat = out.reshape(-1)
         size = out_flat.size
-        if out.nbytes < _INLINE_BYTES or len(devices) == 1:
+        if out.nbytes < INLINE_BYTES or len(devices) == 1:
             reduce_range(op, flat, out_flat, 0, size)
         else:
             parts = min(len(devices), _cores())
@@ -267,7 +290,7 @@ class HostBackend:
         shape = list(arrays[0].shape)
         shape[axis] = sum(a.shape[axis] for a in arrays)
         out = self._pool.take(tuple(shape), arrays[0].dtype)
-        if out.nbytes < _INLINE_BYTES:
+        if out.nbytes < INLINE_BYTES:
             np.concatenate(arrays, axis=axis, out=out)
         else:
             await _submit(devices[0], np.concatenate, arrays, axis=axis, out=out)
@@ -276,7 +299,7 @@ class HostBackend:
     async def broadcast(self, value: Any, devices: Sequence[Device]) -> list[Any]:
         source = np.asarray(value)
         out = self._pool.take(source.shape, source.dtype)
-        if out.nbytes < _INLINE_BYTES:
+        if out.nbytes < INLINE_BYTES:
             np.copyto(out, source)
         else:
             await _submit(devices[0], np.copyto, out, source)
@@ -299,11 +322,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not on Linux
         return os.cpu_count() or 1
-
-
-def _is_cupy_array(value: object) -> bool:
-    cupy = sys.modules.get("cupy")
-    return cupy is not None and isinstance(value, cupy.ndarray)
 
 
 HOST_BACKEND: Final = HostBackend()

@@ -58,6 +58,15 @@ class Device(Protocol):
     @property
     def backend(self) -> ArrayBackend: ...
 
+    async def compute(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)``, work on ``nbytes`` of this device's arrays, where it belongs.
+
+        The device's one inline-or-worker rule: a host device runs small work inline on the
+        loop thread (cheaper than a thread handoff) and the rest in its worker thread (``run``),
+        so the event loop never blocks on big work; a GPU device always uses ``run``, with
+        its device and stream current.
+        """
+
     def enter(self) -> None:
         """Make this device current on the calling thread (before a replica step)."""
 
@@ -89,9 +98,6 @@ class ArrayBackend(Protocol):
     @property
     def name(self) -> str:
         """``"numpy"`` or ``"cupy"``."""
-
-    def is_array(self, value: object) -> bool:
-        """Whether ``value`` is an array of this backend (a quick check, no import)."""
 
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]

@@ -1,0 +1,164 @@
+"""One adapter per event loop: the only code that uses a loop's native primitives.
+
+Library code talks to anyio. The exception is here, where a few microseconds per replica per
+round decide whether aioreplica stays within 2x of the bare-asyncio floor (invariant 7 in
+``docs/architecture.md``). ``current()`` picks the adapter of the running loop once per loop
+and caches it; ``_asyncio.py`` and ``_trio.py`` implement the same protocols under the same
+section headings, as anyio's backends do:
+
+- **replica tasks** (``replica_tasks``): spawn one task per replica, cancel them all on demand
+  or when the caller is cancelled, wait for all, let none outlive the call.
+- **gates** (``new_gate``): where the replicas of one merge round park until the last one has
+  run the merge function, and how they are woken in the order the scheduler asks for.
+- **yield_once** and **park_cancelled**: let tasks woken earlier run first; wait for the
+  cancellation of a failing run.
+- **thread results** (``thread_result``): a worker thread hands a result to the waiting task
+  without blocking until the loop gets round to it.
+- **background tasks** (``spawn_background``): a task owned by an object (a dataset's
+  prefetcher) rather than by a task group of the caller's.
+
+Nothing outside this package asks which loop it is on, and the adapters never write into the
+scheduler's objects: they return what the scheduler keeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
+
+__all__ = ["Background", "Gate", "Loop", "ReplicaTasks", "ThreadResult", "current"]
+
+
+class Gate(Protocol):
+    """Where the replicas of one merge round wait, identified by their replica ids.
+
+    ``park(slot)`` is what a replica ``yield from``s to wait; ``open(slots)`` wakes the parked
+    ones in that order (a slot that left, cancelled, is skipped). If ``park`` raises, the
+    scheduler hands the exception to ``interrupted``, which re-parks when it was not meant for
+    this replica (asyncio wakes everyone parked on a shared future when one of them is
+    cancelled) and returns once the gate opens, or raises it.
+    """
+
+    @property
+    def opened(self) -> bool: ...
+
+    def park(self, slot: int) -> Iterable[Any]: ...
+
+    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]: ...
+
+    def open(self, slots: Iterable[int]) -> None: ...
+
+
+class ReplicaTasks(Protocol):
+    """The tasks of one ``run()``: ``wait`` runs them all to their end; ``cancel`` stops them.
+
+    If the caller of ``wait`` is cancelled, every task is cancelled and still awaited before
+    the cancellation goes on, so none outlives ``wait``.
+    """
+
+    def cancel(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
+class ThreadResult(Protocol):
+    """A result that a worker thread hands to a task waiting on the event loop.
+
+    Made on the loop thread; ``set`` may be called once from any thread; awaiting it (once)
+    on the loop returns the value or raises the error. ``cancelled`` tells the worker that the
+    waiting task gave up, so a job that has not started yet can be skipped.
+    """
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def set(self, value: Any, error: BaseException | None) -> None: ...
+
+    def __await__(self) -> Generator[Any, Any, Any]: ...
+
+
+class Background(Protocol):
+    """A task that belongs to an object rather than to a task group (a dataset's prefetcher).
+
+    Its owner cancels it when it is done with it (``cancel`` may be called any number of
+    times, from the loop thread) and may wait for it to end; ``fn`` must not raise.
+    """
+
+    @property
+    def done(self) -> bool: ...
+
+    def cancel(self) -> None: ...
+
+    async def wait(self) -> None: ...
+
+
+class Loop(Protocol):
+    """The adapter of one running event loop (see the module docstring)."""
+
+    #: The exception a cancelled task sees (``asyncio.CancelledError``, ``trio.Cancelled``).
+    cancelled_class: type[BaseException]
+
+    def replica_tasks(
+        self,
+        mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
+        on_crash: Callable[[BaseException], None],
+    ) -> ReplicaTasks: ...
+
+    def new_gate(self, ordered: bool) -> Gate: ...
+
+    def yield_once(self) -> Iterable[Any]: ...
+
+    def park_cancelled(self) -> Iterable[Any]: ...
+
+    def thread_result(self) -> ThreadResult: ...
+
+    def spawn_background(self, fn: Callable[[], Awaitable[None]]) -> Background: ...
+
+
+_asyncio_adapters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Loop] = (
+    weakref.WeakKeyDictionary()
+)
+_trio_adapter: list[Loop] = []
+
+
+def current() -> Loop:
+    """The adapter for the event loop running the caller, made once per loop.
+
+    Raises:
+        RuntimeError: no asyncio or trio event loop is running.
+
+    Example:
+        >>> async def which():
+        ...     return type(current()).__module__
+        >>> anyio.run(which)
+        'aioreplica._loops._asyncio'
+    """
+    loop = asyncio._get_running_loop()
+    if loop is not None:
+        adapter = _asyncio_adapters.get(loop)
+        if adapter is None:
+            from ._asyncio import AsyncioLoop
+
+            adapter = _asyncio_adapters[loop] = AsyncioLoop(loop)
+        return adapter
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_task()
+        except RuntimeError:
+            pass
+        else:
+            if not _trio_adapter:
+                from ._trio import TrioLoop
+
+                _trio_adapter.append(TrioLoop(trio))
+            return _trio_adapter[0]
+    raise RuntimeError(
+        "strategy.run() must be awaited inside a running asyncio or trio event loop, "
+        "e.g. anyio.run(main) or asyncio.run(main())"
+    )

@@ -1,0 +1,259 @@
+"""The asyncio (and uvloop) adapter: plain tasks, futures, ``call_soon_threadsafe``.
+
+Measured on the merge path: anyio task groups cost 17-20 µs per replica to start a step
+against 4-5 µs for bare tasks; a future per waiter 1.22 µs per replica per round against
+0.88 µs for one shared future. So replicas are plain ``loop.create_task`` tasks supervised
+here, and the replicas of an ordered round all park on one future.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any, Final, final
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
+
+__all__ = ["AsyncioLoop"]
+
+_Future = asyncio.Future
+#: Yielding ``None`` (a bare ``yield``) makes a task reschedule itself behind the callbacks
+#: already queued; a constant tuple does it without making a generator.
+_YIELD_NONE: Final = (None,)
+
+
+# -- replica tasks --------------------------------------------------------------------------
+
+
+@final
+class _ReplicaTasks:
+    """Plain tasks supervised by hand: about a quarter of an anyio task group's start cost."""
+
+    __slots__ = ("_cancelling", "_loop", "_mains", "_on_crash", "_tasks")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
+        on_crash: Callable[[BaseException], None],
+    ) -> None:
+        self._loop = loop
+        self._mains = mains
+        self._on_crash = on_crash
+        self._tasks: list[asyncio.Task[None]] = []
+        self._cancelling = False
+
+    def cancel(self) -> None:
+        if not self._cancelling:
+            self._cancelling = True
+            for task in self._tasks:
+                task.cancel()
+
+    async def wait(self) -> None:
+        loop = self._loop
+        remaining = len(self._mains)
+        waiter: asyncio.Future[None] | None = None
+
+        def on_done(task: asyncio.Task[None]) -> None:
+            nonlocal remaining
+            remaining -= 1
+            if not task.cancelled():
+                exc = task.exception()
+                if exc is not None:  # replica mains catch everything but cancellation
+                    self._on_crash(exc)
+            if remaining == 0 and waiter is not None and not waiter.done():
+                waiter.set_result(None)
+
+        for main in self._mains:
+            task = loop.create_task(main())
+            task.add_done_callback(on_done)
+            self._tasks.append(task)
+        if self._cancelling:  # cancelled before the tasks existed
+            self._cancelling = False
+            self.cancel()
+        caller_cancelled: BaseException | None = None
+        while remaining:
+            waiter = loop.create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError as exc:
+                # The caller is cancelled: cancel every replica, and still wait for all of
+                # them, so that none outlives run(); then let the cancellation through.
+                caller_cancelled = exc
+                self.cancel()
+        self._tasks.clear()
+        if caller_cancelled is not None:
+            raise caller_cancelled
+
+
+# -- gates ----------------------------------------------------------------------------------
+
+
+@final
+class _SharedGate:
+    """An ordered round: every replica parks on one future, so one ``set_result`` wakes them
+    all, in the order they parked.
+
+    Cancelling a task cancels the future it waits on; when that is the shared one, every
+    replica parked there wakes with ``CancelledError``, but only the one whose task was
+    cancelled (``Task.cancelling()``) is meant: ``interrupted`` parks the others again.
+    """
+
+    __slots__ = ("_future", "_loop", "opened")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[None] = _Future(loop=loop)
+        self.opened = False
+
+    def park(self, slot: int) -> Iterable[Any]:
+        return self._future
+
+    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
+        while isinstance(exc, asyncio.CancelledError) and not _current_task_cancelling():
+            if self.opened:
+                return
+            if self._future.cancelled():
+                self._future = _Future(loop=self._loop)
+            try:
+                yield from self._future
+            except BaseException as again:
+                exc = again
+            else:
+                return
+        raise exc
+
+    def open(self, slots: Iterable[int]) -> None:
+        self.opened = True
+        if not self._future.done():  # done: cancelled; its replicas see ``opened``
+            self._future.set_result(None)
+
+
+@final
+class _FutureGate:
+    """A shuffled round: a future per replica, set in the order the scheduler asks."""
+
+    __slots__ = ("_futures", "_loop", "opened")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._futures: dict[int, asyncio.Future[None]] = {}
+        self.opened = False
+
+    def park(self, slot: int) -> Iterable[Any]:
+        future: asyncio.Future[None] = _Future(loop=self._loop)
+        self._futures[slot] = future
+        return future
+
+    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
+        raise exc
+        yield  # a generator, like the other gates' (never reached)
+
+    def open(self, slots: Iterable[int]) -> None:
+        self.opened = True
+        futures = self._futures
+        for slot in slots:
+            future = futures.get(slot)
+            if future is not None and not future.done():  # done: cancelled, leaving the round
+                future.set_result(None)
+
+
+def _current_task_cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+# -- thread results -------------------------------------------------------------------------
+
+
+@final
+class _ThreadResult:
+    __slots__ = ("_future", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._future: asyncio.Future[Any] = loop.create_future()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def set(self, value: Any, error: BaseException | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is waiting
+            self._loop.call_soon_threadsafe(self._deliver, value, error)
+
+    def _deliver(self, value: Any, error: BaseException | None) -> None:
+        if self._future.done():  # the waiter was cancelled
+            return
+        if error is not None:
+            self._future.set_exception(error)
+        else:
+            self._future.set_result(value)
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        return self._future.__await__()
+
+
+# -- background tasks -----------------------------------------------------------------------
+
+
+@final
+class _Background:
+    __slots__ = ("_task",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[None]]) -> None:
+        self._task = loop.create_task(_call(fn))
+
+    @property
+    def done(self) -> bool:
+        return self._task.done()
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def wait(self) -> None:
+        await asyncio.wait([self._task])
+
+
+async def _call(fn: Callable[[], Awaitable[None]]) -> None:
+    await fn()
+
+
+# -- the adapter ----------------------------------------------------------------------------
+
+
+@final
+class AsyncioLoop:
+    """The adapter of one running asyncio (or uvloop) event loop."""
+
+    cancelled_class: type[BaseException] = asyncio.CancelledError
+
+    __slots__ = ("_loop",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def replica_tasks(
+        self,
+        mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
+        on_crash: Callable[[BaseException], None],
+    ) -> _ReplicaTasks:
+        return _ReplicaTasks(self._loop, mains, on_crash)
+
+    def new_gate(self, ordered: bool) -> _SharedGate | _FutureGate:
+        return _SharedGate(self._loop) if ordered else _FutureGate(self._loop)
+
+    def yield_once(self) -> Iterable[Any]:
+        return _YIELD_NONE
+
+    def park_cancelled(self) -> Iterable[Any]:
+        # The run is failing and every replica has been cancelled: deliver it now. Waiting
+        # for the task's cancellation instead would hang if the replica's code swallowed it.
+        raise asyncio.CancelledError
+
+    def thread_result(self) -> _ThreadResult:
+        return _ThreadResult(self._loop)
+
+    def spawn_background(self, fn: Callable[[], Awaitable[None]]) -> _Background:
+        return _Background(self._loop, fn)

@@ -1,0 +1,114 @@
+"""The small vocabulary every layer shares: reduction ops and communication options.
+
+``CaseInsensitiveStrEnum`` is the base of every enum whose members users may also spell as
+strings (``ReduceOp``, ``VariableSynchronization``, ``VariableAggregation``).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from dataclasses import dataclass
+from typing import Final, Self
+
+__all__ = ["DEFAULT_PACK_BYTES", "CaseInsensitiveStrEnum", "CommunicationOptions", "ReduceOp"]
+
+#: Pack size when ``CommunicationOptions.bytes_per_pack`` is 0 (let aioreplica choose).
+DEFAULT_PACK_BYTES: Final = 4 << 20
+
+
+class CaseInsensitiveStrEnum(enum.StrEnum):
+    """A string enum whose ``parse`` takes a member or its value in any case.
+
+    The base of ``ReduceOp``, ``VariableSynchronization`` and ``VariableAggregation``: each
+    member's value is its name in lower case, so names and values both parse.
+    """
+
+    @classmethod
+    def parse(cls, value: Self | str) -> Self:
+        """Return ``value`` as a member; strings are matched without regard to case.
+
+        Raises:
+            ValueError: ``value`` names no member; the message lists the valid ones.
+
+        Example:
+            >>> ReduceOp.parse("MEAN")
+            <ReduceOp.MEAN: 'mean'>
+        """
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.lower())
+            except ValueError:
+                pass
+        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
+        valid = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}")
+
+
+class ReduceOp(CaseInsensitiveStrEnum):
+    """How values are combined across replicas. Strings (``"sum"``, ...) are accepted too.
+
+    Example:
+        >>> ReduceOp.parse("mean")
+        <ReduceOp.MEAN: 'mean'>
+    """
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+
+@dataclass(frozen=True, slots=True)
+class CommunicationOptions:
+    """How collectives communicate; given to a strategy, or to one call to override it.
+
+    Attributes:
+        bytes_per_pack: small tensors are fused into packs of at most this many bytes and
+            reduced together; 0 lets aioreplica choose (``DEFAULT_PACK_BYTES``, 4 MiB).
+        timeout_seconds: how long replicas wait at a collective for the others before the run
+            fails with ``ReplicaSyncError`` naming the late replicas; ``None`` waits.
+
+    Raises:
+        ValueError: a negative ``bytes_per_pack`` or a non-positive ``timeout_seconds``.
+
+    Example:
+        >>> CommunicationOptions(bytes_per_pack=1 << 20, timeout_seconds=30.0).bytes_per_pack
+        1048576
+    """
+
+    bytes_per_pack: int = 0
+    timeout_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+            raise ValueError(
+                f"bytes_per_pack must be an int >= 0 (0: automatic), got {self.bytes_per_pack!r}"
+            )
+        timeout = self.timeout_seconds
+        if timeout is not None and not (
+            isinstance(timeout, int | float) and timeout > 0 and not math.isnan(timeout)
+        ):
+            raise ValueError(f"timeout_seconds must be positive or None, got {timeout!r}")
+
+    def override(self, other: CommunicationOptions | None) -> CommunicationOptions:
+        """These options with the fields that ``other`` sets (non-default) taking precedence.
+
+        Example:
+            >>> CommunicationOptions(bytes_per_pack=1024).override(
+            ...     CommunicationOptions(timeout_seconds=5.0)
+            ... )
+            CommunicationOptions(bytes_per_pack=1024, timeout_seconds=5.0)
+        """
+        if other is None:
+            return self
+        return CommunicationOptions(
+            bytes_per_pack=other.bytes_per_pack or self.bytes_per_pack,
+            timeout_seconds=(
+                other.timeout_seconds if other.timeout_seconds is not None else self.timeout_seconds
+            ),
+        )

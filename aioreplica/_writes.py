@@ -1,0 +1,156 @@
+"""The write engine: how every copy of many variables changes at once, or none does.
+
+Copies are never written in place. An update computes the new array of every copy first
+(``compute_copies``, awaiting device work where there is any) and only then swaps all the
+references in one synchronous step, ``commit``, with no ``await`` in it. A failure or a
+cancellation before that step leaves every copy as it was; after it, every copy is new. The
+same holds for the many variables one optimizer step or one checkpoint restore updates
+together.
+
+Because stored arrays are never mutated, host copies are read-only (``writeable=False``) and
+host replicas share one array (invariant 6); a read is a reference, and a snapshot of every
+variable (a checkpoint save) is a list of references taken at once.
+
+Variables, optimizers and checkpoints use this module; it knows variables only as objects that
+store one copy per device (``Stored``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Final, Protocol
+
+import numpy as np
+
+from . import _tree
+from ._backends import array_module
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable, Sequence
+
+    from ._backends import Device
+
+__all__ = [
+    "ADD",
+    "ASSIGN",
+    "SUB",
+    "Stored",
+    "commit",
+    "compute_copies",
+    "compute_update",
+    "frozen",
+    "split_sum",
+    "to_host",
+    "writer",
+]
+
+# Which operation a write performs on each copy.
+ASSIGN: Final = "assign"
+ADD: Final = "assign_add"
+SUB: Final = "assign_sub"
+
+
+class Stored(Protocol):
+    """What the write engine knows of a variable: one copy per device."""
+
+    _copies: tuple[Any, ...]
+    _devices: tuple[Device, ...]
+
+
+def commit(updates: Iterable[tuple[Stored, Sequence[Any]]]) -> None:
+    """Swap in the new copies of every variable at once: the all-or-nothing step.
+
+    Synchronous, with nothing in it that can fail for a well-formed update, so a cancellation
+    or error can only come before it (every copy old) or after it (every copy new).
+    """
+    for variable, copies in updates:
+        variable._copies = tuple(copies)
+
+
+async def compute_copies(
+    devices: Sequence[Device],
+    fn: Callable[..., Any],
+    per_copy: Sequence[Sequence[Any]],
+) -> tuple[Any, ...]:
+    """``fn(*inputs_i)`` for each copy ``i``, with device ``i`` current; results frozen.
+
+    ``per_copy`` holds one sequence per argument, each with one entry per copy. Copies whose
+    inputs are the very same objects (host replicas share arrays) are computed once. Where
+    it runs is the device's rule (``device.compute``): small host work inline, the rest through
+    ``device.run``, so the loop never blocks (invariant 4).
+    """
+    results: list[Any] = []
+    done: dict[tuple[int, ...], Any] = {}
+    for i, device in enumerate(devices):
+        inputs = [argument[i] for argument in per_copy]
+        if all(isinstance(x, np.ndarray) for x in inputs):
+            key = tuple(map(id, inputs))
+        else:
+            key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
+        if key not in done:
+            nbytes = max((getattr(x, "nbytes", 0) for x in inputs), default=0)
+            result = await device.compute(nbytes, fn, *inputs)
+            # An optimizer's step returns several new arrays per copy.
+            multiple = isinstance(result, tuple)
+            done[key] = tuple(map(frozen, result)) if multiple else frozen(result)
+        results.append(done[key])
+    return tuple(results)
+
+
+async def compute_update(
+    variable: Stored, fn: Callable[..., Any], *per_copy: Sequence[Any]
+) -> tuple[Any, ...]:
+    """``_compute_copies`` over ``variable``'s devices, with its copies as the first input."""
+    return await compute_copies(variable._devices, fn, [variable._copies, *per_copy])
+
+
+async def to_host(array: Any, device: Device) -> np.ndarray[Any, Any]:
+    """``array`` as a NumPy array; a GPU array is copied once its device's work is done."""
+    if isinstance(array, np.ndarray):
+        return array
+    await device.synchronize()
+    return np.asarray(array.get())
+
+
+def writer(op: str) -> Callable[[Any, Any], Any]:
+    return {ASSIGN: _assign, ADD: _add, SUB: _sub}[op]
+
+
+def _assign(old: Any, value: Any) -> Any:
+    out = _empty_like(old)
+    out[...] = value
+    return out
+
+
+def _add(old: Any, value: Any) -> Any:
+    out = _empty_like(old)
+    array_module(old).add(old, value, out=out, casting="same_kind")
+    return out
+
+
+def _sub(old: Any, value: Any) -> Any:
+    out = _empty_like(old)
+    array_module(old).subtract(old, value, out=out, casting="same_kind")
+    return out
+
+
+def _empty_like(array: Any) -> Any:
+    return array_module(array).empty(array.shape, array.dtype)
+
+
+def split_sum(values: list[Any], dtype: np.dtype[Any]) -> list[Any]:
+    """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first."""
+    n = len(values)
+    if dtype.kind in "iu":
+        parts = []
+        for i, value in enumerate(values):
+            quotient, remainder = divmod(value, n)
+            parts.append(quotient + remainder if i == 0 else quotient)
+        return parts
+    return [value / n for value in values]
+
+
+def frozen(array: Any) -> Any:
+    """Mark a host array read-only (stored arrays are never written in place)."""
+    if isinstance(array, np.ndarray):
+        array.flags.writeable = False
+    return array
