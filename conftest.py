@@ -1,5 +1,10 @@
-"""Doctest configuration for the ``aioreplica`` package (``--doctest-modules``, see pyproject).
+"""Shared test configuration: event loops for the suite, names and collection for doctests.
 
+Backend-agnostic tests are marked ``pytest.mark.anyio`` and run on every event loop listed in
+``anyio_backend``: asyncio, asyncio with uvloop, and trio. A missing loop fails loudly rather
+than skipping. Asyncio-only tests use ``pytest.mark.asyncio`` (pytest-asyncio, strict mode).
+
+Docstring examples run too (``--doctest-modules``, see pyproject).
 Every docstring example sees ``np``, ``anyio`` and ``aioreplica`` without importing them, and
 ``tmp``, a fresh directory (the example's ``tmp_path``) for files it writes.
 
@@ -17,6 +22,7 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +37,20 @@ if TYPE_CHECKING:
 _PACKAGE = Path(__file__).parent / "aioreplica"
 _CUPY_MODULE = _PACKAGE / "_backends" / "_cupy.py"
 _doctest_from_module = doctest.DocTestFinder._from_module  # type: ignore[attr-defined]
+
+_BACKENDS = [
+    pytest.param(("asyncio", {}), id="asyncio"),
+    pytest.param(("trio", {}), id="trio"),
+]
+if sys.platform != "win32":
+    _BACKENDS.insert(1, pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"))
+
+
+@pytest.fixture(params=_BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
+    """Run each anyio test on asyncio, uvloop and trio."""
+    backend: tuple[str, dict[str, object]] = request.param
+    return backend
 
 
 @pytest.fixture(autouse=True)

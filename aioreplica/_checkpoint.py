@@ -93,8 +93,6 @@ class Checkpoint:
         >>> anyio.run(ckpt.restore, path)
         >>> w.numpy()
         array([0., 0., 0.])
-
-    .. versionadded:: 0.2
     """
 
     __slots__ = ("_objects",)
@@ -256,8 +254,6 @@ class CheckpointManager:
         ['ckpt-2.npz', 'ckpt-3.npz']
         >>> os.path.basename(manager.latest)
         'ckpt-3.npz'
-
-    .. versionadded:: 0.2
     """
 
     def __init__(

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = ["ReductionEngine"]
 
 
-class _Leaf(NamedTuple):
+class _LeafArrays(NamedTuple):
     """One leaf of a collective's value: where it is, and its array on each replica."""
 
     path: _tree.KeyPath
@@ -59,7 +59,8 @@ class ReductionEngine:
 
     Example:
         >>> from aioreplica._backends import host_device
-        >>> engine = ReductionEngine([host_device(0), host_device(1)], CommunicationOptions())
+        >>> options = aioreplica.CommunicationOptions()
+        >>> engine = ReductionEngine([host_device(0), host_device(1)], options)
         >>> anyio.run(engine.all_reduce, ReduceOp.SUM, aioreplica.PerReplica([1.0, 2.0]))
         [array(3.), array(3.)]
     """
@@ -102,7 +103,7 @@ class ReductionEngine:
         Returns:
             Per leaf, one result per replica.
         """
-        leaves = [_Leaf((), list(per_replica)) for per_replica in arrays]
+        leaves = [_LeafArrays((), list(per_replica)) for per_replica in arrays]
         return await self._reduce_leaves(op, leaves, options)
 
     async def all_gather(self, value: Any, axis: int) -> list[Any]:
@@ -250,7 +251,7 @@ class ReductionEngine:
             treedef.unflatten([leaf[replica] for leaf in results]) for replica in range(self.size)
         ]
 
-    def _leaves(self, what: str, value: Any) -> tuple[list[_Leaf], _tree.TreeDef]:
+    def _leaves(self, what: str, value: Any) -> tuple[list[_LeafArrays], _tree.TreeDef]:
         """Split a (regrouped) value into leaves with one array per replica, on its device."""
         size = len(self.devices)
         pairs, treedef = _tree.flatten_with_path(value)
@@ -266,7 +267,7 @@ class ReductionEngine:
                 components = list(leaf.values)
             else:
                 components = [leaf] * size
-            leaves.append(_Leaf(path, self._to_arrays(what, path, components)))
+            leaves.append(_LeafArrays(path, self._to_arrays(what, path, components)))
         return leaves, treedef
 
     def _to_arrays(self, what: str, path: _tree.KeyPath, components: list[Any]) -> list[Any]:
@@ -286,7 +287,7 @@ class ReductionEngine:
             )
         return [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
 
-    def _check_same_shapes(self, what: str, leaves: list[_Leaf]) -> None:
+    def _check_same_shapes(self, what: str, leaves: list[_LeafArrays]) -> None:
         for leaf in leaves:
             first = leaf.arrays[0]
             for replica, other in enumerate(leaf.arrays[1:], start=1):
@@ -298,7 +299,7 @@ class ReductionEngine:
                         "must pass the same shape and dtype"
                     )
 
-    def _check_gather_shapes(self, what: str, leaf: _Leaf, axis: int) -> int:
+    def _check_gather_shapes(self, what: str, leaf: _LeafArrays, axis: int) -> int:
         first = leaf.arrays[0]
         axis_ = _check_axis(what, leaf, axis)
         for replica, other in enumerate(leaf.arrays[1:], start=1):
@@ -317,7 +318,7 @@ class ReductionEngine:
         return axis_
 
     async def _reduce_leaves(
-        self, op: ReduceOp, leaves: list[_Leaf], opts: CommunicationOptions
+        self, op: ReduceOp, leaves: list[_LeafArrays], opts: CommunicationOptions
     ) -> list[list[Any]]:
         """Reduce every leaf across replicas; small leaves of one dtype go in packs.
 
@@ -350,7 +351,7 @@ class ReductionEngine:
         assert all(result is not None for result in results)
         return results  # type: ignore[return-value]
 
-    async def _reduce_pack(self, op: ReduceOp, group: list[_Leaf]) -> list[list[Any]]:
+    async def _reduce_pack(self, op: ReduceOp, group: list[_LeafArrays]) -> list[list[Any]]:
         """Fuse the leaves of each replica into one flat buffer, reduce it, split it back."""
         packed = []
         for r, device in enumerate(self.devices):
@@ -383,7 +384,7 @@ class ReductionEngine:
         """
         return await self.backend.all_reduce(op, inputs, self.devices)
 
-    async def _reduce_along(self, op: ReduceOp, leaf: _Leaf, axis: int) -> Any:
+    async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: int) -> Any:
         """``strategy.reduce`` with ``axis``: within each replica, then across replicas.
 
         ``MEAN`` divides the total by the number of elements along ``axis`` over all replicas,
@@ -434,7 +435,7 @@ def _divide(value: Any, by: int) -> Any:
     return value / by
 
 
-def _check_axis(what: str, leaf: _Leaf, axis: int) -> int:
+def _check_axis(what: str, leaf: _LeafArrays, axis: int) -> int:
     ndim = leaf.arrays[0].ndim
     if not isinstance(axis, int) or not -ndim <= axis < ndim:
         raise ValueError(
@@ -445,7 +446,7 @@ def _check_axis(what: str, leaf: _Leaf, axis: int) -> int:
     return int(axis % ndim)
 
 
-def _check_op(op: ReduceOp, leaves: list[_Leaf]) -> None:
+def _check_op(op: ReduceOp, leaves: list[_LeafArrays]) -> None:
     """Refuse a reduction the dtype cannot do, before anything is computed."""
     for leaf in leaves:
         dtype = leaf.arrays[0].dtype

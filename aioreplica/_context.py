@@ -186,7 +186,7 @@ class ReplicaContext:
         point = self._merge_point
         if point is None:
             return _merge_now(self._strategy, merge_fn, args, kwargs)
-        if not point.stepping or point.pending is not None:
+        if not point.in_own_coroutine or point.pending is not None:
             raise RuntimeError(point.misuse_message())
         request = point.pending = MergeRequest(merge_fn, args, kwargs, None)
         return merge_trap(request)
@@ -202,7 +202,7 @@ class ReplicaContext:
         point = self._merge_point
         if point is None:
             return select_replica(0, await _merge_now(self._strategy, merge_fn, args, None))
-        if not point.stepping or point.pending is not None:
+        if not point.in_own_coroutine or point.pending is not None:
             raise RuntimeError(point.misuse_message())
         request = point.pending = MergeRequest(merge_fn, args, None, timeout)
         return await merge_trap(request)
@@ -339,8 +339,13 @@ class ReplicaContext:
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
             >>> async def step():
-            ...     await aioreplica.get_replica_context().barrier()
+            ...     ctx = aioreplica.get_replica_context()
+            ...     arrived.append(ctx.replica_id_in_sync_group)
+            ...     await ctx.barrier()
+            ...     return sorted(arrived)  # every replica has arrived
+            >>> arrived = []
             >>> anyio.run(strategy.run, step)
+            [0, 1]
         """
         timeout = self._engine.options.override(options).timeout_seconds
         await self._collective(_merge_barrier, (), timeout)

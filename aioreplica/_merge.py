@@ -50,13 +50,13 @@ class MergeRequest(NamedTuple):
 class MergePoint(Protocol):
     """The scheduler's side of one replica, as ``merge_call`` sees it.
 
-    ``stepping`` is true only while the scheduler runs this replica's own coroutine;
+    ``in_own_coroutine`` is true only while the scheduler runs this replica's own coroutine;
     ``pending`` is the request made and not yet received by the driver (``None`` otherwise):
     a second call before awaiting the first, or a replica that finishes with one pending, is
     a misuse that ``misuse_message`` explains.
     """
 
-    stepping: bool
+    in_own_coroutine: bool
     pending: MergeRequest | None
 
     def misuse_message(self) -> str: ...

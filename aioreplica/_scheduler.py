@@ -21,7 +21,7 @@ the loop and *arrives* at the current round:
 
 The fast path
 -------------
-An arrival that is not the last, in a run where nothing unusual has happened (``smooth``: no
+An arrival that is not the last, in a run where nothing unusual has happened (``fast_path``: no
 ``sync_timeout``, no failure, nobody finished early) and without a timeout of its own, does
 three things: file its request, append itself to the round, and ``yield from`` the gate's park.
 Everything else (timeouts, failing runs, early finishers) takes ``_Run.arrive``, the slow path.
@@ -105,7 +105,7 @@ class _Round:
 class _Replica:
     """One replica of one ``run()``: its context and its driver."""
 
-    __slots__ = ("context", "device", "id", "pending", "run", "stepping")
+    __slots__ = ("context", "device", "id", "in_own_coroutine", "pending", "run")
 
     def __init__(self, run: _Run, replica_id: int) -> None:
         self.run = run
@@ -114,11 +114,12 @@ class _Replica:
         self.context: ReplicaContext | None = ReplicaContext(
             run.strategy, run.engine, replica_id, self
         )
-        self.stepping = False  # true only while the driver is inside this replica's coroutine
+        # True only while the driver is inside this replica's coroutine.
+        self.in_own_coroutine = False
         self.pending: MergeRequest | None = None  # made by merge_call, not yet received
 
     def misuse_message(self) -> str:
-        if self.stepping and self.pending is not None:
+        if self.in_own_coroutine and self.pending is not None:
             return (
                 f"replica {self.id} called merge_call() again before awaiting its previous "
                 "merge_call(); await each merge_call() where you call it"
@@ -180,7 +181,7 @@ class _Replica:
         enter = device.enter if device.has_context else None
         leave = device.leave if device.has_context else None
 
-        self.stepping = True
+        self.in_own_coroutine = True
         if enter is not None:
             enter()
         try:
@@ -188,7 +189,7 @@ class _Replica:
         finally:
             if leave is not None:
                 leave()
-            self.stepping = False
+            self.in_own_coroutine = False
         if type(awaitable) is types.CoroutineType:
             coro: Any = awaitable
         elif inspect.isawaitable(awaitable):
@@ -203,7 +204,7 @@ class _Replica:
         value: Any = None
         error: BaseException | None = None
         while True:
-            self.stepping = True
+            self.in_own_coroutine = True
             if enter is not None:
                 enter()
             try:
@@ -213,7 +214,7 @@ class _Replica:
             finally:
                 if leave is not None:
                     leave()
-                self.stepping = False
+                self.in_own_coroutine = False
             error = None
             value = None
             try:
@@ -224,7 +225,7 @@ class _Replica:
                     rnd.requests[replica_id] = yielded
                     arrived = rnd.arrived
                     arrived.append(self)
-                    if not run.smooth or yielded.timeout is not None:
+                    if not run.fast_path or yielded.timeout is not None:
                         yield from run.arrive(self, rnd, yielded)
                     elif len(arrived) == size:
                         yield from run.complete(rnd, self)
@@ -269,7 +270,7 @@ class _Run:
         self.finished: dict[int, int] = {}  # replica id -> merge calls it made
         self.failures: list[tuple[BaseException, str]] = []
         # Nothing unusual has happened: an arrival that is not the last may just park.
-        self.smooth = sync_timeout is None
+        self.fast_path = sync_timeout is None
         self.finished_run = False
         self.cancelled_class = self.loop.cancelled_class
         self.cancel_all: Callable[[], None] = _not_started
@@ -279,7 +280,7 @@ class _Run:
     def fail(self, exc: BaseException, note: str) -> None:
         """Record a failure and cancel every replica (the first failure is what run() raises)."""
         self.failures.append((exc, note))
-        self.smooth = False
+        self.fast_path = False
         self.cancel_all()
 
     def replica_failed(self, replica: _Replica, exc: BaseException) -> None:
@@ -300,7 +301,7 @@ class _Run:
         self.results[replica.id] = result
         merges = self.merges_completed
         self.finished[replica.id] = merges
-        self.smooth = False
+        self.fast_path = False
         waiting = [r.id for r in self.round.arrived]
         if waiting and not self.failures:
             number = self.round.number
@@ -438,7 +439,7 @@ class _Run:
         rnd.result = result
         rnd.done = True
         self.round = self._new_round(rnd.number + 1)
-        self.smooth = self.sync_timeout is None and not self.failures and not self.finished
+        self.fast_path = self.sync_timeout is None and not self.failures and not self.finished
         self.scheduler.merge_rounds_completed += 1
         order = [r.id for r in rnd.arrived]
         if self.rng is None:

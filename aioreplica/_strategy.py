@@ -312,7 +312,7 @@ class MirroredStrategy:
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
             >>> losses = aioreplica.PerReplica([np.array([1.0, 2.0, 3.0]), np.array([4.0])])
-            >>> anyio.run(strategy.reduce, "mean", losses, 0)
+            >>> float(anyio.run(strategy.reduce, "mean", losses, 0))
             2.5
         """
         op = ReduceOp.parse(reduce_op)
@@ -429,6 +429,11 @@ class MirroredStrategy:
             ...     size = context.get_per_replica_batch_size(8)
             ...     return aioreplica.batched(np.arange(16), size)
             >>> dist = strategy.distribute_datasets_from_function(dataset_fn)
+            >>> async def first():
+            ...     async for batch in dist:
+            ...         return batch
+            >>> anyio.run(first)
+            PerReplica({0: array([0, 1, 2, 3]), 1: array([4, 5, 6, 7])})
         """
         dataset = dataset_fn(self._input_context())
         return DistributedDataset(

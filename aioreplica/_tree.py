@@ -67,7 +67,6 @@ __all__ = [
     "KeyEntry",
     "KeyPath",
     "MappingKey",
-    "Node",
     "SequenceKey",
     "TreeDef",
     "assert_same_structure",
@@ -79,8 +78,6 @@ __all__ = [
     "is_leaf",
     "map_structure",
     "map_structure_with_path",
-    "node",
-    "node_mismatch",
     "register_dataclass",
     "register_node",
     "unflatten",
@@ -426,8 +423,8 @@ def _join(node: _Node, values: list[Any]) -> Any:
         ) from exc
 
 
-class Node(NamedTuple):
-    """One level of a container, as given by :func:`node`."""
+class _Level(NamedTuple):
+    """One level of a container, as given by :func:`_level`."""
 
     children: tuple[Any, ...]
     """The children, in canonical order (mappings: sorted by key)."""
@@ -437,23 +434,23 @@ class Node(NamedTuple):
     """Build a container like the original from new children given in the same order."""
 
 
-def node(x: Any) -> Node | None:
+def _level(x: Any) -> _Level | None:
     """Split one level of the container `x`, or return ``None`` when `x` is a leaf.
 
-    This is how code outside this module walks a container generically without knowing
-    which containers exist. ``node(x).rebuild(node(x).children)`` equals `x`.
+    How ``find_mismatch`` walks containers level by level.
+    ``_level(x).rebuild(_level(x).children)`` equals `x`.
 
     Args:
         x: Any object.
 
     Returns:
-        ``Node(children, keys, rebuild)``, or ``None`` for a leaf.
+        ``_Level(children, keys, rebuild)``, or ``None`` for a leaf.
 
     Raises:
         Whatever a registered ``flatten_fn`` raises.
 
     Example:
-        >>> n = node({"b": 1, "a": 2})
+        >>> n = _level({"b": 1, "a": 2})
         >>> n.children, format_path(n.keys[:1]), n.rebuild([20, 10])
         ((2, 1), "['a']", {'b': 10, 'a': 20})
     """
@@ -466,15 +463,15 @@ def node(x: Any) -> Node | None:
     children, aux, extra = _split(x, kind, t)
     n = len(children)
     level = _Node(kind, t, aux, extra, (None,) * n, n)
-    return Node(tuple(children), _node_keys(level), functools.partial(_rebuild_level, level))
+    return _Level(tuple(children), _node_keys(level), functools.partial(_rebuild_level, level))
 
 
 def _rebuild_level(level: _Node, values: Iterable[Any]) -> Any:
     values = list(values)
     if len(values) != level.num_leaves:
         raise ValueError(
-            f"rebuilding {_a(_type_name(level.type))} needs {level.num_leaves} children, "
-            f"got {len(values)}"
+            f"rebuilding {_with_article(_type_name(level.type))} needs {level.num_leaves} "
+            f"children, got {len(values)}"
         )
     return _join(level, values)
 
@@ -775,7 +772,8 @@ def _leaf_paths(treedef: TreeDef) -> list[KeyPath]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _a(name: str) -> str:
+def _with_article(name: str) -> str:
+    """``name`` with its indefinite article: ``a list``, ``an OrderedDict``."""
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
@@ -787,23 +785,24 @@ def _short_repr(x: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _describe(x: Any) -> str:
+def _describe_node(x: Any) -> str:
+    """What `x` is, for a structure mismatch: ``a list of 2 items``, ``a leaf 3 of type int``."""
     t = type(x)
     kind = _kind(t)
     name = _type_name(t)
     if kind == _LEAF:
         return f"a leaf {_short_repr(x)} of type {name}"
     if kind == _CUSTOM:
-        return f"{_a(name)} node"
+        return f"{_with_article(name)} node"
     n = len(x)
-    return f"{_a(name)} of {n} item{'' if n == 1 else 's'}"
+    return f"{_with_article(name)} of {n} item{'' if n == 1 else 's'}"
 
 
 def _keys_repr(keys: list[Any]) -> str:
     return ", ".join(_short_repr(k) for k in _sorted_keys(keys))
 
 
-def node_mismatch(
+def _node_mismatch(
     a: Any, b: Any, *, first: str = "the first", second: str = "the second"
 ) -> tuple[type[TypeError] | type[ValueError], str] | None:
     """Compare the top level of `a` and `b` (not their children).
@@ -824,7 +823,7 @@ def node_mismatch(
         Whatever a registered ``flatten_fn`` raises.
 
     Example:
-        >>> node_mismatch({"x": 1}, {"y": 1})
+        >>> _node_mismatch({"x": 1}, {"y": 1})
         (<class 'ValueError'>, "keys differ: 'x' only in the first, 'y' only in the second")
     """
     ta, tb = type(a), type(b)
@@ -833,7 +832,7 @@ def node_mismatch(
         return None
     if ka == _LEAF or kb == _LEAF or ta is not tb:
         exc = ValueError if ka == _LEAF or kb == _LEAF else TypeError
-        return exc, f"{first} has {_describe(a)}, {second} {_describe(b)}"
+        return exc, f"{first} has {_describe_node(a)}, {second} {_describe_node(b)}"
     if ka in _MAPPING_KINDS:
         keys_a, keys_b = set(a), set(b)
         if keys_a == keys_b:
@@ -847,11 +846,11 @@ def node_mismatch(
     if ka in _SEQUENCE_KINDS:
         if len(a) == len(b):
             return None
-        return ValueError, f"{first} has {_describe(a)}, {second} {_describe(b)}"
+        return ValueError, f"{first} has {_describe_node(a)}, {second} {_describe_node(b)}"
     registration = _REGISTRY[ta]
     children_a, aux_a = registration.flatten_fn(a)
     children_b, aux_b = registration.flatten_fn(b)
-    name = _a(_type_name(ta))
+    name = _with_article(_type_name(ta))
     if aux_a != aux_b:
         return ValueError, (
             f"{first} has {name} node with aux data {_short_repr(aux_a)}, "
@@ -879,7 +878,7 @@ def find_mismatch(
 
     Returns:
         ``None`` when the structures match, else ``(exception_class, path, message)``; see
-        :func:`node_mismatch`.
+        :func:`_node_mismatch`.
 
     Raises:
         Whatever a registered ``flatten_fn`` raises.
@@ -889,13 +888,13 @@ def find_mismatch(
         >>> exc.__name__, format_path(path), message
         ('TypeError', "[1]['c']", 'the first has a list of 3 items, the second a tuple of 3 items')
     """
-    found = node_mismatch(a, b, first=first, second=second)
+    found = _node_mismatch(a, b, first=first, second=second)
     if found is not None:
         return found[0], (), found[1]
-    level_a = node(a)
+    level_a = _level(a)
     if level_a is None:
         return None
-    level_b = node(b)
+    level_b = _level(b)
     assert level_b is not None  # node_mismatch found both to be containers
     for key, child_a, child_b in zip(level_a.keys, level_a.children, level_b.children, strict=True):
         deeper = find_mismatch(child_a, child_b, first=first, second=second)

@@ -326,7 +326,7 @@ def agreed(value: Any, what: str) -> Any:
     ranked = sorted(groups, key=len, reverse=True)
     odd = sorted(replica for group in ranked[1:] for replica in group)
     parts = "; ".join(
-        f"{replica_list(group)} passed {_describe(values[group[0]])}" for group in groups
+        f"{replica_list(group)} passed {_describe_value(values[group[0]])}" for group in groups
     )
     raise ReplicaSyncError(
         f"replicas disagree on {what}: {parts}; every replica must pass the same value in the "
@@ -366,12 +366,12 @@ def _same(a: Any, b: Any) -> bool:
     return equal is True or (isinstance(equal, np.bool_) and bool(equal))
 
 
-def _describe(value: Any) -> str:
-    """A short description of a replica's value for a disagreement message."""
+def _describe_value(value: Any) -> str:
+    """A replica's value, briefly, for a disagreement message."""
     if isinstance(value, functools.partial):
         bound = [f"{arg!r:.40}" for arg in value.args]
         bound += [f"{key}={arg!r:.40}" for key, arg in value.keywords.items()]
-        return f"partial({', '.join([_describe(value.func), *bound])})"
+        return f"partial({', '.join([_describe_value(value.func), *bound])})"
     code = getattr(getattr(value, "__func__", value), "__code__", None)
     if code is not None:
         name = getattr(value, "__qualname__", type(value).__qualname__)

@@ -139,8 +139,6 @@ class Variable(NDArrayOperatorsMixin):
         ...     w = Variable(np.ones(2), name="w")
         >>> type(w).__name__, len(w.values)
         ('MirroredVariable', 2)
-
-    .. versionadded:: 0.2
     """
 
     __slots__ = (

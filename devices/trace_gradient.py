@@ -20,19 +20,20 @@ import json
 import sys
 from collections import defaultdict
 from pathlib import Path
-from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
+from _benchlib import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+if TYPE_CHECKING:
+    from types import FrameType
+
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 import aioreplica
 from aioreplica.optimizers import SGD
-
 
 REPLICAS = 2
 

@@ -30,8 +30,6 @@ from aioreplica._tree import (
     is_leaf,
     map_structure,
     map_structure_with_path,
-    node,
-    node_mismatch,
     register_dataclass,
     register_node,
     unflatten,
@@ -658,47 +656,18 @@ class TestIsLeaf:
         assert not is_leaf(value)
 
 
-class TestNode:
-    def test_leaf_gives_none(self) -> None:
-        """A leaf has no level to split."""
-        assert node(3) is None
-        assert node(None) is None
-
-    def test_mapping_level_is_sorted_and_rebuilds_in_insertion_order(self) -> None:
-        """Children and keys come sorted; rebuild takes them in that order."""
-        level = node({"b": 1, "a": [2]})
-        assert level is not None
-        assert level.children == ([2], 1)
-        assert level.keys == (MappingKey("a"), MappingKey("b"))
-        assert list(level.rebuild(["A", "B"]).items()) == [("b", "B"), ("a", "A")]
-
-    def test_namedtuple_level(self) -> None:
-        """A namedtuple level has attribute keys and rebuilds its own type."""
-        level = node(Spec("m", 1))
-        assert level is not None
-        assert level.keys == (AttrKey("mode"), AttrKey("loss"), AttrKey("extra"))
-        assert type(level.rebuild(iter([1, 2, 3]))) is Spec
-
-    def test_rebuild_with_wrong_count_raises(self) -> None:
-        """rebuild needs exactly as many children as the level had."""
-        level = node([1, 2])
-        assert level is not None
-        with pytest.raises(ValueError, match="rebuilding a list needs 2 children, got 1"):
-            level.rebuild([1])
-
-
 class TestMismatchHelpers:
     def test_node_mismatch_uses_the_given_names(self) -> None:
         """The names given for each side appear in the message."""
-        assert node_mismatch([1], (1,), first="replica 0", second="replica 3") == (
+        assert _tree._node_mismatch([1], (1,), first="replica 0", second="replica 3") == (
             TypeError,
             "replica 0 has a list of 1 item, replica 3 a tuple of 1 item",
         )
 
     def test_node_mismatch_ignores_children(self) -> None:
         """Only the top level is compared."""
-        assert node_mismatch([[1]], [(1,)]) is None
-        assert node_mismatch(1, "a") is None
+        assert _tree._node_mismatch([[1]], [(1,)]) is None
+        assert _tree._node_mismatch(1, "a") is None
 
     def test_find_mismatch_returns_path(self) -> None:
         """The first difference, depth first, comes with its path."""
@@ -774,7 +743,7 @@ class TestProperties:
                 items = [(k, shuffle(v)) for k, v in x.items()]
                 random.shuffle(items)
                 return dict(items)
-            level = node(x)
+            level = _tree._level(x)
             return x if level is None else level.rebuild(shuffle(c) for c in level.children)
 
         shuffled = shuffle(structure)

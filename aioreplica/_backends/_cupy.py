@@ -7,7 +7,7 @@ Devices
 A ``CudaDevice`` owns one non-blocking stream, created in its GPU's context. CuPy's current
 device and current stream are per host thread, and every replica runs on the loop thread, so
 the scheduler calls ``enter()`` before each step of a replica's coroutine and ``leave()`` after
-it (DESIGN invariant 1). ``enter`` pushes the device's stream the way ``with stream:`` does, so
+it (invariant 1). ``enter`` pushes the device's stream the way ``with stream:`` does, so
 a ``with other_stream:`` block inside replica code falls back to the replica's stream when it
 ends (a stream made current with ``Stream.use()`` would not be restored by CuPy there).
 ``leave`` pops it and, if the loop thread had made a stream current with ``use()`` before,

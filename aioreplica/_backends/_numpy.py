@@ -6,7 +6,7 @@ host's memory, so there is no device state to switch between replica steps.
 Each host device owns one worker thread, started on first use: its "stream". ``device.run``
 queues work there in submission order and the event loop waits for the result without
 blocking, so host replicas really compute in parallel (NumPy releases the GIL) while the loop
-keeps serving the others (DESIGN invariant 4).
+keeps serving the others (invariant 4).
 
 Host collectives read each input once and write one output, which every host replica shares
 read-only (invariant 6). Large reductions are split into cache-sized blocks spread over the

@@ -1,9 +1,9 @@
 """The device protocol and the array-backend protocol.
 
 A **device** is where a replica's arrays live and its work runs. The scheduler calls
-``enter()`` before every step of a replica's coroutine and ``leave()`` after it (DESIGN
-invariant 1), so a device whose "current device" state is thread-local (CuPy's current device
-and stream) follows its replica across every await. Host devices have nothing to enter: they say
+``enter()`` before every step of a replica's coroutine and ``leave()`` after it (invariant 1),
+so a device whose "current device" state is thread-local (CuPy's current device and stream)
+follows its replica across every await. Host devices have nothing to enter: they say
 so with ``has_context = False`` and the scheduler then skips both calls on its hot path.
 
 An **array backend** (one per kind of device: NumPy for ``cpu``, CuPy for ``gpu``) carries out
