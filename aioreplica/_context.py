@@ -32,7 +32,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, final
 
-from ._merge import MergeRequest
+from ._merge import MERGE
 from ._options import ReduceOp
 from ._values import PerReplica, agreed, select_replica
 
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from ._backends import Device
     from ._collectives import ReductionEngine
-    from ._merge import MergePoint
+    from ._merge import MergePoint, MergeRequest
     from ._options import CommunicationOptions
 
 __all__ = [
@@ -188,7 +188,7 @@ class ReplicaContext:
             return _merge_now(self._strategy, merge_fn, args, kwargs)
         if not point.in_own_coroutine or point.pending is not None:
             raise RuntimeError(point.misuse_message())
-        request = point.pending = MergeRequest(merge_fn, args, kwargs, None)
+        request = point.pending = (MERGE, merge_fn, args, kwargs, None)
         return merge_trap(request)
 
     async def _collective(
@@ -204,7 +204,7 @@ class ReplicaContext:
             return select_replica(0, await _merge_now(self._strategy, merge_fn, args, None))
         if not point.in_own_coroutine or point.pending is not None:
             raise RuntimeError(point.misuse_message())
-        request = point.pending = MergeRequest(merge_fn, args, None, timeout)
+        request = point.pending = (MERGE, merge_fn, args, None, timeout)
         return await merge_trap(request)
 
     # -- collectives (each one merge round; the engine does the work) ----------------------

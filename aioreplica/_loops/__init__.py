@@ -8,7 +8,7 @@ section headings, as anyio's backends do:
 
 - **replica tasks** (``replica_tasks``): spawn one task per replica, cancel them all on demand
   or when the caller is cancelled, wait for all, let none outlive the call.
-- **gates** (``new_gate``): where the replicas of one merge round park until the last one has
+- **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
 - **yield_once** and **park_cancelled**: let tasks woken earlier run first; wait for the
   cancellation of a failing run.
@@ -38,14 +38,20 @@ class Gate(Protocol):
     """Where the replicas of one merge round wait, identified by their replica ids.
 
     ``park(slot)`` is what a replica ``yield from``s to wait; ``open(slots)`` wakes the parked
-    ones in that order (a slot that left, cancelled, is skipped). If ``park`` raises, the
-    scheduler hands the exception to ``interrupted``, which re-parks when it was not meant for
-    this replica (asyncio wakes everyone parked on a shared future when one of them is
-    cancelled) and returns once the gate opens, or raises it.
+    ones in that order (a slot that left, cancelled, is skipped). A gate whose replicas all
+    wait on one object (asyncio's ordered rounds: one future) also shows it as ``waiter``, so
+    the scheduler's fast path parks without a call; other gates' ``waiter`` is ``None``.
+
+    If ``park`` raises, the scheduler hands the exception to ``interrupted``, which re-parks
+    when it was not meant for this replica (asyncio wakes everyone parked on a shared future
+    when one of them is cancelled) and returns once the gate opens, or raises it.
     """
 
     @property
     def opened(self) -> bool: ...
+
+    @property
+    def waiter(self) -> Iterable[Any] | None: ...
 
     def park(self, slot: int) -> Iterable[Any]: ...
 
@@ -109,7 +115,9 @@ class Loop(Protocol):
         on_crash: Callable[[BaseException], None],
     ) -> ReplicaTasks: ...
 
-    def new_gate(self, ordered: bool) -> Gate: ...
+    def gate_factory(self, ordered: bool) -> Callable[[], Gate]:
+        """What makes the gate of each round, chosen once per run."""
+        ...
 
     def yield_once(self) -> Iterable[Any]: ...
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, Final, final
 
 if TYPE_CHECKING:
@@ -100,24 +101,24 @@ class _SharedGate:
     cancelled (``Task.cancelling()``) is meant: ``interrupted`` parks the others again.
     """
 
-    __slots__ = ("_future", "_loop", "opened")
+    __slots__ = ("_loop", "opened", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._future: asyncio.Future[None] = _Future(loop=loop)
+        self.waiter: asyncio.Future[None] = _Future(loop=loop)
         self.opened = False
 
     def park(self, slot: int) -> Iterable[Any]:
-        return self._future
+        return self.waiter
 
     def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
         while isinstance(exc, asyncio.CancelledError) and not _current_task_cancelling():
             if self.opened:
                 return
-            if self._future.cancelled():
-                self._future = _Future(loop=self._loop)
+            if self.waiter.cancelled():
+                self.waiter = _Future(loop=self._loop)
             try:
-                yield from self._future
+                yield from self.waiter
             except BaseException as again:
                 exc = again
             else:
@@ -126,8 +127,8 @@ class _SharedGate:
 
     def open(self, slots: Iterable[int]) -> None:
         self.opened = True
-        if not self._future.done():  # done: cancelled; its replicas see ``opened``
-            self._future.set_result(None)
+        if not self.waiter.done():  # done: cancelled; its replicas see ``opened``
+            self.waiter.set_result(None)
 
 
 @final
@@ -135,6 +136,8 @@ class _FutureGate:
     """A shuffled round: a future per replica, set in the order the scheduler asks."""
 
     __slots__ = ("_futures", "_loop", "opened")
+
+    waiter = None
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -241,8 +244,8 @@ class AsyncioLoop:
     ) -> _ReplicaTasks:
         return _ReplicaTasks(self._loop, mains, on_crash)
 
-    def new_gate(self, ordered: bool) -> _SharedGate | _FutureGate:
-        return _SharedGate(self._loop) if ordered else _FutureGate(self._loop)
+    def gate_factory(self, ordered: bool) -> Callable[[], _SharedGate | _FutureGate]:
+        return functools.partial(_SharedGate if ordered else _FutureGate, self._loop)
 
     def yield_once(self) -> Iterable[Any]:
         return _YIELD_NONE

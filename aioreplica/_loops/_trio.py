@@ -8,6 +8,7 @@ checkpoint, never through a sibling.
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING, Any, final
 
 import anyio
@@ -55,6 +56,8 @@ class _TaskGate:
     """Each parked replica's task, rescheduled in the order the scheduler asks."""
 
     __slots__ = ("_lowlevel", "_tasks", "opened")
+
+    waiter = None
 
     def __init__(self, lowlevel: Any) -> None:
         self._lowlevel = lowlevel
@@ -185,8 +188,8 @@ class TrioLoop:
         # group; replica mains catch everything else.
         return _ReplicaTasks(mains)
 
-    def new_gate(self, ordered: bool) -> _TaskGate:
-        return _TaskGate(self._lowlevel)
+    def gate_factory(self, ordered: bool) -> Callable[[], _TaskGate]:
+        return functools.partial(_TaskGate, self._lowlevel)
 
     def yield_once(self) -> Iterable[Any]:
         return self._lowlevel.cancel_shielded_checkpoint().__await__()  # type: ignore[no-any-return]
