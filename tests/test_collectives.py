@@ -20,6 +20,7 @@ from aioreplica import (
     ReduceOp,
     ReplicaSyncError,
 )
+from aioreplica._backends import HostDevice
 
 pytestmark = pytest.mark.anyio
 
@@ -463,6 +464,68 @@ class TestCrossReplica:
         for got in local(strategy, result):
             np.testing.assert_array_equal(got, [0, 1, 2])
             assert not got.flags.writeable
+
+    async def test_several_destinations_give_mirrored(self) -> None:
+        """With several destinations, broadcast_to and reduce_to return a Mirrored with one
+        component per destination (as in TF), even where host destinations share one array;
+        with one destination, the value itself."""
+        strategy = MirroredStrategy(cpus(3))
+        spread = await strategy.extended.broadcast_to(np.arange(2.0), ["cpu:0", "cpu:2"])
+        assert isinstance(spread, Mirrored)
+        assert len(spread.values) == 2
+        assert spread.values[0] is spread.values[1]  # one read-only host array, shared
+        value = PerReplica([np.full(2, float(i)) for i in range(3)])
+        summed = await strategy.extended.reduce_to("sum", value, value)
+        assert isinstance(summed, Mirrored)
+        assert len(strategy.experimental_local_results(summed)) == 3
+        np.testing.assert_array_equal(summed.values[2], [3.0, 3.0])
+        one = await strategy.extended.reduce_to("sum", value, "cpu:1")
+        assert type(one) is np.ndarray
+
+
+class TestInlineOrWorker:
+    """Host work of a collective runs inline when small, in the device's worker when large."""
+
+    @staticmethod
+    def record_device_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+        calls: list[str] = []
+        real_run = HostDevice.run
+
+        async def run(self: HostDevice, fn: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(f"{self.name} {getattr(fn, '__name__', fn)}")
+            return await real_run(self, fn, *args, **kwargs)
+
+        monkeypatch.setattr(HostDevice, "run", run)
+        return calls
+
+    async def test_reduce_along_axis(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """Each replica's partial sum of a 2 MiB component runs in its device's worker; of a
+        small one, inline."""
+        strategy = MirroredStrategy(cpus(2))
+        calls = self.record_device_runs(monkeypatch)
+        small = PerReplica([np.ones((4, 2)), np.ones((2, 2))])
+        np.testing.assert_array_equal(await strategy.reduce("sum", small, axis=0), [6.0, 6.0])
+        assert calls == []
+        big = PerReplica([np.ones((1 << 17, 2)), np.ones((1 << 17, 2))])
+        total = await strategy.reduce("sum", big, axis=0)
+        np.testing.assert_array_equal(total, [2.0 * (1 << 17)] * 2)
+        assert calls == ["cpu:0 _partial_reduction", "cpu:1 _partial_reduction"]
+
+    async def test_large_pack_concatenates_in_the_worker(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Packing leaves into more than 1 MiB per replica runs the concatenate in the worker."""
+        strategy = MirroredStrategy(cpus(2))
+        calls = self.record_device_runs(monkeypatch)
+
+        async def step() -> Any:
+            leaves = [np.full(40_000, float(rid())) for _ in range(4)]  # 4 x 320 kB: one pack
+            return await ctx().all_reduce("sum", leaves)
+
+        result = await strategy.run(step)
+        for leaf in result:
+            np.testing.assert_array_equal(leaf, np.ones(40_000))
+        assert calls == ["cpu:0 concatenate", "cpu:1 concatenate"]
 
 
 class TestHostDevice:
