@@ -6,11 +6,13 @@ strategy's cross-replica methods (``strategy.reduce``, ``extended.reduce_to``) c
 wrap its lists as ``Mirrored`` at the public boundary; variables and optimizers call it
 directly with their device objects. Every call goes through one core:
 
-1. **check** (``_leaves``): the values of all replicas have the same structure (``regroup``
-   names the replicas and the key path otherwise), every leaf is an array or scalar of the
-   devices' backend (NumPy and CuPy mixed is a ``TypeError``), with the same shape and dtype
-   on every replica (``ValueError`` naming both replicas, the path, both shapes and dtypes),
-   and a dtype the op can reduce (``TypeError``). Nothing is computed before every leaf has
+1. **check**: ``_leaves`` splits the value into one array per replica per leaf, each an array
+   or scalar of the devices' backend (NumPy and CuPy mixed is a ``TypeError``) placed on its
+   replica's device; ``_check_same_shapes`` (or ``_check_gather_shapes``) requires the same
+   shape and dtype on every replica (``ValueError`` naming both replicas, the path, both shapes
+   and dtypes), and ``_check_op`` a dtype the op can reduce (``TypeError``). Structures were
+   compared when the merge arguments were regrouped (``regroup`` names the replicas and the
+   key path). Nothing is computed before every leaf has
    passed. Callers that have checked their arrays already (an optimizer's gradients) enter
    after this step, at ``all_reduce_arrays``.
 2. **pack** (``_reduce_leaves``): small leaves of one dtype are fused into flat buffers of at

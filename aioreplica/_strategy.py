@@ -162,7 +162,13 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.update, v, lambda copy, x: copy * x, (3.0,))
             array([3., 3.])
         """
-        return await update(self._strategy, var, fn, tuple(args), kwargs, group)
+        copies = await update(self._strategy, var, fn, tuple(args), kwargs)
+        if not group:
+            return copies
+        replica = context_state.get().replica
+        if replica is not None:
+            return copies[replica.replica_id_in_sync_group]
+        return copies[0] if all(copy is copies[0] for copy in copies) else Mirrored(list(copies))
 
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         """Place ``value`` on every destination device (host devices share one read-only copy).

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, final
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._backends import array_module, host_device, is_array
+from ._backends import array_module, host_device, is_array, is_cupy_array
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._options import CaseInsensitiveStrEnum, ReduceOp
-from ._values import DistributedValues, Mirrored, PerReplica, agreed, select_replica_mirrored
+from ._values import DistributedValues, PerReplica, agreed, select_replica_mirrored
 from ._writes import (
     ADD,
     ASSIGN,
@@ -318,9 +318,9 @@ class Variable(NDArrayOperatorsMixin):
             True
         """
         value = self.value()
-        if isinstance(value, np.ndarray):
-            return value.copy()
-        return np.array(value.get())
+        if is_cupy_array(value):
+            return np.array(value.get())
+        return np.array(value, copy=True)
 
     def _read_cross_replica(self) -> Any:
         return self._copies[0]
@@ -337,7 +337,7 @@ class Variable(NDArrayOperatorsMixin):
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         value = self.value()
-        if not isinstance(value, np.ndarray):
+        if is_cupy_array(value):
             if copy is False:
                 raise ValueError(
                     f"variable {self._name!r} lives on a GPU; NumPy needs a copy of it"
@@ -699,9 +699,12 @@ async def update(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any] | None,
-    group: bool,
-) -> Any:
-    """``strategy.extended.update``: the new value of every copy is ``fn(copy, *args)``."""
+) -> tuple[Any, ...]:
+    """``strategy.extended.update``: the new value of every copy is ``fn(copy, *args)``.
+
+    Returns the new copies, one per replica (in replica context every replica gets them all,
+    after one merge round); the facade groups them as its caller asked.
+    """
     if not isinstance(variable, Variable):
         raise TypeError(f"update() needs an aioreplica.Variable, got {type(variable).__name__}")
     if not callable(fn):
@@ -713,8 +716,11 @@ async def update(
             raise RuntimeError(
                 f"update() of {strategy!r} was called in a replica of {replica.strategy!r}"
             )
-        return await replica.merge_call(_merge_update, args=(variable, fn, args, kwargs, group))
-    return await _update(strategy, variable, fn, args, kwargs, group)
+        copies: tuple[Any, ...] = await replica.merge_call(
+            _merge_update, args=(variable, fn, args, kwargs)
+        )
+        return copies
+    return await _update(strategy, variable, fn, args, kwargs)
 
 
 async def _merge_update(
@@ -723,15 +729,13 @@ async def _merge_update(
     fn: Any,
     args: Any,
     kwargs: Any,
-    group: Any,
-) -> Any:
+) -> tuple[Any, ...]:
     return await _update(
         strategy,
         agreed(variable, "the variable to update"),
         agreed(fn, "the update function"),
         args,
         kwargs,
-        agreed(group, "group"),
     )
 
 
@@ -741,8 +745,7 @@ async def _update(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    group: bool,
-) -> Any:
+) -> tuple[Any, ...]:
     owner = variable._strategy
     if owner is not None and owner is not strategy:
         raise ValueError(
@@ -767,9 +770,7 @@ async def _update(
 
     new = await compute_update(variable, apply, per_copy_args)
     commit([(variable, new)])
-    if not group:
-        return new
-    return new[0] if all(x is new[0] for x in new) else Mirrored(list(new))
+    return new
 
 
 def _as_copy(variable: Variable, result: Any, like: Any) -> Any:

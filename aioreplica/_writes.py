@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 import numpy as np
 
 from . import _tree
-from ._backends import array_module
+from ._backends import array_module, is_cupy_array
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -99,14 +99,14 @@ async def compute_copies(
 async def compute_update(
     variable: Stored, fn: Callable[..., Any], *per_copy: Sequence[Any]
 ) -> tuple[Any, ...]:
-    """``_compute_copies`` over ``variable``'s devices, with its copies as the first input."""
+    """``compute_copies`` over ``variable``'s devices, with its copies as the first input."""
     return await compute_copies(variable._devices, fn, [variable._copies, *per_copy])
 
 
 async def to_host(array: Any, device: Device) -> np.ndarray[Any, Any]:
     """``array`` as a NumPy array; a GPU array is copied once its device's work is done."""
-    if isinstance(array, np.ndarray):
-        return array
+    if not is_cupy_array(array):
+        return np.asarray(array)
     await device.synchronize()
     return np.asarray(array.get())
 

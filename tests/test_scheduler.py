@@ -380,6 +380,24 @@ class TestReplicaSync:
 
         assert (await strategy.run(step)).values == (0, 1)
 
+    async def test_slow_merge_fn_is_not_a_timeout(self) -> None:
+        """sync_timeout bounds the wait for replicas to arrive, not merge_fn's own work: a merge
+        function that takes longer than it, after every replica arrived, completes normally."""
+        strategy = MirroredStrategy(cpus(3), sync_timeout=0.05)
+        merged: list[tuple[int, ...]] = []
+
+        async def slow(strategy: MirroredStrategy, v: PerReplica[int]) -> int:
+            await anyio.sleep(0.3)  # six timeouts long
+            merged.append(v.values)
+            return sum(v.values)
+
+        async def step() -> int:
+            total: int = await ctx().merge_call(slow, args=(rid(),))
+            return total
+
+        assert await strategy.run(step) == 3
+        assert merged == [(0, 1, 2)]
+
     async def test_fail_after_around_merge_point_leaves_the_round(self) -> None:
         """A replica's own timeout at a merge point cancels only it; the round goes on."""
         strategy = MirroredStrategy(cpus(2))

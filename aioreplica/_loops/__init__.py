@@ -1,8 +1,8 @@
 """One adapter per event loop: the only code that uses a loop's native primitives.
 
-Library code talks to anyio. The exception is here, where a few microseconds per replica per
-round decide whether aioreplica stays within 2x of the bare-asyncio floor (invariant 7 in
-``docs/architecture.md``). ``current()`` picks the adapter of the running loop once per loop
+Library code talks to anyio. Invariant 7 (``docs/architecture.md``) names the one exception:
+here, where a few microseconds per replica per round decide whether a merge round stays within
+2x of the bare-asyncio floor. ``current()`` picks the adapter of the running loop once per loop
 and caches it; ``_asyncio.py`` and ``_trio.py`` implement the same protocols under the same
 section headings, as anyio's backends do:
 
@@ -10,8 +10,9 @@ section headings, as anyio's backends do:
   or when the caller is cancelled, wait for all, let none outlive the call.
 - **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
-- **yield_once** and **park_cancelled**: let tasks woken earlier run first; wait for the
-  cancellation of a failing run.
+- **yield_once** and **park_cancelled**: let tasks woken earlier run first; deliver a failing
+  run's cancellation to a replica that would otherwise park (at once on asyncio, at the next
+  checkpoint on trio).
 - **thread results** (``thread_result``): a worker thread hands a result to the waiting task
   without blocking until the loop gets round to it.
 - **background tasks** (``spawn_background``): a task owned by an object (a dataset's
