@@ -57,7 +57,7 @@ import operator
 import types
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -449,7 +449,7 @@ class _Run:
         self.fast_path = self.sync_timeout is None and not self.failures and not self.finished
         self.scheduler.merge_rounds_completed += 1
         if self.rng is None:
-            rnd.gate.open(map(_replica_id, rnd.arrived))  # arrival order
+            rnd.gate.open(None)  # in the order they parked: arrival order
             return
         order = [r.id for r in rnd.arrived]
         self.rng.shuffle(order)
@@ -463,7 +463,7 @@ class _Run:
 
     def _merge_arguments(self, rnd: _Round) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
         """Check the round (callable, one merge function everywhere); regroup its arguments."""
-        requests = cast("list[MergeRequest]", rnd.requests)  # every replica has filed one
+        requests: list[MergeRequest] = rnd.requests  # type: ignore[assignment]  # all filed
         merge_fn = requests[0][FN]
         if not callable(merge_fn):
             raise TypeError(
@@ -488,7 +488,6 @@ class _Run:
 
 
 # C-level getters for the per-round loops over replicas (no comprehension frame).
-_replica_id = operator.attrgetter("id")
 _request_fn = operator.itemgetter(FN)
 _request_args = operator.itemgetter(ARGS)
 _request_kwargs = operator.itemgetter(KWARGS)

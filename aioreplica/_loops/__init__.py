@@ -39,7 +39,8 @@ class Gate(Protocol):
     """Where the replicas of one merge round wait, identified by their replica ids.
 
     ``park(slot)`` is what a replica ``yield from``s to wait; ``open(slots)`` wakes the parked
-    ones in that order (a slot that left, cancelled, is skipped). A gate whose replicas all
+    ones in that order (a slot that left, cancelled, is skipped), ``open(None)`` in the order
+    they parked. A gate whose replicas all
     wait on one object (asyncio's ordered rounds: one future) also shows it as ``waiter``, so
     the scheduler's fast path parks without a call; other gates' ``waiter`` is ``None``.
 
@@ -58,7 +59,7 @@ class Gate(Protocol):
 
     def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]: ...
 
-    def open(self, slots: Iterable[int]) -> None: ...
+    def open(self, slots: Iterable[int] | None) -> None: ...
 
 
 class ReplicaTasks(Protocol):

@@ -101,10 +101,9 @@ class _SharedGate:
     cancelled (``Task.cancelling()``) is meant: ``interrupted`` parks the others again.
     """
 
-    __slots__ = ("_loop", "opened", "waiter")
+    __slots__ = ("opened", "waiter")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
         self.waiter: asyncio.Future[None] = _Future(loop=loop)
         self.opened = False
 
@@ -116,7 +115,7 @@ class _SharedGate:
             if self.opened:
                 return
             if self.waiter.cancelled():
-                self.waiter = _Future(loop=self._loop)
+                self.waiter = _Future(loop=self.waiter.get_loop())
             try:
                 yield from self.waiter
             except BaseException as again:
@@ -125,7 +124,8 @@ class _SharedGate:
                 return
         raise exc
 
-    def open(self, slots: Iterable[int]) -> None:
+    def open(self, slots: Iterable[int] | None) -> None:
+        # One set_result wakes every parked replica in the order it parked, whatever ``slots``.
         self.opened = True
         if not self.waiter.done():  # done: cancelled; its replicas see ``opened``
             self.waiter.set_result(None)
@@ -153,10 +153,10 @@ class _FutureGate:
         raise exc
         yield  # a generator, like the other gates' (never reached)
 
-    def open(self, slots: Iterable[int]) -> None:
+    def open(self, slots: Iterable[int] | None) -> None:
         self.opened = True
         futures = self._futures
-        for slot in slots:
+        for slot in list(futures) if slots is None else slots:
             future = futures.get(slot)
             if future is not None and not future.done():  # done: cancelled, leaving the round
                 future.set_result(None)

@@ -79,11 +79,11 @@ class _TaskGate:
         raise exc  # trio never wakes a task for another task's cancellation
         yield  # a generator, like the other gates' (never reached)
 
-    def open(self, slots: Iterable[int]) -> None:
+    def open(self, slots: Iterable[int] | None) -> None:
         self.opened = True
         reschedule = self._lowlevel.reschedule
         tasks = self._tasks
-        for slot in slots:
+        for slot in list(tasks) if slots is None else slots:
             task = tasks.pop(slot, None)
             if task is not None:
                 reschedule(task)
