@@ -198,7 +198,11 @@ class ReplicaContext:
         timeout: float | None,  # noqa: ASYNC109 - bounds the arrival of others, not this call
     ) -> Any:
         """One merge round running ``merge_fn`` (which returns a ``PerReplica``), bounded by
-        ``timeout`` seconds of waiting for the other replicas to arrive."""
+        ``timeout`` seconds of waiting for the other replicas to arrive.
+
+        ``merge_call``'s checks and request, with a timeout; ``merge_call`` keeps its own copy
+        of them so that the hottest path there is stays one frame.
+        """
         point = self._merge_point
         if point is None:
             return select_replica(0, await _merge_now(self._strategy, merge_fn, args, None))
