@@ -129,10 +129,7 @@ class ReductionEngine:
             ValueError: ``source`` is not a replica id.
             TypeError: arrays of another backend.
         """
-        if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < self.size:
-            raise ValueError(
-                f"source_replica must be a replica id from 0 to {self.size - 1}, got {source!r}"
-            )
+        self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
         results = [
             await self.backend.broadcast(leaf.arrays[source], self.devices) for leaf in leaves
@@ -160,6 +157,17 @@ class ReductionEngine:
             for replicas in results
         ]
         return self._per_replica(treedef, scattered)
+
+    def check_source(self, source: object) -> None:
+        """Refuse a ``source_replica`` that is not a replica id.
+
+        Raises:
+            ValueError: ``source`` is not an int from 0 to ``size - 1``.
+        """
+        if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < self.size:
+            raise ValueError(
+                f"source_replica must be a replica id from 0 to {self.size - 1}, got {source!r}"
+            )
 
     # -- one result per destination ---------------------------------------------------
 

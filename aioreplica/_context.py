@@ -126,7 +126,7 @@ class ReplicaContext:
     @property
     def num_replicas_in_sync(self) -> int:
         """How many replicas run in sync."""
-        return len(self._engine.devices)
+        return self._engine.size
 
     @property
     def device(self) -> Device:
@@ -292,15 +292,7 @@ class ReplicaContext:
             array([1., 1.])
         """
         engine = self._engine
-        size = len(engine.devices)
-        if (
-            isinstance(source_replica, bool)
-            or not isinstance(source_replica, int)
-            or not 0 <= source_replica < size
-        ):
-            raise ValueError(
-                f"source_replica must be a replica id from 0 to {size - 1}, got {source_replica!r}"
-            )
+        engine.check_source(source_replica)  # at once, in this replica
         timeout = engine.options.override(options).timeout_seconds
         return await self._collective(_merge_broadcast, (engine, value, source_replica), timeout)
 

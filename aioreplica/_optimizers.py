@@ -242,9 +242,9 @@ class Optimizer:
         ]
         step = self._iterations
         rate = self.current_learning_rate()
-        size = len(engine.devices)
         per_replica = [
-            grad.values if isinstance(grad, DistributedValues) else (grad,) * size for grad in grads
+            grad.values if isinstance(grad, DistributedValues) else (grad,) * engine.size
+            for grad in grads
         ]
         summed = await engine.all_reduce_arrays(ReduceOp.SUM, per_replica, engine.options)
         made: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
