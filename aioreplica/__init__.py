@@ -11,10 +11,13 @@ from . import nest as nest
 from . import optimizers as optimizers
 from ._backends import Device as Device
 from ._backends import list_devices as list_devices
+from ._batched import BatchedIterator as BatchedIterator
 from ._batched import batched as batched
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointManager as CheckpointManager
+from ._checkpoint import RestoreReport as RestoreReport
 from ._context import ReplicaContext as ReplicaContext
+from ._context import get_cross_replica_context as get_cross_replica_context
 from ._context import get_replica_context as get_replica_context
 from ._context import in_cross_replica_context as in_cross_replica_context
 from ._dataset import DistributedDataset as DistributedDataset
@@ -28,6 +31,7 @@ from ._errors import ReplicaSyncError as ReplicaSyncError
 from ._options import CommunicationOptions as CommunicationOptions
 from ._options import ReduceOp as ReduceOp
 from ._scheduler import SchedulerStatistics as SchedulerStatistics
+from ._steps import MultiStepContext as MultiStepContext
 from ._strategy import MirroredStrategy as MirroredStrategy
 from ._strategy import StrategyExtended as StrategyExtended
 from ._strategy import get_strategy as get_strategy
@@ -48,6 +52,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AioreplicaInternalError",
+    "BatchedIterator",
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
@@ -60,11 +65,13 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiStepContext",
     "OptionalValue",
     "PerReplica",
     "ReduceOp",
     "ReplicaContext",
     "ReplicaSyncError",
+    "RestoreReport",
     "SchedulerStatistics",
     "StrategyExtended",
     "SyncOnReadVariable",
@@ -73,6 +80,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "batched",
+    "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
     "has_strategy",

@@ -2,26 +2,44 @@
 
 ``batch_rows`` is the one check that a batch's leaves share a leading (batch) size; the
 distributed iterator uses it on every batch it splits.
+
+Resumable input
+    ``iter(batched(...))`` is a ``BatchedIterator``: one epoch. A ``Checkpoint`` saves its
+    place as a small JSON-ready state (``BatchedIterator._input_state``): what the dataset is
+    (rows, batch size, shuffle, the structure and the leaves' dtypes and row shapes), the
+    epoch, the position (batches handed out) and, with ``shuffle=True``, the state of the
+    dataset's random generator from *before* this epoch's permutation was drawn. Restoring it
+    into an iterator over an identical dataset draws that permutation again, which leaves the
+    dataset's generator where it was after the draw: the iteration continues at the next batch
+    of the same epoch, and later epochs shuffle as they would have in an unbroken run. The
+    arrays' values are not compared: the same arrays, in the same order, are the caller's part.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
 import numpy as np
 
 from . import _tree
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Sequence
+    from collections.abc import Sequence
 
-__all__ = ["batch_rows", "batched"]
+__all__ = ["BatchedIterator", "ResumableInput", "batch_rows", "batched"]
+
+#: The errors numpy raises for a random state that does not fit its generator.
+_BAD_RANDOM_STATE: Final = (TypeError, ValueError, KeyError, OverflowError, AttributeError)
 
 
 @final
 class batched:
     """Batches of in-memory arrays: an iterable of global batches, one epoch per iteration.
+
+    Each ``iter()`` is a new epoch, a ``BatchedIterator``; with ``shuffle=True`` it draws its
+    permutation of the rows from the dataset's generator when it is made. Its place in the
+    epoch can be saved in a ``Checkpoint`` (``Checkpoint(data=iterator)``).
 
     Args:
         arrays: a nested structure of arrays sharing a leading dimension, e.g. ``(x, y)``.
@@ -47,20 +65,191 @@ class batched:
         self._rows = batch_rows(self._leaves, self._treedef, "batched")
         self._batch_size = batch_size
         self._rng = np.random.default_rng(seed) if shuffle else None
+        self._epochs = 0  # iterators made so far: the epoch of the next one
 
     def __len__(self) -> int:
         return math.ceil(self._rows / self._batch_size)
 
-    def __iter__(self) -> Iterator[Any]:
-        order = None if self._rng is None else self._rng.permutation(self._rows)
-        for start in range(0, self._rows, self._batch_size):
-            stop = min(start + self._batch_size, self._rows)
-            if order is None:
-                parts = [leaf[start:stop] for leaf in self._leaves]
-            else:
-                rows = order[start:stop]
-                parts = [leaf[rows] for leaf in self._leaves]
-            yield self._treedef.unflatten(parts)
+    def __iter__(self) -> BatchedIterator:
+        return BatchedIterator(self)
+
+    def _structure(self) -> str:
+        """The structure of a batch, a leaf drawn as its dtype and shape (``*``: the rows)."""
+        described = [_LeafShape(leaf) for leaf in self._leaves]
+        return repr(self._treedef.unflatten(described))
+
+
+@final
+class BatchedIterator:
+    """One epoch of a ``batched`` dataset (``iter(batched(...))``); a ``Checkpoint`` can save
+    its place.
+
+    ``epoch`` counts the dataset's iterators made before this one; ``position`` the batches
+    this one has handed out.
+
+    Example:
+        >>> data = batched(np.arange(5), 2)
+        >>> iterator = iter(data)
+        >>> next(iterator).tolist(), iterator.epoch, iterator.position
+        ([0, 1], 0, 1)
+        >>> [b.tolist() for b in iterator]
+        [[2, 3], [4]]
+    """
+
+    __slots__ = ("_dataset", "_epoch", "_order", "_position", "_random_state")
+
+    def __init__(self, dataset: batched) -> None:
+        self._dataset = dataset
+        self._epoch = dataset._epochs
+        dataset._epochs += 1
+        self._position = 0
+        rng = dataset._rng
+        # The generator's state before this epoch's permutation is drawn: a restore draws the
+        # same permutation from it, leaving the generator as an unbroken run leaves it.
+        self._random_state: dict[str, Any] | None = None
+        self._order: np.ndarray[Any, Any] | None = None
+        if rng is not None:
+            self._random_state = dict(rng.bit_generator.state)
+            self._order = rng.permutation(dataset._rows)
+
+    def __iter__(self) -> BatchedIterator:
+        return self
+
+    def __next__(self) -> Any:
+        dataset = self._dataset
+        start = self._position * dataset._batch_size
+        if start >= dataset._rows:
+            raise StopIteration
+        self._position += 1
+        stop = min(start + dataset._batch_size, dataset._rows)
+        if self._order is None:
+            parts = [leaf[start:stop] for leaf in dataset._leaves]
+        else:
+            rows = self._order[start:stop]
+            parts = [leaf[rows] for leaf in dataset._leaves]
+        return dataset._treedef.unflatten(parts)
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this iterator goes through, from 0."""
+        return self._epoch
+
+    @property
+    def position(self) -> int:
+        """How many batches this iterator has handed out."""
+        return self._position
+
+    def __repr__(self) -> str:
+        return (
+            f"<aioreplica.BatchedIterator epoch={self._epoch} position={self._position} "
+            f"of {len(self._dataset)} batches>"
+        )
+
+    # -- checkpoints (see the module docstring) ----------------------------------------------
+
+    def _first_batch_rows(self) -> int:
+        """The rows of the dataset's first batch: the full batch size, or every row."""
+        return min(self._dataset._batch_size, self._dataset._rows)
+
+    def _input_state(self, position: int | None = None) -> dict[str, Any]:
+        """This iterator's place (at ``position``, by default its own), ready for JSON."""
+        dataset = self._dataset
+        return {
+            "rows": dataset._rows,
+            "batch_size": dataset._batch_size,
+            "shuffle": dataset._rng is not None,
+            "structure": dataset._structure(),
+            "epoch": self._epoch,
+            "position": self._position if position is None else position,
+            "random_state": self._random_state,
+        }
+
+    def _input_differences(self, state: dict[str, Any]) -> list[str]:
+        """How the dataset described by ``state`` differs from this iterator's."""
+        here = self._input_state()
+        differences = []
+        for field, name in _DATASET_FIELDS.items():
+            if state[field] != here[field]:
+                differences.append(
+                    f"{name} {_shown(field, state[field])} in the checkpoint, "
+                    f"{_shown(field, here[field])} here"
+                )
+        return differences
+
+    def _input_problem(self, state: dict[str, Any]) -> str | None:
+        """Why ``state``, of a dataset like this one, cannot be restored: a corrupted file."""
+        problem = self._state_problem(state)
+        return None if problem is None else f"{problem}; the file is corrupted"
+
+    def _state_problem(self, state: dict[str, Any]) -> str | None:
+        batches = len(self._dataset)
+        if state["position"] > batches:
+            return f"position {state['position']} is past the end of its epoch ({batches} batches)"
+        random_state = state["random_state"]
+        if (random_state is None) != (self._dataset._rng is None):
+            return "its random state does not match its shuffle flag"
+        if random_state is not None:
+            assert self._dataset._rng is not None
+            # Tried on a generator of its own: nothing changes before the restore commits.
+            probe = type(self._dataset._rng.bit_generator)()
+            try:
+                probe.state = random_state
+            except _BAD_RANDOM_STATE as exc:
+                return f"its random state is not one of a {type(probe).__name__} generator ({exc})"
+        return None
+
+    def _restore_input(self, state: dict[str, Any]) -> None:
+        """Take the place ``state`` describes (checked with the two methods above)."""
+        dataset = self._dataset
+        self._epoch = state["epoch"]
+        dataset._epochs = self._epoch + 1
+        self._position = state["position"]
+        self._random_state = state["random_state"]
+        if dataset._rng is not None:
+            dataset._rng.bit_generator.state = self._random_state
+            self._order = dataset._rng.permutation(dataset._rows)
+
+
+class ResumableInput(Protocol):
+    """What a ``Checkpoint`` needs of an iterator it saves: a ``BatchedIterator``, or a
+    ``DistributedIterator`` over a ``batched`` dataset."""
+
+    def _input_state(self) -> dict[str, Any]: ...
+
+    def _input_differences(self, state: dict[str, Any]) -> list[str]: ...
+
+    def _input_problem(self, state: dict[str, Any]) -> str | None: ...
+
+    def _restore_input(self, state: dict[str, Any]) -> None: ...
+
+
+#: The fields that describe the dataset (they must match for a restore), with their names.
+_DATASET_FIELDS: Final = {
+    "rows": "rows",
+    "batch_size": "batch size",
+    "shuffle": "shuffle",
+    "structure": "batch structure",
+}
+
+
+def _shown(field: str, value: Any) -> str:
+    if field == "shuffle":
+        return "on" if value else "off"
+    return str(value)
+
+
+@final
+class _LeafShape:
+    """A leaf drawn in a structure as its dtype and shape, ``*`` for the rows."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, leaf: Any) -> None:
+        rows = ", ".join(["*", *map(str, leaf.shape[1:])])
+        self._text = f"{np.dtype(leaf.dtype).name}[{rows}]"
+
+    def __repr__(self) -> str:
+        return self._text
 
 
 def batch_rows(leaves: Sequence[Any], treedef: _tree.TreeDef, what: str) -> int:

@@ -8,9 +8,13 @@ File format
           {"path": ["model", "w"], "kind": "variable", "array": "a0", "dtype": "<f8",
            "shape": [64, 10], "synchronization": "auto", "aggregation": "none"},
           {"path": ["optimizer"], "kind": "optimizer", "class": "SGD", "array": "a1",
+           "slot_names": ["momentum"],
            "slots": [{"variable": ["model", "w"], "slot": "momentum", "array": "a2",
                       "dtype": "<f8", "shape": [64, 10]}]},
-          {"path": ["epoch"], "kind": "number", "type": "int", "array": "a3"}]}
+          {"path": ["epoch"], "kind": "number", "type": "int", "array": "a3"},
+          {"path": ["data"], "kind": "iterator", "rows": 1437, "batch_size": 64,
+           "shuffle": true, "structure": "(float64[*, 64], int64[*])", "epoch": 2,
+           "position": 5, "random_state": {"bit_generator": "PCG64", "state": {...}, ...}}]}
 
     A path is the object's place in ``Checkpoint(**objects)``: keyword, then dict keys and
     list indices. A mirrored variable saves its primary copy, a sync-on-read variable its
@@ -18,47 +22,99 @@ File format
     checkpoint restores into any number of replicas, on any kind of device. An optimizer saves
     its step count, and its slots under the path of the variable they belong to.
 
+    An ``iterator`` entry is the place of an iterator over a ``batched`` dataset, a plain one
+    (``iter(batched(...))``) or a distributed one (``aiter(strategy.distribute_dataset(...))``),
+    held in the manifest alone: the dataset it expects (``rows``, ``batch_size``, ``shuffle``
+    and the batch ``structure``, each leaf as its dtype and row shape), its ``epoch``, its
+    ``position`` (the batches it had handed out; prefetched ones do not count) and, with
+    shuffling, the ``random_state`` of the dataset's NumPy generator from before that epoch's
+    permutation was drawn (its 128-bit integers are plain JSON numbers). Restoring it draws that
+    permutation again, so the iteration goes on at the next batch, and later epochs shuffle as
+    in an unbroken run. The dataset must match; a distributed iterator must not have pulled
+    ahead yet (restore into a fresh one); the number of replicas may differ.
+
 Saving is atomic
-    The file is written under a temporary name in the target directory, flushed and fsynced,
-    then renamed over the target (and the directory fsynced). A crash at any point leaves the
-    previous checkpoint whole: at worst a ``.<name>.*.tmp`` file stays behind.
+    The file is written under a temporary name in the target directory,
+    ``.<name>.<host>.<pid>.<random>.tmp``, flushed and fsynced, then renamed over the target
+    (and the directory fsynced). A crash at any point leaves the previous checkpoint whole: at
+    worst the temporary stays behind. The values written are those at the moment of the call.
+
+Numbered checkpoints
+    A ``CheckpointManager``'s saves run one at a time, in the order they were called: each
+    gets its own number, and pruning old files never races with a write. A save cancelled
+    before its file is written leaves nothing; once the write has started, the save finishes,
+    including the deletion of checkpoints beyond ``max_to_keep``, and the cancellation then
+    takes effect. A file on disk is deleted before the manager forgets it, so a save that
+    fails while deleting leaves the rest for the next save to delete. At most ``max_to_keep``
+    checkpoints stay, plus, while a save runs, the temporary it writes.
+
+    A writer killed mid-write (``SIGKILL``, a power cut) leaves its temporary. The first save
+    of a manager removes the stale temporaries of its own checkpoints: those of a process of
+    this host that has ended, and those of another host (or of unknown origin) older than
+    ``STALE_AFTER`` seconds (an hour), whose writer cannot be asked. A temporary of a live
+    process of this host, this one included, always stays.
 
 Restoring changes nothing unless everything fits
     The file is read whole (with ``allow_pickle=False``: a checkpoint never runs code; ZIP
-    checksums catch corruption), every entry is checked against the objects (names, kinds,
-    dtypes, shapes), the new copies are placed on their devices, and only then is everything
-    committed in one synchronous step. Any problem raises ``CheckpointError`` listing every
-    mismatch by object path, with every object unchanged.
+    checksums catch corruption), the manifest is checked field by field, every entry is
+    checked against the objects (names, kinds, dtypes, shapes), and only then are the new
+    copies computed and everything committed in one synchronous step. Any problem raises
+    ``CheckpointError`` listing every problem by object path or manifest entry, with every
+    object unchanged. The new copies are computed and committed holding the write turns of
+    every variable, slot and optimizer restored (invariant 8), so a write or an optimizer
+    step called meanwhile applies after the restore, on the restored values, and one that
+    was under way when the restore took its turns finishes first.
+
+    A partial restore (``restore(path, partial=True)``) restores every object whose path,
+    kind, dtype and shape (class and slots for an optimizer, dataset for an iterator) match,
+    leaves the others as they are and names them in its ``RestoreReport``; an optimizer's
+    slots follow their variables. A file that cannot be read, a malformed manifest, an entry
+    whose values contradict its manifest, and an optimizer with slots for a variable outside
+    the checkpoint are refused in both modes, changing nothing. What a partial restore does
+    restore, it restores as a strict one does: checked first, committed at once, holding the
+    same write turns.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
 import secrets
+import socket
+import sys
+import time
 import zipfile
 import zlib
-from typing import TYPE_CHECKING, Any, Final, final
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final, Literal, final
 
 import anyio
 import numpy as np
 
 from . import _tree
+from ._batched import BatchedIterator, ResumableInput, batched
 from ._context import context_state
+from ._dataset import DistributedIterator
 from ._errors import CheckpointError
 from ._optimizers import Optimizer, restore_state, slot_table, slots_to_restore
 from ._variables import Variable, new_copies, snapshot
-from ._writes import commit, to_host
+from ._writes import Turn, commit, taking_turns, to_host
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator
+    from collections.abc import Callable, Iterator
 
-__all__ = ["Checkpoint", "CheckpointManager"]
+__all__ = ["Checkpoint", "CheckpointManager", "RestoreReport"]
 
 FORMAT: Final = "aioreplica.checkpoint"
 VERSION: Final = 1
 _MANIFEST: Final = "manifest.json"
+
+#: How old (in seconds) a temporary must be before a manager removes it when it cannot ask
+#: its writer: one from another host, or of unknown origin.
+STALE_AFTER: Final = 3600.0
 
 Path = tuple[str | int, ...]
 
@@ -72,17 +128,27 @@ class Checkpoint:
     """A set of objects saved and restored together.
 
     Objects are given by keyword: variables, optimizers (their step count and slots), plain
-    ``int`` or ``float`` values such as an epoch counter, and dicts, lists and tuples of these.
-    A number is restored in place: at the top level read it back as an attribute
-    (``ckpt.epoch``); inside a dict or list it is written back into that container. Assigning
-    an attribute (``ckpt.epoch = 3``) replaces or adds an object.
+    ``int`` or ``float`` values such as an epoch counter, iterators over ``batched`` datasets
+    (their place in the epoch), and dicts, lists and tuples of these. A number is restored in
+    place: at the top level read it back as an attribute (``ckpt.epoch``); inside a dict or
+    list it is written back into that container. Assigning an attribute (``ckpt.epoch = 3``)
+    replaces or adds an object.
+
+    An iterator is either ``iter(batched(...))`` or a distributed one over a ``batched``
+    dataset, ``aiter(strategy.distribute_dataset(batched(...)))``. It saves its epoch, the
+    batches it has handed out (not those prefetched) and the dataset's random state, so a
+    run resumed from the checkpoint sees the batches an unbroken run would have seen. Restore
+    it into a fresh iterator over the same ``batched(...)`` (same arrays, batch size and
+    shuffle); a new ``iter()`` of that dataset then begins the next epoch, shuffled as in the
+    unbroken run.
 
     Args:
         **objects: what to save, by name.
 
     Raises:
-        TypeError: an object of another kind, a dict key that is not a string, or a number
-            inside a tuple (which cannot be restored in place).
+        TypeError: an object of another kind (an iterator over another source included), a
+            dict key that is not a string, or a number inside a tuple (which cannot be
+            restored in place).
 
     Example:
         >>> w = aioreplica.Variable(np.zeros(3), name="w")
@@ -90,9 +156,22 @@ class Checkpoint:
         >>> path = anyio.run(ckpt.save, tmp / "model.npz")
         >>> anyio.run(w.assign, 1.0)
         <aioreplica.Variable 'w' shape=(3,) dtype=float64 value=array([1., 1., 1.])>
-        >>> anyio.run(ckpt.restore, path)
+        >>> _ = anyio.run(ckpt.restore, path)
         >>> w.numpy()
         array([0., 0., 0.])
+
+        The place of an iterator over a ``batched`` dataset:
+
+        >>> data = aioreplica.batched(np.arange(10), 4, shuffle=True, seed=0)
+        >>> iterator = iter(data)
+        >>> next(iterator).tolist()
+        [4, 6, 2, 7]
+        >>> ckpt = Checkpoint(data=iterator)
+        >>> path = anyio.run(ckpt.save, tmp / "data.npz")
+        >>> resumed = Checkpoint(data=iter(aioreplica.batched(np.arange(10), 4, shuffle=True)))
+        >>> _ = anyio.run(resumed.restore, path)
+        >>> [batch.tolist() for batch in resumed.data] == [batch.tolist() for batch in iterator]
+        True
     """
 
     __slots__ = ("_objects",)
@@ -141,83 +220,104 @@ class Checkpoint:
             >>> anyio.run(ckpt.save, tmp / "step.npz").endswith("step.npz")
             True
         """
-        _check_not_in_replica("save")
-        path = os.fspath(path)
-        entries: list[dict[str, Any]] = []
-        pending: list[tuple[str, Any, Any]] = []  # (member, array or number, device)
+        _check_not_in_replica("Checkpoint.save")
+        return await self._snapshot().write(os.fspath(path))
 
-        def add(value: Any, device: Any = None) -> str:
-            member = f"a{len(pending)}"
-            pending.append((member, value, device))
-            return member
-
-        # Take every value at once, with no await in between: a consistent snapshot.
+    def _snapshot(self) -> _Snapshot:
+        """Every value to save, taken at once with no await in between: a consistent snapshot."""
+        snap = _Snapshot()
         variable_paths = {id(v): p for p, v in self._leaves() if isinstance(v, Variable)}
         for obj_path, obj in self._leaves():
             if isinstance(obj, Variable):
                 array, device = snapshot(obj)
-                entries.append(_variable_entry(obj_path, obj, add(array, device)))
+                snap.entries.append(_variable_entry(obj_path, obj, snap.add(array, device)))
             elif isinstance(obj, Optimizer):
-                entries.append(_optimizer_entry(obj_path, obj, variable_paths, add))
+                snap.entries.append(_optimizer_entry(obj_path, obj, variable_paths, snap.add))
+            elif _is_input(obj):
+                state = obj._input_state()
+                snap.entries.append({"path": list(obj_path), "kind": "iterator", **state})
             else:
-                entries.append(
+                snap.entries.append(
                     {
                         "path": list(obj_path),
                         "kind": "number",
                         "type": type(obj).__name__,
-                        "array": add(obj),
+                        "array": snap.add(obj),
                     }
                 )
-        arrays = []
-        for member, value, device in pending:
-            if device is None:
-                arrays.append((member, np.asarray(value)))
-            else:
-                arrays.append((member, await to_host(value, device)))
-        manifest = {"format": FORMAT, "version": VERSION, "entries": entries}
-        data = json.dumps(manifest, indent=1).encode()
-        await anyio.to_thread.run_sync(_write_atomic, path, data, arrays)
-        return path
+        return snap
 
-    async def restore(self, path: str | os.PathLike[str]) -> None:
+    async def restore(
+        self, path: str | os.PathLike[str], *, partial: bool = False
+    ) -> RestoreReport:
         """Set every object to its value in the checkpoint at ``path``, or change nothing.
 
         Every entry is checked first: each object must be in the file with the same kind,
         dtype and shape, and the file must hold nothing else. The number of replicas and the
         kind of device may differ from when it was saved. An optimizer without slots yet
-        gets them from the file.
+        gets them from the file. An iterator continues where the saved one was.
+
+        With ``partial=True`` the objects that do not fit are skipped instead: every object
+        whose path, kind, dtype and shape match is restored (an optimizer of the same class
+        and slots; an iterator over the same dataset), the others keep their values, and the
+        report names them. An optimizer's slots follow their variables: the slots of a
+        variable that is skipped are skipped too. This is how a model with a new head is
+        fine-tuned from a checkpoint of the old one.
+
+        Once the file is read and checked, the restore takes its place among the writes and
+        optimizer steps of the objects it restores: those under way finish first, those
+        called afterwards apply to the restored values.
 
         Args:
             path: a file written by ``save`` or ``CheckpointManager.save``.
+            partial: restore what fits and report the rest, instead of refusing it all.
+
+        Returns:
+            A ``RestoreReport``: what was restored and, for a partial restore, what was
+            skipped (a strict restore that returns has skipped nothing).
 
         Raises:
-            CheckpointError: the file is truncated, corrupted, not a checkpoint, or does not
-                match the objects; ``problems`` names each object concerned. Nothing changed.
+            CheckpointError: the file is truncated, corrupted or not a checkpoint; an
+                optimizer has slots for a variable outside this checkpoint; a distributed
+                iterator has pulled ahead; or (unless ``partial``) an object does not match.
+                ``problems`` names each object concerned. Nothing changed.
             FileNotFoundError: there is no such file.
+            TypeError: ``partial`` is not a bool.
             RuntimeError: called inside a replica.
 
         Example:
             >>> ckpt = Checkpoint(step=3)
             >>> path = anyio.run(ckpt.save, tmp / "step.npz")
             >>> ckpt.step = 5
-            >>> anyio.run(ckpt.restore, path)
-            >>> ckpt.step
-            3
+            >>> report = anyio.run(ckpt.restore, path)
+            >>> report.complete, report.restored, ckpt.step
+            (True, ('step',), 3)
+
+            A partial restore skips what does not fit, and says so:
+
+            >>> ckpt = Checkpoint(step=5, head=aioreplica.Variable(np.zeros(2)))
+            >>> report = anyio.run(lambda: ckpt.restore(path, partial=True))
+            >>> report.restored, report.only_in_program, ckpt.step
+            (('step',), ('head',), 3)
         """
-        _check_not_in_replica("restore")
+        _check_not_in_replica("Checkpoint.restore")
+        if not isinstance(partial, bool):
+            raise TypeError(f"partial must be True or False, got {partial!r}")
         path = os.fspath(path)
         manifest, arrays = await anyio.to_thread.run_sync(_read, path)
-        plan = _Plan(path, manifest, arrays)
+        plan = _Plan(path, manifest, arrays, partial=partial)
         for obj_path, obj in self._leaves():
             plan.expect(obj_path, obj, self._leaves)
         plan.finish()
-        # Everything fits: place the new copies (nothing changes yet), then commit at once.
-        updates = [(v, await new_copies(v, array)) for v, array in plan.variables]
-        commit(updates)
-        for optimizer, iterations, made in plan.optimizers:
-            restore_state(optimizer, iterations, made)
-        for obj_path, number in plan.numbers:
-            self._set_number(obj_path, number)
+        # Everything fits. Take the write turns of everything restored, so that no write or
+        # step interleaves with this one. Meanwhile a step (or ``build``) may give an
+        # optimizer new slots: their turns are needed too, so then take them all again.
+        turns = plan.turns()
+        while True:
+            async with taking_turns(turns):
+                if plan.turns() <= turns and await plan.commit(self._set_number):
+                    return plan.report()
+            turns |= plan.turns()
 
     def _leaves(self) -> Iterator[tuple[Path, Any]]:
         pairs, _ = _tree.flatten_with_path(self._objects)
@@ -229,11 +329,84 @@ class Checkpoint:
 
 
 @final
+@dataclass(frozen=True)
+class RestoreReport:
+    """What ``Checkpoint.restore`` restored, and what a partial restore skipped.
+
+    Objects are named by path as in ``CheckpointError``: ``model/w``, ``epoch``, ``data``;
+    an optimizer's slot as ``<optimizer>/slots/<variable>/<slot>``. A skipped object kept
+    its value.
+
+    Attributes:
+        path: the checkpoint file.
+        restored: the objects restored (an optimizer with its step count and the slots of
+            the variables restored).
+        only_in_file: what the file holds but this checkpoint does not: objects, and the
+            slots of variables that are not here.
+        only_in_program: objects of this checkpoint that the file lacks, and optimizer slots
+            of variables that the file has no slots for.
+        mismatched: ``(path, what differs)`` for each object at the same path in both but of
+            another kind, dtype or shape (both given), optimizer class or dataset, and for
+            the slots of such variables.
+
+    Example:
+        >>> report = RestoreReport(
+        ...     "ft.npz", restored=("body/w",), only_in_program=("head/w",),
+        ...     mismatched=(("head/b", "shape (10,) in the checkpoint, (3,) here"),),
+        ... )
+        >>> report.complete, report.skipped
+        (False, ('head/b', 'head/w'))
+        >>> print(report)
+        restored 1 of the objects of checkpoint 'ft.npz', skipped 2:
+          restored: body/w
+          only here, left as they were: head/w
+          mismatched, left as they were:
+            head/b: shape (10,) in the checkpoint, (3,) here
+    """
+
+    path: str
+    restored: tuple[str, ...] = ()
+    only_in_file: tuple[str, ...] = ()
+    only_in_program: tuple[str, ...] = ()
+    mismatched: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        """Every path skipped on either side, sorted."""
+        mismatched = [path for path, _ in self.mismatched]
+        return tuple(sorted({*self.only_in_file, *self.only_in_program, *mismatched}))
+
+    @property
+    def complete(self) -> bool:
+        """Whether nothing was skipped: every object of both sides was restored."""
+        return not (self.only_in_file or self.only_in_program or self.mismatched)
+
+    def __str__(self) -> str:
+        restored = ", ".join(self.restored) or "nothing"
+        if self.complete:
+            return f"restored every object of checkpoint {self.path!r}: {restored}"
+        lines = [
+            f"restored {len(self.restored)} of the objects of checkpoint {self.path!r}, "
+            f"skipped {len(self.skipped)}:",
+            f"  restored: {restored}",
+        ]
+        if self.only_in_file:
+            lines.append(f"  only in the file, not restored: {', '.join(self.only_in_file)}")
+        if self.only_in_program:
+            lines.append(f"  only here, left as they were: {', '.join(self.only_in_program)}")
+        if self.mismatched:
+            lines.append("  mismatched, left as they were:")
+            lines += [f"    {path}: {what}" for path, what in self.mismatched]
+        return "\n".join(lines)
+
+
+@final
 class CheckpointManager:
     """Numbered checkpoints in a directory, keeping the newest ``max_to_keep``.
 
     Files are named ``<checkpoint_name>-<number>.npz``. Existing ones in ``directory`` are
-    found when the manager is made, so a restarted program resumes from ``latest``.
+    found when the manager is made, so a restarted program resumes from ``latest`` (also
+    ``latest_checkpoint``, TF's name).
 
     Args:
         checkpoint: the ``Checkpoint`` to save.
@@ -279,6 +452,12 @@ class CheckpointManager:
         self._max_to_keep = max_to_keep
         self._name = checkpoint_name
         self._numbers = sorted(self._existing())
+        # Saves take it in turn: number, write, bookkeeping and deletions, one save at a time.
+        self._turn = Turn()
+        # Stale temporaries are removed by the first save, not here: in a worker thread,
+        # off the event loop, and only by a manager that writes (one made to find
+        # ``latest`` for an evaluation deletes nothing).
+        self._swept = False
 
     @property
     def directory(self) -> str:
@@ -295,8 +474,28 @@ class CheckpointManager:
         """The newest checkpoint file, or ``None`` if there is none."""
         return self._path(self._numbers[-1]) if self._numbers else None
 
+    @property
+    def latest_checkpoint(self) -> str | None:
+        """The newest checkpoint file, or ``None``: ``latest`` under TF's name.
+
+        Example:
+            >>> manager = CheckpointManager(Checkpoint(step=1), tmp / "tf")
+            >>> manager.latest_checkpoint is None
+            True
+            >>> path = anyio.run(manager.save)
+            >>> manager.latest_checkpoint == manager.latest == path
+            True
+        """
+        return self.latest
+
     async def save(self, checkpoint_number: int | None = None) -> str:
         """Save the checkpoint as the next number (or ``checkpoint_number``); prune old ones.
+
+        The values saved are those at the moment of the call. Saves of one manager run one
+        after another in the order they were called, so concurrent saves get distinct
+        numbers. A save cancelled before its file is written leaves nothing; once the write
+        has started, it finishes, old checkpoints' deletion included. The first save also
+        removes stale temporaries that killed writers left (see the module's documentation).
 
         Args:
             checkpoint_number: the number to save as; default one more than the newest.
@@ -305,7 +504,8 @@ class CheckpointManager:
             The path written.
 
         Raises:
-            ValueError: ``checkpoint_number`` is not an int >= 0.
+            ValueError: ``checkpoint_number`` is not an int >= 0; as ``Checkpoint.save``.
+            RuntimeError: called inside a replica.
             OSError: as ``Checkpoint.save``; older checkpoints are kept.
 
         Example:
@@ -313,26 +513,47 @@ class CheckpointManager:
             >>> os.path.basename(anyio.run(manager.save, 7))
             'ckpt-7.npz'
         """
-        if checkpoint_number is None:
-            number = self._numbers[-1] + 1 if self._numbers else 1
-        elif (
+        if checkpoint_number is not None and (
             isinstance(checkpoint_number, bool)
             or not isinstance(checkpoint_number, int)
             or checkpoint_number < 0
         ):
             raise ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
-        else:
-            number = checkpoint_number
-        await anyio.to_thread.run_sync(lambda: os.makedirs(self._directory, exist_ok=True))
-        path = await self._checkpoint.save(self._path(number))
+        _check_not_in_replica("CheckpointManager.save")
+        values = self._checkpoint._snapshot()  # references only: copies never change in place
+        await self._turn.acquire()
+        try:
+            return await self._save(values, checkpoint_number)
+        finally:
+            self._turn.release()
+
+    async def _save(self, values: _Snapshot, checkpoint_number: int | None) -> str:
+        """Number, write, record and prune one checkpoint (holding the manager's turn)."""
+        number = checkpoint_number
+        if number is None:
+            number = self._numbers[-1] + 1 if self._numbers else 1
+        await anyio.to_thread.run_sync(_make_directory, self._directory)
+        if not self._swept:
+            await anyio.to_thread.run_sync(_remove_stale_temporaries, self._directory, self._name)
+            self._swept = True
+        path = await values.write(self._path(number))
+        # No await since the write: every checkpoint on disk is one this manager lists.
         if number in self._numbers:
             self._numbers.remove(number)
         self._numbers.append(number)
-        if self._max_to_keep is not None and len(self._numbers) > self._max_to_keep:
-            drop = self._numbers[: -self._max_to_keep]
-            self._numbers = self._numbers[-self._max_to_keep :]
-            await anyio.to_thread.run_sync(_remove, [self._path(n) for n in drop])
+        # The write finished although the caller may be cancelled: finish the save with it.
+        with anyio.CancelScope(shield=True):
+            await self._prune()
         return path
+
+    async def _prune(self) -> None:
+        """Delete the checkpoints beyond ``max_to_keep``, oldest first."""
+        if self._max_to_keep is None or len(self._numbers) <= self._max_to_keep:
+            return
+        drop = self._numbers[: -self._max_to_keep]
+        # Delete, then forget: a failure in between leaves them listed, for the next save.
+        await anyio.to_thread.run_sync(_remove, [self._path(n) for n in drop])
+        del self._numbers[: len(drop)]
 
     def _path(self, number: int) -> str:
         return os.path.join(self._directory, f"{self._name}-{number}.npz")
@@ -355,6 +576,39 @@ class CheckpointManager:
 
 
 # -- saving ---------------------------------------------------------------------------------
+
+
+@final
+class _Snapshot:
+    """The manifest entries and values of one save, taken at once, written later."""
+
+    __slots__ = ("entries", "pending")
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, Any]] = []
+        self.pending: list[tuple[str, Any, Any]] = []  # (member, array or number, device)
+
+    def add(self, value: Any, device: Any = None) -> str:
+        """Keep ``value`` (an array on ``device``, or a number) for the file; its member."""
+        member = f"a{len(self.pending)}"
+        self.pending.append((member, value, device))
+        return member
+
+    async def write(self, path: str) -> str:
+        """Write the snapshot to ``path`` atomically, in a worker thread; return ``path``.
+
+        Once the thread has started, the write finishes even if the caller is cancelled.
+        """
+        arrays = []
+        for member, value, device in self.pending:
+            if device is None:
+                arrays.append((member, np.asarray(value)))
+            else:
+                arrays.append((member, await to_host(value, device)))
+        manifest = {"format": FORMAT, "version": VERSION, "entries": self.entries}
+        data = json.dumps(manifest, indent=1).encode()
+        await anyio.to_thread.run_sync(_write_atomic, path, data, arrays)
+        return path
 
 
 def _variable_entry(path: Path, variable: Variable, member: str) -> dict[str, Any]:
@@ -405,9 +659,8 @@ def _optimizer_entry(
 def _write_atomic(path: str, manifest: bytes, arrays: list[tuple[str, Any]]) -> None:
     """Write the archive under a temporary name, fsync it, rename it over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    # os.open applies the umask, as for any new file (mkstemp would force 0600).
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    temporary = os.path.join(directory, _temporary_name(os.path.basename(path)))
+    fd = _create(temporary, path)
     try:
         with os.fdopen(fd, "wb") as file:
             with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
@@ -423,6 +676,76 @@ def _write_atomic(path: str, manifest: bytes, arrays: list[tuple[str, Any]]) -> 
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
+
+
+def _temporary_name(name: str) -> str:
+    """``.<name>.<host>.<pid>.<random>.tmp``: who writes it, so that a stale one can be told."""
+    return f".{name}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _host() -> str:
+    """This host's name, as it appears in temporary file names."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "unknown"
+
+
+def _create(temporary: str, path: str) -> int:
+    """Create ``temporary`` for writing; a missing folder is named as the user gave it."""
+    try:
+        # os.open applies the umask, as for any new file (mkstemp would force 0600).
+        return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileNotFoundError:
+        folder = os.path.dirname(temporary)
+        raise FileNotFoundError(
+            errno.ENOENT,
+            f"cannot save checkpoint {path!r}: its folder {folder!r} does not exist; create "
+            "it first (os.makedirs), or save through a CheckpointManager, which creates its "
+            "directory",
+        ) from None
+
+
+def _make_directory(directory: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Remove the temporaries of ``<name>-<number>.npz`` files whose writer is gone."""
+    pattern = re.compile(
+        rf"\.{re.escape(name)}-\d+\.npz\.(?:(?P<host>.+)\.(?P<pid>\d+)\.)?[0-9a-f]{{8}}\.tmp"
+    )
+    here = _host()
+    now = time.time()
+    with os.scandir(directory) as found:
+        for entry in found:
+            match = pattern.fullmatch(entry.name)
+            # Gone meanwhile, or not ours to remove: leave it, this is only housekeeping.
+            with contextlib.suppress(OSError):
+                if match is not None and _stale(match, here, entry, now):
+                    os.unlink(entry.path)
+
+
+def _stale(match: re.Match[str], here: str, entry: os.DirEntry[str], now: float) -> bool:
+    """Whether a temporary's writer is gone: ended on this host, or too long ago to be alive."""
+    if match["host"] == here:
+        alive = _process_alive(int(match["pid"]))
+        if alive is not None:
+            return not alive
+    # Another host's, or of unknown origin: its writer cannot be asked, so wait for its age.
+    return now - entry.stat().st_mtime > STALE_AFTER
+
+
+def _process_alive(pid: int) -> bool | None:
+    """Whether process ``pid`` of this host runs; ``None`` where that cannot be told."""
+    if pid <= 0 or sys.platform == "win32":  # there, os.kill would end the process
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, under another user
+        return True
+    except (OverflowError, OSError):
+        return None
+    return True
 
 
 def _fsync_directory(directory: str) -> None:
@@ -467,6 +790,8 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
                 if not isinstance(array, np.ndarray):
                     raise ValueError("not an array")
                 arrays[member] = array
+    except _MalformedManifestError as exc:
+        raise CheckpointError(path, [problem + _MALFORMED for problem in exc.problems]) from None
     except (zipfile.BadZipFile, zlib.error, EOFError, KeyError, ValueError, OSError) as exc:
         if isinstance(exc, FileNotFoundError):
             raise
@@ -487,81 +812,274 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
     return manifest, arrays
 
 
-def _check_manifest(manifest: Any) -> None:
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise ValueError(f"no {FORMAT!r} manifest")
-    if manifest.get("version") != VERSION:
-        raise ValueError(
-            f"format version {manifest.get('version')!r}; this aioreplica reads version {VERSION}"
-        )
-    entries = manifest.get("entries")
-    if not isinstance(entries, list) or not all(
-        isinstance(e, dict) and isinstance(e.get("path"), list) and isinstance(e.get("array"), str)
-        for e in entries
-    ):
-        raise ValueError("malformed manifest entries")
-    for entry in entries:
-        slots = entry.get("slots", [])
-        if not isinstance(slots, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("array"), str) for s in slots
-        ):
-            raise ValueError("malformed manifest slots")
-
-
 def _members(manifest: dict[str, Any]) -> list[str]:
     members = []
     for entry in manifest["entries"]:
+        if entry["kind"] == "iterator":  # held in the manifest alone
+            continue
         members.append(entry["array"])
-        members += [slot["array"] for slot in entry.get("slots", [])]
+        if entry["kind"] == "optimizer":
+            members += [slot["array"] for slot in entry["slots"]]
     return members
 
 
+# -- the manifest's fields -------------------------------------------------------------------
+
+#: The end of every problem with the manifest's own structure.
+_MALFORMED: Final = "; the file is corrupted or not an aioreplica checkpoint"
+
+_MISSING: Final = object()
+
+
+class _MalformedManifestError(Exception):
+    """The manifest's fields, each problem naming its entry (becomes a ``CheckpointError``)."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(problems)
+        self.problems = problems
+
+
+def _check_manifest(manifest: Any) -> None:
+    """Raise unless ``manifest`` is a version-1 manifest with every field of the right type.
+
+    The rest of the reader relies on it: a path is a hashable tuple of keys, every array
+    name a string, every optimizer entry has its list of slots.
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"no {FORMAT!r} manifest")
+    version = manifest.get("version")
+    if type(version) is not int or version != VERSION:  # not True, 1.0 or "1"
+        raise ValueError(f"format version {version!r}; this aioreplica reads version {VERSION}")
+    entries = manifest.get("entries", _MISSING)
+    if not isinstance(entries, list):
+        raise _MalformedManifestError([f"the manifest's 'entries' must be a list, {_got(entries)}"])
+    problems: list[str] = []
+    first: dict[Path, int] = {}  # each path's first entry
+    for index, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            problems.append(f"manifest entry {index} must be an object, {_got(entry)}")
+            continue
+        where = f"manifest entry {index}"
+        path = entry.get("path", _MISSING)
+        if not _is_path(path):
+            problems.append(f"{where}: 'path' must be {_PATH}, {_got(path)}")
+        else:
+            where += f" ({_show(tuple(path))})"
+            if first.setdefault(tuple(path), index) != index:
+                problems.append(f"{where}: the same path as entry {first[tuple(path)]}")
+        problems += _entry_problems(where, entry)
+    if problems:
+        raise _MalformedManifestError(problems)
+
+
+def _entry_problems(where: str, entry: dict[str, Any]) -> list[str]:
+    """The problems of an entry's fields other than its path."""
+    kind = entry.get("kind", _MISSING)
+    if not isinstance(kind, str) or kind not in _FIELDS:
+        return [f"{where}: 'kind' must be one of {', '.join(map(repr, _FIELDS))}, {_got(kind)}"]
+    problems = _field_problems(where, entry, _FIELDS[kind])
+    if kind == "optimizer" and not problems:
+        first: dict[tuple[Path, str], int] = {}  # each slot's first place
+        for index, slot in enumerate(entry["slots"]):
+            slot_where = f"{where}, slot {index}"
+            slot_problems = _field_problems(slot_where, slot, _SLOT_FIELDS)
+            problems += slot_problems
+            if not slot_problems:
+                key = (tuple(slot["variable"]), slot["slot"])
+                if first.setdefault(key, index) != index:
+                    problems.append(
+                        f"{slot_where}: slot {key[1]!r} of {_show(key[0])} again (as slot "
+                        f"{first[key]})"
+                    )
+    return problems
+
+
+def _field_problems(
+    where: str, item: dict[str, Any], fields: dict[str, tuple[Callable[[Any], bool], str]]
+) -> list[str]:
+    problems = []
+    for name, (valid, what) in fields.items():
+        value = item.get(name, _MISSING)
+        if not valid(value):
+            problems.append(f"{where}: {name!r} must be {what}, {_got(value)}")
+    return problems
+
+
+def _got(value: Any) -> str:
+    if value is _MISSING:
+        return "it is missing"
+    shown = repr(value)
+    return f"got {shown if len(shown) <= 80 else shown[:77] + '...'}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_count(value: Any) -> bool:
+    return _is_int(value) and value >= 0
+
+
+def _is_positive(value: Any) -> bool:
+    return _is_int(value) and value >= 1
+
+
+def _is_bool(value: Any) -> bool:
+    return isinstance(value, bool)
+
+
+def _is_random_state(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+def _is_str(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_path(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) > 0
+        and all(isinstance(key, str) or _is_int(key) for key in value)
+    )
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_int(size) and size >= 0 for size in value)
+
+
+def _is_names(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(name, str) for name in value)
+
+
+def _is_objects(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(item, dict) for item in value)
+
+
+_PATH: Final = "a non-empty list of strings and ints"
+_STRING: Final = (_is_str, "a string")
+_SHAPE: Final = (_is_shape, "a list of ints >= 0")
+_COUNT: Final = (_is_count, "an int >= 0")
+
+#: Every field each kind of entry must have besides its path, with its check and type.
+_FIELDS: Final[dict[str, dict[str, tuple[Callable[[Any], bool], str]]]] = {
+    "variable": {
+        "array": _STRING,
+        "dtype": _STRING,
+        "shape": _SHAPE,
+        "synchronization": _STRING,
+        "aggregation": _STRING,
+    },
+    "optimizer": {
+        "array": _STRING,
+        "class": _STRING,
+        "slot_names": (_is_names, "a list of strings"),
+        "slots": (_is_objects, "a list of slot objects"),
+    },
+    "number": {"array": _STRING, "type": _STRING},
+    # The state of an iterator over a ``batched`` dataset: ``aioreplica._batched``.
+    "iterator": {
+        "rows": _COUNT,
+        "batch_size": (_is_positive, "an int >= 1"),
+        "shuffle": (_is_bool, "true or false"),
+        "structure": _STRING,
+        "epoch": _COUNT,
+        "position": _COUNT,
+        "random_state": (_is_random_state, "an object or null"),
+    },
+}
+_SLOT_FIELDS: Final[dict[str, tuple[Callable[[Any], bool], str]]] = {
+    "variable": (_is_path, _PATH),
+    "slot": _STRING,
+    "array": _STRING,
+    "dtype": _STRING,
+    "shape": _SHAPE,
+}
+
+
+# -- checking a restore against the objects --------------------------------------------------
+
+
 class _Plan:
-    """A restore, checked entry by entry before anything changes."""
+    """A restore, checked entry by entry before anything changes, then committed at once.
+
+    Each object that does not fit is a problem of a strict restore, or a skip that a partial
+    restore reports (``_skip``); a problem of the file itself refuses either.
+    """
 
     def __init__(
-        self, path: str, manifest: dict[str, Any], arrays: dict[str, np.ndarray[Any, Any]]
+        self,
+        path: str,
+        manifest: dict[str, Any],
+        arrays: dict[str, np.ndarray[Any, Any]],
+        *,
+        partial: bool,
     ) -> None:
         self.path = path
         self.arrays = arrays
+        self.partial = partial
         self.entries: dict[Path, dict[str, Any]] = {}
         for entry in manifest["entries"]:
             self.entries[tuple(entry["path"])] = entry
         self.used: set[Path] = set()
         self.problems: list[str] = []
+        self.restored: list[str] = []
+        self.only_in_file: list[str] = []
+        self.only_in_program: list[str] = []
+        self.mismatched: list[tuple[str, str]] = []
         self.variables: list[tuple[Variable, np.ndarray[Any, Any]]] = []
-        self.optimizers: list[
-            tuple[Optimizer, int, list[tuple[Variable, tuple[Variable, ...]]]]
-        ] = []
+        self.optimizers: list[_OptimizerRestore] = []
         self.numbers: list[tuple[Path, int | float]] = []
+        self.iterators: list[tuple[Path, ResumableInput, dict[str, Any]]] = []
+        self.slots_left: list[str] = []
+
+    def _skip(self, side: Literal["file", "program", "mismatch"], path: Path, why: str) -> None:
+        """``path`` is not restored: a problem, or in a partial restore an item of the report.
+
+        ``side`` is ``"file"`` (only in the file), ``"program"`` (only here) or
+        ``"mismatch"``; ``why`` completes the problem's message.
+        """
+        if not self.partial:
+            self.problems.append(f"{_show(path)}: {why}")
+        elif side == "file":
+            self.only_in_file.append(_show(path))
+        elif side == "program":
+            self.only_in_program.append(_show(path))
+        else:
+            self.mismatched.append((_show(path), why))
 
     def expect(self, path: Path, obj: Any, leaves: Any) -> None:
-        kind = (
-            "variable"
-            if isinstance(obj, Variable)
-            else "optimizer"
-            if isinstance(obj, Optimizer)
-            else "number"
-        )
+        kind = _kind(obj)
         entry = self.entries.get(path)
         if entry is None:
-            self.problems.append(f"{_show(path)}: not in the checkpoint")
+            self._skip("program", path, "not in the checkpoint")
             return
         self.used.add(path)
-        if entry.get("kind") != kind:
-            self.problems.append(
-                f"{_show(path)}: the checkpoint holds an object of kind {entry.get('kind')} "
-                f"there, this is of kind {kind}"
+        if entry["kind"] != kind:
+            self._skip(
+                "mismatch",
+                path,
+                f"the checkpoint holds an object of kind {entry['kind']} there, this is of "
+                f"kind {kind}",
             )
             return
         if isinstance(obj, Variable):
-            array = self._array(path, entry, obj.dtype, obj.shape)
-            if array is not None:
-                self.variables.append((obj, array))
+            fits = self._expect_variable(path, obj, entry)
         elif isinstance(obj, Optimizer):
-            self._expect_optimizer(path, obj, entry, leaves)
+            fits = self._expect_optimizer(path, obj, entry, leaves)
+        elif kind == "iterator":
+            fits = self._expect_iterator(path, obj, entry)
         else:
-            self._expect_number(path, obj, entry)
+            fits = self._expect_number(path, obj, entry)
+        if fits:
+            self.restored.append(_show(path))
+
+    def _expect_variable(self, path: Path, variable: Variable, entry: dict[str, Any]) -> bool:
+        array = self._array(path, entry, variable.dtype, variable.shape)
+        if array is None:
+            return False
+        self.variables.append((variable, array))
+        return True
 
     def _array(
         self,
@@ -571,101 +1089,311 @@ class _Plan:
         shape: tuple[int, ...],
     ) -> np.ndarray[Any, Any] | None:
         """The entry's array if its dtype and shape are the object's (else a problem)."""
+        array = self._saved_array(path, entry)
+        if array is None:
+            return None
+        if array.dtype != dtype or tuple(array.shape) != shape:
+            self._skip(
+                "mismatch",
+                path,
+                f"dtype {array.dtype} and shape {tuple(array.shape)} in the checkpoint, dtype "
+                f"{dtype} and shape {shape} here",
+            )
+            return None
+        return array
+
+    def _saved_array(self, path: Path, entry: dict[str, Any]) -> np.ndarray[Any, Any] | None:
+        """The entry's array if it is what its manifest says (else a problem: corrupted)."""
         array = self.arrays[entry["array"]]
-        if entry.get("dtype") != array.dtype.str or entry.get("shape") != list(array.shape):
+        if entry["dtype"] != array.dtype.str or entry["shape"] != list(array.shape):
             self.problems.append(
                 f"{_show(path)}: the file's array has dtype {array.dtype} and shape "
                 f"{array.shape}, not what its manifest says (the file is corrupted)"
             )
             return None
-        if array.dtype != dtype or tuple(array.shape) != shape:
-            self.problems.append(
-                f"{_show(path)}: dtype {array.dtype} and shape {tuple(array.shape)} in the "
-                f"checkpoint, dtype {dtype} and shape {shape} here"
-            )
-            return None
         return array
+
+    def _fits(self, path: Path, variable: Variable) -> bool:
+        """Whether the variable at ``path`` is restored (its own check, with no side effect)."""
+        entry = self.entries.get(path)
+        if entry is None or entry["kind"] != "variable":
+            return False
+        array = self.arrays[entry["array"]]
+        return (
+            entry["dtype"] == array.dtype.str
+            and entry["shape"] == list(array.shape)
+            and array.dtype == variable.dtype
+            and tuple(array.shape) == variable.shape
+        )
 
     def _expect_optimizer(
         self, path: Path, optimizer: Optimizer, entry: dict[str, Any], leaves: Any
-    ) -> None:
+    ) -> bool:
         name = type(optimizer).__name__
-        if entry.get("class") != name or entry.get("slot_names") != list(optimizer.slot_names):
-            self.problems.append(
-                f"{_show(path)}: the checkpoint holds a {entry.get('class')} optimizer with "
-                f"slots {entry.get('slot_names')}, this is a {name} with slots "
-                f"{list(optimizer.slot_names)}"
+        if entry["class"] != name or entry["slot_names"] != list(optimizer.slot_names):
+            self._skip(
+                "mismatch",
+                path,
+                f"the checkpoint holds a {entry['class']} optimizer with slots "
+                f"{entry['slot_names']}, this is a {name} with slots "
+                f"{list(optimizer.slot_names)}",
             )
-            return
+            return False
         iterations = self.arrays[entry["array"]]
         if iterations.shape != () or iterations.dtype.kind not in "iu" or int(iterations) < 0:
             self.problems.append(f"{_show(path)}: its step count is not a non-negative int")
-            return
+            return False
         variables = {p: v for p, v in leaves() if isinstance(v, Variable)}
         saved: dict[Path, dict[str, np.ndarray[Any, Any]]] = {}
+        in_file: set[Path] = set()
         for slot in entry["slots"]:
-            variable_path = tuple(slot.get("variable", ()))
-            variable = variables.get(variable_path)
-            where = f"{_show(path)}: slot {slot.get('slot')!r} of {_show(variable_path)}"
-            if variable is None:
-                self.problems.append(f"{where}: no such variable here")
-                continue
-            array = self._array(
-                (*path, "slots", *variable_path, str(slot.get("slot"))),
-                slot,
-                variable.dtype,
-                variable.shape,
-            )
+            variable_path = tuple(slot["variable"])
+            in_file.add(variable_path)
+            slot_path = (*path, "slots", *variable_path, slot["slot"])
+            array = self._slot_array(path, slot, slot_path, variables.get(variable_path))
             if array is not None:
-                saved.setdefault(variable_path, {})[slot.get("slot")] = array
-        paths = {id(v): p for p, v in variables.items()}
-        for variable, _ in slot_table(optimizer):
-            owned = paths.get(id(variable))
-            if owned is None:
-                self.problems.append(
-                    f"{_show(path)}: has slots for variable {variable.name!r}, which is not "
-                    "in this checkpoint"
-                )
-            elif owned not in saved and optimizer.slot_names:
-                self.problems.append(
-                    f"{_show(path)}: has slots for {_show(owned)}, the checkpoint has none"
-                )
-        made = []
+                saved.setdefault(variable_path, {})[slot["slot"]] = array
+        restore = _OptimizerRestore(path, optimizer, int(iterations), saved, in_file, variables)
+        self._uncovered(restore)
         for variable_path, arrays in saved.items():
             if set(arrays) != set(optimizer.slot_names):
                 self.problems.append(
                     f"{_show(path)}: slots {sorted(arrays)} of {_show(variable_path)} in the "
                     f"checkpoint, {list(optimizer.slot_names)} expected"
                 )
-                continue
-            variable = variables[variable_path]
-            slots = slots_to_restore(optimizer, variable)
-            made.append((variable, slots))
-            for slot_name, slot in zip(optimizer.slot_names, slots, strict=True):
-                self.variables.append((slot, arrays[slot_name]))
-        self.optimizers.append((optimizer, int(iterations), made))
+        self.optimizers.append(restore)
+        return True
 
-    def _expect_number(self, path: Path, number: int | float, entry: dict[str, Any]) -> None:
+    def _slot_array(
+        self,
+        path: Path,
+        slot: dict[str, Any],
+        slot_path: Path,
+        variable: Variable | None,
+    ) -> np.ndarray[Any, Any] | None:
+        """A saved slot's array if it is restored: its variable is here, and restored too."""
+        variable_path = tuple(slot["variable"])
+        if variable is None:
+            if self.partial:
+                self.only_in_file.append(_show(slot_path))
+            else:
+                self.problems.append(
+                    f"{_show(path)}: slot {slot['slot']!r} of {_show(variable_path)}: no such "
+                    "variable here"
+                )
+            return None
+        array = self._array(slot_path, slot, variable.dtype, variable.shape)
+        if array is not None and not self._fits(variable_path, variable):
+            self._skip("mismatch", slot_path, f"its variable {_show(variable_path)} is skipped")
+            return None
+        return array
+
+    def _uncovered(self, restore: _OptimizerRestore) -> None:
+        """The optimizer's slots that the file has nothing for, as problems: all of them in a
+        strict restore; in a partial one, those of variables outside the checkpoint (the
+        others are left as they are, and reported once the restore holds its turns)."""
+        for variable_path, problem in restore.uncovered_slots():
+            if variable_path is None or not self.partial:
+                self.problems.append(problem)
+
+    def _expect_number(self, path: Path, number: int | float, entry: dict[str, Any]) -> bool:
         kind = type(number).__name__
-        array = self.arrays[entry["array"]]
-        if (
-            entry.get("type") != kind
-            or array.shape != ()
-            or (array.dtype.kind != ("i" if kind == "int" else "f"))
-        ):
-            self.problems.append(
-                f"{_show(path)}: the checkpoint holds a number of type {entry.get('type')} "
-                f"there, this is of type {kind}"
+        if entry["type"] != kind:
+            self._skip(
+                "mismatch",
+                path,
+                f"the checkpoint holds a number of type {entry['type']} there, this is of type "
+                f"{kind}",
             )
-            return
+            return False
+        array = self.arrays[entry["array"]]
+        if array.shape != () or array.dtype.kind != ("i" if kind == "int" else "f"):
+            self.problems.append(
+                f"{_show(path)}: the file's value is not a scalar {kind}, as its manifest says "
+                "(the file is corrupted)"
+            )
+            return False
         self.numbers.append((path, int(array) if kind == "int" else float(array)))
+        return True
+
+    def _expect_iterator(self, path: Path, iterator: ResumableInput, entry: dict[str, Any]) -> bool:
+        state = {field: entry[field] for field in _FIELDS["iterator"]}
+        differences = iterator._input_differences(state)
+        if differences:
+            self._skip(
+                "mismatch",
+                path,
+                f"the checkpoint's iterator is over another dataset: {'; '.join(differences)}; "
+                "restore into an iterator over the same batched(...) dataset",
+            )
+            return False
+        problem = iterator._input_problem(state)
+        if problem is not None:
+            self.problems.append(f"{_show(path)}: {problem}")
+            return False
+        self.iterators.append((path, iterator, state))
+        return True
 
     def finish(self) -> None:
         for path in self.entries:
             if path not in self.used:
-                self.problems.append(f"{_show(path)}: in the checkpoint but not restored here")
+                self._skip("file", path, "in the checkpoint but not restored here")
         if self.problems:
             raise CheckpointError(self.path, self.problems)
+
+    def turns(self) -> set[Turn]:
+        """The write turns of everything this restore changes, as things stand now."""
+        turns = {variable._turn for variable, _ in self.variables}
+        for restore in self.optimizers:
+            turns |= restore.turns()
+        return turns
+
+    async def commit(self, set_number: Callable[[Path, int | float], None]) -> bool:
+        """Compute every new copy, then change everything in one synchronous step.
+
+        Call it holding ``turns()``. Returns ``False``, having changed nothing, if an
+        optimizer got slots from elsewhere (``build``) while the new copies were computed.
+
+        Raises:
+            CheckpointError: while this restore waited for its turns, an optimizer got slots
+                that the restore must refuse, or a distributed iterator pulled ahead.
+                Nothing changed.
+        """
+        problems: list[str] = []
+        slots_left: list[str] = []  # of a partial restore: reported once it is done
+        for restore in self.optimizers:
+            for variable_path, problem in restore.uncovered_slots():
+                if variable_path is None or not self.partial:
+                    problems.append(problem)
+                else:
+                    slots_left += restore.slot_paths(variable_path)
+        if problems:
+            raise CheckpointError(self.path, problems)
+        tables = [restore.slot_ids() for restore in self.optimizers]
+        slots = [restore.slots() for restore in self.optimizers]
+        writes = list(self.variables)
+        for restore, made in zip(self.optimizers, slots, strict=True):
+            writes += restore.writes(made)
+        updates = [(variable, await new_copies(variable, array)) for variable, array in writes]
+        if tables != [restore.slot_ids() for restore in self.optimizers]:
+            return False
+        # An iterator may have been pulled from while the restore waited: checked again.
+        busy = [
+            f"{_show(path)}: {why}"
+            for path, iterator, state in self.iterators
+            if (why := iterator._input_problem(state)) is not None
+        ]
+        if busy:
+            raise CheckpointError(self.path, busy)
+        # The all-or-nothing point: nothing above changed any state.
+        commit(updates)
+        for restore, made in zip(self.optimizers, slots, strict=True):
+            restore_state(restore.optimizer, restore.iterations, made)
+        for path, number in self.numbers:
+            set_number(path, number)
+        for _, iterator, state in self.iterators:
+            iterator._restore_input(state)
+        self.slots_left = slots_left  # as they are now: the turns held keep them so
+        return True
+
+    def report(self) -> RestoreReport:
+        """What this restore restored and skipped (call it after ``commit``)."""
+        return RestoreReport(
+            self.path,
+            restored=tuple(self.restored),
+            only_in_file=tuple(sorted(self.only_in_file)),
+            only_in_program=tuple(sorted(self.only_in_program + self.slots_left)),
+            mismatched=tuple(sorted(self.mismatched)),
+        )
+
+
+@final
+class _OptimizerRestore:
+    """An optimizer's part of a restore: its step count and the saved values of its slots."""
+
+    __slots__ = ("in_file", "iterations", "optimizer", "path", "saved", "variables")
+
+    def __init__(
+        self,
+        path: Path,
+        optimizer: Optimizer,
+        iterations: int,
+        saved: dict[Path, dict[str, np.ndarray[Any, Any]]],
+        in_file: set[Path],
+        variables: dict[Path, Variable],
+    ) -> None:
+        self.path = path
+        self.optimizer = optimizer
+        self.iterations = iterations
+        self.saved = saved  # variable path -> slot name -> saved value, for those restored
+        self.in_file = in_file  # the variables the file holds slots for, restored or not
+        self.variables = variables  # every variable of the checkpoint, by path
+
+    def uncovered_slots(self) -> list[tuple[Path | None, str]]:
+        """The optimizer's slots that the file has nothing for, each with its problem.
+
+        Each is a variable's path, with the problem for a strict restore, or ``None`` for the
+        slots of a variable outside this checkpoint (refused by any restore). Its slots can
+        change until the restore holds its turn (a step makes them): checked when the restore
+        is planned, and again once it holds the turns.
+        """
+        uncovered: list[tuple[Path | None, str]] = []
+        paths = {id(v): p for p, v in self.variables.items()}
+        for variable, _ in slot_table(self.optimizer):
+            owned = paths.get(id(variable))
+            if owned is None:
+                uncovered.append(
+                    (
+                        None,
+                        f"{_show(self.path)}: has slots for variable {variable.name!r}, which "
+                        "is not in this checkpoint",
+                    )
+                )
+            elif owned not in self.in_file and self.optimizer.slot_names:
+                uncovered.append(
+                    (
+                        owned,
+                        f"{_show(self.path)}: has slots for {_show(owned)}, the checkpoint has "
+                        "none",
+                    )
+                )
+        return uncovered
+
+    def slot_paths(self, variable_path: Path) -> list[str]:
+        """The paths of the optimizer's slots of the variable at ``variable_path``."""
+        return [
+            _show((*self.path, "slots", *variable_path, name)) for name in self.optimizer.slot_names
+        ]
+
+    def turns(self) -> set[Turn]:
+        """The optimizer's turn and those of every slot it has now."""
+        turns = {self.optimizer._turn}
+        for _, slots in slot_table(self.optimizer):
+            turns.update(slot._turn for slot in slots)
+        return turns
+
+    def slot_ids(self) -> list[tuple[int, ...]]:
+        """Which slot variables the optimizer has now, to tell whether that changed."""
+        return [
+            tuple(map(id, (variable, *slots))) for variable, slots in slot_table(self.optimizer)
+        ]
+
+    def slots(self) -> list[tuple[Variable, tuple[Variable, ...]]]:
+        """Each restored variable with its slots: the optimizer's, or new ones to register."""
+        return [
+            (self.variables[path], slots_to_restore(self.optimizer, self.variables[path]))
+            for path in self.saved
+        ]
+
+    def writes(
+        self, made: list[tuple[Variable, tuple[Variable, ...]]]
+    ) -> list[tuple[Variable, np.ndarray[Any, Any]]]:
+        """Each slot of ``made`` with its saved value."""
+        names = self.optimizer.slot_names
+        writes = []
+        for (_, slots), arrays in zip(made, self.saved.values(), strict=True):
+            writes += [(slot, arrays[name]) for name, slot in zip(names, slots, strict=True)]
+        return writes
 
 
 # -- checks ---------------------------------------------------------------------------------
@@ -686,7 +1414,7 @@ def _check_objects(name: str, value: Any) -> None:
                     f"Checkpoint: {where} is inside a {type(value).__name__}; use dicts, "
                     "lists and tuples to group objects"
                 )
-        if isinstance(leaf, Variable | Optimizer):
+        if isinstance(leaf, Variable | Optimizer) or _is_input(leaf):
             continue
         if isinstance(leaf, int | float) and not isinstance(leaf, bool):
             if key_path and not _restorable(value, key_path):
@@ -695,10 +1423,50 @@ def _check_objects(name: str, value: Any) -> None:
                     "restored in place; use a list or a dict"
                 )
             continue
-        raise TypeError(
-            f"Checkpoint: {where} is a {type(leaf).__name__}; a checkpoint holds variables, "
-            "optimizers, ints and floats, in dicts, lists and tuples"
+        raise TypeError(f"Checkpoint: {where} is {_refused(leaf)}")
+
+
+def _refused(leaf: Any) -> str:
+    """What ``leaf`` is and why a checkpoint cannot hold it, for the ``TypeError``."""
+    kind = type(leaf).__name__
+    if isinstance(leaf, DistributedIterator):
+        return f"a DistributedIterator over a {leaf._source_kind()}; {_SAVED_ITERATORS}"
+    if isinstance(leaf, batched):
+        return (
+            "a batched dataset, which has no place of its own to save: save its iterator, "
+            "iter(dataset) or aiter(strategy.distribute_dataset(dataset))"
         )
+    if hasattr(leaf, "__next__") or hasattr(leaf, "__anext__"):
+        return f"an iterator ({kind}) with no position to save; {_SAVED_ITERATORS}"
+    return (
+        f"a {kind}; a checkpoint holds variables, optimizers, ints and floats, in dicts, lists "
+        "and tuples, and iterators over aioreplica.batched datasets"
+    )
+
+
+#: Which iterators a checkpoint can save, for its messages.
+_SAVED_ITERATORS: Final = (
+    "a checkpoint saves only iterators over an aioreplica.batched dataset: iter(batched(...)) "
+    "and aiter(strategy.distribute_dataset(batched(...)))"
+)
+
+
+def _is_input(obj: Any) -> bool:
+    """Whether ``obj`` is an iterator whose place a checkpoint saves (``ResumableInput``)."""
+    if isinstance(obj, BatchedIterator):
+        return True
+    return isinstance(obj, DistributedIterator) and obj._input_source() is not None
+
+
+def _kind(obj: Any) -> str:
+    """The manifest kind of an object that ``_check_objects`` accepted."""
+    if isinstance(obj, Variable):
+        return "variable"
+    if isinstance(obj, Optimizer):
+        return "optimizer"
+    if isinstance(obj, BatchedIterator | DistributedIterator):
+        return "iterator"
+    return "number"
 
 
 def _restorable(root: Any, key_path: _tree.KeyPath) -> bool:
@@ -730,6 +1498,6 @@ def _check_not_in_replica(what: str) -> None:
     replica = context_state.get().replica
     if replica is not None:
         raise RuntimeError(
-            f"Checkpoint.{what}() was called inside replica {replica.replica_id_in_sync_group}; "
+            f"{what}() was called inside replica {replica.replica_id_in_sync_group}; "
             f"call it from cross-replica code, outside strategy.run()"
         )

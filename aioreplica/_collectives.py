@@ -7,7 +7,8 @@ wrap its lists as ``Mirrored`` at the public boundary; variables and optimizers 
 directly with their device objects. Every call goes through one core:
 
 1. **check**: ``_leaves`` splits the value into one array per replica per leaf, each an array
-   or scalar of the devices' backend (NumPy and CuPy mixed is a ``TypeError``) placed on its
+   or scalar of the devices' backend (``None``, a string or another object is a ``TypeError``
+   naming the replicas that passed it; NumPy and CuPy mixed is one too) placed on its
    replica's device; ``_check_same_shapes`` (or ``_check_gather_shapes``) requires the same
    shape and dtype on every replica (``ValueError`` naming both replicas, the path, both shapes
    and dtypes), and ``_check_op`` a dtype the op can reduce (``TypeError``). Structures were
@@ -29,10 +30,11 @@ replica, any other leaf stands for the same value on every replica.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 from . import _tree
 from ._backends import array_kind
+from ._errors import replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues
 
@@ -88,7 +90,8 @@ class ReductionEngine:
 
         Raises:
             ValueError: structures, shapes or dtypes that differ between replicas.
-            TypeError: arrays of another backend; an op the dtype cannot do.
+            TypeError: a leaf that is no number or array (``None``, a string); arrays of another
+                backend; an op the dtype cannot do.
         """
         leaves, treedef = self._leaves("all_reduce", value)
         self._check_same_shapes("all_reduce", leaves)
@@ -113,7 +116,8 @@ class ReductionEngine:
 
         Raises:
             ValueError: structures, dtypes or shapes off ``axis`` differ; ``axis`` out of range.
-            TypeError: arrays of another backend.
+            TypeError: a leaf that is no number or array (``None``, a string); arrays of another
+                backend.
         """
         leaves, treedef = self._leaves("all_gather", value)
         gathered = []
@@ -127,7 +131,8 @@ class ReductionEngine:
 
         Raises:
             ValueError: ``source`` is not a replica id.
-            TypeError: arrays of another backend.
+            TypeError: a leaf that is no number or array (``None``, a string); arrays of another
+                backend.
         """
         self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
@@ -277,24 +282,18 @@ class ReductionEngine:
                 components = list(leaf.values)
             else:
                 components = [leaf] * size
-            leaves.append(_LeafArrays(path, self._to_arrays(what, path, components)))
+            arrays = self._to_arrays(what, path, components, isinstance(leaf, DistributedValues))
+            leaves.append(_LeafArrays(path, arrays))
         return leaves, treedef
 
-    def _to_arrays(self, what: str, path: _tree.KeyPath, components: list[Any]) -> list[Any]:
+    def _to_arrays(
+        self, what: str, path: _tree.KeyPath, components: list[Any], per_replica: bool
+    ) -> list[Any]:
+        """One leaf's components as arrays on their replicas' devices, or a ``TypeError``."""
         backend = self.backend
         kinds = {array_kind(component) for component in components}
-        foreign = kinds - {backend.name, "scalar"}
-        if foreign:
-            where = _tree.describe_path(path)
-            found = ", ".join(
-                f"replica {i} passes {type(c).__module__}.{type(c).__name__}"
-                for i, c in enumerate(components)
-            )
-            raise TypeError(
-                f"{what}: the value at {where} mixes array types ({found}), but this "
-                f"strategy's devices hold {backend.name} arrays; put each value on its "
-                "replica's device with ctx.device.asarray(value)"
-            )
+        if not kinds <= {backend.name, "scalar"}:
+            _refuse_components(what, path, components, per_replica, backend.name)
         return [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
 
     def _check_same_shapes(self, what: str, leaves: list[_LeafArrays]) -> None:
@@ -420,6 +419,51 @@ class ReductionEngine:
             count = sum(component.shape[axis_] for component in leaf.arrays)
             result = await self.devices[0].compute(result.nbytes, _divide, result, count)
         return result
+
+
+def _refuse_components(
+    what: str, path: _tree.KeyPath, components: list[Any], per_replica: bool, backend: str
+) -> NoReturn:
+    """Raise the ``TypeError`` for a leaf some of whose components this backend cannot take.
+
+    Components that are no number or array at all (``None``, a string, any object without a
+    ``shape``) are named first, grouped by replica; ``every replica`` when the leaf was one
+    plain value standing for all of them. Otherwise an array of another library is there
+    (CuPy on host devices, NumPy on GPUs, a tensor): it has a shape, so the advice is to place
+    it on the replica's device.
+    """
+    at = f" at {_tree.describe_path(path)}" if path else ""
+    not_numbers: dict[str, list[int]] = {}  # what was passed -> the replicas that passed it
+    for replica, component in enumerate(components):
+        if array_kind(component) != "scalar" and not hasattr(component, "shape"):
+            not_numbers.setdefault(_describe_component(component), []).append(replica)
+    if not_numbers:
+        passed = ", ".join(
+            f"{replica_list(replicas) if per_replica else 'every replica'} passed {value}"
+            for value, replicas in not_numbers.items()
+        )
+        raise TypeError(
+            f"{passed} to {what}{at}; collectives take numbers and arrays: pass a number or a "
+            f"{backend} array instead"
+        )
+    found = ", ".join(
+        f"replica {i} passes {type(c).__module__}.{type(c).__name__}"
+        for i, c in enumerate(components)
+    )
+    raise TypeError(
+        f"{what}: the value at {_tree.describe_path(path)} mixes array types ({found}), but "
+        f"this strategy's devices hold {backend} arrays; put each value on its replica's "
+        "device with ctx.device.asarray(value)"
+    )
+
+
+def _describe_component(value: Any) -> str:
+    """A value a collective cannot take, briefly: ``None (NoneType)``, ``'abc' (str)``."""
+    try:
+        shown = f"{value!r:.60}"
+    except Exception:  # a repr that fails still leaves the type to name
+        shown = "an object"
+    return f"{shown} ({type(value).__name__})"
 
 
 def _partial_reduction(xp: Any, inner: str, component: Any, axis: int) -> Any:

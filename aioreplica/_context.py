@@ -27,7 +27,9 @@ merge call whose merge function calls the engine.
 from __future__ import annotations
 
 import inspect
+import reprlib
 import types
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, final
@@ -37,7 +39,7 @@ from ._options import ReduceOp
 from ._values import PerReplica, agreed, select_replica
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Generator, Mapping
+    from collections.abc import Awaitable, Callable, Generator
 
     from ._backends import Device
     from ._collectives import ReductionEngine
@@ -49,6 +51,7 @@ __all__ = [
     "ReplicaContext",
     "context_state",
     "default_replica_context",
+    "get_cross_replica_context",
     "get_replica_context",
     "in_cross_replica_context",
     "register_default_context",
@@ -183,6 +186,10 @@ class ReplicaContext:
         """
         # A plain function returning a generator trap, not a coroutine: one frame less on the
         # hottest path there is, and a forgotten ``await`` still fails loudly (see Returns).
+        if type(args) is not tuple:
+            args = self._checked_args(args)
+        if kwargs is not None and type(kwargs) is not dict:
+            self._check_kwargs(kwargs)
         point = self._merge_point
         if point is None:
             return _merge_now(self._strategy, merge_fn, args, kwargs)
@@ -190,6 +197,24 @@ class ReplicaContext:
             raise RuntimeError(point.misuse_message())
         request = point.pending = (MERGE, merge_fn, args, kwargs, None)
         return merge_trap(request)
+
+    def _checked_args(self, args: Any) -> tuple[Any, ...]:
+        if isinstance(args, list):
+            return tuple(args)
+        shown = reprlib.repr(args)
+        raise TypeError(
+            f"replica {self._replica_id} passed merge_call args={shown} "
+            f"({type(args).__name__}); args must be the tuple of merge_fn's positional "
+            f"arguments: write args=({shown},)"
+        )
+
+    def _check_kwargs(self, kwargs: Any) -> None:
+        if not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"replica {self._replica_id} passed merge_call kwargs of type "
+                f"{type(kwargs).__name__}; kwargs is a mapping of merge_fn's keyword arguments "
+                "(or None)"
+            )
 
     async def _collective(
         self,
@@ -465,6 +490,24 @@ def get_replica_context() -> ReplicaContext | None:
     if state.strategy is not None:
         return None
     return default_replica_context()
+
+
+def get_cross_replica_context() -> Any:
+    """Return the current strategy in cross-replica context, else ``None`` (TF's name).
+
+    Exactly one of ``get_replica_context()`` and ``get_cross_replica_context()`` is ``None``
+    at any point, as in TF.
+
+    Example:
+        >>> get_cross_replica_context() is None
+        True
+        >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+        >>> with strategy.scope():
+        ...     get_cross_replica_context() is strategy
+        True
+    """
+    state = context_state.get()
+    return state.strategy if state.replica is None else None
 
 
 def in_cross_replica_context() -> bool:

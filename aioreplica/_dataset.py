@@ -1,7 +1,7 @@
 """Distributed input: global batches split across replicas, prefetched, never hanging.
 
 ``strategy.distribute_dataset(dataset)`` turns an iterable (or async iterable) of global batches
-into an async iterable of per-replica batches:
+into an async iterable of per-replica batches (users' guide: README.md, "Distributed input"):
 
 - **split**: each global batch of B rows is cut along axis 0 into one slice per replica, sizes
   differing by at most one, larger slices first, in replica order. Host slices are views; each
@@ -12,27 +12,51 @@ into an async iterable of per-replica batches:
   forever; iteration ends when the dataset does.
 - **prefetch**: up to ``prefetch`` elements are pulled, split and placed ahead in a background
   task owned by the iterator. It ends when the iteration ends, ``break``s (the iterator is
-  dropped) or is cancelled; a synchronous dataset is pulled in a worker thread, so a slow loader
-  never blocks the event loop.
+  dropped) or is cancelled.
+- **synchronous loaders**: a synchronous dataset (other than lists, tuples and ``batched``,
+  which never block and are pulled inline) is pulled on a daemon thread of its own, one call at
+  a time, so a slow loader never blocks the event loop and cancellation never waits for it. The
+  thread belongs to the iterator, or to the dataset for a one-shot iterator such as a generator,
+  which every pass shares. A wait given up (a timeout, a cancelled task, leaving ``async with``,
+  the loop ending) returns at once while the pull runs on, and no pull starts beside it; the
+  item it makes goes to the next pull asked for (with ``prefetch > 0`` a given-up wait ends the
+  iteration instead: see ``DistributedIterator``). A loader that never returns keeps its thread
+  blocked for good, but not the process (a daemon thread), and every later wait on it waits
+  for it (cancellably); closing the iterator then returns at once, and the loader is closed
+  after that pull, if it ever ends.
+- **async only**: ``for`` over a distributed dataset or its iterator is a ``TypeError`` that
+  says to use ``async for``.
 - **input pipelines**: each input pipeline takes its own contiguous part of every global batch
   (``InputContext``). With one process there is one pipeline.
+- **resumable**: an iterator over a ``batched`` dataset can be saved in a ``Checkpoint``. Its
+  position is what it has handed out, not what it has prefetched: the puller notes the
+  dataset's position as it makes each element, and the iterator takes that note as it hands
+  the element on. Restored into a fresh iterator over the same dataset, it continues with the
+  next element (see ``aioreplica._batched`` for what is saved).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import contextvars
 import itertools
+import queue
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final
 
 import anyio
 
 from . import _loops, _tree
-from ._batched import batch_rows, batched
+from ._batched import BatchedIterator, batch_rows, batched
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+    from collections.abc import AsyncIterator, Callable, Sequence
     from types import TracebackType
 
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -195,6 +219,10 @@ class DistributedDataset:
         self._drop_remainder = drop_remainder
         self._prefetch = prefetch
         self._input_context = input_context
+        # A one-shot iterator (a generator) is the same object on every pass, so every pass
+        # shares its loader thread: a new pass must wait for a pull an earlier one gave up on.
+        one_shot = isinstance(dataset, Iterator) and _pulled_on_a_thread(dataset)
+        self._loader = _LoaderThread(dataset) if one_shot else None
 
     def __aiter__(self) -> DistributedIterator:
         puller = _Puller(
@@ -203,8 +231,25 @@ class DistributedDataset:
             per_replica_source=self._per_replica_source,
             drop_remainder=self._drop_remainder,
             input_context=self._input_context,
+            loader=self._loader,
         )
         return DistributedIterator(puller, self._prefetch)
+
+    def __iter__(self) -> NoReturn:
+        """Refused: a distributed dataset is iterated with ``async for``, in a coroutine.
+
+        Raises:
+            TypeError: always, saying so.
+
+        Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> for batch in strategy.distribute_dataset([np.arange(2)]):  # doctest: +ELLIPSIS
+            ...     pass
+            Traceback (most recent call last):
+            ...
+            TypeError: a DistributedDataset is an async iterable: iterate it with `async for ...
+        """
+        _refuse_sync_iteration(self)
 
 
 @final
@@ -214,6 +259,17 @@ class DistributedIterator:
     Use ``async with aiter(dataset) as iterator:`` (or ``aclose()``) when it may be left
     before its end while still referenced; an iterator that is simply dropped (a ``break`` out
     of ``async for``) stops its prefetching as well.
+
+    A wait for the next element can be given up at any time (a timeout, a cancelled task), even
+    while a synchronous loader blocks: it returns at once and the pull runs on. With
+    ``prefetch=0`` nothing is lost: the next wait takes the element of that pull, and waits for
+    it if it is still running (never starting a second pull beside it, which would re-enter the
+    loader). With ``prefetch > 0`` a given-up wait ends the prefetching and closes the dataset,
+    as leaving the iteration does; a later wait on this iterator raises ``RuntimeError``.
+
+    An iterator over a ``batched`` dataset can be saved in a ``Checkpoint``, with the elements
+    it has handed out (not those prefetched) as its position. Restore it into a fresh iterator
+    over the same dataset, before its first element; the number of replicas may differ.
 
     Example:
         >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -233,6 +289,7 @@ class DistributedIterator:
         self._closed = False
         self._background: _loops.Background | None = None
         self._receive: MemoryObjectReceiveStream[Any] | None = None
+        self._consumed = 0  # batches of a ``batched`` source handed out, for a checkpoint
 
     # -- the iterator protocol --------------------------------------------------------------
 
@@ -248,19 +305,27 @@ class DistributedIterator:
                 self._closed = True
                 await self._puller.finish()
                 raise StopAsyncIteration
+            self._hand_on()
             return element
         if self._receive is None:
             send, self._receive = anyio.create_memory_object_stream[Any](self._prefetch)
             puller = self._puller
             self._background = _loops.current().spawn_background(lambda: _prefetch(puller, send))
         try:
-            return await self._receive.receive()
+            element = await self._receive.receive()
         except anyio.EndOfStream:
             self._closed = True
             self._receive.close()
+        except anyio.ClosedResourceError:
+            if self._closed:  # aclose() ran while this wait was in progress
+                raise StopAsyncIteration from None
+            raise RuntimeError(_PREFETCH_STOPPED) from None  # an earlier wait was given up
         except BaseException:
             self._stop_prefetching()  # cancelled while waiting: the iteration is over
             raise
+        else:
+            self._hand_on()
+            return element
         error, self._puller.error = self._puller.error, None
         if error is not None:
             raise error  # the dataset's own exception, untouched (raised outside any except)
@@ -271,6 +336,7 @@ class DistributedIterator:
 
         Raises:
             StopAsyncIteration: the dataset is exhausted.
+            RuntimeError: an earlier wait on this iterator was given up with ``prefetch > 0``.
             Exception: whatever the dataset raised, unchanged.
 
         Example:
@@ -292,6 +358,7 @@ class DistributedIterator:
         """The next element as an ``OptionalValue``: empty at the end instead of raising.
 
         Raises:
+            RuntimeError: an earlier wait on this iterator was given up with ``prefetch > 0``.
             Exception: whatever the dataset raised, unchanged.
 
         Example:
@@ -310,6 +377,10 @@ class DistributedIterator:
 
     async def aclose(self) -> None:
         """Stop prefetching, wait for it to end, and close the underlying dataset.
+
+        A synchronous dataset is closed on its loader thread (a generator's ``finally`` runs
+        there) and waited for; but while a pull of it is still running (a loader that blocks),
+        ``aclose`` returns at once and the close follows that pull, if it ever ends.
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -342,6 +413,22 @@ class DistributedIterator:
     ) -> None:
         await self.aclose()
 
+    def __iter__(self) -> NoReturn:
+        """Refused: the iterator is used with ``async for`` or ``await get_next()``.
+
+        Raises:
+            TypeError: always, saying so.
+
+        Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> iterator = aiter(strategy.distribute_dataset([np.arange(2)]))
+            >>> next(iter(iterator))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            TypeError: a DistributedIterator is an async iterable: iterate it with `async for ...
+        """
+        _refuse_sync_iteration(self)
+
     def __del__(self) -> None:
         # Dropped without aclose (a ``break`` out of ``async for``): stop the prefetcher.
         with contextlib.suppress(RuntimeError):  # the event loop is already closed
@@ -354,6 +441,72 @@ class DistributedIterator:
         background = getattr(self, "_background", None)
         if background is not None and not background.done:
             background.cancel()
+
+    def _hand_on(self) -> None:
+        """Note the dataset's position after the element being handed out (what a checkpoint
+        saves): the one the puller noted when it made that element."""
+        positions = self._puller.positions
+        if positions:
+            self._consumed = positions.popleft()
+
+    # -- checkpoints: the ``ResumableInput`` of ``aioreplica._batched`` ----------------------
+
+    def _input_source(self) -> BatchedIterator | None:
+        """The ``batched`` iterator this pass pulls from, or None for another source."""
+        return self._puller.source
+
+    def _source_kind(self) -> str:
+        """What this pass pulls from, for messages: ``batched``, ``generator``, ``list``..."""
+        return self._puller.source_kind
+
+    def _input_state(self) -> dict[str, Any]:
+        return self._batched_source()._input_state(self._consumed)
+
+    def _input_differences(self, state: dict[str, Any]) -> list[str]:
+        return self._batched_source()._input_differences(state)
+
+    def _input_problem(self, state: dict[str, Any]) -> str | None:
+        source = self._batched_source()
+        problem = source._input_problem(state)
+        if problem is not None:
+            return problem
+        if self._closed:
+            return "this DistributedIterator is closed; restore into a fresh one (aiter(dataset))"
+        if self._receive is not None or source.position != self._consumed:
+            return (
+                "this DistributedIterator has pulled elements ahead of those it handed out, "
+                "which a restore would skip; restore into a fresh one (aiter(dataset)) before "
+                "its first element, or use prefetch=0"
+            )
+        return None
+
+    def _restore_input(self, state: dict[str, Any]) -> None:
+        self._batched_source()._restore_input(state)
+        self._consumed = state["position"]
+
+    def _batched_source(self) -> BatchedIterator:
+        source = self._puller.source
+        if source is None:  # Checkpoint refuses such an iterator when it is given one
+            raise TypeError(f"a DistributedIterator over a {self._source_kind()} has no position")
+        return source
+
+
+_PREFETCH_STOPPED: Final = (
+    "this DistributedIterator stopped when a wait for its next element was cancelled: with "
+    "prefetch > 0 that ends the prefetching and closes the dataset, and the elements already "
+    "prefetched are gone. Start a new pass with aiter(dataset), or use prefetch=0, where a "
+    "cancelled wait loses nothing and the next wait continues the iteration"
+)
+
+
+def _refuse_sync_iteration(dataset: DistributedDataset | DistributedIterator) -> NoReturn:
+    """Raise the TypeError that a plain ``for`` over a distributed dataset gets."""
+    kind = type(dataset).__name__
+    raise TypeError(
+        f"a {kind} is an async iterable: iterate it with `async for element in ...` inside a "
+        f"coroutine (or await get_next() on aiter(dataset)); a plain `for` would have to block "
+        f"the event loop while the next element is pulled and placed"
+    )
 
 
 async def _prefetch(puller: _Puller, send: MemoryObjectSendStream[Any]) -> None:
@@ -388,27 +541,37 @@ class _Puller:
         per_replica_source: bool,
         drop_remainder: bool,
         input_context: InputContext,
+        loader: _LoaderThread | None,
     ) -> None:
         self._devices = devices
         self._per_replica = per_replica_source
         self._drop_remainder = drop_remainder
         self._input_context = input_context
-        self._sync: Iterator[Any] | None = None
+        self._sync: Iterator[Any] | None = None  # in-memory data, pulled inline
         self._async: AsyncIterator[Any] | None = None
-        # In-memory data never blocks: pull it inline, not through a worker thread.
-        self._inline = isinstance(dataset, batched | list | tuple)
+        self._loader: _LoaderThread | None = None  # anything else synchronous
         if hasattr(dataset, "__aiter__"):
             self._async = aiter(dataset)
-        else:
+        elif not _pulled_on_a_thread(dataset):
             self._sync = iter(dataset)
-        self._first_rows: int | None = None
+        else:
+            self._loader = loader if loader is not None else _LoaderThread(iter(dataset))
+        #: A ``batched`` epoch, whose position a checkpoint can save; None for other sources.
+        self.source = self._sync if isinstance(self._sync, BatchedIterator) else None
+        self.source_kind = type(dataset).__name__
+        #: The source's position after each element made and not yet handed out, oldest first.
+        self.positions: deque[int] | None = None if self.source is None else deque()
+        # The size a full batch has, for ``drop_remainder``: known from the start for a
+        # ``batched`` source, so that a pass restored just before the last batch drops it too.
+        self._first_rows = None if self.source is None else self.source._first_batch_rows()
+        self._round: list[Any] = []  # a round of per-replica batches begun by a given-up wait
         self._last: Any = None  # the last per-replica batch seen, for its shape
         self._exhausted = False
         #: What the dataset raised, for the consumer to raise (with prefetching).
         self.error: BaseException | None = None
 
     async def _pull(self) -> Any:
-        """The next item of the underlying dataset, or ``_END``; a sync one in a thread."""
+        """The next item of the underlying dataset, or ``_END``; a blocking one on its thread."""
         if self._exhausted:
             return _END
         if self._async is not None:
@@ -417,13 +580,13 @@ class _Puller:
             except StopAsyncIteration:
                 self._exhausted = True
                 return _END
-        if self._sync is None:  # finished
-            return _END
-        if self._inline:
+        if self._loader is not None:
+            item = await self._loader.pull()
+        elif self._sync is not None:
             await anyio.lowlevel.checkpoint()
             item = next(self._sync, _END)
-        else:
-            item = await anyio.to_thread.run_sync(next, self._sync, _END)
+        else:  # finished
+            return _END
         if item is _END:
             self._exhausted = True
         return item
@@ -438,14 +601,22 @@ class _Puller:
                 _tree.map_structure(device.asarray, part)
                 for device, part in zip(self._devices, parts, strict=True)
             ]
+            self._note_position()
             return regroup(placed, PerReplica)
         split = await self._pull_split()
         if split is None:
             return _END
+        self._note_position()
         treedef, columns = split
         if len(self._devices) == 1:
             return treedef.unflatten([column[0] for column in columns])
         return treedef.unflatten([PerReplica(column) for column in columns])
+
+    def _note_position(self) -> None:
+        """Note the source's position after the element just made (see ``positions``)."""
+        if self.positions is not None:
+            assert self.source is not None
+            self.positions.append(self.source.position)
 
     async def _pull_split(self) -> tuple[_tree.TreeDef, list[list[Any]]] | None:
         """The next global batch cut into slices: per leaf, one placed slice per replica."""
@@ -473,15 +644,20 @@ class _Puller:
         return treedef, columns
 
     async def _pull_round(self) -> list[Any] | None:
-        parts: list[Any] = []
-        for _ in self._devices:
-            batch = await self._pull()
-            if batch is _END:
-                break
-            leaves, treedef = _tree.flatten(batch)
-            batch_rows(leaves, treedef, "distribute_datasets_from_function")
-            self._last = batch
-            parts.append(batch)
+        """One batch per replica; a round that a given-up wait had begun goes on from there."""
+        parts, self._round = self._round, []
+        try:
+            while len(parts) < len(self._devices):
+                batch = await self._pull()
+                if batch is _END:
+                    break
+                leaves, treedef = _tree.flatten(batch)
+                batch_rows(leaves, treedef, "distribute_datasets_from_function")
+                self._last = batch
+                parts.append(batch)
+        except BaseException:
+            self._round = parts  # the batches pulled so far are the next wait's
+            raise
         if not parts:
             return None
         while len(parts) < len(self._devices):  # ran out mid-round: empty batches
@@ -489,17 +665,187 @@ class _Puller:
         return parts
 
     async def finish(self) -> None:
-        """Close the underlying iterator (a generator's ``finally`` runs now, not at GC)."""
+        """Close the underlying iterator (a generator's ``finally`` runs now, not at GC), or,
+        while a pull of a blocking loader still runs, have it closed after that pull."""
         if self._async is not None:
             close_async = getattr(self._async, "aclose", None)
             self._async = None
             if close_async is not None:
                 await close_async()
+        elif self._loader is not None:
+            await self._loader.close()
         elif self._sync is not None:
-            close = getattr(self._sync, "close", None)
-            self._sync = None
-            if close is not None:
-                close()
+            sync, self._sync = self._sync, None
+            _close(sync)
+
+
+# -- the loader thread --------------------------------------------------------------------
+
+
+def _pulled_on_a_thread(dataset: Any) -> bool:
+    """Whether ``dataset`` is pulled on a loader thread: a synchronous one that may block.
+    In-memory data (lists, tuples, ``batched``) never blocks and is pulled inline."""
+    return not hasattr(dataset, "__aiter__") and not isinstance(dataset, batched | list | tuple)
+
+
+@final
+class _LoaderThread:
+    """A synchronous iterator that may block, pulled on a daemon thread of its own.
+
+    The thread makes every call on the iterator (each ``next`` and the final ``close``), one at
+    a time and in the order asked, so no pull ever starts while another runs: a generator would
+    raise "generator already executing", another iterator could be corrupted. A task waiting
+    for a pull may give up at once (``_Call.wait``); the pull runs on, and its item goes to the
+    next pull asked for, so nothing is lost. The thread is a daemon thread (anyio's worker
+    threads are not, and one blocked in a loader would keep the process from exiting); it ends
+    after the close, or once this object is collected, when its call in progress returns.
+    """
+
+    __slots__ = ("__weakref__", "_calls", "_count", "_given_up", "_iterator", "_last", "closed")
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator  # touched here only before the thread starts
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._count = 0  # calls asked so far: the thread starts with the first
+        self._last: _Call | None = None  # the call asked last: once it is done, all are
+        self._given_up: list[_Call] = []  # pulls whose waiter gave up, oldest first
+        self.closed = False
+
+    async def pull(self) -> Any:
+        """The iterator's next item, or ``_END``: the oldest pull a waiter gave up, else a
+        new one.
+
+        Raises:
+            BaseException: whatever the iterator raised, unchanged.
+        """
+        if self.closed:
+            return _END
+        call = self._given_up.pop(0) if self._given_up else self._ask(_next_item)
+        try:
+            await call.wait()
+        except BaseException:
+            bisect.insort(self._given_up, call, key=_order)  # for the next pull, in order
+            raise
+        return call.outcome()
+
+    async def close(self) -> None:
+        """Close the iterator on its thread and wait for that, unless a pull still runs: then
+        return at once, the close to follow that pull (a loader that never returns must not
+        hold its caller). Later pulls give ``_END``.
+
+        Raises:
+            BaseException: whatever the iterator's ``close`` raised, unchanged.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self._given_up.clear()
+        if self._last is None:  # never pulled: no thread, nothing running
+            _close(self._iterator)
+            return
+        idle = self._last.done
+        closing = self._ask(_close)
+        self._calls.put(None)  # the thread ends after the close
+        if idle:
+            await closing.wait()
+            closing.outcome()
+
+    def _ask(self, fn: Callable[[Iterator[Any]], Any]) -> _Call:
+        """Queue ``fn(iterator)`` for the thread, starting the thread on the first call."""
+        if self._last is None:
+            thread = threading.Thread(
+                target=_serve,
+                args=(self._iterator, self._calls),
+                name=f"aioreplica loader {type(self._iterator).__name__}",
+                daemon=True,
+            )
+            thread.start()
+            weakref.finalize(self, self._calls.put, None)  # collected: let the thread end
+        call = _Call(fn, self._count)
+        self._count += 1
+        self._calls.put(call)
+        self._last = call
+        return call
+
+
+def _serve(iterator: Iterator[Any], calls: queue.SimpleQueue[_Call | None]) -> None:
+    """The loader thread: make each call asked for, in order, until told to stop. It holds
+    the iterator, never its ``_LoaderThread``, so that one can be collected."""
+    while (call := calls.get()) is not None:
+        call.run(iterator)
+        del call  # hold no item between calls
+
+
+@final
+class _Call:
+    """One call on the loader thread and its outcome, kept until a waiter takes it.
+
+    A waiter that gives up loses nothing: the outcome stays here for the next waiter. The lock
+    orders the thread's "done" against a waiter registering, so no wake-up is missed.
+    """
+
+    __slots__ = ("_context", "_error", "_fn", "_lock", "_value", "_waiter", "done", "order")
+
+    def __init__(self, fn: Callable[[Iterator[Any]], Any], order: int) -> None:
+        self._fn = fn
+        self._context = contextvars.copy_context()  # the asker's, as anyio.to_thread does
+        self._lock = threading.Lock()
+        self._waiter: _loops.ThreadResult | None = None
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self.done = False
+        self.order = order
+
+    def run(self, iterator: Iterator[Any]) -> None:
+        """Make the call (on the loader thread) and wake its waiter, if there is one now."""
+        try:
+            value, error = self._context.run(self._fn, iterator), None
+        except BaseException as exc:  # the iterator's own error, for the waiter to raise
+            value, error = None, exc
+        with self._lock:
+            self._value, self._error, self.done = value, error, True
+            waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.set(None, None)
+
+    async def wait(self) -> None:
+        """Wait until the call is done; a cancellation ends the wait at once, on every loop."""
+        with self._lock:
+            waiter = None if self.done else _loops.current().thread_result()
+            self._waiter = waiter
+        if waiter is None:
+            await anyio.lowlevel.checkpoint()
+            return
+        try:
+            await waiter
+        finally:
+            with self._lock:
+                if self._waiter is waiter:
+                    self._waiter = None
+
+    def outcome(self) -> Any:
+        """The call's value, or its exception raised (once: the reference is dropped)."""
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+        return self._value
+
+
+def _order(call: _Call) -> int:
+    return call.order
+
+
+def _next_item(iterator: Iterator[Any]) -> Any:
+    return next(iterator, _END)
+
+
+def _close(iterator: Iterator[Any]) -> None:
+    close = getattr(iterator, "close", None)
+    if close is not None:
+        close()
+
+
+# -- helpers -------------------------------------------------------------------------------
 
 
 def _empty_rows(leaf: Any) -> Any:

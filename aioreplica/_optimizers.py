@@ -8,8 +8,11 @@ new slot values (momentum, moments) are computed copy by copy, and all of them, 
 count, are committed at once. If anything fails or the caller is cancelled before that, no
 variable, slot or counter has changed.
 
-The update rules follow Keras' ``SGD`` and ``Adam`` exactly, so the same hyperparameters train
-the same way.
+Gradient clipping (``clipnorm``, ``global_clipnorm``) works on the summed gradients inside
+that merge round, on each copy's device, so every replica clips alike at no extra round.
+
+The update rules follow Keras' ``SGD``, ``Adam`` and ``AdamW`` exactly, so the same
+hyperparameters train the same way.
 """
 
 from __future__ import annotations
@@ -24,14 +27,23 @@ from ._context import default_replica_context, get_replica_context
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, slot_variable
-from ._writes import commit, compute_update
+from ._writes import Turn, commit, compute_update, taking_turns
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
+    from ._backends import Device
     from ._collectives import ReductionEngine
 
-__all__ = ["SGD", "Adam", "Optimizer", "restore_state", "slot_table", "slots_to_restore"]
+__all__ = [
+    "SGD",
+    "Adam",
+    "AdamW",
+    "Optimizer",
+    "restore_state",
+    "slot_table",
+    "slots_to_restore",
+]
 
 
 class Optimizer:
@@ -43,25 +55,47 @@ class Optimizer:
     Args:
         learning_rate: a number, or a callable ``learning_rate(step) -> float`` of the step
             count (``iterations`` before the step), like a Keras schedule.
+        clipnorm: if set, each summed gradient ``g`` is scaled by ``min(1, clipnorm / ||g||)``
+            before the update (Keras' ``clipnorm``).
+        global_clipnorm: if set, all summed gradients are scaled together by
+            ``min(1, global_clipnorm / sqrt(sum(||g_i||**2)))`` (Keras' ``global_clipnorm``);
+            a non-finite joint norm makes the whole step NaN, as in Keras.
 
     Raises:
-        TypeError: ``learning_rate`` is neither a number nor callable.
-        ValueError: ``learning_rate`` is not finite.
+        TypeError: ``learning_rate`` is neither a number nor callable; a clipping norm is not
+            a number.
+        ValueError: ``learning_rate`` is not finite; a clipping norm is not finite or not
+            ``> 0``; both ``clipnorm`` and ``global_clipnorm`` are set.
 
     Example:
         >>> opt = aioreplica.optimizers.SGD(lambda step: 0.1 * 0.5**step)
         >>> opt.current_learning_rate()
         0.1
+        >>> w = aioreplica.Variable([0.0, 0.0])
+        >>> clipped = aioreplica.optimizers.SGD(1.0, clipnorm=1.0)
+        >>> anyio.run(clipped.apply_gradients, [(np.array([3.0, 4.0]), w)])
+        1
+        >>> w.numpy().round(6)  # the gradient, of norm 5, scaled by 1 / 5
+        array([-0.6, -0.8])
     """
 
     #: The names of the per-variable slots this optimizer keeps.
     slot_names: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, learning_rate: float | Callable[[int], float]) -> None:
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float],
+        *,
+        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
+    ) -> None:
         if not callable(learning_rate):
             learning_rate = _number("learning_rate", learning_rate)
         self._learning_rate = learning_rate
+        self._clipnorm, self._global_clipnorm = _clip_norms(clipnorm, global_clipnorm)
         self._iterations = 0
+        # Steps and restores take it in turn with the turns of the variables they write.
+        self._turn = Turn()
         # id(variable) -> (variable, its slots in ``slot_names`` order). Keyed by id because
         # variables compare elementwise; the entry holds the variable, so the id stays valid.
         self._slots: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
@@ -161,7 +195,9 @@ class Optimizer:
         that replica's gradients. It takes one merge round, whose gradients are summed in one
         packed all-reduce; scale your loss by the global batch size so the sum is the mean.
         Pairs whose gradient is ``None`` are skipped. Every variable, slot and the step
-        count change together, or (on any error or cancellation) none of them.
+        count change together, or (on any error or cancellation) none of them. With
+        ``clipnorm`` or ``global_clipnorm``, the summed gradients are clipped in that same
+        round, so every replica applies the same clipped step.
 
         Args:
             grads_and_vars: ``(gradient, variable)`` pairs; gradients are arrays of their
@@ -240,6 +276,30 @@ class Optimizer:
             agreed(variable, f"the variable of pair {i} of apply_gradients()")
             for i, variable in enumerate(variables)
         ]
+        # Every turn at once, in the global order, so that no two steps or restores can wait
+        # for each other. A slot made by a step that ran while this one waited is written by
+        # this one too: take its turn as well, from the start.
+        turns = self._turns(variables)
+        while True:
+            async with taking_turns(turns):
+                needed = self._turns(variables)
+                if needed <= turns:
+                    return await self._apply(engine, grads, variables)
+            turns = needed
+
+    def _turns(self, variables: list[Variable]) -> set[Turn]:
+        """The turns a step of ``variables`` holds: the optimizer's, theirs and their slots'."""
+        turns = {self._turn}
+        for variable in variables:
+            turns.add(variable._turn)
+            entry = self._slots.get(id(variable))
+            if entry is not None:
+                turns.update(slot._turn for slot in entry[1])
+        return turns
+
+    async def _apply(
+        self, engine: ReductionEngine, grads: list[Any], variables: list[Variable]
+    ) -> int:
         step = self._iterations
         rate = self.current_learning_rate()
         per_replica = [
@@ -250,18 +310,36 @@ class Optimizer:
         made: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
         updates: list[tuple[Variable, list[Any]]] = []
         xp = engine.devices[0].xp  # one backend for every device of a strategy
-        update_step = functools.partial(self._cast_step, xp=xp, rate=rate, step=step)
+        update_step: Callable[..., tuple[Any, ...]] = functools.partial(
+            self._cast_step, xp=xp, rate=rate, step=step
+        )
+        scales: tuple[list[Any], ...] = ()  # per copy, the global clipping factor, if any
+        if self._clipnorm is not None:
+            update_step = functools.partial(_clipped_step, update_step, xp, self._clipnorm)
+        elif self._global_clipnorm is not None:
+            scales = (await _global_scales(engine.devices, summed, self._global_clipnorm),)
+            update_step = functools.partial(_scaled_step, update_step)
         for variable, grad in zip(variables, summed, strict=True):
             entry = self._slots.get(id(variable))
             if entry is None:
                 entry = made[id(variable)] = (variable, self._new_slots(variable))
             slots = entry[1]
-            new = await compute_update(variable, update_step, grad, *(s._copies for s in slots))
+            new = await compute_update(
+                variable, update_step, grad, *scales, *(s._copies for s in slots)
+            )
             updates.append((variable, [result[0] for result in new]))
             updates += [(slot, [result[k + 1] for result in new]) for k, slot in enumerate(slots)]
+        # build() is synchronous and may have made slots for a variable while this step
+        # awaited: they are new and unwritten, so this step's values go into them.
+        for key, (_, own) in made.items():
+            built = self._slots.get(key)
+            if built is not None:
+                swap = dict(zip(map(id, own), built[1], strict=True))
+                updates = [(swap.get(id(target), target), copies) for target, copies in updates]
         # The all-or-nothing point: nothing above changed any state.
         commit(updates)
-        self._slots.update(made)
+        for key, entry in made.items():
+            self._slots.setdefault(key, entry)
         self._iterations = step + 1
         return self._iterations
 
@@ -301,13 +379,21 @@ class Optimizer:
         """The hyperparameters, as keyword arguments of the constructor.
 
         Example:
-            >>> aioreplica.optimizers.SGD(0.1).get_config()
-            {'learning_rate': 0.1, 'momentum': 0.0, 'nesterov': False}
+            >>> aioreplica.optimizers.SGD(0.1, clipnorm=1.0).get_config()
+            ... # doctest: +NORMALIZE_WHITESPACE
+            {'learning_rate': 0.1, 'momentum': 0.0, 'nesterov': False, 'clipnorm': 1.0,
+             'global_clipnorm': None}
         """
-        return {"learning_rate": self._learning_rate}
+        return {"learning_rate": self._learning_rate, **self._clip_config()}
+
+    def _clip_config(self) -> dict[str, float | None]:
+        return {"clipnorm": self._clipnorm, "global_clipnorm": self._global_clipnorm}
 
     def __repr__(self) -> str:
-        config = ", ".join(f"{key}={value!r}" for key, value in self.get_config().items())
+        # None only ever means "off" (no clipping): left out, to keep the repr short.
+        config = ", ".join(
+            f"{key}={value!r}" for key, value in self.get_config().items() if value is not None
+        )
         return f"{type(self).__name__}({config})"
 
 
@@ -323,9 +409,10 @@ class SGD(Optimizer):
         learning_rate: a number or a schedule ``step -> rate``.
         momentum: in ``[0, 1]``.
         nesterov: use Nesterov momentum.
+        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
 
     Raises:
-        ValueError: ``momentum`` outside ``[0, 1]``; a non-finite learning rate.
+        ValueError: ``momentum`` outside ``[0, 1]``; as ``Optimizer``.
         TypeError: as ``Optimizer``.
 
     Example:
@@ -342,8 +429,11 @@ class SGD(Optimizer):
         learning_rate: float | Callable[[int], float] = 0.01,
         momentum: float = 0.0,
         nesterov: bool = False,
+        *,
+        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
     ) -> None:
-        super().__init__(learning_rate)
+        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
         momentum = _number("momentum", momentum)
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
@@ -367,10 +457,10 @@ class SGD(Optimizer):
             "learning_rate": self._learning_rate,
             "momentum": self._momentum,
             "nesterov": self._nesterov,
+            **self._clip_config(),
         }
 
 
-@final
 class Adam(Optimizer):
     """Adam, as Keras' ``Adam``: slots ``m`` and ``v`` (first and second moments).
 
@@ -383,9 +473,11 @@ class Adam(Optimizer):
         beta_1: decay of the first moment, in ``[0, 1)``.
         beta_2: decay of the second moment, in ``[0, 1)``.
         epsilon: added to the denominator, ``> 0``.
+        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
 
     Raises:
-        ValueError: a beta outside ``[0, 1)``, ``epsilon <= 0``, a non-finite number.
+        ValueError: a beta outside ``[0, 1)``, ``epsilon <= 0``, a non-finite number; as
+            ``Optimizer``.
         TypeError: as ``Optimizer``.
 
     Example:
@@ -404,8 +496,11 @@ class Adam(Optimizer):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
+        *,
+        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
     ) -> None:
-        super().__init__(learning_rate)
+        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
         self._beta_1 = _number("beta_1", beta_1)
         self._beta_2 = _number("beta_2", beta_2)
         self._epsilon = _number("epsilon", epsilon)
@@ -431,7 +526,149 @@ class Adam(Optimizer):
             "beta_1": self._beta_1,
             "beta_2": self._beta_2,
             "epsilon": self._epsilon,
+            **self._clip_config(),
         }
+
+
+@final
+class AdamW(Adam):
+    """Adam with decoupled weight decay, as Keras' ``AdamW``: slots ``m`` and ``v``.
+
+    Each step first decays the weight, ``w -= w * weight_decay * lr`` (with that step's
+    learning rate), then takes ``Adam``'s step from the decayed weight. The decay is not part
+    of the gradient, so it is neither summed across replicas nor clipped.
+
+    Args:
+        learning_rate: a number or a schedule ``step -> rate``.
+        weight_decay: the decay per unit of learning rate, ``>= 0`` (``0`` is ``Adam``).
+        beta_1, beta_2, epsilon: as ``Adam``.
+        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+
+    Raises:
+        ValueError: ``weight_decay < 0``; as ``Adam``.
+        TypeError: ``weight_decay`` is not a number; as ``Optimizer``.
+
+    Example:
+        >>> w = aioreplica.Variable([1.0])
+        >>> opt = AdamW(0.1, weight_decay=0.5)
+        >>> anyio.run(opt.apply_gradients, [(np.array([2.0]), w)])
+        1
+        >>> w.numpy().round(6)  # 1 - 1 * 0.5 * 0.1, then Adam's first step of -0.1
+        array([0.85])
+    """
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.001,
+        weight_decay: float = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        *,
+        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
+    ) -> None:
+        super().__init__(
+            learning_rate,
+            beta_1,
+            beta_2,
+            epsilon,
+            clipnorm=clipnorm,
+            global_clipnorm=global_clipnorm,
+        )
+        self._weight_decay = _number("weight_decay", weight_decay)
+        if self._weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0 (0: no decay), got {weight_decay!r}")
+
+    def _update_step(
+        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+    ) -> tuple[Any, ...]:
+        # Keras' order of operations (``variable - variable * wd * lr``), then Adam.
+        decayed = var - var * self._weight_decay * rate
+        return super()._update_step(xp, decayed, grad, slots, rate, step)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "learning_rate": self._learning_rate,
+            "weight_decay": self._weight_decay,
+            "beta_1": self._beta_1,
+            "beta_2": self._beta_2,
+            "epsilon": self._epsilon,
+            **self._clip_config(),
+        }
+
+
+# -- gradient clipping ----------------------------------------------------------------------
+#
+# Every function here runs on one copy's arrays, with that copy's array module ``xp`` (NumPy
+# or CuPy): norms and factors stay 0-d device arrays, so a GPU step never waits on the host.
+
+
+def _clipped_step(
+    update_step: Callable[..., tuple[Any, ...]],
+    xp: Any,
+    clipnorm: float,
+    var: Any,
+    grad: Any,
+    *slots: Any,
+) -> tuple[Any, ...]:
+    """``update_step`` with ``grad`` scaled down to norm ``clipnorm`` if it is longer."""
+    norm = xp.sqrt(_squared_norm(xp, grad))
+    return update_step(var, _times(grad, _clip_factor(xp, norm, clipnorm)), *slots)
+
+
+def _scaled_step(
+    update_step: Callable[..., tuple[Any, ...]], var: Any, grad: Any, scale: Any, *slots: Any
+) -> tuple[Any, ...]:
+    """``update_step`` with ``grad`` times ``scale``, this copy's global clipping factor."""
+    return update_step(var, _times(grad, scale), *slots)
+
+
+async def _global_scales(
+    devices: Sequence[Device], summed: Sequence[Sequence[Any]], clipnorm: float
+) -> list[Any]:
+    """Per copy, the factor that scales all of its summed gradients to joint norm ``clipnorm``.
+
+    Each device computes its own from its copies (equal on every replica after the sum), so
+    the factor is ready on the device that uses it. Host replicas share their summed arrays:
+    the host computes it once.
+    """
+    scales: list[Any] = []
+    done: dict[tuple[int, ...], Any] = {}
+    for i, device in enumerate(devices):
+        grads = [per_copy[i] for per_copy in summed]
+        key = tuple(map(id, grads))
+        if key not in done:
+            # The whole pass reads every gradient: its size decides inline or worker thread.
+            nbytes = sum(getattr(grad, "nbytes", 0) for grad in grads)
+            done[key] = await device.compute(nbytes, _global_scale, device.xp, clipnorm, *grads)
+        scales.append(done[key])
+    return scales
+
+
+def _global_scale(xp: Any, clipnorm: float, *grads: Any) -> Any:
+    norm = xp.sqrt(sum(_squared_norm(xp, grad) for grad in grads))
+    # As Keras: a step with an infinite or NaN gradient turns NaN, instead of silently
+    # shrinking to nothing.
+    return xp.where(xp.isfinite(norm), _clip_factor(xp, norm, clipnorm), xp.nan)
+
+
+def _squared_norm(xp: Any, grad: Any) -> Any:
+    return xp.vdot(grad, grad).real  # one pass; conjugates complex gradients
+
+
+def _clip_factor(xp: Any, norm: Any, clipnorm: float) -> Any:
+    # ``clipnorm / max(norm, clipnorm)`` is ``min(1, clipnorm / norm)`` without dividing by
+    # a zero norm (Keras' ``clip_by_norm``).
+    return clipnorm / xp.maximum(norm, clipnorm)
+
+
+def _times(grad: Any, scale: Any) -> Any:
+    # In the gradient's own precision: the joint norm of float32 and float64 gradients is a
+    # float64, which must not widen a float32 gradient, and with it the whole update.
+    if grad.dtype.kind in "fc":
+        scale = scale.astype(grad.dtype, copy=False)
+    return grad * scale
 
 
 # -- for checkpoints ------------------------------------------------------------------------
@@ -467,6 +704,25 @@ def _number(what: str, value: Any) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite, got {value!r}")
     return number
+
+
+def _clip_norms(clipnorm: Any, global_clipnorm: Any) -> tuple[float | None, float | None]:
+    if clipnorm is not None and global_clipnorm is not None:
+        raise ValueError(
+            f"clipnorm={clipnorm!r} and global_clipnorm={global_clipnorm!r} were both given; "
+            "pick one: clipnorm clips each gradient by its own norm, global_clipnorm all of "
+            "them by their joint norm"
+        )
+    return _clip_norm("clipnorm", clipnorm), _clip_norm("global_clipnorm", global_clipnorm)
+
+
+def _clip_norm(what: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    norm = _number(what, value)
+    if norm <= 0:
+        raise ValueError(f"{what} must be > 0 (or None: no clipping), got {value!r}")
+    return norm
 
 
 def _check_variable(variable: Any) -> Variable:

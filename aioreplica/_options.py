@@ -70,8 +70,9 @@ class CommunicationOptions:
     Attributes:
         bytes_per_pack: small tensors are fused into packs of at most this many bytes and
             reduced together; 0 lets aioreplica choose (``DEFAULT_PACK_BYTES``, 4 MiB).
-        timeout_seconds: how long replicas wait at a collective for the others before the run
-            fails with ``ReplicaSyncError`` naming the late replicas; ``None`` waits.
+        timeout_seconds: how long replicas wait at a collective for the others to arrive
+            before the run fails with ``ReplicaSyncError`` naming the late replicas; ``None``
+            waits. The reduction's own work, once all have arrived, is never timed out.
 
     Raises:
         ValueError: a negative ``bytes_per_pack`` or a non-positive ``timeout_seconds``.

@@ -46,7 +46,8 @@ that completes the round carries on first and the others resume in the order the
 same order on every run of the same program (on trio, which deliberately runs tasks woken
 together in a random order, it is trio's). Strict id order would cost the completing replica an
 extra trip through the event loop per round, about an eighth of the round at 8 replicas. With
-``"random"`` both orders are a seeded shuffle.
+``"random"`` both orders are a seeded shuffle: one order per seed, the same on every loop (trio
+wakes such replicas one at a time).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import operator
 import types
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
@@ -163,9 +164,12 @@ class _Replica:
         try:
             result = await self._drive(fn, args, kwargs)
         except BaseException as exc:
-            if isinstance(exc, self.run.cancelled_class):
-                raise
-            self.run.replica_failed(self, exc)
+            run = self.run
+            if isinstance(exc, run.cancelled_class):
+                if run.tasks.is_cancellation(exc):
+                    raise
+                exc = run.own_cancellation(exc, f"replica {self.id}")
+            run.replica_failed(self, exc)
             return
         if self.pending is not None:
             self.run.replica_failed(
@@ -195,7 +199,11 @@ class _Replica:
             if leave is not None:
                 leave()
             self.in_own_coroutine = False
-        if type(awaitable) is types.CoroutineType:
+        if type(awaitable) is types.CoroutineType or (
+            # a plain function returning an unawaited merge_call(): awaited here, as a
+            # returned coroutine is
+            type(awaitable) is types.GeneratorType and inspect.isawaitable(awaitable)
+        ):
             coro: Any = awaitable
         elif inspect.isawaitable(awaitable):
             coro = awaitable.__await__()
@@ -275,25 +283,38 @@ class _Run:
         self.round = self._new_round(1)
         self.results: list[Any] = [None] * self.size
         self.finished: dict[int, int] = {}  # replica id -> merge calls it made
-        self.failures: list[tuple[BaseException, str]] = []
+        # (exception, where it came from, the replica it was raised in or None), first first
+        self.failures: list[tuple[BaseException, str, int | None]] = []
         # Nothing unusual has happened: an arrival that is not the last may just park.
         self.fast_path = sync_timeout is None
         self.finished_run = False
         self.cancelled_class = self.loop.cancelled_class
-        self.cancel_all: Callable[[], None] = _not_started
+        self.tasks: _loops.ReplicaTasks = _NOT_STARTED
 
     # -- ending ------------------------------------------------------------------------------
 
-    def fail(self, exc: BaseException, note: str) -> None:
+    def fail(self, exc: BaseException, note: str, replica: int | None = None) -> None:
         """Record a failure and cancel every replica (the first failure is what run() raises)."""
-        self.failures.append((exc, note))
+        self.failures.append((exc, note, replica))
         self.fast_path = False
-        self.cancel_all()
+        self.tasks.cancel()
+
+    def own_cancellation(self, exc: BaseException, who: str) -> RuntimeError:
+        """A cancellation that user code raised of its own, not this run's: a failure."""
+        error = RuntimeError(
+            f"{who} raised {type(exc).__name__} although its run() was not cancelled; a "
+            "cancellation escaping replica code (a cancelled inner task, an expired "
+            "asyncio.timeout, an explicit raise) is a failure: catch it where it starts, or "
+            "cancel the caller of run() to stop every replica"
+        )
+        error.__cause__ = exc
+        return error
 
     def replica_failed(self, replica: _Replica, exc: BaseException) -> None:
         self.fail(
             exc,
             f"raised in replica {replica.id} of {self.size} (device {replica.device.name})",
+            replica.id,
         )
 
     def scheduler_crashed(self, exc: BaseException) -> None:
@@ -428,7 +449,9 @@ class _Run:
                 result = yield from result.__await__()
         except BaseException as exc:
             if isinstance(exc, self.cancelled_class):
-                raise
+                if self.tasks.is_cancellation(exc):
+                    raise
+                exc = self.own_cancellation(exc, f"merge_fn {_describe_fn(merge_fn)}")
             if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
                 exc.merge_number = rnd.number
             self.fail(
@@ -453,13 +476,7 @@ class _Run:
             return
         order = [r.id for r in rnd.arrived]
         self.rng.shuffle(order)
-        position = order.index(last.id)
-        rnd.gate.open(order[:position])
-        if position + 1 < len(order):
-            try:
-                yield from self.loop.yield_once()
-            finally:
-                rnd.gate.open(order[position + 1 :])
+        yield from rnd.gate.hand_over(order, last.id)
 
     def _merge_arguments(self, rnd: _Round) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
         """Check the round (callable, one merge function everywhere); regroup its arguments."""
@@ -480,10 +497,11 @@ class _Run:
                     "with equal arguments) from every replica"
                 )
                 raise
+        # merge_call checked the types: args are tuples, kwargs mappings or None.
         all_args = list(map(_request_args, requests))
-        args = _regroup_args(all_args) if any(all_args) else ()
+        args = regroup(all_args) if any(all_args) else ()
         all_kwargs = list(map(_request_kwargs, requests))
-        kwargs = _regroup_kwargs(all_kwargs) if any(all_kwargs) else {}
+        kwargs = regroup([dict(kw or {}) for kw in all_kwargs]) if any(all_kwargs) else {}
         return merge_fn, args, kwargs
 
 
@@ -493,28 +511,45 @@ _request_args = operator.itemgetter(ARGS)
 _request_kwargs = operator.itemgetter(KWARGS)
 
 
-def _regroup_args(all_args: list[Any]) -> Any:
-    for replica_id, args in enumerate(all_args):
-        if not isinstance(args, tuple | list):
-            raise TypeError(
-                f"replica {replica_id} passed merge_call args={args!r} "
-                f"({type(args).__name__}); args must be a tuple: write args=({args!r},)"
-            )
-    return regroup([tuple(args) for args in all_args])
+def _later_failures(
+    first: BaseException, later: list[tuple[BaseException, str, int | None]]
+) -> list[str]:
+    """One note per distinct later failure; the same error from several replicas (on trio
+    replicas often fail alike before the cancellation reaches them) is one note naming them."""
+    lines: list[str] = []
+    alike: dict[tuple[type[BaseException], str], list[int]] = {}
+    for exc, note, replica in later:
+        if exc is first:
+            continue
+        if replica is None:
+            lines.append(f"also {note}: {type(exc).__name__}: {exc}")
+            continue
+        replicas = alike.setdefault((type(exc), str(exc)), [])
+        if not replicas:
+            lines.append("")  # its place, filled below once every replica is known
+        replicas.append(replica)
+    shown = iter(alike.items())
+    for i, line in enumerate(lines):
+        if not line:
+            (kind, message), replicas = next(shown)
+            lines[i] = f"also raised in {replica_list(replicas)}: {kind.__name__}: {message}"
+    return lines
 
 
-def _regroup_kwargs(all_kwargs: list[Any]) -> Any:
-    for replica_id, kwargs in enumerate(all_kwargs):
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise TypeError(
-                f"replica {replica_id} passed merge_call kwargs of type "
-                f"{type(kwargs).__name__}; kwargs must be a mapping or None"
-            )
-    return regroup([dict(kwargs or {}) for kwargs in all_kwargs])
+class _NotStarted:
+    """The tasks of a run before it starts its replicas and after they all ended."""
+
+    def cancel(self) -> None:
+        raise AioreplicaInternalError("a run was cancelled before or after its replicas ran")
+
+    def is_cancellation(self, exc: BaseException) -> bool:
+        raise AioreplicaInternalError("a cancellation reached a replica outside its run")
+
+    async def wait(self) -> None:
+        raise AioreplicaInternalError("a run waited for replicas it never started")
 
 
-def _not_started() -> None:
-    raise AioreplicaInternalError("a run was cancelled before or after its replicas ran")
+_NOT_STARTED: Final = _NotStarted()
 
 
 @dataclass(frozen=True, slots=True)
@@ -576,8 +611,9 @@ class Scheduler:
             tasks = run.loop.replica_tasks(
                 [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order],
                 run.scheduler_crashed,
+                in_order=self._rng is not None,
             )
-            run.cancel_all = tasks.cancel
+            run.tasks = tasks
             await tasks.wait()
         finally:
             run.finished_run = True
@@ -587,13 +623,12 @@ class Scheduler:
             for replica in run.replicas:
                 replica.context = None
             run.replicas = []
-            run.cancel_all = _not_started  # it holds the tasks, whose contexts hold replicas
+            run.tasks = _NOT_STARTED  # the tasks' contexts hold the replicas
         if run.failures:
-            first, note = run.failures[0]
+            first, note, _ = run.failures[0]
             first.add_note(note)
-            for other, other_note in run.failures[1:]:
-                if other is not first:
-                    first.add_note(f"also {other_note}: {type(other).__name__}: {other}")
+            for line in _later_failures(first, run.failures[1:]):
+                first.add_note(line)
             raise first
         results, run.results = run.results, []
         return results

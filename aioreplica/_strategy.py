@@ -16,6 +16,8 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal, final
 
+import numpy as np
+
 from . import _tree
 from ._backends import Device, canonical_device_name, resolve_devices
 from ._collectives import ReductionEngine
@@ -34,8 +36,9 @@ from ._dataset import (
 )
 from ._options import CommunicationOptions, ReduceOp
 from ._scheduler import Scheduler, SchedulerStatistics
+from ._steps import MultiStepContext, run_steps, run_steps_on_iterator
 from ._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
-from ._variables import Variable, update
+from ._variables import SyncOnReadVariable, Variable, update
 
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
 
@@ -72,16 +75,19 @@ class StrategyExtended:
 
         Args:
             reduce_op: how to combine the replicas' components.
-            value: a distributed value (or a nested structure of them).
-            destinations: a device name, a list of names, or a distributed value (its
-                devices: the strategy's own).
+            value: a distributed value or a variable (or a nested structure of them): a
+                sync-on-read variable's copies are reduced; a mirrored variable holds one
+                value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is.
+            destinations: a device name, a list of names, a distributed value or a variable
+                (its devices: the strategy's own).
 
         Returns:
             The reduced value on the one destination device, or a ``Mirrored`` over several
             (host devices share one read-only array).
 
         Raises:
-            ValueError: a destination is not one of the strategy's devices; shapes differ.
+            ValueError: a destination is not one of the strategy's devices; shapes differ; a
+                mirrored variable reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do.
             RuntimeError: called inside a replica.
 
@@ -116,7 +122,10 @@ class StrategyExtended:
         strategy = self._strategy
         op = ReduceOp.parse(reduce_op)
         strategy._check_cross_replica("batch_reduce_to")
-        pairs = [(value, strategy._destinations(dest)) for value, dest in value_destination_pairs]
+        pairs = [
+            (_variables_as_values(value, op), strategy._destinations(dest))
+            for value, dest in value_destination_pairs
+        ]
         results = await strategy._engine.batch_reduce_to(op, pairs, options)
         return [_grouped(per_destination) for per_destination in results]
 
@@ -170,6 +179,50 @@ class StrategyExtended:
             return copies[replica.replica_id_in_sync_group]
         return copies[0] if all(copy is copies[0] for copy in copies) else Mirrored(list(copies))
 
+    async def experimental_run_steps_on_iterator(
+        self,
+        fn: Callable[[MultiStepContext, Any], Any],
+        iterator: Any,
+        iterations: int = 1,
+        initial_loop_values: Mapping[str, Any] | None = None,
+    ) -> MultiStepContext:
+        """Call ``fn(context, inputs)`` once per element of ``iterator``, ``iterations`` times,
+        in this strategy's cross-replica context, as TF's does.
+
+        ``fn`` calls ``strategy.run`` itself and records outputs in ``context`` (a
+        ``MultiStepContext``). ``strategy.run_steps`` is the faster loop: it keeps the
+        replicas alive between steps.
+
+        Args:
+            fn: ``fn(context, inputs)``, a plain or coroutine function.
+            iterator: an async iterator of distributed elements.
+            iterations: how many steps, at most (fewer if ``iterator`` ends first).
+            initial_loop_values: the outputs ``context`` starts with.
+
+        Returns:
+            The ``MultiStepContext``, holding the last step's outputs.
+
+        Raises:
+            TypeError: ``fn`` is not callable; ``iterator`` is not an async iterator.
+            ValueError: ``iterations`` is negative.
+            Exception: whatever ``fn`` raises.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def fn(context, inputs):
+            ...     await context.set_last_step_output("rows", len(inputs.values[0]))
+            >>> batches = aioreplica.batched(np.arange(6), 4)
+            >>> async def main():
+            ...     iterator = aiter(strategy.distribute_dataset(batches))
+            ...     run = strategy.extended.experimental_run_steps_on_iterator
+            ...     return (await run(fn, iterator, iterations=2)).last_step_outputs
+            >>> anyio.run(main)
+            {'rows': 1}
+        """
+        return await run_steps_on_iterator(
+            self._strategy, fn, iterator, iterations, initial_loop_values
+        )
+
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         """Place ``value`` on every destination device (host devices share one read-only copy).
 
@@ -195,12 +248,14 @@ class MirroredStrategy:
         devices: one device per replica: names such as ``"cpu:0"`` (TF spellings like
             ``"/device:CPU:1"`` are accepted) or objects implementing ``Device``. ``None``
             means one host device, ``cpu:0``.
-        sync_timeout: seconds a replica may wait at a merge point for the others before the
-            run fails with ``ReplicaSyncError``; ``None`` waits as long as it takes.
+        sync_timeout: seconds a replica may wait at a merge point for the others to arrive
+            before the run fails with ``ReplicaSyncError``; ``None`` waits as long as it
+            takes. It bounds the arrival only, never the merge function's own work.
         interleave: ``"ordered"`` starts replicas in id order; at every merge point the
             replica that completes the round carries on first and the others resume in the
             order they arrived, the same way on every run. ``"random"`` shuffles both orders
-            with a seeded generator, to hunt order-dependent bugs.
+            with a seeded generator, to hunt order-dependent bugs: one order per seed, the
+            same on asyncio, uvloop and trio.
         seed: the seed for ``interleave="random"``; ``None`` draws one (see ``.seed``).
         communication_options: defaults for collectives (packing, timeout).
 
@@ -208,7 +263,9 @@ class MirroredStrategy:
         ValueError: a device is unknown, unavailable or repeated; ``interleave`` is not one of
             ``"ordered"``, ``"random"``; ``sync_timeout`` is not positive; ``seed`` is given
             with ``interleave="ordered"``.
-        TypeError: ``devices`` is a string or holds something that is not a device.
+        TypeError: ``devices`` is not a list of devices (a number of replicas, a string, one
+            device, a set), the message showing the list to write; or it holds something
+            that is not a device.
 
     Example:
         >>> import anyio, aioreplica
@@ -304,7 +361,9 @@ class MirroredStrategy:
         Args:
             reduce_op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name.
             value: a distributed value, or a nested structure with distributed leaves (a plain
-                leaf counts as the same value on every replica).
+                leaf counts as the same value on every replica). A variable counts as its
+                copies: a sync-on-read variable's are reduced; a mirrored variable holds one
+                value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is.
             axis: also reduce along this axis of each component.
 
         Returns:
@@ -312,7 +371,8 @@ class MirroredStrategy:
 
         Raises:
             RuntimeError: called inside a replica (use ``ctx.all_reduce`` there).
-            ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range.
+            ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range; a
+                mirrored variable reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed.
 
         Example:
@@ -323,7 +383,7 @@ class MirroredStrategy:
         """
         op = ReduceOp.parse(reduce_op)
         self._check_cross_replica("reduce")
-        return await self._engine.reduce(op, value, axis)
+        return await self._engine.reduce(op, _variables_as_values(value, op), axis)
 
     async def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate a distributed ``value``'s components along ``axis``.
@@ -396,7 +456,9 @@ class MirroredStrategy:
             zero-length arrays, so every replica takes the same number of steps.
 
         Raises:
-            TypeError: ``dataset`` is not iterable.
+            TypeError: ``dataset`` is not iterable, or is a string (whose items are
+                characters, not batches); ``drop_remainder`` is not a bool; ``prefetch`` is not
+                an int.
             ValueError: ``prefetch`` is negative.
 
         Example:
@@ -407,6 +469,7 @@ class MirroredStrategy:
             >>> anyio.run(sizes)
             [2, 0]
         """
+        _check_dataset_arguments(dataset, drop_remainder, prefetch)
         return DistributedDataset(
             dataset,
             self._device_objects,
@@ -415,6 +478,23 @@ class MirroredStrategy:
             prefetch=prefetch,
             input_context=self._input_context(),
         )
+
+    def experimental_distribute_dataset(
+        self, dataset: Any, *, drop_remainder: bool = False, prefetch: int = 2
+    ) -> DistributedDataset:
+        """TF's name for ``distribute_dataset`` (the same thing).
+
+        Raises:
+            TypeError: as ``distribute_dataset``.
+            ValueError: as ``distribute_dataset``.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dist = strategy.experimental_distribute_dataset(aioreplica.batched(np.arange(4), 4))
+            >>> type(dist).__name__
+            'DistributedDataset'
+        """
+        return self.distribute_dataset(dataset, drop_remainder=drop_remainder, prefetch=prefetch)
 
     def distribute_datasets_from_function(
         self, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
@@ -514,7 +594,8 @@ class MirroredStrategy:
     def scope(self) -> Iterator[MirroredStrategy]:
         """Enter cross-replica context of this strategy: ``get_strategy()`` returns it.
 
-        Inside a replica of this same strategy it changes nothing, as in TF.
+        Inside a replica of this same strategy it changes nothing, as in TF; nor does the
+        default strategy's scope, which keeps the default replica context.
 
         Yields:
             This strategy.
@@ -536,8 +617,8 @@ class MirroredStrategy:
                 f"cannot enter the scope of {self!r} while {current!r} is current; "
                 "strategies cannot be mixed: finish with one before using the other"
             )
-        if replica is not None or current is self:
-            yield self
+        if replica is not None or current is self or self is default_replica_context().strategy:
+            yield self  # the default strategy's scope keeps the default replica context (TF)
             return
         token = context_state.set(ContextState(strategy=self, engine=self._engine))
         try:
@@ -614,6 +695,45 @@ class MirroredStrategy:
         results = await self._scheduler.run(fn, self._per_replica_arguments(args, kwargs))
         return regroup(results)
 
+    async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
+        """Run ``step_fn`` on the next ``steps`` elements of ``iterator``, starting the replicas
+        once for all of them.
+
+        Each replica is one task for the whole loop. At the top of every step one merge round
+        takes the next element of ``iterator`` and hands each replica its slice, and the
+        replica calls ``step_fn(slice)`` (awaited if it returns an awaitable). The same as
+        ``for x in elements: await strategy.run(step_fn, args=(x,))``, with the start-up of a
+        ``run()`` paid once (see ``devices/bench_scheduler.py``). An element with empty
+        replicas (a short last batch) counts as a step.
+
+        Args:
+            step_fn: called in every replica with its slice of one element.
+            iterator: an async iterator of distributed elements, e.g.
+                ``aiter(strategy.distribute_dataset(...))`` (a distributed dataset is taken as
+                a new pass over it). Exactly ``steps`` elements are taken from it.
+            steps: how many steps, at most (fewer if ``iterator`` ends first, without error).
+
+        Returns:
+            The last step's results, regrouped as ``run()`` returns them; ``None`` after zero
+            steps.
+
+        Raises:
+            TypeError: ``step_fn`` is not callable; ``iterator`` is not an async iterator;
+                ``steps`` is not an int.
+            ValueError: ``steps`` is negative.
+            BaseException: as ``run()``: the first failure of any step ends the loop.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> batches = aioreplica.batched(np.arange(8.0), 4)
+            >>> async def loop():
+            ...     iterator = aiter(strategy.distribute_dataset(batches))
+            ...     return await strategy.run_steps(lambda x: float(x.sum()), iterator, 2)
+            >>> anyio.run(loop)
+            PerReplica({0: 9.0, 1: 13.0})
+        """
+        return await run_steps(self, step_fn, iterator, steps)
+
     def _per_replica_arguments(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -635,6 +755,21 @@ class MirroredStrategy:
                     f"{name} is a {type(leaf).__name__} of {len(leaf.values)} values, but "
                     f"{self!r} has {size} replicas; give one value per replica"
                 )
+
+
+def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -> None:
+    """Refuse arguments of ``distribute_dataset`` that would be misread rather than fail:
+    a string iterates as characters, ``"no"`` is true, ``True`` counts as 1."""
+    if isinstance(dataset, str | bytes | bytearray):
+        raise TypeError(
+            "a dataset must be an iterable or async iterable of batches, got the "
+            f"{type(dataset).__name__} {dataset!r:.60}, whose items are characters, not "
+            "batches; pass a list of batches or aioreplica.batched(array, batch_size)"
+        )
+    if not isinstance(drop_remainder, bool | np.bool_):
+        raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
 
 
 def _default_context() -> ReplicaContext:
@@ -672,6 +807,33 @@ def has_strategy() -> bool:
         False
     """
     return get_strategy() is not default_replica_context().strategy
+
+
+def _variables_as_values(value: Any, op: ReduceOp) -> Any:
+    """``value`` with each variable as the distributed value it stands for, as in TF: a
+    sync-on-read variable's copies are per replica; a mirrored variable's are one value."""
+    if isinstance(value, DistributedValues):  # the common case: no walk
+        return value
+    leaves, treedef = _tree.flatten(value)
+    if not any(isinstance(leaf, Variable) for leaf in leaves):
+        return value
+    return treedef.unflatten([_variable_as_value(leaf, op) for leaf in leaves])
+
+
+def _variable_as_value(leaf: Any, op: ReduceOp) -> Any:
+    if not isinstance(leaf, Variable):
+        return leaf
+    if isinstance(leaf, SyncOnReadVariable):
+        return PerReplica(list(leaf._copies))
+    if leaf._strategy is None:
+        return leaf._copies[0]
+    if op in (ReduceOp.SUM, ReduceOp.PROD):
+        raise ValueError(
+            f"cannot reduce mirrored variable {leaf.name!r} with {op.name}: it holds one value "
+            f"on every replica, which {op.name} would count once per replica; read it as it "
+            "is, or reduce it with MEAN"
+        )
+    return Mirrored(list(leaf._copies))
 
 
 def _grouped(per_destination: list[Any]) -> Any:

@@ -67,6 +67,7 @@ __all__ = [
     "KeyEntry",
     "KeyPath",
     "MappingKey",
+    "NodeLevel",
     "SequenceKey",
     "TreeDef",
     "assert_same_structure",
@@ -78,6 +79,8 @@ __all__ = [
     "is_leaf",
     "map_structure",
     "map_structure_with_path",
+    "node_level",
+    "node_mismatch",
     "register_dataclass",
     "register_node",
     "unflatten",
@@ -798,6 +801,18 @@ def _describe_node(x: Any) -> str:
     return f"{_with_article(name)} of {n} item{'' if n == 1 else 's'}"
 
 
+def _same_name_classes(ta: type, tb: type) -> str:
+    """Why two classes that print with one name differ, and, for the usual cause, the fix."""
+    full_a = f"{ta.__module__}.{ta.__qualname__}"
+    full_b = f"{tb.__module__}.{tb.__qualname__}"
+    if full_a != full_b:
+        return f"two different classes with the same name, {full_a} and {full_b}"
+    return (
+        f"two different classes, both {full_a} (a class or namedtuple made inside a function "
+        "is a new class on every call: define it once, at module level)"
+    )
+
+
 def _keys_repr(keys: list[Any]) -> str:
     return ", ".join(_short_repr(k) for k in _sorted_keys(keys))
 
@@ -832,7 +847,10 @@ def _node_mismatch(
         return None
     if ka == _LEAF or kb == _LEAF or ta is not tb:
         exc = ValueError if ka == _LEAF or kb == _LEAF else TypeError
-        return exc, f"{first} has {_describe_node(a)}, {second} {_describe_node(b)}"
+        message = f"{first} has {_describe_node(a)}, {second} {_describe_node(b)}"
+        if ta is not tb and _type_name(ta) == _type_name(tb):
+            message += f": {_same_name_classes(ta, tb)}"
+        return exc, message
     if ka in _MAPPING_KINDS:
         keys_a, keys_b = set(a), set(b)
         if keys_a == keys_b:
@@ -901,6 +919,81 @@ def find_mismatch(
         if deeper is not None:
             return deeper[0], (key, *deeper[1]), deeper[2]
     return None
+
+
+class NodeLevel(NamedTuple):
+    """One level of a container, as :func:`node_level` gives it."""
+
+    kind: str
+    """``"sequence"`` (a list, tuple, namedtuple or subclass), ``"mapping"`` or ``"registered"``."""
+    keys: KeyPath
+    """The path entry of each child, in flatten order."""
+    children: tuple[Any, ...]
+    """The children, in flatten order (mappings: sorted by key)."""
+
+
+def node_level(x: Any) -> NodeLevel | None:
+    """Split one level of `x`, for walks that compare structures by rules of their own.
+
+    ``aioreplica.nest`` walks two structures this way where ``tf.nest`` counts two container
+    types as one (a dict and an OrderedDict; a list and a tuple with ``check_types=False``).
+
+    Args:
+        x: Any object.
+
+    Returns:
+        ``NodeLevel(kind, keys, children)``, or ``None`` for a leaf.
+
+    Raises:
+        Whatever a registered ``flatten_fn`` raises.
+
+    Example:
+        >>> node_level({"a": [2]})
+        NodeLevel(kind='mapping', keys=(MappingKey(key='a'),), children=([2],))
+        >>> node_level("text") is None
+        True
+    """
+    level = _level(x)
+    if level is None:
+        return None
+    kind = _kind(type(x))
+    if kind in _SEQUENCE_KINDS:
+        name = "sequence"
+    elif kind in _MAPPING_KINDS:
+        name = "mapping"
+    else:
+        name = "registered"
+    return NodeLevel(name, level.keys, level.children)
+
+
+def node_mismatch(
+    a: Any, b: Any, *, first: str = "the first", second: str = "the second"
+) -> tuple[type[TypeError] | type[ValueError], str] | None:
+    """How the top levels of `a` and `b` differ: :func:`find_mismatch` without the descent.
+
+    For walks that decide by rules of their own whether two children match.
+
+    Args:
+        a: The reference value.
+        b: The value compared with it.
+        first: How the message names `a`.
+        second: How the message names `b`.
+
+    Returns:
+        ``None`` when both are leaves or containers that match at this level (their children
+        are not compared), else ``(exception_class, message)`` as :func:`find_mismatch` gives
+        them, without a path.
+
+    Raises:
+        Whatever a registered ``flatten_fn`` raises.
+
+    Example:
+        >>> node_mismatch([1, [2]], [3, (4,)]) is None
+        True
+        >>> node_mismatch([1], (1,))
+        (<class 'TypeError'>, 'the first has a list of 1 item, the second a tuple of 1 item')
+    """
+    return _node_mismatch(a, b, first=first, second=second)
 
 
 def _raise_mismatch(a: Any, b: Any, *, first: str, second: str, prefix: str) -> None:

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import types
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, final, overload
 
 import numpy as np
 
@@ -297,8 +297,11 @@ def agreed(value: Any, what: str) -> Any:
         Replica 0's value.
 
     Raises:
-        ReplicaSyncError: replicas passed different values; it names the odd replicas (those
-            outside the largest group of equal values). Its ``merge_number`` is filled in by
+        ReplicaSyncError: replicas passed different values. The replicas are grouped by equal
+            values; the largest group (the earliest on a tie) is the reference, and every
+            other replica is named as odd, with its value and the reference's. Values that
+            print alike are told apart (a different variable with the same name, its shape,
+            the part of a long value where they differ). Its ``merge_number`` is filled in by
             the scheduler when it comes out of a merge function.
 
     Example:
@@ -307,7 +310,8 @@ def agreed(value: Any, what: str) -> Any:
         >>> agreed(PerReplica(["sum", "sum", "max"]), "the reduce op")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        aioreplica.ReplicaSyncError: replicas disagree on the reduce op: replicas 0 and 1 ...
+        aioreplica.ReplicaSyncError: replicas disagree on the reduce op: replica 2 passed 'max', \
+while replicas 0 and 1 passed 'sum'; ...
     """
     if not isinstance(value, DistributedValues):
         return value
@@ -315,7 +319,11 @@ def agreed(value: Any, what: str) -> Any:
     first = values[0]
     if all(other is first or _same(first, other) for other in values):
         return first
-    groups: list[list[int]] = []
+    _raise_disagreement(values, what)
+
+
+def _raise_disagreement(values: Sequence[Any], what: str) -> NoReturn:
+    groups: list[list[int]] = []  # replicas with equal values, in order of their first replica
     for replica, other in enumerate(values):
         for group in groups:
             if _same(values[group[0]], other):
@@ -323,18 +331,41 @@ def agreed(value: Any, what: str) -> Any:
                 break
         else:
             groups.append([replica])
-    ranked = sorted(groups, key=len, reverse=True)
-    odd = sorted(replica for group in ranked[1:] for replica in group)
-    parts = "; ".join(
-        f"{replica_list(group)} passed {_describe_value(values[group[0]])}" for group in groups
+    reference = max(groups, key=len)  # the first of the largest groups
+    odd_groups = [group for group in groups if group is not reference]
+    reference_value = values[reference[0]]
+    reference_text = shown = _describe_value(reference_value)
+    odd_parts = []
+    same_name = False
+    for group in odd_groups:
+        odd_value = values[group[0]]
+        odd_text = _describe_value(odd_value)
+        if odd_text == shown:  # they would print alike: say what tells them apart
+            told_reference, odd_text = _tell_apart(reference_value, odd_value, shown)
+            same_name = same_name or odd_text.startswith("a different variable")
+            if reference_text == shown:
+                reference_text = told_reference
+        odd_parts.append(f"{replica_list(group)} passed {odd_text}")
+    advice = (
+        "variables are told apart by identity, not by name: create each variable once (in "
+        "strategy.scope(), outside the step function) and pass the same variable object from "
+        "every replica; "
+        if same_name
+        else ""
     )
     raise ReplicaSyncError(
-        f"replicas disagree on {what}: {parts}; every replica must pass the same value in the "
-        "same merge_call",
+        f"replicas disagree on {what}: {_and_join(odd_parts)}, while "
+        f"{replica_list(reference)} passed {reference_text}; {advice}every replica must pass "
+        "the same value in the same merge_call",
         merge_number=None,
-        replicas=odd,
+        replicas=[replica for group in odd_groups for replica in group],
         waiting=range(len(values)),
     )
+
+
+def _and_join(parts: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -376,7 +407,59 @@ def _describe_value(value: Any) -> str:
     if code is not None:
         name = getattr(value, "__qualname__", type(value).__qualname__)
         return f"{name} ({code.co_filename}:{code.co_firstlineno})"
-    name = getattr(value, "name", None)
-    if isinstance(name, str) and type(value).__name__.endswith("Variable"):
-        return f"variable {name!r}"
-    return f"{value!r:.60}"
+    if _is_variable(value):
+        return f"variable {value.name!r}"
+    return f"{_safe_repr(value):.60}"
+
+
+def _variable_facts(variable: Any) -> list[str]:
+    """What can tell two variables with one name apart, in the order it is looked for."""
+    return [
+        f"({type(variable).__name__})",
+        f"of shape {variable.shape}",
+        f"of dtype {variable.dtype}",
+        f"on devices {list(variable.devices)}",
+    ]
+
+
+def _tell_apart(reference: Any, odd: Any, shown: str) -> tuple[str, str]:
+    """Descriptions of two unequal values that ``_describe_value`` shows alike as ``shown``."""
+    if _is_variable(reference) and _is_variable(odd):
+        for fact_reference, fact_odd in zip(
+            _variable_facts(reference), _variable_facts(odd), strict=True
+        ):
+            if fact_reference != fact_odd:
+                return f"{shown} {fact_reference}", f"{shown} {fact_odd}"
+        return shown, f"a different variable also named {odd.name!r}"
+    full_reference, full_odd = _safe_repr(reference), _safe_repr(odd)
+    if full_reference != full_odd:  # shortened alike: show where they differ
+        at = next(
+            (i for i, (x, y) in enumerate(zip(full_reference, full_odd, strict=False)) if x != y),
+            min(len(full_reference), len(full_odd)),
+        )
+        return _around(full_reference, at), _around(full_odd, at)
+    type_reference, type_odd = type(reference).__qualname__, type(odd).__qualname__
+    if type_reference != type_odd:
+        return f"{shown} ({type_reference})", f"{shown} ({type_odd})"
+    return shown, (f"{shown} (a different {type_odd} object that prints the same but is not equal)")
+
+
+def _is_variable(value: Any) -> bool:
+    return isinstance(getattr(value, "name", None), str) and type(value).__name__.endswith(
+        "Variable"
+    )
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception:  # a repr that fails: the type still says something
+        return f"<{type(value).__qualname__} object>"
+
+
+def _around(text: str, at: int, width: int = 60) -> str:
+    """``width`` characters of ``text`` from a little before ``at``, with ``...`` for cuts."""
+    start = max(0, at - 2 * width // 3)
+    head = "..." if start else ""
+    tail = "..." if start + width < len(text) else ""
+    return f"{head}{text[start : start + width]}{tail}"

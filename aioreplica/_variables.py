@@ -30,6 +30,7 @@ from ._writes import (
     ADD,
     ASSIGN,
     SUB,
+    Turn,
     commit,
     compute_copies,
     compute_update,
@@ -116,7 +117,8 @@ class Variable(NDArrayOperatorsMixin):
         initial_value: an array-like, or a callable returning one (called once).
         name: a name for messages and reprs; default ``"Variable"``.
         dtype: the dtype to store; default: ``initial_value``'s (Python floats: float64).
-        trainable: whether optimizers should train it (recorded, as in TF).
+        trainable: whether optimizers should train it (recorded, as in TF); by default
+            ``True``, except with ``synchronization="on_read"`` (``False``, as in TF).
         synchronization: a ``VariableSynchronization`` or its name.
         aggregation: a ``VariableAggregation`` or its name.
 
@@ -153,6 +155,7 @@ class Variable(NDArrayOperatorsMixin):
         "_strategy",
         "_synchronization",
         "_trainable",
+        "_turn",
     )
 
     # Elementwise ``==`` (from the operator mixin) rules out a consistent hash, as for ndarray.
@@ -172,7 +175,7 @@ class Variable(NDArrayOperatorsMixin):
         *,
         name: str | None = None,
         dtype: Any = None,
-        trainable: bool = True,
+        trainable: bool | None = None,
         synchronization: VariableSynchronization | str = "auto",
         aggregation: VariableAggregation | str = "none",
     ) -> None:
@@ -185,6 +188,8 @@ class Variable(NDArrayOperatorsMixin):
         strategy, engine = _scope(name)
         _check_kind(type(self), strategy, sync, agg, name)
         value = initial_value() if callable(initial_value) else initial_value
+        if trainable is None:
+            trainable = sync is not _Sync.ON_READ
         self._init(strategy, engine, value, name, dtype, bool(trainable), sync, agg)
 
     def _init(
@@ -202,6 +207,7 @@ class Variable(NDArrayOperatorsMixin):
         _check_aggregation_dtype(agg, array.dtype, name)
         self._strategy = strategy
         self._engine = engine
+        self._turn = Turn()  # writes take it in turn (invariant 8)
         self._devices: tuple[Device, ...] = (
             engine.devices if engine is not None else (host_device(0),)
         )
@@ -374,6 +380,34 @@ class Variable(NDArrayOperatorsMixin):
     def __int__(self) -> int:
         return int(self.value())
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
+        """A new variable of the same kind, strategy and devices, holding copies of the values.
+
+        The strategy (and its devices) is shared, not copied: a variable belongs to it.
+
+        Example:
+            >>> import copy
+            >>> v = Variable(np.zeros(2), name="w")
+            >>> w = copy.deepcopy(v)
+            >>> anyio.run(w.assign, 1.0).numpy(), v.numpy()
+            (array([1., 1.]), array([0., 0.]))
+        """
+        new = object.__new__(type(self))
+        for name in ("_aggregation", "_devices", "_dtype", "_engine", "_name", "_shape"):
+            setattr(new, name, getattr(self, name))
+        new._strategy = self._strategy
+        new._synchronization = self._synchronization
+        new._trainable = self._trainable
+        new._turn = Turn()
+        fresh: dict[int, Any] = {}  # host replicas share one array: copy it once
+        for copy, device in zip(self._copies, self._devices, strict=True):
+            if id(copy) not in fresh:
+                with _active(device):
+                    fresh[id(copy)] = frozen(array_module(copy).array(copy, copy=True))
+        new._copies = tuple(fresh[id(copy)] for copy in self._copies)
+        memo[id(self)] = new
+        return new
+
     def __repr__(self) -> str:
         try:
             shown = repr(self._read_cross_replica())
@@ -456,7 +490,12 @@ class Variable(NDArrayOperatorsMixin):
 
     async def _write_copies(self, op: str, values: Sequence[Any]) -> None:
         """Write ``values[i]`` into copy ``i`` with ``op``, every copy or (on error) none."""
-        commit([(self, await compute_update(self, writer(op), values))])
+        turn = self._turn
+        await turn.acquire()
+        try:
+            commit([(self, await compute_update(self, writer(op), values))])
+        finally:
+            turn.release()
 
     def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
         """``value`` on ``device``, in this variable's dtype, or a clear error."""
@@ -551,7 +590,7 @@ class MirroredVariable(Variable):
             )
         local = self._checked(value, replica.device, replica_id)
         local = replica.device.xp.broadcast_to(local.astype(self._dtype, copy=False), self._shape)
-        await replica.merge_call(_merge_write, args=(self, op, local))
+        await replica.merge_call(_merge_write, args=(self, op, local, value))
         return self
 
 
@@ -605,11 +644,16 @@ class SyncOnReadVariable(Variable):
         if replica is not None:
             replica_id = self._replica_id(replica, op)
             local = self._checked(value, replica.device, replica_id)
-            copy = self._copies[replica_id]
-            new = (await compute_copies((replica.device,), writer(op), [[copy], [local]]))[0]
-            copies = list(self._copies)
-            copies[replica_id] = new
-            commit([(self, copies)])
+            turn = self._turn
+            await turn.acquire()
+            try:
+                copy = self._copies[replica_id]
+                new = (await compute_copies((replica.device,), writer(op), [[copy], [local]]))[0]
+                copies = list(self._copies)
+                copies[replica_id] = new
+                commit([(self, copies)])
+            finally:
+                turn.release()
             return self
         if op != ASSIGN and self._aggregation is _Agg.SUM:
             raise ValueError(
@@ -669,11 +713,27 @@ def slot_variable(variable: Variable, name: str) -> Variable:
     return slot
 
 
-async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any) -> None:
-    """A ``MirroredVariable`` write from replica context: aggregate, then write every copy."""
+async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given: Any) -> None:
+    """A ``MirroredVariable`` write from replica context: aggregate, then write every copy.
+
+    ``given`` is what each replica passed, before conversion: the very same object from every
+    replica is one value, not one per replica, and cannot be summed (as in TF).
+    """
     variable = agreed(variable, "the variable the replicas write")
     op = agreed(op, "the kind of write (assign, assign_add, assign_sub)")
     assert isinstance(variable, MirroredVariable)
+    if (
+        variable._aggregation is _Agg.SUM
+        and len(variable._devices) > 1
+        and not isinstance(given, DistributedValues)
+    ):
+        raise ValueError(
+            f"{op}() of MirroredVariable {variable._name!r} (aggregation SUM): every replica "
+            f"passed the same object ({_short(given)}), which is one value, not one per "
+            "replica, so it cannot be reduced with SUM (it would count it once per replica); "
+            "pass a value computed in each replica, use aggregation 'mean' or "
+            "'only_first_replica', or write it in cross-replica context"
+        )
     reduced = await _aggregate(variable, value)
     await variable._write_copies(op, reduced)
 
@@ -768,8 +828,13 @@ async def _update(
         result = fn(copy, *selected[0], **selected[1])
         return _as_copy(variable, result, copy)
 
-    new = await compute_update(variable, apply, per_copy_args)
-    commit([(variable, new)])
+    turn = variable._turn
+    await turn.acquire()
+    try:
+        new = await compute_update(variable, apply, per_copy_args)
+        commit([(variable, new)])
+    finally:
+        turn.release()
     return new
 
 
@@ -874,6 +939,11 @@ def _check_aggregation_dtype(agg: VariableAggregation, dtype: np.dtype[Any], nam
             f"variable {name!r} of dtype bool cannot have aggregation SUM; use an integer "
             "dtype to count"
         )
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else f"{type(value).__name__} {shown[:30]}..."
 
 
 class _active:

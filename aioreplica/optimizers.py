@@ -1,15 +1,17 @@
-"""Optimizers that update distributed variables: ``SGD`` and ``Adam``.
+"""Optimizers that update distributed variables: ``SGD``, ``Adam`` and ``AdamW``.
 
 ``await opt.apply_gradients(grads_and_vars)`` from every replica sums the gradients across
-replicas in one packed all-reduce and updates every copy of every variable, all or nothing.
-See ``help(aioreplica._optimizers)`` for the design.
+replicas in one packed all-reduce, clips them if asked (``clipnorm``, ``global_clipnorm``),
+and updates every copy of every variable, all or nothing. See ``help(aioreplica._optimizers)``
+for the design.
 """
 
 from ._optimizers import SGD as SGD
 from ._optimizers import Adam as Adam
+from ._optimizers import AdamW as AdamW
 from ._optimizers import Optimizer as Optimizer
 
-__all__ = ["SGD", "Adam", "Optimizer"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
 
 
 def _fixup_module_metadata() -> None:

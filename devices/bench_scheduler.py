@@ -41,10 +41,17 @@ Run from the repository root (aioreplica is imported from this checkout)::
     .venv/bin/python devices/bench_scheduler.py --loop trio      # or uvloop
     .venv/bin/python devices/bench_scheduler.py --only floor,threads
 
+Many steps per call (aioreplica only, N in 8 and 64 where measured, k in 0 and 1): the same
+``STEPS`` steps, each handed its replica's slice of one element (a ``PerReplica`` of scalars),
+run as ``for x in elements: await strategy.run(step, args=(x,))`` ("run per step") and as one
+``await strategy.run_steps(step, iterator, STEPS)`` over an async iterator of the same elements,
+which starts the replicas once and hands out each element at a merge round; interleaved like
+the rest. A checkout without ``run_steps`` reports it as skipped.
+
 Output. Table 1: µs per step (best of the samples), one row per (N, k). Table 2: per N, the
 marginal cost of one merge round for one replica, ``(t(k=10) - t(k=0)) / (10 * N)`` µs, then
 ``aio/floor`` (1.0 = no overhead over the floor) and ``threads/aio`` (how many times cheaper
-than threads).
+than threads). Table 3: µs per step of "run per step" and "run_steps", and their ratio.
 Checks, PASS / FAIL (SKIP when ``--only`` / ``--n`` left out what one needs): (a) aioreplica
 marginal within 2x of the floor for N = 8, 64, 1024; (b) aioreplica marginal at least 10x below
 threads for N = 8; (c) 10,000 replicas x 10 merge_calls completed. Metadata, raw samples and
@@ -87,7 +94,7 @@ from _benchlib import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Awaitable, Callable
 
 IMPLS = ("aioreplica", "floor", "threads")
 N_VALUES = (2, 8, 64, 1024, 10_000)
@@ -251,7 +258,7 @@ class _Result:
 
     @property
     def tolerates_failure(self) -> bool:
-        return self.impl == "aioreplica"
+        return self.impl not in ("floor", "threads")
 
     @property
     def label(self) -> str:
@@ -318,6 +325,112 @@ def _make_case(
         count.check()
 
     return Case(res, aio_sample, aio_verify)
+
+
+# --- many steps per call -------------------------------------------------------------------
+
+STEPS = 20  # steps per sample repetition, in both forms
+STEPS_N = (8, 64)
+STEPS_K = (0, 1)
+STEPS_IMPLS = ("run per step", "run_steps")
+
+
+class _Elements:
+    """An async iterator over elements made beforehand, as a distributed dataset yields them."""
+
+    def __init__(self, items: list[object]) -> None:
+        self._items = iter(items)
+
+    def __aiter__(self) -> _Elements:
+        return self
+
+    async def __anext__(self) -> object:
+        try:
+            return next(self._items)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+
+def _steps_case(res: _Result, api: Api, strategy: Strategy, aio: Driver) -> Case[_Result]:
+    n, k = res.n, res.k
+    count = _Count(res.impl, n, k * STEPS)
+    get_ctx, strat = api.get_replica_context, strategy
+    elements = [api.per_replica([float(step)] * n) for step in range(STEPS)]
+    run_steps = getattr(strat, "run_steps", None)
+
+    async def step(x: object, merge: Callable[..., object] = _noop) -> None:
+        ctx = get_ctx()
+        for _ in range(k):
+            await ctx.merge_call(merge)
+
+    async def counting(x: object) -> None:
+        await step(x, count.merge)
+        count.finished += 1
+
+    async def per_step(fn: Callable[..., Awaitable[None]]) -> None:
+        for x in elements:
+            await strat.run(fn, args=(x,))
+
+    async def in_one_call(fn: Callable[..., Awaitable[None]]) -> None:
+        assert run_steps is not None
+        await run_steps(fn, _Elements(elements), STEPS)
+
+    loop = per_step if res.impl == "run per step" else in_one_call
+
+    def sample(reps: int) -> int:
+        return aio.run(lambda: timed_async(lambda: loop(step), reps))
+
+    def verify() -> None:
+        if res.impl == "run_steps" and run_steps is None:
+            raise RuntimeError("this checkout has no strategy.run_steps")
+        aio.run(lambda: within(VERIFY_TIMEOUT_S, loop(counting)))
+        count.finished //= STEPS  # every replica finishes every step, in both forms
+        count.check()
+
+    return Case(res, sample, verify)
+
+
+def _measure_steps(
+    ns: list[int], samples: int, target_ns: int, api: Api | str | None, aio: Driver
+) -> list[_Result]:
+    results: list[_Result] = []
+    if not isinstance(api, Api):
+        return results
+    for n in (n for n in ns if n in STEPS_N):
+        strategy, error = host_strategy(api, n, ["aioreplica"])
+        cases = []
+        for k in STEPS_K:
+            for impl in STEPS_IMPLS:
+                res = _Result(impl, n, k)
+                results.append(res)
+                if strategy is None:
+                    res.status, res.reason = "error", error
+                else:
+                    cases.append(_steps_case(res, api, strategy, aio))
+        run_interleaved(cases, samples, target_ns, max_reps=MAX_REPS, gc_off=True)
+    return results
+
+
+def _print_steps(results: list[_Result]) -> None:
+    if not results:
+        return
+    w = 16
+    print(
+        f"\nTable 3: µs per step, {STEPS} steps per call\n{'N':>6}{'k':>4}"
+        + "".join(impl.rjust(w) for impl in STEPS_IMPLS)
+        + "per step/run_steps".rjust(w + 4)
+    )
+    for i in range(0, len(results), 2):
+        run, steps = results[i : i + 2]
+        us = [None if r.best_us is None else r.best_us / STEPS for r in (run, steps)]
+        cells = [
+            fmt(u, w) if r.status == "ok" else r.status.rjust(w)
+            for u, r in zip(us, (run, steps), strict=True)
+        ]
+        print(f"{run.n:>6}{run.k:>4}{''.join(cells)}{fmt(_ratio(us[0], us[1]), w + 4)}")
+        for r in (run, steps):
+            if r.status != "ok":
+                print(f"  {r.impl} N={r.n} k={r.k}: {r.status}: {r.reason}")
 
 
 def _skip_reason(impl: str, n: int, quick: bool, api: Api | str | None) -> str:
@@ -500,12 +613,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         results = _measure(impls, ns, samples, target_ns, args.quick, api, aio, floor)
+        many = _measure_steps(ns, samples, target_ns, api, aio) if "aioreplica" in impls else []
     finally:
         aio.close()
         floor.close()
     marg = _marginals(results, ns)
     checks = _checks(results, marg, impls, ns)
     _print_report(results, marg, impls, labels, checks)
+    _print_steps(many)
     meta = run_meta() | {
         "loop": args.loop,
         "floor_loop": floor_kind,
@@ -526,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
             for r in results
         ],
         "marginal_us_per_round_per_replica": {str(n): m for n, m in marg.items()},
+        "steps_per_call": STEPS,
+        "many_steps": [
+            asdict(r) | {"best_us_per_step": None if r.best_us is None else r.best_us / STEPS}
+            for r in many
+        ],
         "checks": checks,
     }
     write_json(args.json, doc)

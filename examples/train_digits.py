@@ -9,7 +9,9 @@ Every step, ``distribute_dataset`` splits a global batch across the replicas; ea
 computes the gradients of its rows (its loss is scaled by the global batch size, so the
 replicas' gradients sum to the batch's mean gradient) in its device's worker thread, and
 ``apply_gradients`` sums them across replicas in one packed all-reduce and updates every copy of
-every variable. A checkpoint is written after every epoch; ``--resume`` continues from the last.
+every variable. A checkpoint of the model, the optimizer and the place in the data is written
+after every epoch (and where a run stops early); ``--resume`` continues from the last, in the
+middle of an epoch if that is where it was, seeing the batches an unbroken run would see.
 
 Run it::
 
@@ -155,7 +157,8 @@ async def main(
 ) -> Result:
     """Train, checkpointing every epoch; return the parameters, losses and test accuracy.
 
-    ``max_steps`` stops early (for tests); ``checkpoint_dir=None`` writes no checkpoints.
+    ``max_steps`` stops early (for tests), with a checkpoint there; ``checkpoint_dir=None``
+    writes no checkpoints.
     """
     strategy = aioreplica.MirroredStrategy(devices or [f"cpu:{i}" for i in range(replicas)])
     x_train, y_train, x_test, y_test = load_data(seed)
@@ -164,39 +167,47 @@ async def main(
             name: aioreplica.Variable(value, name=name) for name, value in init_params(seed).items()
         }
     optimizer = SGD(learning_rate, momentum=momentum)
-    checkpoint = aioreplica.Checkpoint(model=params, optimizer=optimizer, epoch=0)
+    # One dataset for the whole run, each pass over it an epoch with a fresh permutation. The
+    # checkpoint holds the current epoch's iterator: its position and the random state.
+    batches = aioreplica.batched((x_train, y_train), global_batch, shuffle=True, seed=seed)
+    dataset = strategy.distribute_dataset(batches, drop_remainder=True)
+    checkpoint = aioreplica.Checkpoint(
+        model=params, optimizer=optimizer, epoch=0, step=0, data=aiter(dataset)
+    )
     manager = None
     if checkpoint_dir is not None:
         manager = aioreplica.CheckpointManager(checkpoint, checkpoint_dir, max_to_keep=3)
         if resume and manager.latest is not None:
             await checkpoint.restore(manager.latest)
             if progress:
-                print(f"resumed from {manager.latest} (epoch {checkpoint.epoch})")
+                print(
+                    f"resumed from {manager.latest} "
+                    f"(epoch {checkpoint.epoch}, step {checkpoint.step})"
+                )
     result = Result(params={}, first_epoch=checkpoint.epoch)
     steps_per_epoch = len(y_train) // global_batch
-    bar = _progress(epochs * steps_per_epoch, checkpoint.epoch * steps_per_epoch, progress)
-    for epoch in range(checkpoint.epoch, epochs):
-        # A fresh seed per epoch, so a resumed run sees the same batches as an unbroken one.
-        batches = aioreplica.batched(
-            (x_train, y_train), global_batch, shuffle=True, seed=seed * 1000 + epoch
-        )
-        dataset = strategy.distribute_dataset(batches, drop_remainder=True)
-        async for batch in dataset:
+    bar = _progress(epochs * steps_per_epoch, checkpoint.step, progress)
+    stopped = False
+    while checkpoint.epoch < epochs and not stopped:
+        async for batch in checkpoint.data:
             losses = await strategy.run(train_step, (batch, params, optimizer, global_batch))
             loss = float(await strategy.reduce("sum", losses))
             result.losses.append(loss)
             result.steps += 1
+            checkpoint.step += 1
             if bar is not None:
                 bar.update()
                 running = np.mean(result.losses[-steps_per_epoch:])
-                bar.set_postfix(epoch=epoch + 1, loss=f"{running:.4f}")
-            if max_steps is not None and result.steps >= max_steps:
-                break
-        if max_steps is not None and result.steps >= max_steps:
-            break
-        checkpoint.epoch = epoch + 1
+                bar.set_postfix(epoch=checkpoint.epoch + 1, loss=f"{running:.4f}")
+            stopped = max_steps is not None and result.steps >= max_steps
+            if stopped:
+                break  # the checkpoint below keeps the place in this epoch
+        if not stopped:  # the epoch is done: the next one is a new pass
+            checkpoint.epoch += 1
+            checkpoint.data = aiter(dataset)
         if manager is not None:
             await manager.save()
+    await checkpoint.data.aclose()
     if bar is not None:
         bar.close()
     result.params = {name: variable.numpy() for name, variable in params.items()}

@@ -45,6 +45,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aioreplica.__file__)))
 #: The end of every message about a file that cannot be read.
 UNREADABLE = "; the file is truncated, corrupted or not an aioreplica checkpoint"
 
+#: The end of every message about a manifest whose fields are malformed.
+MALFORMED = "; the file is corrupted or not an aioreplica checkpoint"
+
 
 def copies(variable: Variable) -> list[Any]:
     """Every copy of ``variable``, as nested lists (exact values, comparable with ``==``)."""
@@ -598,10 +601,16 @@ class TestAtomicSave:
         await ckpt.restore(path)
         assert (w.numpy().tolist(), ckpt.epoch) == ([0.0, 1.0, 2.0, 3.0], 1)
 
-    async def test_save_into_missing_directory_fails_cleanly(self, tmp_path: Path) -> None:
-        """Saving into a directory that does not exist raises FileNotFoundError."""
-        with pytest.raises(FileNotFoundError):
-            await Checkpoint(step=1).save(tmp_path / "nowhere" / "c.npz")
+    async def test_save_into_missing_directory_names_the_target(self, tmp_path: Path) -> None:
+        """Saving into a folder that does not exist names the file asked for and the folder."""
+        target = tmp_path / "nowhere" / "c.npz"
+        with pytest.raises(FileNotFoundError) as caught:
+            await Checkpoint(step=1).save(target)
+        assert str(caught.value) == (
+            f"[Errno 2] cannot save checkpoint {str(target)!r}: its folder "
+            f"{str(tmp_path / 'nowhere')!r} does not exist; create it first (os.makedirs), or "
+            "save through a CheckpointManager, which creates its directory"
+        )
         assert os.listdir(tmp_path) == []
 
 
@@ -699,32 +708,42 @@ class TestRefusedRestore:
         )
 
     @pytest.mark.parametrize(
-        ("document", "detail"),
+        ("document", "problems"),
         [
             (
                 {"format": "other", "version": 1, "entries": []},
-                "no 'aioreplica.checkpoint' manifest",
+                [
+                    "the manifest cannot be read (ValueError: no 'aioreplica.checkpoint' "
+                    "manifest)" + UNREADABLE
+                ],
             ),
             (
                 {"format": "aioreplica.checkpoint", "version": 2, "entries": []},
-                "format version 2; this aioreplica reads version 1",
+                [
+                    "the manifest cannot be read (ValueError: format version 2; this "
+                    "aioreplica reads version 1)" + UNREADABLE
+                ],
             ),
             (
                 {"format": "aioreplica.checkpoint", "version": 1, "entries": [{"path": 1}]},
-                "malformed manifest entries",
+                [
+                    "manifest entry 0: 'path' must be a non-empty list of strings and ints, "
+                    "got 1" + MALFORMED,
+                    "manifest entry 0: 'kind' must be one of 'variable', 'optimizer', "
+                    "'number', 'iterator', it is missing" + MALFORMED,
+                ],
             ),
         ],
+        ids=["format", "version", "entries"],
     )
     async def test_manifest_of_another_kind(
-        self, tmp_path: Path, document: dict[str, Any], detail: str
+        self, tmp_path: Path, document: dict[str, Any], problems: list[str]
     ) -> None:
         """A JSON manifest of another format, version or shape is refused."""
         saved_model = await saved_then_changed(tmp_path)
         bad = tmp_path / "bad.npz"
         rewrite(saved_model.path, bad, {"manifest.json": json.dumps(document).encode()})
-        await self.expect_refused(
-            saved_model, bad, [f"the manifest cannot be read (ValueError: {detail})" + UNREADABLE]
-        )
+        await self.expect_refused(saved_model, bad, problems)
 
     async def test_missing_manifest(self, tmp_path: Path) -> None:
         """A plain ``.npz`` without a manifest is refused."""

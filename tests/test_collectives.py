@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
@@ -20,7 +21,11 @@ from aioreplica import (
     ReduceOp,
     ReplicaSyncError,
 )
-from aioreplica._backends import HostDevice
+from aioreplica._backends import HostDevice, _hostreduce, _numpy
+from aioreplica._backends._numpy import INLINE_BYTES
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 pytestmark = pytest.mark.anyio
 
@@ -639,3 +644,182 @@ class TestTimeoutScope:
             return await ctx().all_reduce("sum", np.ones(1))
 
         np.testing.assert_array_equal(await strategy.run(step), [2.0])
+
+
+#: A user's context variable, set by replicas and read by their device work.
+user_var: contextvars.ContextVar[str] = contextvars.ContextVar("user_var", default="unset")
+
+
+def replica_and_user_var() -> str:
+    """What device work sees of its caller's context: the replica and ``user_var``."""
+    replica = aioreplica.get_replica_context()
+    assert replica is not None
+    return (
+        f"replica {replica.replica_id_in_sync_group} of {replica.num_replicas_in_sync}, "
+        f"{user_var.get()}"
+    )
+
+
+class TestDeviceWorkSeesTheCallersContext:
+    """Work handed to a device thread runs in a copy of the caller's context (as
+    ``anyio.to_thread.run_sync`` does): it sees the replica context and the caller's context
+    variables, and what it sets stays inside it."""
+
+    async def test_run_sees_the_replica_and_its_context_variables(self) -> None:
+        """Inside device.run, replica i's work sees replica i (of 3) and i's value of a
+        user ContextVar."""
+        strategy = MirroredStrategy(cpus(3))
+
+        async def step() -> str:
+            user_var.set(f"set by replica {rid()}")
+            return await ctx().device.run(replica_and_user_var)
+
+        result = await strategy.run(step)
+        assert local(strategy, result) == (
+            "replica 0 of 3, set by replica 0",
+            "replica 1 of 3, set by replica 1",
+            "replica 2 of 3, set by replica 2",
+        )
+
+    async def test_compute_on_the_worker_sees_the_replica(self) -> None:
+        """device.compute above the inline threshold (in the worker) sees the caller's
+        context, as it does inline."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> str:
+            user_var.set(f"set by replica {rid()}")
+            device = ctx().device
+            inline = await device.compute(0, replica_and_user_var)
+            on_worker = await device.compute(INLINE_BYTES, replica_and_user_var)
+            return f"inline: {inline}; on the worker: {on_worker}"
+
+        result = await strategy.run(step)
+        assert local(strategy, result) == (
+            "inline: replica 0 of 2, set by replica 0; on the worker: replica 0 of 2, set by "
+            "replica 0",
+            "inline: replica 1 of 2, set by replica 1; on the worker: replica 1 of 2, set by "
+            "replica 1",
+        )
+
+    async def test_a_change_inside_stays_inside(self) -> None:
+        """A ContextVar set inside device.run is not seen by the caller afterwards, nor by the
+        next job on the same device thread."""
+        device = MirroredStrategy(["cpu:0"]).extended.replica_devices[0]
+        user_var.set("the caller's")
+
+        def change() -> str:
+            user_var.set("set inside the job")
+            return user_var.get()
+
+        seen = [await device.run(change), user_var.get(), await device.run(user_var.get)]
+        assert seen == ["set inside the job", "the caller's", "the caller's"]
+
+    async def test_a_collectives_worker_jobs_see_the_callers_context(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The blocks of a large host all_reduce, split over the devices' threads, run in the
+        caller's context too: every path to a device thread behaves alike."""
+        seen: list[tuple[str, str]] = []
+        real_reduce_range = _hostreduce.reduce_range
+
+        def reduce_range(*args: Any) -> None:
+            seen.append((threading.current_thread().name, user_var.get()))
+            real_reduce_range(*args)
+
+        monkeypatch.setattr(_numpy, "reduce_range", reduce_range)
+        monkeypatch.setattr(_numpy, "_cores", lambda: 2)
+        strategy = MirroredStrategy(cpus(2))
+        user_var.set("the caller's")
+        value = PerReplica([np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)])  # 4 MiB
+        total = await strategy.reduce("sum", value)
+        np.testing.assert_array_equal(total, np.full(1 << 20, 2.0, np.float32))
+        assert sorted(seen) == [
+            ("aioreplica cpu:0", "the caller's"),
+            ("aioreplica cpu:1", "the caller's"),
+        ]
+
+
+class TestLeavesThatAreNotNumbers:
+    """None, strings and other objects in a collective name the replica, the operation and
+    what collectives take, before anything is reduced."""
+
+    @staticmethod
+    async def call(operation: str, value: Any) -> Any:
+        replica = ctx()
+        if operation == "all_reduce":
+            return await replica.all_reduce("sum", value)
+        if operation == "all_gather":
+            return await replica.all_gather(value, axis=0)
+        if operation == "broadcast":
+            return await replica.broadcast(value)
+        assert operation == "reduce_scatter"
+        return await replica.reduce_scatter("sum", value, axis=0)
+
+    @pytest.mark.parametrize(
+        "operation", ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
+    )
+    @pytest.mark.parametrize(
+        ("bad", "description"), [(None, "None (NoneType)"), ("abc", "'abc' (str)")]
+    )
+    async def test_one_replica_passes_it(self, operation: str, bad: Any, description: str) -> None:
+        """Replica 1 passing None or a string where replica 0 passes an array is named."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await self.call(operation, bad if rid() == 1 else np.ones(2))
+
+        with pytest.raises(TypeError) as info:
+            await strategy.run(step)
+        message = str(info.value)
+        assert message.startswith(f"replica 1 passed {description} to {operation}; ")
+        assert "collectives take numbers and arrays" in message
+        assert "replica 0" not in message
+
+    @pytest.mark.parametrize("bad", [None, "abc", b"abc", object()])
+    async def test_every_replica_passes_it(self, bad: Any) -> None:
+        """The same non-number from every replica (regrouped as one plain value) is named
+        as every replica's, with its key path inside the structure."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().all_reduce("sum", {"loss": np.ones(1), "note": bad})
+
+        with pytest.raises(TypeError) as info:
+            await strategy.run(step)
+        assert str(info.value).startswith(
+            f"every replica passed {bad!r:.60} ({type(bad).__name__}) to all_reduce at ['note']; "
+            "collectives take numbers and arrays"
+        )
+
+    async def test_per_replica_nones_in_cross_replica_calls(self) -> None:
+        """strategy.reduce, gather, reduce_to and batch_reduce_to of PerReplica([None, None])
+        name both replicas and the operation."""
+        strategy = MirroredStrategy(cpus(2))
+        nones = PerReplica([None, None])
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: strategy.reduce("sum", nones),
+            lambda: strategy.gather(nones),
+            lambda: strategy.extended.reduce_to("sum", nones, "cpu:0"),
+            lambda: strategy.extended.batch_reduce_to("sum", [(nones, "cpu:0")]),
+        ]
+        messages = []
+        for call in calls:
+            with pytest.raises(TypeError) as info:
+                await call()
+            messages.append(str(info.value).partition(";")[0])
+        assert messages == [
+            "replicas 0 and 1 passed None (NoneType) to reduce",
+            "replicas 0 and 1 passed None (NoneType) to gather",
+            "replicas 0 and 1 passed None (NoneType) to reduce_to at [0]",
+            "replicas 0 and 1 passed None (NoneType) to reduce_to at [0]",
+        ]
+
+    async def test_replicas_passing_different_non_numbers_are_each_named(self) -> None:
+        """Each kind of bad value is named with the replicas that passed it."""
+        strategy = MirroredStrategy(cpus(4))
+        value = PerReplica([1.0, None, "abc", None])
+        with pytest.raises(TypeError) as info:
+            await strategy.reduce("sum", value)
+        assert str(info.value).startswith(
+            "replicas 1 and 3 passed None (NoneType), replica 2 passed 'abc' (str) to reduce; "
+        )

@@ -68,10 +68,10 @@ def plain_numpy_training(
     x, y, _, _ = digits.load_data(0)
     params: dict[str, NDArray[np.float64]] = digits.init_params(0)
     velocity = {name: np.zeros_like(value) for name, value in params.items()}
+    shuffle = np.random.default_rng(0)  # one generator for the run, a permutation per epoch
     done = 0
-    epoch = 0
     while done < steps:
-        order = np.random.default_rng(epoch).permutation(len(y))
+        order = shuffle.permutation(len(y))
         for start in range(0, len(y) - global_batch + 1, global_batch):
             rows = order[start : start + global_batch]
             _, grads = digits.loss_and_grads(np, params, x[rows], y[rows], global_batch)
@@ -81,7 +81,6 @@ def plain_numpy_training(
             done += 1
             if done == steps:
                 break
-        epoch += 1
     return params
 
 
@@ -118,6 +117,29 @@ class TestTrainDigits:
         straight = await digits.main(3, epochs=3, progress=False)
         assert (first.first_epoch, resumed.first_epoch) == (0, 2)
         assert resumed.steps == straight.steps // 3
+        for name, value in straight.params.items():
+            np.testing.assert_array_equal(resumed.params[name], value)
+
+    @pytest.mark.anyio
+    async def test_resuming_mid_epoch_continues_the_same_run(self, tmp_path: Path) -> None:
+        """A run stopped after 30 steps (8 into the second epoch) and resumed sees the batches
+        of an unbroken run and ends with its parameters."""
+        digits = load("train_digits")
+        directory = str(tmp_path / "checkpoints")
+        stopped = await digits.main(
+            3, epochs=2, max_steps=30, checkpoint_dir=directory, progress=False
+        )
+        assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+            "ckpt-1.npz",
+            "ckpt-2.npz",
+        ]
+        resumed = await digits.main(
+            3, epochs=2, checkpoint_dir=directory, resume=True, progress=False
+        )
+        straight = await digits.main(3, epochs=2, progress=False)
+        assert (stopped.steps, resumed.steps, straight.steps) == (30, 14, 44)
+        assert resumed.first_epoch == 1
+        assert stopped.losses + resumed.losses == straight.losses
         for name, value in straight.params.items():
             np.testing.assert_array_equal(resumed.params[name], value)
 
@@ -158,5 +180,5 @@ class TestTrainDigits:
             timeout=120,
             check=True,
         )
-        assert f"resumed from {tmp_path / 'ck' / 'ckpt-1.npz'} (epoch 1)" in again.stdout
+        assert f"resumed from {tmp_path / 'ck' / 'ckpt-1.npz'} (epoch 1, step 22)" in again.stdout
         assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["ckpt-1.npz", "ckpt-2.npz"]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
-from typing import TYPE_CHECKING, Any, TypeVar
+import types
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import anyio
 import numpy as np
@@ -14,6 +16,8 @@ from replicas import cpus
 
 import aioreplica
 from aioreplica import (
+    Checkpoint,
+    CheckpointError,
     MirroredStrategy,
     MirroredVariable,
     PerReplica,
@@ -21,10 +25,12 @@ from aioreplica import (
     Variable,
 )
 from aioreplica._backends._numpy import HOST_BACKEND
-from aioreplica.optimizers import SGD, Adam, Optimizer
+from aioreplica.optimizers import SGD, Adam, AdamW, Optimizer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
+    from pathlib import Path
+    from types import ModuleType
 
     from aioreplica._backends import Device
 
@@ -44,7 +50,11 @@ def assert_close(got: Any, want: Any) -> None:
 
 
 class Reference:
-    """Keras ``SGD``/``Adam`` in plain float64 NumPy, applied to already summed gradients."""
+    """Keras ``SGD``/``Adam``/``AdamW`` in plain float64 NumPy, applied to summed gradients.
+
+    Clipping (``clipnorm`` or ``global_clipnorm`` in ``config``) scales the summed gradients
+    by ``min(1, clip / norm)`` first; ``clipped`` records, per step, whether it scaled any.
+    """
 
     def __init__(self, kind: str, learning_rate: Rate, **config: float) -> None:
         self.kind = kind
@@ -53,24 +63,44 @@ class Reference:
         self.iterations = 0
         self.params: dict[str, Array] = {}
         self.slots: dict[str, dict[str, Array]] = {}
+        self.clipped: list[bool] = []
 
     def add(self, name: str, value: Any) -> None:
         self.params[name] = np.array(value, dtype=np.float64)
 
     def slot_names(self) -> tuple[str, ...]:
-        if self.kind == "adam":
+        if self.kind in ("adam", "adamw"):
             return ("m", "v")
         return ("momentum",) if self.config.get("momentum", 0.0) else ()
+
+    def clip(self, grads: dict[str, Array]) -> dict[str, Array]:
+        clipnorm = self.config.get("clipnorm")
+        global_clipnorm = self.config.get("global_clipnorm")
+        scales: dict[str, float]
+        if clipnorm is not None:
+            scales = {
+                name: min(1.0, clipnorm / float(np.linalg.norm(g))) for name, g in grads.items()
+            }
+        elif global_clipnorm is not None:
+            norm = math.sqrt(sum(float(np.sum(g * g)) for g in grads.values()))
+            scales = dict.fromkeys(grads, min(1.0, global_clipnorm / norm))
+        else:
+            return grads
+        self.clipped.append(any(scale < 1.0 for scale in scales.values()))
+        return {name: g * scales[name] for name, g in grads.items()}
 
     def apply(self, grads: dict[str, Array]) -> None:
         step = self.iterations
         rate = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
-        for name, grad in grads.items():
+        for name, grad in self.clip(grads).items():
             slots = self.slots.setdefault(
                 name, {slot: np.zeros_like(self.params[name]) for slot in self.slot_names()}
             )
             w = self.params[name]
-            if self.kind == "adam":
+            if self.kind == "adamw":
+                # Decoupled weight decay, before the Adam step (Keras' ``_apply_weight_decay``).
+                w = w - w * self.config.get("weight_decay", 0.004) * rate
+            if self.kind in ("adam", "adamw"):
                 beta_1 = self.config.get("beta_1", 0.9)
                 beta_2 = self.config.get("beta_2", 0.999)
                 epsilon = self.config.get("epsilon", 1e-7)
@@ -169,13 +199,19 @@ OPTIMIZERS: list[Any] = [
     pytest.param("sgd", 0.05, {"momentum": 0.8, "nesterov": True}, id="nesterov"),
     pytest.param("adam", 0.01, {}, id="adam"),
     pytest.param("adam", 0.2, {"beta_1": 0.5, "beta_2": 0.75, "epsilon": 1e-3}, id="adam-custom"),
+    pytest.param("adamw", 0.01, {}, id="adamw"),
+    pytest.param(
+        "adamw",
+        0.2,
+        {"weight_decay": 0.3, "beta_1": 0.5, "beta_2": 0.75, "epsilon": 1e-3},
+        id="adamw-custom",
+    ),
 ]
 
 
 def make_optimizer(kind: str, learning_rate: Rate, config: dict[str, Any]) -> Optimizer:
-    if kind == "adam":
-        return Adam(learning_rate, **config)
-    return SGD(learning_rate, **config)
+    cls: type[Optimizer] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}[kind]
+    return cls(learning_rate, **config)
 
 
 # -- update rules ------------------------------------------------------------------------
@@ -244,6 +280,319 @@ class TestUpdateRules:
         np.testing.assert_allclose(w.numpy(), np.full(3, 0.9, dtype=np.float32), rtol=1e-6)
 
 
+# -- AdamW -------------------------------------------------------------------------------
+
+
+def halving(step: int) -> float:
+    """A learning-rate schedule: 0.1, then halved every step."""
+    return 0.1 * 0.5**step
+
+
+class TestAdamW:
+    @pytest.mark.parametrize(
+        ("learning_rate", "config"),
+        [
+            pytest.param(0.01, {}, id="defaults"),
+            pytest.param(0.05, {"weight_decay": 0.5, "epsilon": 1e-3}, id="strong-decay"),
+            pytest.param(halving, {"weight_decay": 0.2, "beta_1": 0.5}, id="schedule"),
+        ],
+    )
+    async def test_matches_keras_reference_step_by_step(
+        self, learning_rate: Rate, config: dict[str, Any]
+    ) -> None:
+        """Six steps on four replicas match Keras' AdamW formula after every step."""
+        rng = np.random.default_rng(21)
+        strategy = MirroredStrategy(cpus(4))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = AdamW(learning_rate, **config)
+        ref = Reference("adamw", learning_rate, **config)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for _ in range(6):
+            grads = random_grads(rng, 4, list(SHAPES.values()))
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+            assert_matches(opt, variables, ref)
+
+    async def test_decay_comes_before_the_adam_step(self) -> None:
+        """The decay shrinks the weight as it was before the step: 1 - 1 * 0.5 * 0.1 - 0.1."""
+        w = Variable(np.array([1.0]), name="w")
+        await AdamW(0.1, weight_decay=0.5, epsilon=1e-12).apply_gradients([(np.array([2.0]), w)])
+        # Decay after the step would give 0.9 - 0.9 * 0.05 = 0.855.
+        assert_close(w.numpy(), [0.85])
+
+    async def test_decay_uses_the_scheduled_rate(self) -> None:
+        """Each step decays by ``weight_decay`` times that step's scheduled learning rate."""
+        w = Variable(np.array([2.0, -4.0]), name="w")
+        opt = AdamW(halving, weight_decay=1.0)
+        values = []
+        for _ in range(3):
+            # A zero gradient leaves Adam's step at zero: only the decay moves the weight.
+            await opt.apply_gradients([(np.zeros(2), w)])
+            values.append(w.numpy())
+        assert_close(values, [[1.8, -3.6], [1.71, -3.42], [1.66725, -3.3345]])
+
+    async def test_zero_weight_decay_is_adam(self) -> None:
+        """``AdamW`` with ``weight_decay=0`` takes Adam's steps exactly."""
+        rng = np.random.default_rng(22)
+        strategy = MirroredStrategy(cpus(2))
+        adam_vars = make_variables(strategy, np.random.default_rng(23), SHAPES)
+        adamw_vars = make_variables(strategy, np.random.default_rng(23), SHAPES)
+        adam, adamw = Adam(0.1), AdamW(0.1, weight_decay=0.0)
+        for _ in range(3):
+            grads = random_grads(rng, 2, list(SHAPES.values()))
+            await train_step(strategy, adam, adam_vars, grads)
+            await train_step(strategy, adamw, adamw_vars, grads)
+        pairs = zip([*adam_vars, *adam.variables()], [*adamw_vars, *adamw.variables()], strict=True)
+        for a, b in pairs:
+            for copy_a, copy_b in zip(a.values, b.values, strict=True):
+                np.testing.assert_array_equal(copy_b, copy_a)
+
+    async def test_checkpoint_round_trip(self, tmp_path: Path) -> None:
+        """Saved after three steps and restored elsewhere, AdamW carries on as if never stopped.
+
+        The restore goes into a fresh optimizer on four replicas; the step count (bias
+        correction, schedule) and the slots come back, so its next steps match the reference.
+        """
+        rng = np.random.default_rng(24)
+        config: dict[str, Any] = {"weight_decay": 0.3, "global_clipnorm": 1.5}
+        strategy = MirroredStrategy(cpus(2))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = AdamW(halving, **config)
+        ref = Reference("adamw", halving, **config)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for _ in range(3):
+            grads = random_grads(rng, 2, list(SHAPES.values()))
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+        model = {v.name: v for v in variables}
+        path = await Checkpoint(model=model, optimizer=opt).save(tmp_path / "adamw.npz")
+
+        strategy_4 = MirroredStrategy(cpus(4))
+        with strategy_4.scope():
+            restored_vars = [Variable(np.zeros(shape), name=name) for name, shape in SHAPES.items()]
+        restored = AdamW(**opt.get_config())
+        model_4 = {v.name: v for v in restored_vars}
+        await Checkpoint(model=model_4, optimizer=restored).restore(path)
+        assert_matches(restored, restored_vars, ref)
+        assert restored.get_config() == opt.get_config()
+        for _ in range(2):
+            grads = random_grads(rng, 4, list(SHAPES.values()))
+            await train_step(strategy_4, restored, restored_vars, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+            assert_matches(restored, restored_vars, ref)
+
+    async def test_checkpoint_does_not_restore_into_adam(self, tmp_path: Path) -> None:
+        """An AdamW checkpoint restored into an ``Adam`` is refused; nothing changes."""
+        w = Variable(np.ones(2), name="w")
+        opt = AdamW(0.1)
+        await opt.apply_gradients([(np.ones(2), w)])
+        path = await Checkpoint(w=w, optimizer=opt).save(tmp_path / "adamw.npz")
+        other_w = Variable(np.zeros(2), name="w")
+        adam = Adam(0.1)
+        with pytest.raises(CheckpointError, match="AdamW"):
+            await Checkpoint(w=other_w, optimizer=adam).restore(path)
+        assert (other_w.numpy().tolist(), adam.iterations, adam.variables()) == ([0.0, 0.0], 0, [])
+
+
+# -- gradient clipping ---------------------------------------------------------------------
+
+
+CLIPPED: list[Any] = [
+    pytest.param("sgd", 0.1, {}, id="sgd"),
+    pytest.param("sgd", 0.05, {"momentum": 0.8, "nesterov": True}, id="nesterov"),
+    pytest.param("adam", 0.05, {}, id="adam"),
+    pytest.param("adamw", 0.05, {"weight_decay": 0.2}, id="adamw"),
+]
+
+
+def clipping(name: str, norm: float) -> dict[str, Any]:
+    """The keyword argument that turns on clipping ``name`` at ``norm``."""
+    return {name: norm}
+
+
+class CountingXp(types.ModuleType):
+    """NumPy, recording the name of every function called through it."""
+
+    def __init__(self) -> None:
+        super().__init__("counting_numpy")
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(np, name)
+        if not callable(value) or isinstance(value, type):
+            return value
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return value(*args, **kwargs)
+
+        return counted
+
+
+class CountingXpDevice(FakeDevice):
+    """A host-backed device whose array module is a ``CountingXp``."""
+
+    def __init__(self, index: int, xp: CountingXp) -> None:
+        super().__init__(f"cpu:{index}", index)
+        self.counting_xp = xp
+
+    @property
+    def xp(self) -> ModuleType:
+        return self.counting_xp
+
+
+class TestClipping:
+    @pytest.mark.parametrize("replicas", [2, 4])
+    @pytest.mark.parametrize(
+        "clip",
+        [
+            pytest.param({"clipnorm": 1.5}, id="clipnorm"),
+            pytest.param({"global_clipnorm": 2.5}, id="global_clipnorm"),
+        ],
+    )
+    @pytest.mark.parametrize(("kind", "learning_rate", "config"), CLIPPED)
+    async def test_matches_reference_on_summed_gradients(
+        self,
+        kind: str,
+        learning_rate: float,
+        config: dict[str, Any],
+        clip: dict[str, Any],
+        replicas: int,
+    ) -> None:
+        """Six steps clip the summed gradients as the reference does; every copy agrees.
+
+        Small and large gradients alternate, so that some steps are clipped and some not.
+        """
+        rng = np.random.default_rng(31)
+        strategy = MirroredStrategy(cpus(replicas))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = make_optimizer(kind, learning_rate, {**config, **clip})
+        ref = Reference(kind, learning_rate, **config, **clip)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for step in range(6):
+            size = (0.1, 2.0)[step % 2]
+            grads = [
+                [size * g for g in r] for r in random_grads(rng, replicas, list(SHAPES.values()))
+            ]
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+            assert_matches(opt, variables, ref)
+        assert ref.clipped == [False, True] * 3
+
+    @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+    async def test_clips_the_sum_not_each_replica(self, clip: str) -> None:
+        """Replica gradients under the norm can sum over it, and those over it sum under it."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        opt = SGD(1.0, **clipping(clip, 1.0))
+        values = []
+        # 0.6 + 0.6 = 1.2 is clipped to 1, though neither replica's gradient is over 1.
+        await train_step(strategy, opt, [w], [[np.array([0.6, 0.0])], [np.array([0.6, 0.0])]])
+        values.append([np.array(copy) for copy in w.values])
+        # 3 - 2.5 = 0.5 is not clipped, though both replicas' gradients are over 1.
+        await train_step(strategy, opt, [w], [[np.array([3.0, 0.0])], [np.array([-2.5, 0.0])]])
+        values.append([np.array(copy) for copy in w.values])
+        assert_close(values, [[[-1.0, 0.0]] * 2, [[-1.5, 0.0]] * 2])
+
+    @pytest.mark.parametrize(
+        ("clip", "want"),
+        [
+            # Each by its own norm: a (norm 3) and b (norm 4) to 2; c (norm 0) stays 0.
+            pytest.param({"clipnorm": 2.0}, [[-2.0, 0.0], [-2.0], [0.0, 0.0]], id="clipnorm"),
+            # All by their joint norm 5, scaled by 2 / 5 together.
+            pytest.param(
+                {"global_clipnorm": 2.0}, [[-1.2, 0.0], [-1.6], [0.0, 0.0]], id="global_clipnorm"
+            ),
+            pytest.param({"clipnorm": 4.0}, [[-3.0, 0.0], [-4.0], [0.0, 0.0]], id="clipnorm-above"),
+            pytest.param(
+                {"global_clipnorm": 5.0}, [[-3.0, 0.0], [-4.0], [0.0, 0.0]], id="global-at-norm"
+            ),
+        ],
+    )
+    async def test_known_values(self, clip: dict[str, Any], want: list[list[float]]) -> None:
+        """Hand-computed clipped steps of ordinary variables, outside any strategy."""
+        a, b, c = (Variable(np.zeros(n), name=name) for name, n in (("a", 2), ("b", 1), ("c", 2)))
+        opt = SGD(1.0, **clip)
+        grads = [np.array([3.0, 0.0]), np.array([4.0]), np.zeros(2)]
+        await opt.apply_gradients(zip(grads, [a, b, c], strict=True))
+        for variable, value in zip([a, b, c], want, strict=True):
+            assert_close(variable.numpy(), value)
+
+    @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+    async def test_zero_gradients_stay_zero(self, clip: str) -> None:
+        """A gradient of norm 0 is left as it is, with no NaN from a division by zero."""
+        w = Variable(np.ones(3), name="w")
+        opt = SGD(0.5, momentum=0.9, **clipping(clip, 1.0))
+        await opt.apply_gradients([(np.zeros(3), w)])
+        assert w.numpy().tolist() == [1.0, 1.0, 1.0]
+        assert opt.get_slot(w, "momentum").numpy().tolist() == [0.0, 0.0, 0.0]
+
+    async def test_non_finite_global_norm_makes_the_step_nan(self) -> None:
+        """As Keras: an infinite gradient under ``global_clipnorm`` turns every update NaN.
+
+        A diverged step shows in every variable instead of silently shrinking to zero.
+        """
+        a, b = Variable(np.zeros(2), name="a"), Variable(np.zeros(1), name="b")
+        opt = SGD(1.0, global_clipnorm=1.0)
+        await opt.apply_gradients([(np.array([np.inf, 1.0]), a), (np.array([1.0]), b)])
+        assert np.isnan(a.numpy()).all()
+        assert np.isnan(b.numpy()).all()
+
+    @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+    async def test_gradients_keep_their_dtype(self, clip: str) -> None:
+        """A float32 gradient reaches the update as float32 beside a float64 one.
+
+        The joint norm of float32 and float64 gradients is a float64; it scales the float32
+        gradient in float32, so that clipping does not widen the update.
+        """
+        seen: list[tuple[str, str]] = []
+
+        class Recording(Optimizer):
+            def _update_step(
+                self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+            ) -> tuple[Any, ...]:
+                seen.append((var.dtype.name, grad.dtype.name))
+                return (var - rate * grad,)
+
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            w32 = Variable(np.ones(3, dtype=np.float32), name="w32")
+            w64 = Variable(np.ones(2), name="w64")
+        opt = Recording(1.0, **clipping(clip, 0.3))
+        g32, g64 = np.array([0.1, 0.2, 0.3], np.float32), np.array([0.4, 0.5])
+        await train_step(strategy, opt, [w32, w64], [[g32, g64], [g32, g64]])
+        assert seen == [("float32", "float32"), ("float64", "float64")]
+
+    @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
+    async def test_norms_use_the_devices_array_module(self, clip: str) -> None:
+        """The norms are computed with the devices' ``xp`` (CuPy on GPUs), not plain NumPy.
+
+        The calls a clipped step makes beyond those of the same step unclipped are the
+        clipping's.
+        """
+        xp = CountingXp()
+        strategy = MirroredStrategy([CountingXpDevice(i, xp) for i in range(2)])
+        rng = np.random.default_rng(32)
+        variables = make_variables(strategy, rng, SHAPES)
+        grads = random_grads(rng, 2, list(SHAPES.values()))
+        await train_step(strategy, SGD(0.1), variables, grads)
+        unclipped = collections.Counter(xp.calls)
+        xp.calls.clear()
+        opt = SGD(0.1, **clipping(clip, 0.5))
+        ref = Reference("sgd", 0.1, **clipping(clip, 0.5))
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        await train_step(strategy, opt, variables, grads)
+        ref.apply(summed(grads, list(SHAPES)))
+        assert_matches(opt, variables, ref)
+        # A norm takes a square root: the clipping's calls are the step's extra ones.
+        assert "sqrt" in collections.Counter(xp.calls) - unclipped
+
+
 # -- apply_gradients across replicas ------------------------------------------------------
 
 
@@ -297,8 +646,21 @@ class TestApplyGradients:
             rounds.append(strategy.statistics().merge_rounds_completed - before)
         assert rounds == [1, 1, 1]
 
-    async def test_one_packed_all_reduce_per_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Several small float64 gradients go through one all-reduce per step, packed."""
+    @pytest.mark.parametrize(
+        "clip",
+        [
+            pytest.param({}, id="unclipped"),
+            pytest.param({"clipnorm": 1.0}, id="clipnorm"),
+            pytest.param({"global_clipnorm": 1.0}, id="global_clipnorm"),
+        ],
+    )
+    async def test_one_packed_all_reduce_per_step(
+        self, monkeypatch: pytest.MonkeyPatch, clip: dict[str, Any]
+    ) -> None:
+        """Several small float64 gradients go through one all-reduce per step, packed.
+
+        Clipping adds none: it works on the summed gradients inside the same merge round.
+        """
         rng = np.random.default_rng(4)
         shapes = {"a": (4,), "b": (2, 3), "c": (), "d": (5,)}
         strategy = MirroredStrategy(cpus(3))
@@ -311,15 +673,20 @@ class TestApplyGradients:
             return await original(op, inputs, devices)
 
         monkeypatch.setattr(HOST_BACKEND, "all_reduce", recording)
-        opt = SGD(0.1, momentum=0.5)
-        ref = Reference("sgd", 0.1, momentum=0.5)
+        opt = SGD(0.1, momentum=0.5, **clip)
+        ref = Reference("sgd", 0.1, momentum=0.5, **clip)
         for v in variables:
             ref.add(v.name, v.numpy())
+        rounds = []
         for _ in range(3):
             grads = random_grads(rng, 3, list(shapes.values()))
+            before = strategy.statistics().merge_rounds_completed
             await train_step(strategy, opt, variables, grads)
+            rounds.append(strategy.statistics().merge_rounds_completed - before)
             ref.apply(summed(grads, list(shapes)))
         assert calls == [("sum", 3, 4 + 6 + 1 + 5)] * 3
+        assert rounds == [1, 1, 1]
+        assert ref.clipped == ([True] * 3 if clip else [])
         assert_matches(opt, variables, ref)
 
     async def test_accepts_zip_and_lists(self) -> None:
@@ -403,6 +770,9 @@ class TestReplicaEquivalence:
             pytest.param(lambda: SGD(0.05, momentum=0.9), id="sgd-momentum"),
             pytest.param(lambda: SGD(0.05, momentum=0.9, nesterov=True), id="nesterov"),
             pytest.param(lambda: Adam(0.05), id="adam"),
+            pytest.param(lambda: AdamW(0.05, weight_decay=0.1), id="adamw"),
+            pytest.param(lambda: SGD(0.05, momentum=0.9, clipnorm=0.2), id="sgd-clipnorm"),
+            pytest.param(lambda: Adam(0.05, global_clipnorm=0.2), id="adam-global-clipnorm"),
         ],
     )
     async def test_four_replicas_train_like_one(self, make: Callable[[], Optimizer]) -> None:
@@ -536,6 +906,7 @@ class TestSlots:
         assert SGD(0.1).slot_names == ()
         assert SGD(0.1, momentum=0.0, nesterov=True).slot_names == ()
         assert Adam().slot_names == ("m", "v")
+        assert AdamW().slot_names == ("m", "v")
 
     async def test_created_on_first_step_beside_variable(self) -> None:
         """The first step makes mirrored slots on the variable's devices, of its strategy."""
@@ -853,6 +1224,48 @@ class TestErrors:
             (SGD, {"learning_rate": math.inf}, ValueError, "learning_rate must be finite, got inf"),
             (SGD, {"momentum": "0.9"}, TypeError, "momentum must be a number, got str '0.9'"),
             (Adam, {"beta_1": math.nan}, ValueError, "beta_1 must be finite, got nan"),
+            (AdamW, {"beta_2": 1.0}, ValueError, "beta_2 must be in [0, 1), got 1.0"),
+            (
+                AdamW,
+                {"weight_decay": -0.1},
+                ValueError,
+                "weight_decay must be >= 0 (0: no decay), got -0.1",
+            ),
+            (AdamW, {"weight_decay": math.inf}, ValueError, "weight_decay must be finite, got inf"),
+            (
+                AdamW,
+                {"weight_decay": None},
+                TypeError,
+                "weight_decay must be a number, got NoneType",
+            ),
+            (
+                SGD,
+                {"clipnorm": 1.0, "global_clipnorm": 2.0},
+                ValueError,
+                "clipnorm=1.0 and global_clipnorm=2.0 were both given; pick one: clipnorm clips "
+                "each gradient by its own norm, global_clipnorm all of them by their joint norm",
+            ),
+            (
+                AdamW,
+                {"clipnorm": 0.5, "global_clipnorm": 0.5},
+                ValueError,
+                "clipnorm=0.5 and global_clipnorm=0.5 were both given; pick one",
+            ),
+            (
+                Adam,
+                {"clipnorm": 0},
+                ValueError,
+                "clipnorm must be > 0 (or None: no clipping), got 0",
+            ),
+            (
+                SGD,
+                {"global_clipnorm": -1.0},
+                ValueError,
+                "global_clipnorm must be > 0 (or None: no clipping), got -1.0",
+            ),
+            (SGD, {"clipnorm": math.inf}, ValueError, "clipnorm must be finite, got inf"),
+            (AdamW, {"global_clipnorm": math.nan}, ValueError, "global_clipnorm must be finite"),
+            (Adam, {"clipnorm": "1"}, TypeError, "clipnorm must be a number, got str '1'"),
         ],
     )
     def test_invalid_hyperparameters(
@@ -969,28 +1382,38 @@ class TrapDevice(FakeDevice):
 
 class TestAllOrNothing:
     @staticmethod
-    def setup() -> tuple[MirroredStrategy, list[Variable], Trap, Reference]:
+    def setup(clip: dict[str, Any]) -> tuple[MirroredStrategy, list[Variable], Trap, Reference]:
         trap = Trap([])
         strategy = MirroredStrategy([TrapDevice(i, trap) for i in range(2)])
         with strategy.scope():
             w = Variable(np.ones(3), name="w")
             b = Variable(np.array([2.0, -1.0]), name="b")
         trap.watch = [w, b]
-        ref = Reference("adam", 0.1)
+        ref = Reference("adam", 0.1, **clip)
         ref.add("w", np.ones(3))
         ref.add("b", [2.0, -1.0])
         return strategy, [w, b], trap, ref
+
+    # The summed gradients have norms 4.5 and 2.8: clipping to 2 changes both.
+    CLIPS: ClassVar[list[Any]] = [
+        pytest.param({}, id="unclipped"),
+        pytest.param({"clipnorm": 2.0}, id="clipnorm"),
+        pytest.param({"global_clipnorm": 2.0}, id="global_clipnorm"),
+    ]
 
     GRADS: tuple[list[Any], list[Any]] = (
         [np.array([1.0, 2.0, 3.0]), np.array([0.5, 0.5])],
         [np.array([-1.0, 0.0, 1.0]), np.array([1.5, -2.5])],
     )
 
+    @pytest.mark.parametrize("clip", CLIPS)
     @pytest.mark.parametrize("steps_before", [0, 1])
-    async def test_cancelled_inside_second_update(self, steps_before: int) -> None:
+    async def test_cancelled_inside_second_update(
+        self, steps_before: int, clip: dict[str, Any]
+    ) -> None:
         """Cancelled while the second variable's copy is updated: no copy, slot or count moved."""
-        strategy, variables, trap, ref = self.setup()
-        opt = Adam(0.1)
+        strategy, variables, trap, ref = self.setup(clip)
+        opt = Adam(0.1, **clip)
         for _ in range(steps_before):
             await train_step(strategy, opt, variables, self.GRADS)
             ref.apply(summed(self.GRADS, ["w", "b"]))
@@ -1012,11 +1435,12 @@ class TestAllOrNothing:
         ref.apply(summed(self.GRADS, ["w", "b"]))
         assert_matches(opt, variables, ref)
 
+    @pytest.mark.parametrize("clip", CLIPS)
     @pytest.mark.parametrize("steps_before", [0, 1])
-    async def test_error_in_second_update(self, steps_before: int) -> None:
+    async def test_error_in_second_update(self, steps_before: int, clip: dict[str, Any]) -> None:
         """A device error in the second variable's update fails run(); nothing changed."""
-        strategy, variables, trap, ref = self.setup()
-        opt = Adam(0.1)
+        strategy, variables, trap, ref = self.setup(clip)
+        opt = Adam(0.1, **clip)
         for _ in range(steps_before):
             await train_step(strategy, opt, variables, self.GRADS)
             ref.apply(summed(self.GRADS, ["w", "b"]))
@@ -1049,15 +1473,46 @@ class TestConfig:
         assert repr(Adam()) == (
             "Adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)"
         )
+        assert repr(AdamW()) == (
+            "AdamW(learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, "
+            "epsilon=1e-07)"
+        )
+
+    def test_repr_shows_clipping_when_set(self) -> None:
+        """Clipping shows in the repr only when it is on."""
+        assert repr(SGD(0.1, clipnorm=1)) == (
+            "SGD(learning_rate=0.1, momentum=0.0, nesterov=False, clipnorm=1.0)"
+        )
+        assert repr(AdamW(global_clipnorm=2)) == (
+            "AdamW(learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, "
+            "epsilon=1e-07, global_clipnorm=2.0)"
+        )
 
     def test_get_config(self) -> None:
         """``get_config`` holds the constructor's keyword arguments, as floats."""
-        assert SGD(0.1).get_config() == {"learning_rate": 0.1, "momentum": 0.0, "nesterov": False}
-        assert Adam(0.01, beta_1=0, beta_2=0.5, epsilon=1).get_config() == {
+        assert SGD(0.1).get_config() == {
+            "learning_rate": 0.1,
+            "momentum": 0.0,
+            "nesterov": False,
+            "clipnorm": None,
+            "global_clipnorm": None,
+        }
+        assert Adam(0.01, beta_1=0, beta_2=0.5, epsilon=1, clipnorm=2).get_config() == {
             "learning_rate": 0.01,
             "beta_1": 0.0,
             "beta_2": 0.5,
             "epsilon": 1.0,
+            "clipnorm": 2.0,
+            "global_clipnorm": None,
+        }
+        assert AdamW(0.01, weight_decay=1, global_clipnorm=3).get_config() == {
+            "learning_rate": 0.01,
+            "weight_decay": 1.0,
+            "beta_1": 0.9,
+            "beta_2": 0.999,
+            "epsilon": 1e-7,
+            "clipnorm": None,
+            "global_clipnorm": 3.0,
         }
 
     def test_config_round_trips(self) -> None:
@@ -1066,11 +1521,18 @@ class TestConfig:
         def schedule(step: int) -> float:
             return 0.1
 
-        for opt in (SGD(schedule, momentum=0.3, nesterov=True), Adam(0.2, epsilon=1e-3)):
+        optimizers: list[Optimizer] = [
+            SGD(schedule, momentum=0.3, nesterov=True),
+            SGD(0.1, clipnorm=0.5),
+            Adam(0.2, epsilon=1e-3, global_clipnorm=4.0),
+            AdamW(schedule, weight_decay=0.01, beta_1=0.8, clipnorm=1.0),
+        ]
+        for opt in optimizers:
             rebuilt = type(opt)(**opt.get_config())
             assert rebuilt.get_config() == opt.get_config()
             assert repr(rebuilt) == repr(opt)
         assert SGD(schedule).get_config()["learning_rate"] is schedule
+        assert AdamW(schedule).get_config()["learning_rate"] is schedule
 
     def test_public_names(self) -> None:
         """The classes are public as ``aioreplica.optimizers.*``."""
@@ -1078,3 +1540,7 @@ class TestConfig:
         assert aioreplica.optimizers.Adam is Adam
         assert issubclass(SGD, aioreplica.optimizers.Optimizer)
         assert issubclass(Adam, aioreplica.optimizers.Optimizer)
+        assert aioreplica.optimizers.AdamW is AdamW
+        assert AdamW.__module__ == "aioreplica.optimizers"
+        # As in Keras, AdamW is an Adam (with decoupled weight decay).
+        assert issubclass(AdamW, Adam)

@@ -7,6 +7,7 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 from fake_devices import RecordingDevice
 from replicas import cpus, ctx, rid
@@ -18,6 +19,7 @@ from aioreplica import (
     ReplicaSyncError,
     get_replica_context,
 )
+from aioreplica._collectives import ReductionEngine
 
 pytestmark = pytest.mark.anyio
 
@@ -233,6 +235,53 @@ class TestMergeCall:
         assert any("merge_call #1" in note for note in info.value.__notes__)
 
 
+class TestArguments:
+    async def test_args_that_are_not_a_tuple_name_the_replica(self) -> None:
+        """An array as ``args`` used to fail with "truth value of an array is ambiguous"."""
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            await ctx().merge_call(noop, args=np.array([1.0, 2.0]))  # type: ignore[arg-type]
+
+        with pytest.raises(TypeError) as info:
+            await strategy.run(step)
+        replica = info.value.__notes__[0].split()[3]  # "raised in replica K of 2 ..."
+        assert f"replica {replica} passed merge_call args=array([1., 2.]) (ndarray)" in str(
+            info.value
+        )
+        assert "write args=(array([1., 2.]),)" in str(info.value)
+
+    async def test_a_list_of_args_is_taken_as_the_tuple(self) -> None:
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> Any:
+            return await ctx().merge_call(
+                lambda s, a, b: sum(a.values) + b,
+                args=[rid(), 5],  # type: ignore[arg-type]
+            )
+
+        assert await strategy.run(step) == 6
+
+    async def test_kwargs_that_are_not_a_mapping_name_the_replica(self) -> None:
+        strategy = MirroredStrategy(cpus(2))
+
+        async def step() -> None:
+            await ctx().merge_call(noop, kwargs=[("a", 1)])  # type: ignore[arg-type]
+
+        with pytest.raises(TypeError, match="replica 0 passed merge_call kwargs of type list"):
+            await strategy.run(step)
+
+    async def test_a_plain_function_may_return_the_merge_call(self) -> None:
+        """``def step(): return ctx.merge_call(...)`` is awaited like a returned coroutine
+        (it used to fail with "'generator' object has no attribute '__await__'")."""
+        strategy = MirroredStrategy(cpus(3))
+
+        def step() -> Any:
+            return ctx().merge_call(lambda s, v: sum(v.values), args=(rid(),))
+
+        assert await strategy.run(step) == 3
+
+
 class TestForgottenAwait:
     async def test_merge_call_never_awaited(self) -> None:
         """A replica that calls merge_call without awaiting it fails when it finishes."""
@@ -398,6 +447,24 @@ class TestReplicaSync:
         assert await strategy.run(step) == 3
         assert merged == [(0, 1, 2)]
 
+    async def test_slow_collective_is_not_a_timeout(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A collective's ``timeout_seconds`` bounds the arrival of the others, not the
+        reduction: one slower than the timeout, after everyone arrived, completes."""
+        strategy = MirroredStrategy(cpus(3))
+        reduce = ReductionEngine.all_reduce
+
+        async def slow_reduce(*args: Any, **kwargs: Any) -> Any:
+            await anyio.sleep(0.3)  # six timeouts long
+            return await reduce(*args, **kwargs)
+
+        monkeypatch.setattr(ReductionEngine, "all_reduce", slow_reduce)
+        options = aioreplica.CommunicationOptions(timeout_seconds=0.05)
+
+        async def step() -> Any:
+            return await ctx().all_reduce("sum", float(rid()), options=options)
+
+        assert await strategy.run(step) == 3.0
+
     async def test_fail_after_around_merge_point_leaves_the_round(self) -> None:
         """A replica's own timeout at a merge point cancels only it; the round goes on."""
         strategy = MirroredStrategy(cpus(2))
@@ -467,10 +534,28 @@ class TestFailures:
         notes = info.value.__notes__
         assert notes[0] == "raised in replica 0 of 3 (device cpu:0)"
         assert sorted(notes[1:]) == [
-            "also raised in replica 1 of 3 (device cpu:1): RuntimeError: cleanup of replica 1 "
-            "failed",
-            "also raised in replica 2 of 3 (device cpu:2): RuntimeError: cleanup of replica 2 "
-            "failed",
+            "also raised in replica 1: RuntimeError: cleanup of replica 1 failed",
+            "also raised in replica 2: RuntimeError: cleanup of replica 2 failed",
+        ]
+
+    async def test_the_same_failure_of_many_replicas_is_one_note(self) -> None:
+        """On trio every replica often fails alike before the cancellation reaches it."""
+        strategy = MirroredStrategy(cpus(4))
+
+        async def step() -> None:
+            if rid() == 0:
+                await anyio.lowlevel.checkpoint()
+                raise KeyError("first")
+            try:
+                await anyio.sleep_forever()
+            except anyio.get_cancelled_exc_class():
+                raise RuntimeError("cleanup failed") from None
+
+        with pytest.raises(KeyError) as info:
+            await strategy.run(step)
+        assert info.value.__notes__ == [
+            "raised in replica 0 of 4 (device cpu:0)",
+            "also raised in replicas 1, 2 and 3: RuntimeError: cleanup failed",
         ]
 
     async def test_merge_fn_exception_raised_once(self) -> None:
@@ -670,6 +755,36 @@ class TestInterleave:
         orders = {tuple(await order_for(seed)) for seed in range(5)}
         assert len(orders) > 1
         assert tuple(range(6)) * 3 not in orders or len(orders) == 5
+
+    @pytest.mark.parametrize("seed", [3, 11])
+    def test_one_order_per_seed_on_every_loop(self, seed: int) -> None:
+        """A seed gives one order of starts and resumes, the same on asyncio, uvloop and trio
+        (trio runs tasks woken together in an order of its own)."""
+
+        async def order_for() -> tuple[int, ...]:
+            strategy = MirroredStrategy(cpus(5), interleave="random", seed=seed)
+            events: list[int] = []
+
+            async def step() -> None:
+                events.append(rid())
+                for _ in range(4):
+                    await ctx().merge_call(noop)
+                    events.append(rid())
+
+            await strategy.run(step)
+            return tuple(events)
+
+        async def orders() -> set[tuple[int, ...]]:
+            return {await order_for() for _ in range(10)}
+
+        loops = [
+            ("asyncio", {}),
+            ("asyncio", {"use_uvloop": True}),
+            ("trio", {}),
+        ]
+        seen = [anyio.run(orders, backend=name, backend_options=options) for name, options in loops]
+        assert seen[0] == seen[1] == seen[2]
+        assert len(seen[0]) == 1
 
     async def test_drawn_seed_is_reported(self) -> None:
         """Without a seed, random interleave draws one and exposes it for replay."""

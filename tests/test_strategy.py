@@ -61,6 +61,95 @@ class TestConstruction:
             MirroredStrategy(["cpu:0"], seed=3)
 
 
+class TestDeviceListMistakes:
+    """``devices`` is a list of device names (as in TF); other things say how to write one."""
+
+    @pytest.mark.parametrize("count", [1, 4])
+    def test_a_replica_count(self, count: int) -> None:
+        """A number of replicas is refused with the list that lays them out on this host."""
+        with pytest.raises(TypeError) as info:
+            MirroredStrategy(count)  # type: ignore[arg-type]
+        assert str(info.value) == (
+            f"devices must be a list of device names, got the int {count}; for {count} "
+            f"replica{'s' if count > 1 else ''} on this host write "
+            f'devices=[f"cpu:{{i}}" for i in range({count})]'
+        )
+
+    def test_a_single_name(self) -> None:
+        """One device name as a string is refused with the list to write."""
+        with pytest.raises(TypeError, match=r"got the string 'cpu:0'; write \['cpu:0'\]$"):
+            MirroredStrategy("cpu:0")
+
+    def test_names_in_one_string(self) -> None:
+        """Several names in one string are split in the advice."""
+        with pytest.raises(
+            TypeError, match=r"got the string 'cpu:0, cpu:1'; write \['cpu:0', 'cpu:1'\]$"
+        ):
+            MirroredStrategy("cpu:0, cpu:1")
+
+    def test_a_string_that_names_no_device(self) -> None:
+        """A string that is no device name is not echoed back as advice."""
+        with pytest.raises(TypeError) as info:
+            MirroredStrategy("cpu")
+        message = str(info.value)
+        assert message.startswith("devices must be a list of device names, got the string 'cpu'")
+        assert "write ['cpu']" not in message
+        assert "such as ['cpu:0', 'cpu:1']" in message
+
+    def test_bytes(self) -> None:
+        """A bytes name is refused whole (not taken apart into ints)."""
+        with pytest.raises(TypeError, match=r"got the bytes b'cpu:0'; write \['cpu:0'\]$"):
+            MirroredStrategy(b"cpu:0")  # type: ignore[arg-type]
+
+    def test_a_device_object(self) -> None:
+        """One device object is refused with the list to write."""
+        device = MirroredStrategy(["cpu:0"]).extended.replica_devices[0]
+        with pytest.raises(TypeError, match=r"got the device <HostDevice cpu:0>; write \[device\]"):
+            MirroredStrategy(device)  # type: ignore[arg-type]
+
+    def test_a_set(self) -> None:
+        """A set has no order, and replica ids follow the list's order: refused."""
+        with pytest.raises(TypeError, match=r"got a set, which has no order; replica ids"):
+            MirroredStrategy({"cpu:0", "cpu:1"})  # type: ignore[arg-type]
+
+    def test_any_other_object(self) -> None:
+        """Something that is not iterable at all is named with its type."""
+        with pytest.raises(
+            TypeError,
+            match=r"^devices must be a list of device names such as \['cpu:0', 'cpu:1'\], "
+            r"got the float 2\.0",
+        ):
+            MirroredStrategy(2.0)  # type: ignore[arg-type]
+
+    def test_other_iterables_of_names_still_work(self) -> None:
+        """A generator or a tuple of names is a list of names."""
+        assert MirroredStrategy(f"cpu:{i}" for i in range(2)).devices == ("cpu:0", "cpu:1")  # type: ignore[arg-type]
+        assert MirroredStrategy(("cpu:1",)).devices == ("cpu:1",)
+
+
+class TestDistributeDatasetArguments:
+    def test_a_string_is_not_a_dataset(self) -> None:
+        """A string would be split into characters: refused."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with pytest.raises(TypeError, match=r"^a dataset must be an iterable .*got the str 'abc'"):
+            strategy.distribute_dataset("abc")
+
+    @pytest.mark.parametrize("flag", ["no", 1, None])
+    def test_drop_remainder_must_be_a_bool(self, flag: Any) -> None:
+        """A truthy string such as 'no' would drop batches: refused."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with pytest.raises(
+            TypeError, match=rf"^drop_remainder must be True or False, got {re.escape(repr(flag))}$"
+        ):
+            strategy.distribute_dataset([], drop_remainder=flag)
+
+    def test_prefetch_must_not_be_a_bool(self) -> None:
+        """prefetch=True is not taken for 1."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with pytest.raises(TypeError, match=r"^prefetch must be an int >= 0, got True$"):
+            strategy.distribute_dataset([], prefetch=True)
+
+
 class TestRunArguments:
     async def test_per_replica_and_mirrored_are_unwrapped(self) -> None:
         """Each replica gets its own component of PerReplica and Mirrored arguments."""
@@ -129,6 +218,24 @@ class TestRunResults:
         assert result["shared"] is shared
         assert result["pair"][0].values == (0, 2)
         assert result["pair"][1] == "c"
+
+    async def test_a_class_defined_in_the_step(self) -> None:
+        """A namedtuple made inside the step is a new class per replica: the mismatch names
+        the replicas and says how to define it once."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+
+        async def step() -> Any:
+            Out = collections.namedtuple("Out", ["loss", "step"])
+            return Out(0.5, rid())
+
+        with pytest.raises(TypeError) as info:
+            await strategy.run(step)
+        message = str(info.value)
+        assert message.startswith(
+            "replica 1's value differs from replica 0's at <root>: replica 0 has an Out of 2 "
+            "items, replica 1 an Out of 2 items: two different classes, both test_strategy.Out"
+        )
+        assert "define it once, at module level" in message
 
     async def test_one_replica_returns_the_value(self) -> None:
         """With one replica the result is the value itself."""

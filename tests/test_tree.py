@@ -38,6 +38,11 @@ from aioreplica._tree import (
 Point = collections.namedtuple("Point", ["x", "y"])
 
 
+def make_point_class() -> type[Any]:
+    """A new class named Point on every call, as a class defined in a step function is."""
+    return collections.namedtuple("Point", ["x", "y"])
+
+
 class Pair(NamedTuple):
     first: Any
     second: Any
@@ -371,6 +376,29 @@ class TestAssertSameStructure:
         with pytest.raises(TypeError, match=r"at \['p'\]: the first has a Point of 2 items"):
             assert_same_structure({"p": Point(1, 2)}, {"p": (1, 2)})
 
+    def test_classes_from_one_definition_run_twice(self) -> None:
+        """Two namedtuple classes made by one function print alike; the message says they are
+        different classes and how to make them one."""
+        first, second = make_point_class(), make_point_class()
+        with pytest.raises(TypeError) as info:
+            assert_same_structure([first(1, 2)], [second(1, 2)])
+        assert str(info.value) == (
+            "structures differ at [0]: the first has a Point of 2 items, the second a Point of "
+            "2 items: two different classes, both test_tree.Point (a class or namedtuple made "
+            "inside a function is a new class on every call: define it once, at module level)"
+        )
+
+    def test_different_classes_with_one_name(self) -> None:
+        """Classes of one name from different places are named in full."""
+        other = collections.namedtuple("Point", ["x", "y"])  # type: ignore[name-match]
+        other.__module__ = "elsewhere"
+        with pytest.raises(TypeError) as info:
+            assert_same_structure(Point(1, 2), other(1, 2))
+        assert str(info.value).endswith(
+            "the first has a Point of 2 items, the second a Point of 2 items: two different "
+            "classes with the same name, test_tree.Point and elsewhere.Point"
+        )
+
     def test_lengths_differ_is_value_error(self) -> None:
         """Different lengths raise ValueError naming both lengths."""
         message = (
@@ -681,27 +709,16 @@ class TestMismatchHelpers:
 
 
 class TestNestModule:
-    def test_reexports_the_tree_functions(self) -> None:
-        """Every name in aioreplica.nest.__all__ is the _tree object of that name."""
-        assert set(nest.__all__) == {
-            "AttrKey",
-            "KeyEntry",
-            "KeyPath",
-            "MappingKey",
-            "SequenceKey",
-            "TreeDef",
-            "assert_same_structure",
-            "flatten",
-            "flatten_with_path",
-            "format_path",
-            "is_leaf",
-            "map_structure",
-            "map_structure_with_path",
-            "register_dataclass",
-            "register_node",
-            "unflatten",
-        }
-        for name in nest.__all__:
+    def test_jax_style_pair_is_the_tree_walk(self) -> None:
+        """aioreplica.nest's JAX-style functions give what _tree's give; its tf.nest functions
+        are built on them (tested in test_nest.py)."""
+        structure = {"b": [1, None], "a": Point(2, "s")}
+        assert nest.flatten_with_treedef(structure) == flatten(structure)
+        assert nest.flatten_with_key_paths(structure) == flatten_with_path(structure)[0]
+        assert nest.flatten(structure) == flatten(structure)[0]
+        treedef = flatten(structure)[1]
+        assert nest.unflatten(treedef, [5, 6, 7, 8]) == unflatten(treedef, [5, 6, 7, 8])
+        for name in ("AttrKey", "MappingKey", "SequenceKey", "TreeDef", "format_path", "is_leaf"):
             assert getattr(nest, name) is getattr(_tree, name)
 
 

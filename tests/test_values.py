@@ -13,13 +13,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from replicas import cpus, rid
 
-from aioreplica import _values
+from aioreplica import MirroredStrategy, ReplicaSyncError, Variable, _values
 from aioreplica._tree import flatten, register_node
 from aioreplica._values import (
     DistributedValues,
     Mirrored,
     PerReplica,
+    agreed,
     regroup,
     select_replica,
     select_replica_mirrored,
@@ -465,3 +467,107 @@ class TestProperties:
             assert repr(selected) == repr(expected)
         if num_replicas == 1:
             assert merged == structure
+
+
+class Opaque:
+    """Prints the same for every instance and compares by identity."""
+
+    def __repr__(self) -> str:
+        return "Opaque()"
+
+
+def disagreement(values: list[Any], what: str = "the value") -> ReplicaSyncError:
+    """The error ``agreed`` raises for one value per replica (the test fails if none)."""
+    with pytest.raises(ReplicaSyncError) as info:
+        agreed(PerReplica(values), what)
+    return info.value
+
+
+class TestAgreed:
+    """``agreed`` names the replicas that differ from the largest group, with both values."""
+
+    def test_equal_values_give_replica_0s(self) -> None:
+        """Equal values (by ==) from every replica are one value: replica 0's."""
+        first, second = [1, 2], [1, 2]
+        assert agreed(PerReplica([first, second]), "the list") is first
+
+    def test_names_the_odd_one_out_and_the_majority(self) -> None:
+        """Replica 1 alone passing 'max' is named against replicas 0 and 2's 'sum'."""
+        error = disagreement(["sum", "max", "sum"], "the reduce op")
+        assert error.replicas == (1,)
+        assert str(error) == (
+            "replicas disagree on the reduce op: replica 1 passed 'max', while replicas 0 "
+            "and 2 passed 'sum'; every replica must pass the same value in the same "
+            "merge_call"
+        )
+
+    def test_the_majority_need_not_include_replica_0(self) -> None:
+        """When replica 0 is the odd one, it is the one named."""
+        error = disagreement(["max", "sum", "sum"])
+        assert error.replicas == (0,)
+        assert "replica 0 passed 'max', while replicas 1 and 2 passed 'sum'" in str(error)
+
+    def test_without_a_majority_the_first_group_is_the_reference(self) -> None:
+        """All different: every replica after replica 0 is named, each with its value."""
+        error = disagreement([1, 2, 3])
+        assert error.replicas == (1, 2)
+        assert "replica 1 passed 2 and replica 2 passed 3, while replica 0 passed 1" in (str(error))
+
+    def test_two_variables_with_one_name(self) -> None:
+        """A different variable also named 'v' is called that, with the advice to pass one
+        variable object from every replica."""
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            v = Variable(np.zeros(2), name="v")
+            other = Variable(np.zeros(2), name="v")
+        error = disagreement([v, v, other], "the variable to update")
+        assert error.replicas == (2,)
+        message = str(error)
+        assert message.startswith(
+            "replicas disagree on the variable to update: replica 2 passed a different "
+            "variable also named 'v', while replicas 0 and 1 passed variable 'v'; "
+        )
+        assert "pass the same variable object from every replica" in message
+
+    def test_variables_with_one_name_show_what_differs(self) -> None:
+        """Two variables named 'v' of different shapes show their shapes."""
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            v = Variable(np.zeros(2), name="v")
+            other = Variable(np.zeros(3), name="v")
+        assert (
+            "replica 1 passed variable 'v' of shape (3,), while replica 0 passed "
+            "variable 'v' of shape (2,)"
+        ) in str(disagreement([v, other]))
+
+    def test_objects_that_print_the_same(self) -> None:
+        """Two unequal objects that print alike are said to be different objects."""
+        message = str(disagreement([Opaque(), Opaque()]))
+        assert (
+            "replica 1 passed Opaque() (a different Opaque object that prints the same but is "
+            "not equal), while replica 0 passed Opaque()"
+        ) in message
+
+    def test_long_values_show_where_they_differ(self) -> None:
+        """Values whose shortened forms match are shown around their first difference."""
+        message = str(disagreement(["x" * 80 + "a", "x" * 80 + "b"]))
+        xs = "x" * 40
+        assert f"replica 1 passed ...{xs}b', while replica 0 passed ...{xs}a';" in message
+
+    @pytest.mark.anyio
+    async def test_a_write_to_a_different_variable_with_the_same_name(self) -> None:
+        """Replica 2 writing its own variable 'v' fails the run naming replica 2 alone;
+        neither variable changes."""
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            v = Variable(np.zeros(2), name="v", aggregation="sum")
+            other = Variable(np.zeros(2), name="v", aggregation="sum")
+
+        async def step() -> None:
+            await (other if rid() == 2 else v).assign_add(np.ones(2))
+
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.replicas, info.value.merge_number) == ((2,), 1)
+        assert "replica 2 passed a different variable also named 'v'" in str(info.value)
+        assert [c.tolist() for c in v.values + other.values] == [[0.0, 0.0]] * 6

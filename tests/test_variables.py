@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy as copy_module
 import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -1472,3 +1473,85 @@ class TestUpdate:
         s = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
         assert strategy.experimental_local_results(v) is v.values
         assert strategy.experimental_local_results(s) is s.values
+
+
+class TestAsInTF:
+    """Behaviour a TensorFlow user relies on, where aioreplica used to differ."""
+
+    async def test_sync_on_read_is_not_trainable_by_default(self) -> None:
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            metric = Variable(0.0, synchronization="on_read", aggregation="sum")
+            chosen = Variable(0.0, synchronization="on_read", aggregation="sum", trainable=True)
+            weight = Variable(0.0)
+        assert (metric.trainable, chosen.trainable, weight.trainable) == (False, True, True)
+        assert Variable(0.0, synchronization="on_read", aggregation="sum").trainable is False
+
+    @pytest.mark.parametrize("sync", ["on_write", "on_read"])
+    async def test_deepcopy_makes_new_copies_under_the_same_strategy(self, sync: str) -> None:
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            v = Variable(np.arange(3.0), name="w", synchronization=sync, aggregation="mean")
+        w = copy_module.deepcopy(v)
+        assert type(w) is type(v)
+        assert (w.name, w.shape, w.dtype, w.trainable) == (v.name, v.shape, v.dtype, v.trainable)
+        assert w.devices == v.devices
+        assert w._strategy is strategy
+        assert all(a is not b for a, b in zip(w.values, v.values, strict=True))
+        await strategy.run(lambda: w.assign(np.full(3, 7.0)))
+        assert np.all(w.numpy() == 7.0)
+        assert np.all(v.numpy() == np.arange(3.0))
+        assert all(not copy_.flags.writeable for copy_ in w.values)
+
+    async def test_deepcopy_inside_a_structure_keeps_sharing(self) -> None:
+        v = Variable(1.0)
+        model: dict[str, Any] = {"a": v, "b": [v]}
+        copied = copy_module.deepcopy(model)
+        assert copied["a"] is copied["b"][0]
+        assert copied["a"] is not v
+
+    async def test_the_same_object_from_every_replica_is_not_summed(self) -> None:
+        """``assign(5.0)`` in every replica of a SUM variable: TF raises, and so do we."""
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            v = Variable(1.0, aggregation="sum")
+        five = np.float64(5.0)
+
+        async def step() -> None:
+            await v.assign(five)
+
+        with pytest.raises(ValueError, match="every replica passed the same object") as info:
+            await strategy.run(step)
+        assert "aggregation SUM" in str(info.value)
+        assert float(v) == 1.0
+        assert all(float(c) == 1.0 for c in v.values)
+
+    async def test_equal_values_from_each_replica_are_summed(self) -> None:
+        strategy = MirroredStrategy(cpus(3))
+        with strategy.scope():
+            v = Variable(0.0, aggregation="sum")
+
+        async def step() -> None:
+            await v.assign_add(np.float64(rid() * 0 + 5.0))  # equal, but made in each replica
+
+        await strategy.run(step)
+        assert float(v) == 15.0
+
+    async def test_the_same_object_is_fine_for_mean_and_one_replica(self) -> None:
+        strategy = MirroredStrategy(cpus(2))
+        with strategy.scope():
+            mean = Variable(0.0, aggregation="mean")
+            first = Variable(0.0, aggregation="only_first_replica")
+        five = 5.0
+
+        async def step() -> None:
+            await mean.assign(five)
+            await first.assign(five)
+
+        await strategy.run(step)
+        assert (float(mean), float(first)) == (5.0, 5.0)
+        single = MirroredStrategy(cpus(1))
+        with single.scope():
+            total = Variable(0.0, aggregation="sum")
+        await single.run(lambda: total.assign(five))
+        assert float(total) == 5.0

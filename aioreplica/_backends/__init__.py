@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
 
 from ._arrays import array_kind, array_module, is_array, is_cupy_array
 from ._numpy import HostDevice, host_device
 from ._protocol import ArrayBackend, Device
-
-if TYPE_CHECKING:
-    from collections.abc import Sequence
 
 __all__ = [
     "ArrayBackend",
@@ -124,6 +121,58 @@ def _device_for(name: str) -> Device:
     return _cupy.cuda_device(index)
 
 
+_EXAMPLE_LIST = "['cpu:0', 'cpu:1']"
+
+
+def _device_entries(devices: object) -> list[object]:
+    """The entries of a ``devices`` argument, or a ``TypeError`` showing the list to write.
+
+    TF's strategies take a list of device names; what else people pass by mistake is
+    recognised here, so the message can say what to write instead.
+    """
+    if isinstance(devices, str | bytes | bytearray):
+        raise TypeError(_names_in_one_string(devices))
+    if isinstance(devices, set | frozenset):
+        raise TypeError(
+            f"devices must be a list of device names, got a {type(devices).__name__}, which has "
+            "no order; replica ids follow the order of the list: pass a list in the order you "
+            f"want, e.g. {sorted(devices, key=str)!r}"
+        )
+    if isinstance(devices, Mapping):
+        raise TypeError(
+            f"devices must be a list of device names such as {_EXAMPLE_LIST}, got a "
+            f"{type(devices).__name__}"
+        )
+    if not isinstance(devices, Iterable):
+        raise TypeError(_not_a_list(devices))
+    return list(devices)
+
+
+def _not_a_list(devices: object) -> str:
+    """The message for a ``devices`` argument that cannot be iterated at all."""
+    start = "devices must be a list of device names"
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
+        count = devices
+        return (
+            f"{start}, got the int {count}; for {count} replica{'s' if count > 1 else ''} on "
+            f'this host write devices=[f"cpu:{{i}}" for i in range({count})]'
+        )
+    if isinstance(devices, Device):
+        return f"{start}, got the device {devices!r}; write [device]"
+    return f"{start} such as {_EXAMPLE_LIST}, got the {type(devices).__name__} {devices!r}"
+
+
+def _names_in_one_string(text: str | bytes | bytearray) -> str:
+    """The message for device names written as one string: the list they make, if any."""
+    kind = "string" if isinstance(text, str) else type(text).__name__
+    start = f"devices must be a list of device names, got the {kind} {text!r}"
+    words = text if isinstance(text, str) else text.decode("ascii", errors="replace")
+    names = [word for word in re.split(r"[\s,]+", words) if word]
+    if names and all(_DEVICE_RE.match(name) for name in names):
+        return f"{start}; write {names!r}"
+    return f"{start}, which names no device; write a list such as {_EXAMPLE_LIST}; {_VALID}"
+
+
 def default_devices() -> tuple[Device, ...]:
     """Every GPU that CuPy sees, else the one host device ``cpu:0``."""
     count = _gpu_count()
@@ -134,34 +183,39 @@ def default_devices() -> tuple[Device, ...]:
     return (host_device(0),)
 
 
-def resolve_devices(devices: Sequence[str | Device] | None) -> tuple[Device, ...]:
+def resolve_devices(devices: Iterable[str | Device] | None) -> tuple[Device, ...]:
     """Turn a strategy's ``devices`` argument into device objects.
 
     Args:
-        devices: device names or objects implementing the ``Device`` protocol; ``None``
-            means the default devices: every GPU CuPy sees, else ``cpu:0``.
+        devices: a list (or tuple, or other ordered iterable) of device names or objects
+            implementing the ``Device`` protocol; ``None`` means the default devices: every
+            GPU CuPy sees, else ``cpu:0``.
 
     Returns:
         One device per replica, in replica order.
 
     Raises:
-        TypeError: ``devices`` is a single string, or an entry is neither a name nor a device.
+        TypeError: ``devices`` is not a list of devices: a number of replicas, a string (one
+            name, or several in one string), one device object, a set (which has no order)
+            or a mapping; the message shows the list to write. Or an entry is neither a name
+            nor a device.
         ValueError: a name is unknown or unavailable, the sequence is empty, a device appears
             twice, or host and GPU devices are mixed.
 
     Example:
         >>> [d.name for d in resolve_devices(["/device:CPU:0", "cpu:1"])]
         ['cpu:0', 'cpu:1']
+        >>> resolve_devices(2)
+        Traceback (most recent call last):
+        ...
+        TypeError: devices must be a list of device names, got the int 2; for 2 replicas on \
+this host write devices=[f"cpu:{i}" for i in range(2)]
     """
     if devices is None:
         return default_devices()
-    if isinstance(devices, str):
-        raise TypeError(
-            f"devices must be a sequence of device names, got the string {devices!r}; "
-            f"write [{devices!r}]"
-        )
+    entries = _device_entries(devices)
     resolved: list[Device] = []
-    for entry in devices:
+    for entry in entries:
         if isinstance(entry, str):
             resolved.append(_device_for(entry))
         elif isinstance(entry, Device):

@@ -41,6 +41,7 @@ stream has waited for that read.
 
 from __future__ import annotations
 
+import contextvars
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio.lowlevel
@@ -203,6 +204,11 @@ class CudaDevice:
         work; it does not wait for the GPU (``await synchronize()`` does) and does not yield to
         the event loop. The previous device and stream are current again afterwards.
 
+        ``fn`` runs in a copy of the caller's context, as a host device's worker runs it: it
+        sees the replica context and the caller's context variables, and a context variable it
+        sets is not seen by the caller afterwards. (CuPy keeps its current device and stream
+        per thread, not per context, so the copy does not hide them.)
+
         Raises:
             BaseException: whatever ``fn`` raises.
 
@@ -216,7 +222,7 @@ class CudaDevice:
             5.0
         """
         with _Active(self._index, self._stream):
-            return fn(*args, **kwargs)
+            return contextvars.copy_context().run(fn, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<CudaDevice {self.name}>"

@@ -6,7 +6,9 @@ host's memory, so there is no device state to switch between replica steps.
 Each host device owns one worker thread, started on first use: its "stream". ``device.run``
 queues work there in submission order and the event loop waits for the result without
 blocking, so host replicas really compute in parallel (NumPy releases the GIL) while the loop
-keeps serving the others (invariant 4).
+keeps serving the others (invariant 4). Every job runs in a copy of its submitter's context
+(as ``anyio.to_thread.run_sync`` runs its function), so replica code on the worker still sees
+its replica context and its context variables, and what it sets stays inside the job.
 
 Host collectives read each input once and write one output, which every host replica shares
 read-only (invariant 6). Large reductions are split into cache-sized blocks spread over the
@@ -17,6 +19,7 @@ nobody holds them, because a fresh large buffer per call costs page faults.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import os
 import queue
 import threading
@@ -59,6 +62,7 @@ class _Worker:
 
     def submit(
         self,
+        context: contextvars.Context,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -73,7 +77,7 @@ class _Worker:
                     thread.start()
                     _running_workers.append(self)
                     self._thread = thread
-        self._queue.put((fn, args, kwargs, result))
+        self._queue.put((context, fn, args, kwargs, result))
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -89,6 +93,7 @@ class _Worker:
 
     @staticmethod
     def _run(
+        context: contextvars.Context,
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
@@ -97,7 +102,7 @@ class _Worker:
         if result.cancelled:  # its waiter gave up before it started
             return
         try:
-            value = fn(*args, **kwargs)
+            value = context.run(fn, *args, **kwargs)
         except BaseException as exc:
             result.set(None, exc)
         else:
@@ -151,6 +156,8 @@ class HostDevice:
         """Run ``fn(*args)`` inline under ``INLINE_BYTES`` of work, else in the worker thread.
 
         A thread handoff costs more than small work; large work must not block the loop.
+        Either way ``fn`` sees the caller's context variables (on the worker, through ``run``,
+        in a copy of the caller's context).
 
         Raises:
             BaseException: whatever ``fn`` raises.
@@ -190,6 +197,11 @@ class HostDevice:
         task is cancelled, a job that has not started is skipped; one that has started runs
         to its end and its result is dropped.
 
+        ``fn`` runs in a copy of the caller's context, taken when the job is queued (as
+        ``anyio.to_thread.run_sync`` does): inside a replica it sees that replica's
+        ``get_replica_context()`` and context variables, and a context variable it sets is not
+        seen by the caller afterwards, nor by the device's next job.
+
         Raises:
             BaseException: whatever ``fn`` raises.
 
@@ -207,9 +219,13 @@ class HostDevice:
     def _queue(
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _loops.ThreadResult:
-        """Queue a job on this device's worker now; await the result object for its value."""
+        """Queue a job on this device's worker now; await the result object for its value.
+
+        Every path to the worker comes through here, so every job runs in a copy of the
+        context of the task that queued it (taken now, on the loop thread).
+        """
         result = _loops.current().thread_result()
-        self._worker.submit(fn, args, kwargs, result)
+        self._worker.submit(contextvars.copy_context(), fn, args, kwargs, result)
         return result
 
     async def synchronize(self) -> None:

@@ -10,9 +10,8 @@ section headings, as anyio's backends do:
   or when the caller is cancelled, wait for all, let none outlive the call.
 - **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
-- **yield_once** and **park_cancelled**: let tasks woken earlier run first; deliver a failing
-  run's cancellation to a replica that would otherwise park (at once on asyncio, at the next
-  checkpoint on trio).
+- **park_cancelled**: deliver a failing run's cancellation to a replica that would otherwise park
+  (at once on asyncio, at the next checkpoint on trio).
 - **thread results** (``thread_result``): a worker thread hands a result to the waiting task
   without blocking until the loop gets round to it.
 - **background tasks** (``spawn_background``): a task owned by an object (a dataset's
@@ -61,6 +60,14 @@ class Gate(Protocol):
 
     def open(self, slots: Iterable[int] | None) -> None: ...
 
+    def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
+        """Called by the running replica ``slot`` (not parked): wake the parked ones and carry
+        on, all in ``order`` (which holds ``slot``); returns when it is ``slot``'s turn.
+
+        A gate made ``ordered`` wakes in park order and lets ``slot`` carry on first.
+        """
+        ...
+
 
 class ReplicaTasks(Protocol):
     """The tasks of one ``run()``: ``wait`` runs them all to their end; ``cancel`` stops them.
@@ -70,6 +77,11 @@ class ReplicaTasks(Protocol):
     """
 
     def cancel(self) -> None: ...
+
+    def is_cancellation(self, exc: BaseException) -> bool:
+        """Whether ``exc``, seen in a replica, is the cancellation of the run (``cancel`` or the
+        caller's), rather than one the replica's own code raised."""
+        ...
 
     async def wait(self) -> None: ...
 
@@ -115,13 +127,17 @@ class Loop(Protocol):
         self,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
-    ) -> ReplicaTasks: ...
-
-    def gate_factory(self, ordered: bool) -> Callable[[], Gate]:
-        """What makes the gate of each round, chosen once per run."""
+        *,
+        in_order: bool,
+    ) -> ReplicaTasks:
+        """Tasks running ``mains``; with ``in_order`` they start in that order, each once the
+        one before has run up to its first wait (a seeded interleave is one order per seed)."""
         ...
 
-    def yield_once(self) -> Iterable[Any]: ...
+    def gate_factory(self, ordered: bool) -> Callable[[], Gate]:
+        """What makes the gate of each round, chosen once per run. An unordered gate wakes
+        replicas in exactly the order given, one after another, on every loop."""
+        ...
 
     def park_cancelled(self) -> Iterable[Any]: ...
 

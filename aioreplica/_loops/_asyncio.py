@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, final
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
@@ -19,9 +19,6 @@ if TYPE_CHECKING:
 __all__ = ["AsyncioLoop"]
 
 _Future = asyncio.Future
-#: Yielding ``None`` (a bare ``yield``) makes a task reschedule itself behind the callbacks
-#: already queued; a constant tuple does it without making a generator.
-_YIELD_NONE: Final = (None,)
 
 
 # -- replica tasks --------------------------------------------------------------------------
@@ -31,7 +28,7 @@ _YIELD_NONE: Final = (None,)
 class _ReplicaTasks:
     """Plain tasks supervised by hand: about a quarter of an anyio task group's start cost."""
 
-    __slots__ = ("_cancelling", "_loop", "_mains", "_on_crash", "_tasks")
+    __slots__ = ("_cancelled", "_cancelling", "_loop", "_mains", "_on_crash", "_tasks")
 
     def __init__(
         self,
@@ -44,12 +41,30 @@ class _ReplicaTasks:
         self._on_crash = on_crash
         self._tasks: list[asyncio.Task[None]] = []
         self._cancelling = False
+        self._cancelled: set[asyncio.Task[None]] = set()  # the tasks cancel() has reached
 
     def cancel(self) -> None:
         if not self._cancelling:
             self._cancelling = True
-            for task in self._tasks:
+            self._deliver_cancellation()
+
+    def _deliver_cancellation(self) -> None:
+        """Cancel every task, except one inside a shielded anyio cancel scope: that one is
+        cancelled once the shield has closed, as trio and anyio's task groups do."""
+        shielded = False
+        for task in self._tasks:
+            if task in self._cancelled or task.done():
+                continue
+            if _in_anyio_shield(task):
+                shielded = True
+            else:
+                self._cancelled.add(task)
                 task.cancel()
+        if shielded:  # look again at the next turn of the loop, as anyio's own scopes do
+            self._loop.call_soon(self._deliver_cancellation)
+
+    def is_cancellation(self, exc: BaseException) -> bool:
+        return self._cancelling and isinstance(exc, asyncio.CancelledError)
 
     async def wait(self) -> None:
         loop = self._loop
@@ -84,8 +99,27 @@ class _ReplicaTasks:
                 caller_cancelled = exc
                 self.cancel()
         self._tasks.clear()
+        self._cancelled.clear()
         if caller_cancelled is not None:
             raise caller_cancelled
+
+
+def _in_anyio_shield(task: asyncio.Task[Any]) -> bool:
+    """Whether ``task`` is inside an ``anyio.CancelScope(shield=True)`` (``to_thread.run_sync``
+    enters one too), which a cancellation from outside must not reach.
+
+    anyio offers no public way to ask this of another task; it keeps each task's innermost
+    scope in its asyncio backend's task states (the scheduler's shield tests pin this).
+    """
+    from anyio._backends._asyncio import _task_states
+
+    state = _task_states.get(task)
+    scope = state.cancel_scope if state is not None else None
+    while scope is not None:
+        if scope.shield:
+            return True
+        scope = scope._parent_scope
+    return False
 
 
 # -- gates ----------------------------------------------------------------------------------
@@ -130,6 +164,11 @@ class _SharedGate:
         if not self.waiter.done():  # done: cancelled; its replicas see ``opened``
             self.waiter.set_result(None)
 
+    def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
+        self.open(None)  # park order; the caller carries on first
+        return
+        yield  # a generator, like the other gates' (never reached)
+
 
 @final
 class _FutureGate:
@@ -160,6 +199,17 @@ class _FutureGate:
             future = futures.get(slot)
             if future is not None and not future.done():  # done: cancelled, leaving the round
                 future.set_result(None)
+
+    def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
+        # asyncio runs ready tasks first in, first out: wake those before ``slot``, step behind
+        # them once, then wake the rest, which run after ``slot``'s next wait.
+        position = order.index(slot)
+        self.open(order[:position])
+        try:
+            if position:
+                yield None  # back of the ready queue
+        finally:
+            self.open(order[position + 1 :])
 
 
 def _current_task_cancelling() -> bool:
@@ -241,14 +291,14 @@ class AsyncioLoop:
         self,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
+        *,
+        in_order: bool,
     ) -> _ReplicaTasks:
+        # New tasks run first in, first out: always in order.
         return _ReplicaTasks(self._loop, mains, on_crash)
 
     def gate_factory(self, ordered: bool) -> Callable[[], _SharedGate | _FutureGate]:
         return functools.partial(_SharedGate if ordered else _FutureGate, self._loop)
-
-    def yield_once(self) -> Iterable[Any]:
-        return _YIELD_NONE
 
     def park_cancelled(self) -> Iterable[Any]:
         # The run is failing and every replica has been cancelled: deliver it now. Waiting

@@ -1,14 +1,15 @@
 """The trio adapter: a nursery through anyio, ``wait_task_rescheduled``, the trio token.
 
 Trio deliberately runs tasks woken together in a random order, so "ordered" rounds resume in
-trio's order; cancellation reaches a parked replica through its cancel scope at the next
-checkpoint, never through a sibling.
+trio's order, and seeded ones wake one replica at a time; cancellation reaches a parked replica
+through its cancel scope at the next checkpoint, never through a sibling.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections import deque
 from typing import TYPE_CHECKING, Any, final
 
 import anyio
@@ -24,12 +25,20 @@ __all__ = ["TrioLoop"]
 
 @final
 class _ReplicaTasks:
-    """The replicas in one anyio task group (a trio nursery)."""
+    """The replicas in one anyio task group (a trio nursery).
 
-    __slots__ = ("_cancelled", "_mains", "_scope")
+    trio runs the tasks made ready together in an order of its own choosing, new ones too, so
+    ``in_order`` tasks are started one by one: each starts the next as it begins, and that one
+    runs once this one first waits.
+    """
 
-    def __init__(self, mains: Sequence[Callable[[], Coroutine[Any, Any, None]]]) -> None:
+    __slots__ = ("_cancelled", "_in_order", "_mains", "_scope")
+
+    def __init__(
+        self, mains: Sequence[Callable[[], Coroutine[Any, Any, None]]], in_order: bool
+    ) -> None:
         self._mains = mains
+        self._in_order = in_order
         self._scope: anyio.CancelScope | None = None
         self._cancelled = False
 
@@ -38,14 +47,52 @@ class _ReplicaTasks:
         if self._scope is not None:
             self._scope.cancel()
 
+    def is_cancellation(self, exc: BaseException) -> bool:
+        # trio raises Cancelled only through a cancel scope; replica code cannot make its own.
+        return True
+
     async def wait(self) -> None:
-        async with anyio.create_task_group() as group:
-            self._scope = group.cancel_scope
-            if self._cancelled:
-                group.cancel_scope.cancel()
-            for main in self._mains:
-                group.start_soon(main)
-        self._scope = None
+        try:
+            async with anyio.create_task_group() as group:
+                self._scope = group.cancel_scope
+                if self._cancelled:
+                    group.cancel_scope.cancel()
+                if self._in_order:
+                    group.start_soon(self._start_in_order, group, 0)
+                else:
+                    for main in self._mains:
+                        group.start_soon(main)
+        except BaseExceptionGroup as group:
+            # Replica mains catch everything, so what comes out is the caller's own (trio
+            # delivers Ctrl-C to the main task, waiting here) or a crash: raise it as itself,
+            # as asyncio does, so that ``except KeyboardInterrupt:`` sees it.
+            failure = _first_of(group)
+        else:
+            return
+        finally:
+            self._scope = None
+        raise failure
+
+    async def _start_in_order(self, group: anyio.abc.TaskGroup, index: int) -> None:
+        if index + 1 < len(self._mains):
+            group.start_soon(self._start_in_order, group, index + 1)
+        await self._mains[index]()
+
+
+def _first_of(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception in ``group`` (nested groups opened), noting any others on it."""
+    leaves: list[BaseException] = []
+    pending: list[BaseException] = [group]
+    while pending:
+        exc = pending.pop(0)
+        if isinstance(exc, BaseExceptionGroup):
+            pending[:0] = exc.exceptions
+        else:
+            leaves.append(exc)
+    first = leaves[0]
+    for other in leaves[1:]:
+        first.add_note(f"also raised: {type(other).__name__}: {other}")
+    return first
 
 
 # -- gates ----------------------------------------------------------------------------------
@@ -87,6 +134,74 @@ class _TaskGate:
             task = tasks.pop(slot, None)
             if task is not None:
                 reschedule(task)
+
+    def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
+        self.open(None)  # trio's order; the caller carries on first
+        return
+        yield  # a generator, like the other gates' (never reached)
+
+
+@final
+class _ChainGate:
+    """Wakes the parked replicas one at a time, in exactly the order given.
+
+    trio runs tasks made ready together in an order of its own, so a seeded order cannot wake
+    them together: each woken replica wakes the next as it resumes, and that one runs once
+    this one waits again. It costs a pass of trio's loop per replica, paid only with
+    ``interleave="random"``.
+    """
+
+    __slots__ = ("_chain", "_lowlevel", "_tasks", "opened")
+
+    waiter = None
+
+    def __init__(self, lowlevel: Any) -> None:
+        self._lowlevel = lowlevel
+        self._tasks: dict[int, Any] = {}
+        self._chain: deque[int] = deque()
+        self.opened = False
+
+    def park(self, slot: int) -> Iterable[Any]:
+        self._tasks[slot] = self._lowlevel.current_task()
+        return self._wait(slot)
+
+    def _wait(self, slot: int) -> Generator[Any, Any, None]:
+        tasks = self._tasks
+
+        def abort(_raise_cancel: object) -> object:
+            tasks.pop(slot, None)
+            return self._lowlevel.Abort.SUCCEEDED
+
+        yield from self._lowlevel.wait_task_rescheduled(abort).__await__()
+        self._wake_next()
+
+    def _wake_next(self) -> None:
+        chain, tasks = self._chain, self._tasks
+        while chain:
+            task = tasks.pop(chain.popleft(), None)
+            if task is not None:  # None: it left the round, cancelled
+                self._lowlevel.reschedule(task)
+                return
+
+    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
+        raise exc
+        yield  # a generator, like the other gates' (never reached)
+
+    def open(self, slots: Iterable[int] | None) -> None:
+        self.opened = True
+        self._chain.extend(list(self._tasks) if slots is None else slots)
+        self._wake_next()
+
+    def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
+        self.opened = True
+        if order[0] == slot:
+            self._chain.extend(order[1:])
+            self._wake_next()  # it runs once the caller waits
+            return
+        self._chain.extend(order)
+        waiting = self.park(slot)  # the caller's predecessor in ``order`` wakes it
+        self._wake_next()
+        yield from waiting
 
 
 # -- thread results -------------------------------------------------------------------------
@@ -183,16 +298,15 @@ class TrioLoop:
         self,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
+        *,
+        in_order: bool,
     ) -> _ReplicaTasks:
-        # A crash of the scheduler itself propagates out of the task group as an exception
-        # group; replica mains catch everything else.
-        return _ReplicaTasks(mains)
+        # A crash of the scheduler itself propagates out of the task group; replica mains
+        # catch everything else.
+        return _ReplicaTasks(mains, in_order)
 
-    def gate_factory(self, ordered: bool) -> Callable[[], _TaskGate]:
-        return functools.partial(_TaskGate, self._lowlevel)
-
-    def yield_once(self) -> Iterable[Any]:
-        return self._lowlevel.cancel_shielded_checkpoint().__await__()  # type: ignore[no-any-return]
+    def gate_factory(self, ordered: bool) -> Callable[[], _TaskGate | _ChainGate]:
+        return functools.partial(_TaskGate if ordered else _ChainGate, self._lowlevel)
 
     def park_cancelled(self) -> Iterable[Any]:
         # trio delivers the cancellation of the run's scope at the next checkpoint.

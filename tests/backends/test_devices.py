@@ -167,11 +167,40 @@ class TestResolveDevices:
         with pytest.raises(
             TypeError,
             match=(
-                rf"^devices must be a sequence of device names, got the string "
+                rf"^devices must be a list of device names, got the string "
                 rf"{re.escape(repr(name))}; write \[{re.escape(repr(name))}\]$"
             ),
         ):
             resolve_devices(name)
+
+    @pytest.mark.parametrize(
+        ("devices", "advice"),
+        [
+            (3, 'for 3 replicas on this host write devices=[f"cpu:{i}" for i in range(3)]'),
+            ("cpu:0 cpu:1", "write ['cpu:0', 'cpu:1']"),
+            (b"cpu:2", "write ['cpu:2']"),
+            ("gpu", "which names no device; write a list such as ['cpu:0', 'cpu:1']"),
+            (HostDevice(1), "write [device]"),
+            ({"cpu:1", "cpu:0"}, "which has no order; replica ids follow the order of the list"),
+            (2.5, "such as ['cpu:0', 'cpu:1'], got the float 2.5"),
+        ],
+    )
+    def test_what_is_not_a_list_says_what_to_write(self, devices: Any, advice: str) -> None:
+        """A replica count, names in one string, one device or a set is refused with the
+        list to write instead."""
+        with pytest.raises(TypeError, match=r"^devices must be a list of device names") as info:
+            resolve_devices(devices)
+        assert advice in str(info.value)
+
+    def test_an_error_inside_the_iterable_is_its_own(self) -> None:
+        """A TypeError raised while iterating the devices comes out as it is."""
+
+        def names() -> Any:
+            yield "cpu:0"
+            raise TypeError("from inside the generator")
+
+        with pytest.raises(TypeError, match=r"^from inside the generator$"):
+            resolve_devices(names())
 
     @pytest.mark.parametrize("empty", [[], ()])
     def test_empty_raises_value_error(self, empty: list[str] | tuple[str, ...]) -> None:

@@ -1,0 +1,544 @@
+"""Tests for aioreplica.nest: tf.nest's functions and meanings, and the JAX-style pair."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any, NamedTuple
+
+import nested_strategies
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from aioreplica import nest
+
+
+class Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+@nest.register_dataclass
+@dataclasses.dataclass
+class Batch:
+    features: Any
+    label: Any
+
+
+class ListWrapper(list[Any]):
+    """A list subclass, as trackable wrappers in tf are."""
+
+
+ARRAY = np.arange(3)
+
+
+def make_structure(array: np.ndarray[Any, Any] = ARRAY) -> dict[str, Any]:
+    """A dict with unsorted keys holding a list, a tuple, a namedtuple, an empty tuple, None,
+    an array leaf and a string leaf."""
+    return {"zeta": [1, (2.5, None)], "alpha": Point(x="text", y=array), "mid": ()}
+
+
+#: make_structure()'s leaves in flatten order: keys sorted (alpha, mid, zeta), depth first.
+LEAVES: list[Any] = ["text", ARRAY, 1, 2.5, None]
+
+
+def snapshot(x: Any) -> Any:
+    """A comparable picture of `x`: container types, dict key order and leaves (arrays by id).
+
+    ``==`` on the structures themselves would let a namedtuple equal a tuple, ignore dict order
+    and fail on arrays.
+    """
+    if isinstance(x, dict):
+        return (type(x), [(key, snapshot(value)) for key, value in x.items()])
+    if isinstance(x, list | tuple):
+        return (type(x), [snapshot(child) for child in x])
+    if isinstance(x, Batch):
+        return (Batch, snapshot(x.features), snapshot(x.label))
+    if isinstance(x, np.ndarray):
+        return ("array", id(x))
+    return ("leaf", type(x), x)
+
+
+def as_lists(x: Any) -> Any:
+    """`x` with every list, tuple and namedtuple rebuilt as a list, at every depth."""
+    if isinstance(x, dict):
+        return {key: as_lists(value) for key, value in x.items()}
+    if isinstance(x, list | tuple):
+        return [as_lists(child) for child in x]
+    return x
+
+
+class TestFlatten:
+    def test_returns_the_list_of_leaves(self) -> None:
+        """Leaves come out depth first with dict keys sorted; None, arrays and strings are
+        leaves; the empty tuple contributes none."""
+        flat = nest.flatten(make_structure())
+        assert type(flat) is list
+        assert snapshot(flat) == snapshot(LEAVES)
+
+    def test_iterating_the_result_visits_the_leaves(self) -> None:
+        """``for x in nest.flatten(s)`` walks the leaves, not a (leaves, treedef) pair."""
+        seen = []
+        for leaf in nest.flatten([10, {"b": 30, "a": 20}]):
+            seen.append(leaf)  # noqa: PERF402 (the for statement is what is tested)
+        assert seen == [10, 20, 30]
+
+    @pytest.mark.parametrize(
+        "leaf",
+        [None, 7, "abc", b"xy", ARRAY, Batch],
+        ids=["none", "int", "str", "bytes", "array", "class"],
+    )
+    def test_a_leaf_alone_becomes_a_one_item_list(self, leaf: Any) -> None:
+        """As tf.nest: ``flatten(None) == [None]``, ``flatten("abc") == ["abc"]``."""
+        flat = nest.flatten(leaf)
+        assert type(flat) is list
+        assert len(flat) == 1
+        assert flat[0] is leaf
+
+    def test_empty_containers_have_no_leaves(self) -> None:
+        """``[]``, ``()`` and ``{}`` flatten to nothing, however deep."""
+        assert nest.flatten([(), {}, [[]]]) == []
+
+    def test_registered_dataclass_fields_in_definition_order(self) -> None:
+        """A registered dataclass is a container of its fields, in definition order."""
+        assert nest.flatten(Batch(features=[1, 2], label={"b": 4, "a": 3})) == [1, 2, 3, 4]
+
+    def test_expand_composites_is_accepted(self) -> None:
+        """Code written for tf.nest may pass ``expand_composites``; nothing changes."""
+        assert nest.flatten({"b": 1, "a": 2}, expand_composites=True) == [2, 1]
+
+
+class TestPackSequenceAs:
+    def test_rebuilds_the_structure_from_leaves(self) -> None:
+        """Leaves go back in flatten order; container types and dict key order are kept."""
+        packed = nest.pack_sequence_as(make_structure(), ["T", "A", 10, 20, 30])
+        expected = {"zeta": [10, (20, 30)], "alpha": Point(x="T", y="A"), "mid": ()}
+        assert snapshot(packed) == snapshot(expected)
+
+    def test_round_trip(self) -> None:
+        """``pack_sequence_as(s, flatten(s))`` rebuilds `s`, leaves included."""
+        structure = make_structure(np.ones(2))
+        assert snapshot(nest.pack_sequence_as(structure, nest.flatten(structure))) == snapshot(
+            structure
+        )
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(nested_strategies.structures(max_leaves=12))
+    def test_round_trip_property(self, structure: Any) -> None:
+        """The round trip holds for random lists, tuples, dicts and namedtuples."""
+        assert snapshot(nest.pack_sequence_as(structure, nest.flatten(structure))) == snapshot(
+            structure
+        )
+
+    def test_a_tuple_of_leaves_is_accepted(self) -> None:
+        """`flat_sequence` may be a tuple; the leaves themselves may be containers."""
+        assert nest.pack_sequence_as([0, (0,)], ([1, 2], {"a": 3})) == [[1, 2], ({"a": 3},)]
+
+    def test_a_leaf_structure_takes_the_one_item(self) -> None:
+        """As tf.nest: a non-nested structure packs a one-item sequence into its item."""
+        assert nest.pack_sequence_as(None, ["x"]) == "x"
+        assert nest.pack_sequence_as("template", [[1, 2]]) == [1, 2]
+
+    def test_registered_dataclass(self) -> None:
+        """Registered dataclasses are rebuilt with their own class."""
+        packed = nest.pack_sequence_as(Batch(features=0, label=[0]), ["f", "l"])
+        assert snapshot(packed) == snapshot(Batch(features="f", label=["l"]))
+
+    @pytest.mark.parametrize(("count", "word"), [(4, "items"), (6, "items"), (1, "item")])
+    def test_wrong_count_says_how_many(self, count: int, word: str) -> None:
+        """Too few or too many leaves: ValueError naming the expected and the given count."""
+        with pytest.raises(
+            ValueError, match=rf"has 5 leaves, but flat_sequence has {count} {word}\b"
+        ):
+            nest.pack_sequence_as(make_structure(), list(range(count)))
+
+    def test_a_leaf_structure_with_two_items_is_refused(self) -> None:
+        """A leaf structure takes exactly one item."""
+        with pytest.raises(ValueError, match="has 1 leaf, but flat_sequence has 2 items"):
+            nest.pack_sequence_as(None, [1, 2])
+
+    @pytest.mark.parametrize(
+        "flat",
+        [np.arange(2), 5, "ab", {"a": 1, "b": 2}, iter([1, 2])],
+        ids=["array", "int", "str", "dict", "iterator"],
+    )
+    def test_flat_sequence_must_be_a_list_or_tuple(self, flat: Any) -> None:
+        """A flat_sequence that is not a list or tuple: TypeError naming its type."""
+        with pytest.raises(TypeError, match=rf"got .* of type {type(flat).__name__}"):
+            nest.pack_sequence_as([0, 0], flat)
+
+
+class TestMapStructure:
+    def test_one_structure(self) -> None:
+        """`func` sees each leaf once, in flatten order; the result keeps types and key order."""
+        calls: list[Any] = []
+
+        def describe(leaf: Any) -> str:
+            calls.append(leaf)
+            return type(leaf).__name__
+
+        result = nest.map_structure(describe, make_structure())
+        expected = {
+            "zeta": ["int", ("float", "NoneType")],
+            "alpha": Point(x="str", y="ndarray"),
+            "mid": (),
+        }
+        assert snapshot(result) == snapshot(expected)
+        assert snapshot(calls) == snapshot(LEAVES)
+
+    def test_several_structures_pair_leaves_by_position_and_key(self) -> None:
+        """Leaves at the same place are passed together; dict key order does not matter."""
+        result = nest.map_structure(
+            lambda a, b: a + b, {"b": [1, 2], "a": Point(3, 4)}, {"a": Point(30, 40), "b": [10, 20]}
+        )
+        assert snapshot(result) == snapshot({"b": [11, 22], "a": Point(33, 44)})
+
+    def test_a_tuple_returned_by_func_is_a_leaf_of_the_result(self) -> None:
+        """The result has the shape of the inputs, whatever `func` returns."""
+        assert nest.map_structure(lambda a, b: (a, b), [1, None], ["x", "y"]) == [
+            (1, "x"),
+            (None, "y"),
+        ]
+
+    def test_a_leaf_structure(self) -> None:
+        """A leaf on its own is mapped directly."""
+        assert nest.map_structure(lambda a, b: a * b, 3, 4) == 12
+
+    def test_different_lengths_name_the_path(self) -> None:
+        """ValueError naming the structure and the key path where they differ."""
+        with pytest.raises(
+            ValueError, match=re.escape("structures[1] differs from structures[0] at ['a']")
+        ):
+            nest.map_structure(lambda a, b: a, {"a": [1, 2]}, {"a": [1]})
+
+    def test_third_structure_named(self) -> None:
+        """The message names which structure differs."""
+        with pytest.raises(
+            ValueError, match=re.escape("structures[2] differs from structures[0] at [1]")
+        ):
+            nest.map_structure(lambda *xs: 0, [1, [2]], [1, [2]], [1, 2])
+
+    def test_check_types_refuses_a_list_against_a_tuple(self) -> None:
+        """By default a list and a tuple of the same length do not match: TypeError."""
+        with pytest.raises(
+            TypeError, match=re.escape("at ['a']: structures[0] has a list of 2 items")
+        ):
+            nest.map_structure(lambda a, b: a, {"a": [1, 2]}, {"a": (1, 2)})
+
+    def test_without_check_types_the_first_structure_decides_types(self) -> None:
+        """``check_types=False``: sequences of the same length match; the result takes the
+        first structure's types."""
+        result = nest.map_structure(
+            lambda a, b: a + b, [1, Point(2, 3)], (10, [20, 30]), check_types=False
+        )
+        assert snapshot(result) == snapshot([11, Point(22, 33)])
+
+    def test_without_check_types_lengths_still_count(self) -> None:
+        """``check_types=False`` does not let sequences of different lengths match."""
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "at <root>: structures[0] has a list of 2 items, structures[1] a tuple of 3 items"
+            ),
+        ):
+            nest.map_structure(lambda a, b: a, [1, 2], (1, 2, 3), check_types=False)
+
+    def test_func_never_runs_on_a_mismatch(self) -> None:
+        """Structures are checked before `func` is called once."""
+        calls: list[Any] = []
+        with pytest.raises(ValueError, match="differs from structures"):
+            nest.map_structure(calls.append, [1, 2, 3], [1, 2, [3]])
+        assert calls == []
+
+    def test_mapping_types_tf_counts_as_one_pair_by_key(self) -> None:
+        """A dict and an OrderedDict with the same keys match; leaves pair by key and the
+        result is a dict in the first structure's key order."""
+        result = nest.map_structure(
+            lambda a, b: (a, b), {"b": 1, "a": 2}, collections.OrderedDict(a=20, b=10)
+        )
+        assert snapshot(result) == snapshot({"b": (1, 10), "a": (2, 20)})
+
+    @settings(max_examples=100, deadline=None, database=None)
+    @given(nested_strategies.structures(max_leaves=12))
+    def test_without_check_types_any_sequence_type_matches(self, structure: Any) -> None:
+        """Turning every tuple and namedtuple into a list keeps the structure the same
+        without check_types; the result keeps the first structure's types."""
+        result = nest.map_structure(
+            lambda a, b: b, structure, as_lists(structure), check_types=False
+        )
+        assert snapshot(result) == snapshot(structure)
+
+    def test_needs_a_structure(self) -> None:
+        """As tf.nest: no structure is a ValueError."""
+        with pytest.raises(ValueError, match="at least one structure"):
+            nest.map_structure(lambda: 0)
+
+    def test_needs_a_callable(self) -> None:
+        """As tf.nest: a func that is not callable is a TypeError, before anything runs."""
+        with pytest.raises(TypeError, match="callable func, got 3 of type int"):
+            nest.map_structure(3, [1])  # type: ignore[arg-type]
+
+
+class TestMapStructureWithPaths:
+    def test_string_paths_joined_by_slash(self) -> None:
+        """Paths are the keys, indices and field names from the root, joined by ``/``."""
+        result = nest.map_structure_with_paths(lambda path, leaf: path, make_structure())
+        expected = {
+            "zeta": ["zeta/0", ("zeta/1/0", "zeta/1/1")],
+            "alpha": Point(x="alpha/x", y="alpha/y"),
+            "mid": (),
+        }
+        assert snapshot(result) == snapshot(expected)
+
+    def test_tuple_paths(self) -> None:
+        """Tuple paths hold the raw keys, indices and field names."""
+        result = nest.map_structure_with_tuple_paths(lambda path, leaf: path, make_structure())
+        expected = {
+            "zeta": [("zeta", 0), (("zeta", 1, 0), ("zeta", 1, 1))],
+            "alpha": Point(x=("alpha", "x"), y=("alpha", "y")),
+            "mid": (),
+        }
+        assert snapshot(result) == snapshot(expected)
+
+    def test_several_structures(self) -> None:
+        """`func` gets the path, then one leaf from each structure."""
+        result = nest.map_structure_with_paths(
+            lambda path, a, b: f"{path}:{a + b}", {"k": [1, 2]}, {"k": [10, 20]}
+        )
+        assert result == {"k": ["k/0:11", "k/1:22"]}
+        result = nest.map_structure_with_tuple_paths(
+            lambda path, a, b: (path, a * b),
+            Batch(features=2, label=[3]),
+            Batch(features=5, label=[7]),
+        )
+        assert snapshot(result) == snapshot(
+            Batch(features=(("features",), 10), label=[(("label", 0), 21)])
+        )
+
+    def test_root_leaf_has_the_empty_path(self) -> None:
+        """A leaf alone has path ``""`` (string form) and ``()`` (tuple form)."""
+        assert nest.map_structure_with_paths(lambda path, leaf: (path, leaf), 5) == ("", 5)
+        assert nest.map_structure_with_tuple_paths(lambda path, leaf: (path, leaf), 5) == ((), 5)
+
+    def test_check_types(self) -> None:
+        """Both honour ``check_types`` as map_structure does."""
+        for mapper in (nest.map_structure_with_paths, nest.map_structure_with_tuple_paths):
+            with pytest.raises(TypeError, match=re.escape("at <root>")):
+                mapper(lambda path, a, b: a, [1], (1,))
+            assert mapper(lambda path, a, b: b, [1], (2,), check_types=False) == [2]
+
+    def test_mismatch_names_the_path(self) -> None:
+        """A structure mismatch is reported with its key path."""
+        for mapper in (nest.map_structure_with_paths, nest.map_structure_with_tuple_paths):
+            with pytest.raises(
+                ValueError, match=re.escape("at ['a']: keys differ: 'c' only in structures[1]")
+            ):
+                mapper(lambda path, a, b: a, {"a": {"b": 1}}, {"a": {"b": 1, "c": 2}})
+
+
+class TestAssertSameStructure:
+    def test_same_structure_different_leaves(self) -> None:
+        """Leaves may differ, in value and in type; dict insertion order does not matter."""
+        other = {"mid": (), "alpha": Point(x=None, y="y"), "zeta": [ARRAY, ("leaf", "leaf")]}
+        nest.assert_same_structure(make_structure(), other)
+
+    def test_a_leaf_against_a_container_deep_down(self) -> None:
+        """ValueError naming the path of the first difference, depth first."""
+        other = {"mid": (), "alpha": Point(x=None, y="y"), "zeta": [ARRAY, ([1], {"k": 2})]}
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "at ['zeta'][1][0]: the first has a leaf 2.5 of type float, the second a list"
+            ),
+        ):
+            nest.assert_same_structure(make_structure(), other)
+
+    def test_leaf_against_container_is_a_value_error(self) -> None:
+        """A string is a leaf: it does not match a list of characters."""
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "structures differ at <root>: the first has a leaf 'ab' of type str, "
+                "the second a list of 2 items"
+            ),
+        ):
+            nest.assert_same_structure("ab", ["a", "b"])
+
+    def test_different_keys_are_a_value_error(self) -> None:
+        """Mapping keys must be the same set."""
+        with pytest.raises(
+            ValueError, match=re.escape("at [0]: keys differ: 'b' only in the first")
+        ):
+            nest.assert_same_structure([{"a": 1, "b": 2}], [{"a": 1}])
+
+    def test_list_against_tuple_is_a_type_error(self) -> None:
+        """With check_types (the default) the path and both types are named, with the fix."""
+        with pytest.raises(
+            TypeError,
+            match=re.escape(
+                "structures differ at ['a'][1]: the first has a list of 2 items, "
+                "the second a tuple of 2 items; pass check_types=False"
+            ),
+        ):
+            nest.assert_same_structure({"a": [0, [1, 2]]}, {"a": [0, (1, 2)]})
+
+    def test_without_check_types_sequences_match_by_length(self) -> None:
+        """``check_types=False``: a list, a tuple and a namedtuple of one length match."""
+        nest.assert_same_structure([1, Point(2, 3)], (1, [2, 3]), check_types=False)
+        with pytest.raises(
+            ValueError, match=r"the first has a list of 2 items, the second a tuple of 1 item$"
+        ):
+            nest.assert_same_structure([1, 2], (1,), check_types=False)
+
+    def test_without_check_types_a_mapping_never_matches_a_sequence(self) -> None:
+        """Only sequence types are relaxed: a dict against a list is still a TypeError."""
+        with pytest.raises(
+            TypeError, match=r"the first has a dict of 1 item, the second a list of 1 item$"
+        ):
+            nest.assert_same_structure({"a": 1}, [1], check_types=False)
+
+    def test_types_tf_counts_as_the_same(self) -> None:
+        """As tf.nest: two mapping types, two list types and two namedtuple classes with one
+        name and the same fields all match, even with check_types."""
+        SamePoint = collections.namedtuple("Point", ["x", "y"])  # type: ignore[name-match]
+        nest.assert_same_structure({"a": [1]}, collections.OrderedDict(a=ListWrapper([2])))
+        nest.assert_same_structure(Point(1, 2), SamePoint(3, 4))
+        with pytest.raises(
+            ValueError, match=re.escape("at <root>: keys differ: 'b' only in the second")
+        ):
+            nest.assert_same_structure({"a": 1}, collections.OrderedDict(a=1, b=2))
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "at <root>: the first has a list of 1 item, the second a ListWrapper of 2 items"
+            ),
+        ):
+            nest.assert_same_structure([1], ListWrapper([1, 2]))
+
+    def test_namedtuples_with_other_fields_differ(self) -> None:
+        """Namedtuple classes with another name or other fields are other types."""
+        Other = collections.namedtuple("Other", ["x", "y"])
+        with pytest.raises(
+            TypeError, match="the first has a Point of 2 items, the second an Other of 2 items"
+        ):
+            nest.assert_same_structure(Point(1, 2), Other(1, 2))
+
+    def test_registered_dataclass_against_another_type(self) -> None:
+        """A registered dataclass only matches its own class, whatever check_types says."""
+        with pytest.raises(TypeError, match=re.escape("at <root>: the first has a Batch node")):
+            nest.assert_same_structure(Batch(1, 2), Point(1, 2), check_types=False)
+
+    def test_mismatch_inside_a_relaxed_container_names_the_path(self) -> None:
+        """The walk goes on below containers whose types differ but count as the same."""
+        with pytest.raises(
+            ValueError, match=re.escape("at [1]['k']: the first has a list of 1 item")
+        ):
+            nest.assert_same_structure([0, {"k": [1]}], (0, {"k": [1, 2]}), check_types=False)
+
+
+class TestIsNested:
+    @pytest.mark.parametrize(
+        "value",
+        [[], (), {}, [1], Point(1, 2), collections.OrderedDict(), ListWrapper(), Batch(1, 2)],
+        ids=["list", "tuple", "dict", "list1", "namedtuple", "ordereddict", "listsub", "dataclass"],
+    )
+    def test_containers_are_nested(self, value: Any) -> None:
+        """Lists, tuples, mappings, namedtuples and registered nodes, empty ones included."""
+        assert nest.is_nested(value) is True
+
+    @pytest.mark.parametrize(
+        "value",
+        [None, 1, 2.5, "abc", b"ab", ARRAY, {1, 2}, Batch],
+        ids=["none", "int", "float", "str", "bytes", "array", "set", "class"],
+    )
+    def test_leaves_are_not_nested(self, value: Any) -> None:
+        """Scalars, None, strings, bytes, arrays, sets and classes are leaves."""
+        assert nest.is_nested(value) is False
+
+
+class TestJaxStylePair:
+    def test_flatten_with_treedef_and_unflatten(self) -> None:
+        """``flatten_with_treedef`` returns (leaves, TreeDef); ``unflatten`` rebuilds."""
+        leaves, treedef = nest.flatten_with_treedef(make_structure())
+        assert isinstance(treedef, nest.TreeDef)
+        assert snapshot(leaves) == snapshot(LEAVES)
+        rebuilt = nest.unflatten(treedef, leaves)
+        assert snapshot(rebuilt) == snapshot(make_structure())
+
+    def test_unflatten_needs_a_treedef(self) -> None:
+        """An example structure instead of a TreeDef: TypeError pointing at pack_sequence_as."""
+        with pytest.raises(
+            TypeError, match=r"needs a TreeDef .* got a value of type list; .*pack_sequence_as"
+        ):
+            nest.unflatten([0, 0], [1, 2])  # type: ignore[arg-type]
+
+    def test_unflatten_wrong_count(self) -> None:
+        """The wrong number of leaves: ValueError naming both counts."""
+        _, treedef = nest.flatten_with_treedef([0, 0])
+        with pytest.raises(ValueError, match=r"expected 2 leaves .* got 3"):
+            nest.unflatten(treedef, [1, 2, 3])
+
+    def test_flatten_with_key_paths(self) -> None:
+        """A list of (KeyPath, leaf) pairs, in flatten order; format_path shows each path."""
+        pairs = nest.flatten_with_key_paths(make_structure())
+        assert [nest.format_path(path) for path, _ in pairs] == [
+            "['alpha'].x",
+            "['alpha'].y",
+            "['zeta'][0]",
+            "['zeta'][1][0]",
+            "['zeta'][1][1]",
+        ]
+        assert pairs[0][0] == (nest.MappingKey("alpha"), nest.AttrKey("x"))
+        assert pairs[2][0] == (nest.MappingKey("zeta"), nest.SequenceKey(0))
+        assert snapshot([leaf for _, leaf in pairs]) == snapshot(LEAVES)
+        assert nest.flatten_with_key_paths(7) == [((), 7)]
+
+    def test_is_leaf(self) -> None:
+        """``is_leaf`` is the opposite of ``is_nested``."""
+        values: list[Any] = [[], None, "s", ARRAY]
+        assert [nest.is_leaf(x) for x in values] == [False, True, True, True]
+
+    def test_register_node(self) -> None:
+        """A registered class is walked into by every function."""
+
+        class Pair:
+            def __init__(self, first: Any, second: Any) -> None:
+                self.first, self.second = first, second
+
+        nest.register_node(
+            Pair, lambda p: ((p.first, p.second), None), lambda aux, kids: Pair(*kids)
+        )
+        assert nest.flatten(Pair(1, [2])) == [1, 2]
+        assert nest.is_nested(Pair(1, 2))
+        packed = nest.pack_sequence_as(Pair(0, [0]), ["a", "b"])
+        assert (type(packed), packed.first, packed.second) == (Pair, "a", ["b"])
+        assert nest.map_structure_with_paths(lambda path, x: path, [Pair(1, 2)])[0].second == "0/1"
+
+
+class TestModule:
+    def test_all_is_exact_and_sorted(self) -> None:
+        """The public names: tf.nest's, the JAX-style pair and the key-path tools."""
+        assert nest.__all__ == [
+            "AttrKey",
+            "KeyEntry",
+            "KeyPath",
+            "MappingKey",
+            "SequenceKey",
+            "TreeDef",
+            "assert_same_structure",
+            "flatten",
+            "flatten_with_key_paths",
+            "flatten_with_treedef",
+            "format_path",
+            "is_leaf",
+            "is_nested",
+            "map_structure",
+            "map_structure_with_paths",
+            "map_structure_with_tuple_paths",
+            "pack_sequence_as",
+            "register_dataclass",
+            "register_node",
+            "unflatten",
+        ]
