@@ -237,6 +237,7 @@ class Checkpoint:
                 state = obj._input_state()
                 snap.entries.append({"path": list(obj_path), "kind": "iterator", **state})
             else:
+                _check_int_range("Checkpoint.save", _show(obj_path), obj)
                 snap.entries.append(
                     {
                         "path": list(obj_path),
@@ -1209,8 +1210,8 @@ class _Plan:
         array = self.arrays[entry["array"]]
         if array.shape != () or array.dtype.kind != ("i" if kind == "int" else "f"):
             self.problems.append(
-                f"{_show(path)}: the file's value is not a scalar {kind}, as its manifest says "
-                "(the file is corrupted)"
+                f"{_show(path)}: the manifest says a scalar {kind}, but the file holds an array "
+                f"of dtype {array.dtype} and shape {array.shape} (the file is corrupted)"
             )
             return False
         self.numbers.append((path, int(array) if kind == "int" else float(array)))
@@ -1422,8 +1423,21 @@ def _check_objects(name: str, value: Any) -> None:
                     f"Checkpoint: the number at {where} is inside a tuple, where it cannot be "
                     "restored in place; use a list or a dict"
                 )
+            _check_int_range("Checkpoint", where, leaf)
             continue
         raise TypeError(f"Checkpoint: {where} is {_refused(leaf)}")
+
+
+_INT64: Final = np.iinfo(np.int64)
+
+
+def _check_int_range(caller: str, where: str, number: Any) -> None:
+    """A checkpoint stores an int as a 64-bit integer: refuse one that does not fit."""
+    if isinstance(number, int) and not _INT64.min <= number <= _INT64.max:
+        raise ValueError(
+            f"{caller}: the int at {where} is {number}, outside the 64-bit range a checkpoint "
+            f"stores ({_INT64.min} to {_INT64.max}); store it as a float or in parts"
+        )
 
 
 def _refused(leaf: Any) -> str:

@@ -18,11 +18,13 @@ Run it::
     python examples/train_digits.py                     # 4 host replicas, asyncio
     python examples/train_digits.py --replicas 8 --loop trio --plot loss.png
     python examples/train_digits.py --epochs 30 --resume
+    python examples/train_digits.py --steps-per-call 16  # strategy.run_steps, 16 steps a call
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import tempfile
@@ -140,6 +142,23 @@ async def train_step(
     return loss
 
 
+async def recorded_step(
+    batch: tuple[Any, Any],
+    params: dict[str, aioreplica.Variable],
+    optimizer: SGD,
+    global_batch: int,
+    losses: list[float],
+) -> None:
+    """``train_step``, and the batch's loss (summed over replicas) appended to ``losses``: how
+    each step of ``run_steps`` reports, since it returns only the last step's results."""
+    loss = await train_step(batch, params, optimizer, global_batch)
+    ctx = aioreplica.get_replica_context()
+    assert ctx is not None
+    total = await ctx.all_reduce("sum", loss)
+    if ctx.replica_id_in_sync_group == 0:
+        losses.append(float(total))
+
+
 async def main(
     replicas: int = 4,
     epochs: int = 20,
@@ -154,12 +173,17 @@ async def main(
     plot: str | None = None,
     progress: bool = True,
     seed: int = 0,
+    steps_per_call: int = 1,
 ) -> Result:
     """Train, checkpointing every epoch; return the parameters, losses and test accuracy.
 
     ``max_steps`` stops early (for tests), with a checkpoint there; ``checkpoint_dir=None``
-    writes no checkpoints.
+    writes no checkpoints. ``steps_per_call`` > 1 runs that many steps per
+    ``strategy.run_steps`` call (the replicas start once per call) instead of one ``run()``
+    per step; the steps are the same.
     """
+    if steps_per_call < 1:
+        raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     strategy = aioreplica.MirroredStrategy(devices or [f"cpu:{i}" for i in range(replicas)])
     x_train, y_train, x_test, y_test = load_data(seed)
     with strategy.scope():
@@ -188,20 +212,42 @@ async def main(
     steps_per_epoch = len(y_train) // global_batch
     bar = _progress(epochs * steps_per_epoch, checkpoint.step, progress)
     stopped = False
+
+    def count(steps: int) -> bool:
+        """Record ``steps`` more steps; whether ``max_steps`` is reached."""
+        result.steps += steps
+        checkpoint.step += steps
+        if bar is not None:
+            bar.update(steps)
+            running = np.mean(result.losses[-steps_per_epoch:])
+            bar.set_postfix(epoch=checkpoint.epoch + 1, loss=f"{running:.4f}")
+        return max_steps is not None and result.steps >= max_steps
+
     while checkpoint.epoch < epochs and not stopped:
-        async for batch in checkpoint.data:
-            losses = await strategy.run(train_step, (batch, params, optimizer, global_batch))
-            loss = float(await strategy.reduce("sum", losses))
-            result.losses.append(loss)
-            result.steps += 1
-            checkpoint.step += 1
-            if bar is not None:
-                bar.update()
-                running = np.mean(result.losses[-steps_per_epoch:])
-                bar.set_postfix(epoch=checkpoint.epoch + 1, loss=f"{running:.4f}")
-            stopped = max_steps is not None and result.steps >= max_steps
-            if stopped:
-                break  # the checkpoint below keeps the place in this epoch
+        if steps_per_call == 1:
+            async for batch in checkpoint.data:
+                losses = await strategy.run(train_step, (batch, params, optimizer, global_batch))
+                result.losses.append(float(await strategy.reduce("sum", losses)))
+                stopped = count(1)
+                if stopped:
+                    break  # the checkpoint below keeps the place in this epoch
+        else:
+            step = functools.partial(
+                recorded_step,
+                params=params,
+                optimizer=optimizer,
+                global_batch=global_batch,
+                losses=result.losses,
+            )
+            while not stopped:
+                left = steps_per_call if max_steps is None else max_steps - result.steps
+                wanted = min(steps_per_call, left)
+                before = len(result.losses)
+                await strategy.run_steps(step, checkpoint.data, wanted)
+                done = len(result.losses) - before
+                stopped = count(done)
+                if done < wanted:
+                    break  # the epoch ended
         if not stopped:  # the epoch is done: the next one is a new pass
             checkpoint.epoch += 1
             checkpoint.data = aiter(dataset)
@@ -267,7 +313,16 @@ def cli() -> None:
     parser.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
+    parser.add_argument(
+        "--steps-per-call",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run K steps per strategy.run_steps call instead of one run() per step",
+    )
     options = parser.parse_args()
+    if options.steps_per_call < 1:
+        parser.error("--steps-per-call must be >= 1")
     devices = None
     if options.gpus:
         devices = [name for name in aioreplica.list_devices() if name.startswith("gpu:")]
@@ -285,6 +340,7 @@ def cli() -> None:
             checkpoint_dir=options.checkpoint_dir,
             resume=options.resume,
             plot=options.plot,
+            steps_per_call=options.steps_per_call,
         )
 
     anyio.run(run, backend=options.loop)

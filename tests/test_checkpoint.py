@@ -940,6 +940,24 @@ class TestConstruction:
         with pytest.raises(TypeError, match="the number at pair/1 is inside a tuple"):
             Checkpoint(pair=(Variable(0.0), 3))
 
+    @pytest.mark.parametrize("number", [2**63, -(2**63) - 1, 2**64])
+    async def test_ints_outside_64_bits_are_refused(self, tmp_path: Path, number: int) -> None:
+        """A checkpoint stores ints in 64 bits. 2**63 used to save, then fail to restore with
+        "a number of type int there, this is of type int"; 2**64 failed with NumPy's "Object
+        arrays cannot be saved"."""
+        with pytest.raises(ValueError, match=f"the int at step is {number}, outside the 64-bit"):
+            Checkpoint(step=number)
+        ckpt = Checkpoint(counts={"step": 0})
+        ckpt.counts["step"] = number  # changed after construction: refused at save
+        with pytest.raises(ValueError, match=r"Checkpoint\.save: the int at counts/step is"):
+            await ckpt.save(tmp_path / "c.npz")
+        assert not (tmp_path / "c.npz").exists()
+        edge = Checkpoint(low=-(2**63), high=2**63 - 1)
+        path = await edge.save(tmp_path / "edge.npz")
+        edge.low = edge.high = 0
+        await edge.restore(path)
+        assert (edge.low, edge.high) == (-(2**63), 2**63 - 1)
+
     def test_variables_inside_tuple_allowed(self) -> None:
         """Variables may sit in tuples: they are restored in place anyway."""
         ckpt = Checkpoint(pair=(Variable(0.0), Variable(1.0)))

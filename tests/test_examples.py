@@ -143,6 +143,28 @@ class TestTrainDigits:
         for name, value in straight.params.items():
             np.testing.assert_array_equal(resumed.params[name], value)
 
+    @pytest.mark.anyio
+    async def test_steps_per_call_runs_the_same_steps(self, tmp_path: Path) -> None:
+        """``steps_per_call`` (``strategy.run_steps``) takes the steps ``run()`` per step takes,
+        over an epoch boundary and a ``max_steps`` inside a call, checkpoints and resumes."""
+        digits = load("train_digits")
+        directory = str(tmp_path / "checkpoints")
+        straight = await digits.main(3, epochs=2, progress=False)
+        stopped = await digits.main(
+            3, epochs=2, max_steps=30, checkpoint_dir=directory, progress=False, steps_per_call=8
+        )
+        resumed = await digits.main(
+            3, epochs=2, checkpoint_dir=directory, resume=True, progress=False, steps_per_call=5
+        )
+        assert (stopped.steps, resumed.steps, straight.steps) == (30, 14, 44)
+        np.testing.assert_allclose(
+            stopped.losses + resumed.losses, straight.losses, rtol=1e-12, atol=0
+        )
+        for name, value in straight.params.items():
+            np.testing.assert_array_equal(resumed.params[name], value)
+        with pytest.raises(ValueError, match="steps_per_call must be >= 1"):
+            await digits.main(1, max_steps=1, progress=False, steps_per_call=0)
+
     def test_reaches_95_percent_test_accuracy(self, tmp_path: Path) -> None:
         """The default run (4 replicas, 20 epochs) classifies at least 95 % of the test set."""
         digits = load("train_digits")

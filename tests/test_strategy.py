@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 from replicas import rid
 
@@ -334,3 +335,102 @@ class TestConcurrentRuns:
             group.start_soon(one, "b")
         assert results == {"a": ("a", 60), "b": ("b", 60)}
         assert strategy.statistics() == aioreplica.SchedulerStatistics(0, 0, 10)
+
+
+class TestAsInTF:
+    """What a ``tf.distribute`` user types, and where aioreplica used to differ from TF."""
+
+    async def test_the_default_strategys_scope_keeps_the_default_replica_context(self) -> None:
+        """TF's ``testScopeMostlyNoOp``."""
+        default = aioreplica.get_strategy()
+        replica_context = get_replica_context()
+        with default.scope() as entered:
+            assert entered is default
+            assert get_replica_context() is replica_context
+            assert not aioreplica.in_cross_replica_context()
+            assert aioreplica.get_cross_replica_context() is None
+            assert aioreplica.get_strategy() is default
+            assert not aioreplica.has_strategy()
+            assert type(aioreplica.Variable(1.0)) is aioreplica.Variable
+
+    async def test_get_cross_replica_context(self) -> None:
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        seen: list[Any] = []
+
+        def merge(s: MirroredStrategy) -> None:
+            seen.append(aioreplica.get_cross_replica_context())
+
+        async def step() -> None:
+            seen.append(aioreplica.get_cross_replica_context())
+            await aioreplica.get_replica_context().merge_call(merge)  # type: ignore[union-attr]
+
+        assert aioreplica.get_cross_replica_context() is None
+        with strategy.scope():
+            assert aioreplica.get_cross_replica_context() is strategy
+        await strategy.run(step)
+        assert seen == [None, None, strategy]
+
+    async def test_experimental_distribute_dataset_is_distribute_dataset(self) -> None:
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        data = aioreplica.batched(np.arange(6.0), 4)
+        tf_name = [
+            [list(v) for v in x.values]
+            async for x in strategy.experimental_distribute_dataset(data)
+        ]
+        ours = [[list(v) for v in x.values] async for x in strategy.distribute_dataset(data)]
+        assert tf_name == ours == [[[0.0, 1.0], [2.0, 3.0]], [[4.0], [5.0]]]
+        with pytest.raises(TypeError):
+            strategy.experimental_distribute_dataset("abc")
+
+    async def test_reduce_to_a_variables_devices(self) -> None:
+        """``reduce_to(SUM, grad, destinations=var)``, the standard optimizer pattern."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            v = aioreplica.Variable(np.zeros(2))
+        grad = PerReplica([np.ones(2), np.full(2, 3.0)])
+        reduced = await strategy.extended.reduce_to("sum", grad, destinations=v)
+        assert isinstance(reduced, Mirrored)
+        assert [list(c) for c in reduced.values] == [[4.0, 4.0], [4.0, 4.0]]
+        (batched,) = await strategy.extended.batch_reduce_to("mean", [(grad, v)])
+        assert [list(c) for c in batched.values] == [[2.0, 2.0], [2.0, 2.0]]
+
+    async def test_variables_as_values(self) -> None:
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            mirrored = aioreplica.Variable(np.array([1.0, 2.0]), name="w")
+            metric = aioreplica.Variable(
+                np.array([1.0, 2.0]), synchronization="on_read", aggregation="sum"
+            )
+
+        async def step() -> None:
+            await metric.assign_add(np.full(2, rid() + 1.0))
+
+        await strategy.run(step)  # copies [2, 3] and [3, 4]
+        assert list(await strategy.reduce("mean", mirrored)) == [1.0, 2.0]
+        assert list(await strategy.reduce("max", mirrored)) == [1.0, 2.0]
+        assert list(await strategy.reduce("sum", metric)) == [5.0, 7.0]
+        assert list((await strategy.reduce("mean", {"m": metric}))["m"]) == [2.5, 3.5]
+        to_one = await strategy.extended.reduce_to("mean", mirrored, destinations="cpu:1")
+        assert list(to_one) == [1.0, 2.0]
+        pairs = [(metric, mirrored), (mirrored, "cpu:0")]
+        summed, mean = await strategy.extended.batch_reduce_to("max", pairs)
+        assert [list(c) for c in summed.values] == [[3.0, 4.0], [3.0, 4.0]]
+        assert list(mean) == [1.0, 2.0]
+        plain = aioreplica.Variable(np.array([5.0]))
+        assert list(await strategy.reduce("sum", PerReplica([plain.value(), plain.value()]))) == [
+            10.0
+        ]
+
+    @pytest.mark.parametrize("op", ["sum", "prod"])
+    async def test_a_mirrored_variable_cannot_be_summed(self, op: str) -> None:
+        """It holds one value on every replica: summing it would count it once per replica
+        (TF refuses it too)."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            v = aioreplica.Variable(np.ones(2), name="w")
+        with pytest.raises(
+            ValueError, match=f"cannot reduce mirrored variable 'w' with {op.upper()}"
+        ):
+            await strategy.reduce(op, v)
+        with pytest.raises(ValueError, match="cannot reduce mirrored variable 'w'"):
+            await strategy.extended.reduce_to(op, v, destinations=v)
