@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import pytest
+
 import aioreplica
+
+#: Runs an ``anyio``-marked test on asyncio and uvloop only, for behaviour trio cannot have
+#: (a ``CancelledError`` raised by hand, ``asyncio``-specific ordering).
+ASYNCIO_ONLY = pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ],
+)
 
 
 def cpus(n: int) -> list[str]:

@@ -12,19 +12,11 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from replicas import cpus, ctx, rid
+from replicas import ASYNCIO_ONLY, cpus, ctx, rid
 
 from aioreplica import MirroredStrategy
 
 pytestmark = pytest.mark.anyio
-
-ASYNCIO_ONLY = pytest.mark.parametrize(
-    "anyio_backend",
-    [
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ],
-)
 
 
 def noop(strategy: MirroredStrategy) -> None:

@@ -10,7 +10,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 from fake_devices import RecordingDevice
-from replicas import cpus, ctx, rid
+from replicas import ASYNCIO_ONLY, cpus, ctx, rid
 
 import aioreplica
 from aioreplica import (
@@ -22,14 +22,6 @@ from aioreplica import (
 from aioreplica._collectives import ReductionEngine
 
 pytestmark = pytest.mark.anyio
-
-ASYNCIO_ONLY = pytest.mark.parametrize(
-    "anyio_backend",
-    [
-        pytest.param(("asyncio", {}), id="asyncio"),
-        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
-    ],
-)
 
 
 def noop(strategy: MirroredStrategy) -> None:
