@@ -18,6 +18,7 @@ Run it::
     python examples/train_digits.py                     # 4 host replicas, asyncio
     python examples/train_digits.py --replicas 8 --loop trio --plot loss.png
     python examples/train_digits.py --epochs 30 --resume
+    python examples/train_digits.py --checkpoint-every 50 --resume  # resumes mid-epoch
     python examples/train_digits.py --steps-per-call 16  # strategy.run_steps, 16 steps a call
 """
 
@@ -174,16 +175,20 @@ async def main(
     progress: bool = True,
     seed: int = 0,
     steps_per_call: int = 1,
+    checkpoint_every: int | None = None,
 ) -> Result:
     """Train, checkpointing every epoch; return the parameters, losses and test accuracy.
 
     ``max_steps`` stops early (for tests), with a checkpoint there; ``checkpoint_dir=None``
     writes no checkpoints. ``steps_per_call`` > 1 runs that many steps per
     ``strategy.run_steps`` call (the replicas start once per call) instead of one ``run()``
-    per step; the steps are the same.
+    per step; the steps are the same. ``checkpoint_every`` also checkpoints every that many
+    steps, so that a run killed in the middle of an epoch resumes there.
     """
     if steps_per_call < 1:
         raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
     strategy = aioreplica.MirroredStrategy(devices or [f"cpu:{i}" for i in range(replicas)])
     x_train, y_train, x_test, y_test = load_data(seed)
     with strategy.scope():
@@ -213,22 +218,35 @@ async def main(
     bar = _progress(epochs * steps_per_epoch, checkpoint.step, progress)
     stopped = False
 
-    def count(steps: int) -> bool:
-        """Record ``steps`` more steps; whether ``max_steps`` is reached."""
+    async def count(steps: int) -> bool:
+        """Record ``steps`` more steps, checkpoint if it is time; whether to stop."""
         result.steps += steps
         checkpoint.step += steps
         if bar is not None:
             bar.update(steps)
             running = np.mean(result.losses[-steps_per_epoch:])
             bar.set_postfix(epoch=checkpoint.epoch + 1, loss=f"{running:.4f}")
-        return max_steps is not None and result.steps >= max_steps
+        stop = max_steps is not None and result.steps >= max_steps
+        due = checkpoint_every is not None and checkpoint.step % checkpoint_every == 0
+        if manager is not None and due and not stop:
+            await manager.save()  # mid-epoch too: the data iterator keeps its place
+        return stop
+
+    def next_call() -> int:
+        """How many steps the next ``run_steps`` call takes: up to a checkpoint or the end."""
+        wanted = steps_per_call
+        if max_steps is not None:
+            wanted = min(wanted, max_steps - result.steps)
+        if checkpoint_every:
+            wanted = min(wanted, checkpoint_every - checkpoint.step % checkpoint_every)
+        return wanted
 
     while checkpoint.epoch < epochs and not stopped:
         if steps_per_call == 1:
             async for batch in checkpoint.data:
                 losses = await strategy.run(train_step, (batch, params, optimizer, global_batch))
                 result.losses.append(float(await strategy.reduce("sum", losses)))
-                stopped = count(1)
+                stopped = await count(1)
                 if stopped:
                     break  # the checkpoint below keeps the place in this epoch
         else:
@@ -240,12 +258,11 @@ async def main(
                 losses=result.losses,
             )
             while not stopped:
-                left = steps_per_call if max_steps is None else max_steps - result.steps
-                wanted = min(steps_per_call, left)
+                wanted = next_call()
                 before = len(result.losses)
                 await strategy.run_steps(step, checkpoint.data, wanted)
                 done = len(result.losses) - before
-                stopped = count(done)
+                stopped = await count(done)
                 if done < wanted:
                     break  # the epoch ended
         if not stopped:  # the epoch is done: the next one is a new pass
@@ -314,6 +331,12 @@ def cli() -> None:
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     parser.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        metavar="STEPS",
+        help="also checkpoint every STEPS steps (a run killed mid-epoch then resumes there)",
+    )
+    parser.add_argument(
         "--steps-per-call",
         type=int,
         default=1,
@@ -323,6 +346,8 @@ def cli() -> None:
     options = parser.parse_args()
     if options.steps_per_call < 1:
         parser.error("--steps-per-call must be >= 1")
+    if options.checkpoint_every is not None and options.checkpoint_every < 1:
+        parser.error("--checkpoint-every must be >= 1")
     devices = None
     if options.gpus:
         devices = [name for name in aioreplica.list_devices() if name.startswith("gpu:")]
@@ -341,6 +366,7 @@ def cli() -> None:
             resume=options.resume,
             plot=options.plot,
             steps_per_call=options.steps_per_call,
+            checkpoint_every=options.checkpoint_every,
         )
 
     anyio.run(run, backend=options.loop)

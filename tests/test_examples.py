@@ -165,6 +165,42 @@ class TestTrainDigits:
         with pytest.raises(ValueError, match="steps_per_call must be >= 1"):
             await digits.main(1, max_steps=1, progress=False, steps_per_call=0)
 
+    @pytest.mark.anyio
+    @pytest.mark.parametrize("steps_per_call", [1, 7])
+    async def test_a_run_killed_mid_epoch_resumes_from_its_last_checkpoint(
+        self, tmp_path: Path, steps_per_call: int
+    ) -> None:
+        """``checkpoint_every`` saves mid-epoch; a run killed after step 25 (its stopping
+        checkpoint deleted, as if it never came) resumes at step 20 and ends as an unbroken
+        run."""
+        digits = load("train_digits")
+        directory = tmp_path / "checkpoints"
+        settings = {"progress": False, "steps_per_call": steps_per_call}
+        killed = await digits.main(
+            3,
+            epochs=2,
+            max_steps=25,
+            checkpoint_dir=str(directory),
+            checkpoint_every=10,
+            **settings,
+        )
+        assert killed.steps == 25
+        assert sorted(p.name for p in directory.iterdir()) == [  # the newest 3 of 4
+            "ckpt-2.npz",  # step 20 (ckpt-1: step 10)
+            "ckpt-3.npz",  # step 22: the end of the first epoch
+            "ckpt-4.npz",  # step 25, where max_steps stopped it
+        ]
+        (directory / "ckpt-4.npz").unlink()
+        (directory / "ckpt-3.npz").unlink()
+        resumed = await digits.main(
+            3, epochs=2, checkpoint_dir=str(directory), resume=True, **settings
+        )
+        straight = await digits.main(3, epochs=2, progress=False)
+        assert resumed.steps == 44 - 20
+        assert killed.losses[:20] + resumed.losses == straight.losses
+        for name, value in straight.params.items():
+            np.testing.assert_array_equal(resumed.params[name], value)
+
     def test_reaches_95_percent_test_accuracy(self, tmp_path: Path) -> None:
         """The default run (4 replicas, 20 epochs) classifies at least 95 % of the test set."""
         digits = load("train_digits")
