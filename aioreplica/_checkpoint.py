@@ -537,15 +537,31 @@ class CheckpointManager:
         if not self._swept:
             await anyio.to_thread.run_sync(_remove_stale_temporaries, self._directory, self._name)
             self._swept = True
-        path = await values.write(self._path(number))
-        # No await since the write: every checkpoint on disk is one this manager lists.
-        if number in self._numbers:
-            self._numbers.remove(number)
-        self._numbers.append(number)
-        # The write finished although the caller may be cancelled: finish the save with it.
-        with anyio.CancelScope(shield=True):
-            await self._prune()
+        # The write and its bookkeeping run shielded in a task of their own: a caller
+        # cancelled in any way (an anyio scope, or a bare Task.cancel() as asyncio.timeout
+        # does) waits for them, so every checkpoint that reaches the disk is listed and pruned.
+        outcome: list[Any] = []  # the path written, or the exception it failed with
+        with anyio.CancelScope(shield=True):  # a scope's cancellation: at the caller's next await
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._write_and_record, values, number, outcome)
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]  # itself, not in a group
+        path: str = outcome[0]
         return path
+
+    async def _write_and_record(self, values: _Snapshot, number: int, outcome: list[Any]) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                path = await values.write(self._path(number))
+                # No await since the write: every checkpoint on disk is one this manager lists.
+                if number in self._numbers:
+                    self._numbers.remove(number)
+                self._numbers.append(number)
+                await self._prune()
+            except BaseException as exc:  # handed to the caller as it is
+                outcome.append(exc)
+            else:
+                outcome.append(path)
 
     async def _prune(self) -> None:
         """Delete the checkpoints beyond ``max_to_keep``, oldest first."""

@@ -89,6 +89,18 @@ def _describe_fn(fn: Callable[..., Any] | None) -> str:
     return f"{name}{where}"
 
 
+class _RunFailed(BaseException):
+    """Ends a replica that no cancellation can reach (it is inside an anyio shield) at a merge
+    point of a run that has failed: that round can never complete. The run raises its own
+    failure; this one is not reported."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this run has failed, so this merge_call can never complete (the replica is inside "
+            "an anyio shield, which keeps the run's cancellation out)"
+        )
+
+
 class _Round:
     """One merge round: who has arrived with which request, and once done, the result."""
 
@@ -165,6 +177,8 @@ class _Replica:
             result = await self._drive(fn, args, kwargs)
         except BaseException as exc:
             run = self.run
+            if isinstance(exc, _RunFailed):
+                return  # the run's own failure is what run() raises
             if isinstance(exc, run.cancelled_class):
                 if run.tasks.is_cancellation(exc):
                     raise
@@ -249,6 +263,8 @@ class _Replica:
                             yield from (waiter if waiter is not None else rnd.gate.park(replica_id))
                         except BaseException as exc:
                             yield from run.park_interrupted(self, rnd, exc)
+                    if not rnd.done:  # woken by a failing run: shielded from its cancellation
+                        raise _RunFailed
                     result = rnd.result
                     value = result if result is None else select_replica(replica_id, result)
                 else:
@@ -298,6 +314,11 @@ class _Run:
         self.failures.append((exc, note, replica))
         self.fast_path = False
         self.tasks.cancel()
+        # A replica parked inside an anyio shield is not reached by the cancellation: wake the
+        # round, whose replicas then leave it (``rnd.done`` stays false).
+        rnd = self.round
+        if rnd.arrived and not rnd.done:
+            rnd.gate.open(None)
 
     def own_cancellation(self, exc: BaseException, who: str) -> RuntimeError:
         """A cancellation that user code raised of its own, not this run's: a failure."""
@@ -375,7 +396,7 @@ class _Run:
             yield from self.complete(rnd, replica)
             return
         if self.failures:
-            yield from self.loop.park_cancelled()
+            yield from self.loop.park_cancelled(_RunFailed)
         try:
             if timeout is not None and not rnd.watched:
                 rnd.watched = True
@@ -421,7 +442,7 @@ class _Run:
             ),
             "detected by a merge timeout",
         )
-        yield from self.loop.park_cancelled()
+        yield from self.loop.park_cancelled(_RunFailed)
         raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
     def complete(self, rnd: _Round, last: _Replica) -> _Step:
@@ -439,7 +460,7 @@ class _Run:
         else:
             failed = False
         if failed:
-            yield from self.loop.park_cancelled()
+            yield from self.loop.park_cancelled(_RunFailed)
             raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
         token = context_state.set(self.merge_state)
@@ -463,7 +484,7 @@ class _Run:
         finally:
             context_state.reset(token)
         if failed:
-            yield from self.loop.park_cancelled()
+            yield from self.loop.park_cancelled(_RunFailed)
             raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
         rnd.result = result

@@ -255,7 +255,8 @@ class MirroredStrategy:
             replica that completes the round carries on first and the others resume in the
             order they arrived, the same way on every run. ``"random"`` shuffles both orders
             with a seeded generator, to hunt order-dependent bugs: one order per seed, the
-            same on asyncio, uvloop and trio.
+            same on asyncio, uvloop and trio (of starts and merge points; other awaits
+            between them follow each loop's scheduling).
         seed: the seed for ``interleave="random"``; ``None`` draws one (see ``.seed``).
         communication_options: defaults for collectives (packing, timeout).
 
@@ -601,7 +602,8 @@ class MirroredStrategy:
             This strategy.
 
         Raises:
-            ValueError: another strategy's scope or replica is current.
+            RuntimeError: another strategy's scope or replica is current (as in TF, which
+                refuses to mix strategies).
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -613,7 +615,7 @@ class MirroredStrategy:
         replica = state.replica
         current = replica.strategy if replica is not None else state.strategy
         if current is not None and current is not self:
-            raise ValueError(
+            raise RuntimeError(
                 f"cannot enter the scope of {self!r} while {current!r} is current; "
                 "strategies cannot be mixed: finish with one before using the other"
             )

@@ -18,6 +18,8 @@ What is a container
     * types registered with :func:`register_node` or :func:`register_dataclass`. A
       registration covers that exact type, not its subclasses. Registered children get path
       entries ``[i]`` (their position), registered dataclass fields ``.name``.
+    * classes made with ``attrs``, as in tf.nest: their fields in order, path entries
+      ``.name``, rebuilt with the fields as positional arguments (registered on first sight).
 
 Everything else is a leaf: arrays, scalars, strings, bytes, dataclass instances that were
 not registered, and arbitrary objects. ``None`` is a leaf too (it counts as one leaf and is
@@ -211,10 +213,27 @@ def _classify(t: type) -> int:
         kind = _DEFAULTDICT
     elif issubclass(t, Mapping):
         kind = _MAPPING
+    elif hasattr(t, "__attrs_attrs__"):  # attrs classes are containers, as in tf.nest
+        _register_attrs(t)
+        kind = _CUSTOM
     else:
         kind = _LEAF
     _KINDS[t] = kind
     return kind
+
+
+def _register_attrs(cls: type) -> None:
+    """Walk an attrs class like a namedtuple, as tf.nest does: its fields in order, with
+    path entries ``.name``, rebuilt positionally (without importing attrs)."""
+    names = tuple(field.name for field in cls.__attrs_attrs__)  # type: ignore[attr-defined]
+
+    def flatten_fn(x: Any) -> tuple[list[Any], None]:
+        return [getattr(x, name) for name in names], None
+
+    def unflatten_fn(aux: Any, children: tuple[Any, ...]) -> Any:
+        return cls(*children)
+
+    _register(cls, flatten_fn, unflatten_fn, names)
 
 
 def _kind(t: type) -> int:
@@ -230,7 +249,8 @@ def is_leaf(x: Any) -> bool:
 
     Returns:
         ``True`` for leaves (``None``, scalars, strings, arrays, unregistered dataclasses,
-        ...), ``False`` for containers, empty ones included.
+        ...), ``False`` for containers (attrs classes among them, as in tf.nest), empty ones
+        included.
 
     Raises:
         Nothing.

@@ -29,8 +29,9 @@ jax.tree_util                              aioreplica.nest
 =========================================  ==============================================
 
 What is a container
-    Lists, tuples, namedtuples, dicts and any other ``Mapping``, their subclasses, and types
-    registered with :func:`register_node` or :func:`register_dataclass`. Everything else is a
+    Lists, tuples, namedtuples, dicts and any other ``Mapping``, their subclasses, classes
+    made with ``attrs`` (their fields, as in tf.nest), and types registered with
+    :func:`register_node` or :func:`register_dataclass`. Everything else is a
     leaf: ``None``, scalars, strings, bytes, arrays, sets, unregistered dataclasses. As in
     tf.nest, ``flatten(None) == [None]`` and a leaf alone flattens to ``[leaf]``.
 
@@ -238,7 +239,9 @@ def map_structure_with_paths(
     """Like :func:`map_structure`, but also pass each leaf's path as a ``/``-joined string.
 
     The path joins the mapping keys, sequence indices and field names from the root with
-    ``/``, as tf.nest does: ``"a/0"`` for ``structure["a"][0]``, ``""`` for a leaf alone.
+    ``/``, as tf.nest does: ``"a/0"`` for ``structure["a"][0]``, ``""`` for a leaf alone. As in
+    tf.nest, the walk goes "up to" ``structures[0]``: where it has a leaf, a later structure
+    may hold a whole subtree, passed to `func` as one value.
 
     Args:
         func: Called as ``func(path, leaf_of_structure_0, leaf_of_structure_1, ...)``.
@@ -275,7 +278,8 @@ def map_structure_with_tuple_paths(
     """Like :func:`map_structure`, but also pass each leaf's path as a tuple.
 
     The path holds the mapping keys, sequence indices and field names from the root, as
-    tf.nest does: ``("a", 0)`` for ``structure["a"][0]``, ``()`` for a leaf alone.
+    tf.nest does: ``("a", 0)`` for ``structure["a"][0]``, ``()`` for a leaf alone. The walk
+    goes "up to" ``structures[0]``, as :func:`map_structure_with_paths` says.
 
     Args:
         func: Called as ``func(path, leaf_of_structure_0, leaf_of_structure_1, ...)``.
@@ -520,12 +524,51 @@ def _map_with_tuple_paths(
     structures: tuple[Any, ...],
     check_types: bool,
 ) -> Any:
-    """Map `call(tuple_path, *leaves)` over `structures`, checked as `caller` with `func`."""
-    treedef, columns = _flatten_matching(caller, func, structures, check_types)
+    """Map `call(tuple_path, *leaves)` over `structures`, checked as `caller` with `func`.
+
+    As in tf.nest, ``structures[0]`` sets the structure walked ("up to" it): where it has a
+    leaf, a later structure may hold a whole subtree, passed to `func` as one value.
+    """
+    _flatten_matching(caller, func, structures[:1], check_types)  # checks func and arity
+    leaves, treedef = _tree.flatten(structures[0])
+    columns = [leaves] + [
+        _flatten_up_to(caller, structures[0], structures[index], index, check_types, ())
+        for index in range(1, len(structures))
+    ]
     paths = [_tuple_path(path) for path, _ in _tree.flatten_with_path(structures[0])[0]]
     return treedef.unflatten(
         [call(path, *leaves) for path, *leaves in zip(paths, *columns, strict=True)]
     )
+
+
+def _flatten_up_to(
+    caller: str, shallow: Any, deep: Any, index: int, check_types: bool, path: KeyPath
+) -> list[Any]:
+    """`deep`'s values at the leaves of `shallow`, in flatten order (tf.nest's "up to")."""
+    level = _tree.node_level(shallow)
+    if level is None:
+        return [deep]
+    where = f"{caller}(): structures[{index}]"
+    deep_level = _tree.node_level(deep)
+    if deep_level is None:
+        raise TypeError(
+            f"{where} has a leaf of type {type(deep).__name__} at "
+            f"{_tree.describe_path(path)}, where structures[0] has a "
+            f"{type(shallow).__name__}; it must hold at least structures[0]'s structure"
+        )
+    # Containers must match as in map_structure (types under `check_types`, lengths, mapping
+    # keys); only below a leaf of structures[0] may the others hold more.
+    found = _top_level_difference(
+        shallow, deep, level, deep_level, check_types, "structures[0]", f"structures[{index}]"
+    )
+    if found is not None:
+        exc, message = found
+        raise exc(f"{where} differs from structures[0] at {_tree.describe_path(path)}: {message}")
+    children = deep_level.children  # in flatten order, as `level`'s: equal keys sort alike
+    out: list[Any] = []
+    for key, child, deep_child in zip(level.keys, level.children, children, strict=True):
+        out += _flatten_up_to(caller, child, deep_child, index, check_types, (*path, key))
+    return out
 
 
 def _tuple_path(path: KeyPath) -> tuple[Any, ...]:

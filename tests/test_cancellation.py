@@ -14,7 +14,7 @@ import anyio.lowlevel
 import pytest
 from replicas import ASYNCIO_ONLY, cpus, ctx, rid
 
-from aioreplica import MirroredStrategy
+from aioreplica import MirroredStrategy, ReplicaSyncError
 
 pytestmark = pytest.mark.anyio
 
@@ -169,6 +169,50 @@ class TestShields:
             "replica 1 shielded part done",
         ]
         assert events[2:] == ["scope left"]
+
+
+class TestMergePointInsideAShield:
+    """A replica waiting at a merge point inside a shield cannot be cancelled; when the run
+    fails, that round can never complete: the replica leaves it, and run() raises the failure
+    (it used to hang, past any deadline around it)."""
+
+    async def test_another_replica_fails(self) -> None:
+        strategy = MirroredStrategy(cpus(2))
+        ended: list[str] = []
+
+        async def step() -> None:
+            if rid() == 1:
+                await anyio.sleep(0.05)
+                raise ValueError("replica 1 fails")
+            try:
+                with anyio.CancelScope(shield=True):
+                    await ctx().merge_call(noop)
+            finally:
+                ended.append("replica 0 left the merge point")
+
+        with anyio.fail_after(5), pytest.raises(ValueError, match="replica 1 fails") as info:
+            await strategy.run(step)
+        assert info.value.__notes__ == ["raised in replica 1 of 2 (device cpu:1)"]
+        assert ended == ["replica 0 left the merge point"]
+
+    @pytest.mark.parametrize("interleave", ["ordered", "random"])
+    async def test_sync_timeout_expires(self, interleave: str) -> None:
+        seed = 1 if interleave == "random" else None
+        strategy = MirroredStrategy(
+            cpus(2),
+            sync_timeout=0.1,
+            interleave=interleave,  # type: ignore[arg-type]
+            seed=seed,
+        )
+
+        async def step() -> None:
+            if rid() == 1:
+                await anyio.sleep(5)
+            with anyio.CancelScope(shield=True):
+                await ctx().merge_call(noop)
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError, match="for replica 1"):
+            await strategy.run(step)
 
 
 class TestKeyboardInterrupt:

@@ -240,6 +240,37 @@ class TestCancelledSave:
         assert len(manager.checkpoints) == (1 if point == "making the directory" else keep)
 
 
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [
+        pytest.param(("asyncio", {}), id="asyncio"),
+        pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    ],
+)
+async def test_a_save_cancelled_by_task_cancel_lists_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bare ``Task.cancel()`` (as ``asyncio.timeout`` and ``wait_for`` use) during the write:
+    the write finishes, and its checkpoint is listed and the old one pruned before the
+    cancellation comes out. It used to leave a file on disk that the manager did not list."""
+    import asyncio
+
+    directory = tmp_path / "run"
+    manager = CheckpointManager(Checkpoint(step=0), directory, max_to_keep=1)
+    await manager.save()
+    go_on = threading.Event()
+    writing = hold_writes(monkeypatch, go_on)
+    task = asyncio.ensure_future(manager.save())
+    with anyio.fail_after(10):
+        assert await anyio.to_thread.run_sync(writing.wait, 10), "the write never started"
+        task.cancel()
+        go_on.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert names(manager.checkpoints) == ["ckpt-2.npz"]
+    assert listing(directory) == ["ckpt-2.npz"]
+
+
 async def dead_pid() -> int:
     """The pid of a process of this host that has ended (and been reaped)."""
     async with await anyio.open_process([sys.executable, "-c", "pass"]) as process:

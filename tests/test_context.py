@@ -402,7 +402,7 @@ class TestScope:
         with outer.scope():
             with (
                 pytest.raises(
-                    ValueError,
+                    RuntimeError,
                     match=(
                         rf"^cannot enter the scope of {re.escape(repr(other))} while "
                         rf"{re.escape(repr(outer))} is current; strategies cannot be mixed"
@@ -424,7 +424,7 @@ class TestScope:
                 pass
 
         with pytest.raises(
-            ValueError,
+            RuntimeError,
             match=(
                 rf"^cannot enter the scope of {re.escape(repr(other))} while "
                 rf"{re.escape(repr(strategy))} is current"
@@ -449,7 +449,7 @@ class TestScope:
             await ctx().merge_call(merge)
 
         with pytest.raises(
-            ValueError,
+            RuntimeError,
             match=(
                 rf"^cannot enter the scope of {re.escape(repr(other))} while "
                 rf"{re.escape(repr(strategy))} is current"

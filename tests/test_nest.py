@@ -329,6 +329,25 @@ class TestMapStructureWithPaths:
                 mapper(lambda path, a, b: a, [1], (1,))
             assert mapper(lambda path, a, b: b, [1], (2,), check_types=False) == [2]
 
+    def test_later_structures_may_go_deeper_than_the_first(self) -> None:
+        """tf.nest maps the paths "up to" structures[0]: below one of its leaves, a later
+        structure's whole subtree is one value."""
+        assert nest.map_structure_with_paths(lambda p, x, y: (p, y), [1, 2], [[5, 6], 7]) == [
+            ("0", [5, 6]),
+            ("1", 7),
+        ]
+        assert nest.map_structure_with_tuple_paths(
+            lambda p, x, y: (p, y), {"a": 1}, {"a": [1, 2]}
+        ) == {"a": (("a",), [1, 2])}
+        assert nest.map_structure_with_paths(lambda p, x, y: y, 0, [1, 2]) == [1, 2]
+
+    def test_a_leaf_where_the_first_has_a_container_is_a_type_error(self) -> None:
+        for mapper in (nest.map_structure_with_paths, nest.map_structure_with_tuple_paths):
+            with pytest.raises(TypeError, match="structures\\[1\\] has a leaf of type int at"):
+                mapper(lambda path, a, b: b, [1, 2], 5)
+            with pytest.raises(TypeError, match="at \\[1\\]"):
+                mapper(lambda path, a, b: b, [1, [2]], [1, 3])
+
     def test_mismatch_names_the_path(self) -> None:
         """A structure mismatch is reported with its key path."""
         for mapper in (nest.map_structure_with_paths, nest.map_structure_with_tuple_paths):
@@ -542,3 +561,36 @@ class TestModule:
             "register_node",
             "unflatten",
         ]
+
+
+class _Field:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class AttrsPair:
+    """What an ``attrs`` class shows the tree walk (``__attrs_attrs__``), without attrs."""
+
+    __attrs_attrs__ = (_Field("x"), _Field("y"))
+
+    def __init__(self, x: Any, y: Any) -> None:
+        self.x, self.y = x, y
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AttrsPair) and (self.x, self.y) == (other.x, other.y)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class TestAttrsClasses:
+    """tf.nest walks into attrs classes like namedtuples: fields in order, named paths."""
+
+    def test_flatten_pack_and_paths(self) -> None:
+        pair = AttrsPair([1, 2], 3)
+        assert nest.is_nested(pair)
+        assert nest.flatten(pair) == [1, 2, 3]
+        assert nest.pack_sequence_as(pair, [4, 5, 6]) == AttrsPair([4, 5], 6)
+        assert nest.map_structure_with_paths(lambda path, v: path, pair) == AttrsPair(
+            ["x/0", "x/1"], "y"
+        )
+        assert nest.map_structure(lambda v: v * 10, pair) == AttrsPair([10, 20], 30)

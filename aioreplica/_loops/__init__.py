@@ -11,7 +11,8 @@ section headings, as anyio's backends do:
 - **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
 - **park_cancelled**: deliver a failing run's cancellation to a replica that would otherwise park
-  (at once on asyncio, at the next checkpoint on trio).
+  (at once on asyncio, at the next checkpoint on trio); a replica inside an anyio shield, which
+  no cancellation reaches, gets the exception the scheduler gives instead.
 - **thread results** (``thread_result``): a worker thread hands a result to the waiting task
   without blocking until the loop gets round to it.
 - **background tasks** (``spawn_background``): a task owned by an object (a dataset's
@@ -139,7 +140,10 @@ class Loop(Protocol):
         replicas in exactly the order given, one after another, on every loop."""
         ...
 
-    def park_cancelled(self) -> Iterable[Any]: ...
+    def park_cancelled(self, shielded: Callable[[], BaseException]) -> Iterable[Any]:
+        """Deliver the failing run's cancellation to the calling replica, or raise
+        ``shielded()`` if it is inside an anyio shield (where waiting would never end)."""
+        ...
 
     def thread_result(self) -> ThreadResult: ...
 

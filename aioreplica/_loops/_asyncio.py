@@ -300,9 +300,12 @@ class AsyncioLoop:
     def gate_factory(self, ordered: bool) -> Callable[[], _SharedGate | _FutureGate]:
         return functools.partial(_SharedGate if ordered else _FutureGate, self._loop)
 
-    def park_cancelled(self) -> Iterable[Any]:
+    def park_cancelled(self, shielded: Callable[[], BaseException]) -> Iterable[Any]:
         # The run is failing and every replica has been cancelled: deliver it now. Waiting
         # for the task's cancellation instead would hang if the replica's code swallowed it.
+        task = asyncio.current_task()
+        if task is not None and _in_anyio_shield(task):
+            raise shielded()
         raise asyncio.CancelledError
 
     def thread_result(self) -> _ThreadResult:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from collections import deque
 from typing import TYPE_CHECKING, Any, final
 
@@ -308,8 +309,11 @@ class TrioLoop:
     def gate_factory(self, ordered: bool) -> Callable[[], _TaskGate | _ChainGate]:
         return functools.partial(_TaskGate if ordered else _ChainGate, self._lowlevel)
 
-    def park_cancelled(self) -> Iterable[Any]:
-        # trio delivers the cancellation of the run's scope at the next checkpoint.
+    def park_cancelled(self, shielded: Callable[[], BaseException]) -> Iterable[Any]:
+        # trio delivers the cancellation of the run's scope at the next checkpoint, unless a
+        # shield keeps it out: then nothing would ever wake this replica.
+        if self._trio.current_effective_deadline() != -math.inf:
+            raise shielded()
         lowlevel = self._lowlevel
         return lowlevel.wait_task_rescheduled(  # type: ignore[no-any-return]
             lambda _raise_cancel: lowlevel.Abort.SUCCEEDED
