@@ -310,15 +310,14 @@ class Checkpoint:
         for obj_path, obj in self._leaves():
             plan.expect(obj_path, obj, self._leaves)
         plan.finish()
-        # Everything fits. Take the write turns of everything restored, so that no write or
-        # step interleaves with this one. Meanwhile a step (or ``build``) may give an
-        # optimizer new slots: their turns are needed too, so then take them all again.
-        turns = plan.turns()
+        # Everything fits. Take the write turns of everything restored (an optimizer's new
+        # slots included), so that no write or step interleaves with this one. ``build`` may
+        # still give an optimizer slots while the copies are computed: then commit is refused
+        # and the restore starts over.
         while True:
-            async with taking_turns(turns):
-                if plan.turns() <= turns and await plan.commit(self._set_number):
+            async with taking_turns(plan.turns):
+                if await plan.commit(self._set_number):
                     return plan.report()
-            turns |= plan.turns()
 
     def _leaves(self) -> Iterator[tuple[Path, Any]]:
         pairs, _ = _tree.flatten_with_path(self._objects)
@@ -522,11 +521,8 @@ class CheckpointManager:
             raise ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
         _check_not_in_replica("CheckpointManager.save")
         values = self._checkpoint._snapshot()  # references only: copies never change in place
-        await self._turn.acquire()
-        try:
+        async with self._turn:
             return await self._save(values, checkpoint_number)
-        finally:
-            self._turn.release()
 
     async def _save(self, values: _Snapshot, checkpoint_number: int | None) -> str:
         """Number, write, record and prune one checkpoint (holding the manager's turn)."""

@@ -277,15 +277,9 @@ class Optimizer:
             for i, variable in enumerate(variables)
         ]
         # Every turn at once, in the global order, so that no two steps or restores can wait
-        # for each other. A slot made by a step that ran while this one waited is written by
-        # this one too: take its turn as well, from the start.
-        turns = self._turns(variables)
-        while True:
-            async with taking_turns(turns):
-                needed = self._turns(variables)
-                if needed <= turns:
-                    return await self._apply(engine, grads, variables)
-            turns = needed
+        # for each other; a slot made by a step that ran while this one waited included.
+        async with taking_turns(lambda: self._turns(variables)):
+            return await self._apply(engine, grads, variables)
 
     def _turns(self, variables: list[Variable]) -> set[Turn]:
         """The turns a step of ``variables`` holds: the optimizer's, theirs and their slots'."""

@@ -537,24 +537,25 @@ def _later_failures(
 ) -> list[str]:
     """One note per distinct later failure; the same error from several replicas (on trio
     replicas often fail alike before the cancellation reaches them) is one note naming them."""
-    lines: list[str] = []
+    notes: list[str | tuple[type[BaseException], str]] = []  # a note, or a key of `alike`
     alike: dict[tuple[type[BaseException], str], list[int]] = {}
     for exc, note, replica in later:
         if exc is first:
             continue
         if replica is None:
-            lines.append(f"also {note}: {type(exc).__name__}: {exc}")
+            notes.append(f"also {note}: {type(exc).__name__}: {exc}")
             continue
-        replicas = alike.setdefault((type(exc), str(exc)), [])
-        if not replicas:
-            lines.append("")  # its place, filled below once every replica is known
-        replicas.append(replica)
-    shown = iter(alike.items())
-    for i, line in enumerate(lines):
-        if not line:
-            (kind, message), replicas = next(shown)
-            lines[i] = f"also raised in {replica_list(replicas)}: {kind.__name__}: {message}"
-    return lines
+        key = (type(exc), str(exc))
+        if key not in alike:
+            alike[key] = []
+            notes.append(key)
+        alike[key].append(replica)
+    return [
+        note
+        if isinstance(note, str)
+        else f"also raised in {replica_list(alike[note])}: {note[0].__name__}: {note[1]}"
+        for note in notes
+    ]
 
 
 class _NotStarted:

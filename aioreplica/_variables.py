@@ -490,12 +490,8 @@ class Variable(NDArrayOperatorsMixin):
 
     async def _write_copies(self, op: str, values: Sequence[Any]) -> None:
         """Write ``values[i]`` into copy ``i`` with ``op``, every copy or (on error) none."""
-        turn = self._turn
-        await turn.acquire()
-        try:
+        async with self._turn:
             commit([(self, await compute_update(self, writer(op), values))])
-        finally:
-            turn.release()
 
     def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
         """``value`` on ``device``, in this variable's dtype, or a clear error."""
@@ -644,16 +640,12 @@ class SyncOnReadVariable(Variable):
         if replica is not None:
             replica_id = self._replica_id(replica, op)
             local = self._checked(value, replica.device, replica_id)
-            turn = self._turn
-            await turn.acquire()
-            try:
+            async with self._turn:
                 copy = self._copies[replica_id]
                 new = (await compute_copies((replica.device,), writer(op), [[copy], [local]]))[0]
                 copies = list(self._copies)
                 copies[replica_id] = new
                 commit([(self, copies)])
-            finally:
-                turn.release()
             return self
         if op != ASSIGN and self._aggregation is _Agg.SUM:
             raise ValueError(
@@ -828,13 +820,9 @@ async def _update(
         result = fn(copy, *selected[0], **selected[1])
         return _as_copy(variable, result, copy)
 
-    turn = variable._turn
-    await turn.acquire()
-    try:
+    async with variable._turn:
         new = await compute_update(variable, apply, per_copy_args)
         commit([(variable, new)])
-    finally:
-        turn.release()
     return new
 
 

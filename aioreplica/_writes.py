@@ -79,15 +79,16 @@ _creation = itertools.count()
 class Turn:
     """A first-in, first-out lock held by one write of an object from its read to its commit.
 
-    Not tied to a task, an event loop or an async library: an uncontended ``acquire`` takes
-    the turn without awaiting, and ``release`` hands it straight to the longest waiter, so a
-    later caller can never overtake one that is already waiting. ``order`` (the creation
-    order) is the global order in which ``taking_turns`` takes several.
+    Held with ``async with turn:``. Not tied to a task, an event loop or an async library:
+    an uncontended ``acquire`` takes the turn without awaiting, and ``release`` hands it
+    straight to the longest waiter, so a later caller can never overtake one that is already
+    waiting. ``order`` (the creation order) is the global order in which ``taking_turns``
+    takes several.
 
     Example:
         >>> turn = Turn()
         >>> async def write():
-        ...     async with taking_turns([turn]):
+        ...     async with taking_turns(lambda: [turn]):
         ...         return turn.held
         >>> anyio.run(write)
         True
@@ -119,6 +120,12 @@ class Turn:
                 self._waiting.remove(handed)
             raise
 
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.release()
+
     def release(self) -> None:
         """Hand the turn to the longest waiter, or free it."""
         waiting = self._waiting
@@ -129,18 +136,42 @@ class Turn:
 
 
 @contextlib.asynccontextmanager
-async def taking_turns(turns: Iterable[Turn]) -> AsyncIterator[None]:
-    """Hold every turn in ``turns`` (duplicates allowed), taken in creation order."""
-    ordered = sorted({id(turn): turn for turn in turns}.values(), key=_order)
-    taken: list[Turn] = []
+async def taking_turns(needed: Callable[[], Iterable[Turn]]) -> AsyncIterator[None]:
+    """Hold every turn that ``needed()`` names (duplicates allowed), taken in creation order.
+
+    ``needed`` is asked again once they are held: while this write waited, another may have
+    given its objects new parts (an optimizer step makes slots), whose turns it then takes
+    too, letting go and taking the larger set in order, so that the order is never broken.
+    """
+    turns = set(needed())
+    while True:
+        taken = await _take(turns)
+        more = set(needed())
+        if more <= turns:
+            break
+        _release(taken)
+        turns |= more
     try:
-        for turn in ordered:
-            await turn.acquire()
-            taken.append(turn)
         yield
     finally:
-        for turn in reversed(taken):
-            turn.release()
+        _release(taken)
+
+
+async def _take(turns: set[Turn]) -> list[Turn]:
+    taken: list[Turn] = []
+    try:
+        for turn in sorted(turns, key=_order):
+            await turn.acquire()
+            taken.append(turn)
+    except BaseException:
+        _release(taken)
+        raise
+    return taken
+
+
+def _release(taken: list[Turn]) -> None:
+    for turn in reversed(taken):
+        turn.release()
 
 
 def _order(turn: Turn) -> int:

@@ -166,7 +166,7 @@ class TestTurn:
         order: list[int] = []
 
         async def write(i: int) -> None:
-            async with taking_turns([turn]):
+            async with taking_turns(lambda: [turn]):
                 await anyio.lowlevel.checkpoint()
                 order.append(i)
 
@@ -207,7 +207,7 @@ class TestTurn:
 
     async def test_several_turns_are_taken_in_creation_order(self) -> None:
         turns = [Turn() for _ in range(3)]
-        async with taking_turns(reversed(turns)):
+        async with taking_turns(lambda: reversed(turns)):
             assert all(turn.held for turn in turns)
         assert not any(turn.held for turn in turns)
 
