@@ -30,7 +30,9 @@ replica, any other leaf stands for the same value on every replica.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
+
+import numpy as np
 
 from . import _tree
 from ._backends import array_kind
@@ -262,6 +264,8 @@ class ReductionEngine:
 
     def _per_replica(self, treedef: _tree.TreeDef, results: Sequence[Sequence[Any]]) -> list[Any]:
         """Per-leaf results (one per replica each) as one result structure per replica."""
+        if treedef is _LEAF:
+            return list(results[0])
         return [
             treedef.unflatten([leaf[replica] for leaf in results]) for replica in range(self.size)
         ]
@@ -269,7 +273,11 @@ class ReductionEngine:
     def _leaves(self, what: str, value: Any) -> tuple[list[_LeafArrays], _tree.TreeDef]:
         """Split a (regrouped) value into leaves with one array per replica, on its device."""
         size = len(self.devices)
-        pairs, treedef = _tree.flatten_with_path(value)
+        pairs: list[tuple[_tree.KeyPath, Any]]
+        if isinstance(value, DistributedValues) or _tree.is_leaf(value):
+            pairs, treedef = [((), value)], _LEAF  # the common case: one array per replica
+        else:
+            pairs, treedef = _tree.flatten_with_path(value)
         leaves = []
         for path, leaf in pairs:
             if isinstance(leaf, DistributedValues):
@@ -291,9 +299,10 @@ class ReductionEngine:
     ) -> list[Any]:
         """One leaf's components as arrays on their replicas' devices, or a ``TypeError``."""
         backend = self.backend
-        kinds = {array_kind(component) for component in components}
-        if not kinds <= {backend.name, "scalar"}:
-            _refuse_components(what, path, components, per_replica, backend.name)
+        if backend.name != "numpy" or not all(type(c) is np.ndarray for c in components):
+            kinds = {array_kind(component) for component in components}
+            if not kinds <= {backend.name, "scalar"}:
+                _refuse_components(what, path, components, per_replica, backend.name)
         return [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
 
     def _check_same_shapes(self, what: str, leaves: list[_LeafArrays]) -> None:
@@ -334,6 +343,14 @@ class ReductionEngine:
         Returns, per leaf, one result per replica.
         """
         limit = opts.bytes_per_pack or DEFAULT_PACK_BYTES
+        if len(leaves) > 1:
+            # The common case, the one pack the loop below would make: few small leaves of
+            # one dtype.
+            dtype = leaves[0].arrays[0].dtype
+            if sum(leaf.arrays[0].nbytes for leaf in leaves) < limit and all(
+                leaf.arrays[0].dtype == dtype for leaf in leaves
+            ):
+                return await self._reduce_pack(op, leaves)
         results: list[list[Any] | None] = [None] * len(leaves)
         packs: dict[Any, list[list[int]]] = {}
         filled: dict[Any, int] = {}  # bytes in the last pack of each dtype
@@ -361,13 +378,8 @@ class ReductionEngine:
         return results  # type: ignore[return-value]
 
     async def _reduce_pack(self, op: ReduceOp, group: list[_LeafArrays]) -> list[list[Any]]:
-        """Fuse the leaves of each replica into one flat buffer, reduce it, split it back."""
-        packed = []
-        for r, device in enumerate(self.devices):
-            parts = [leaf.arrays[r].reshape(-1) for leaf in group]
-            nbytes = sum(part.nbytes for part in parts)
-            packed.append(await device.compute(nbytes, device.xp.concatenate, parts))
-        reduced = await self._reduce_arrays(op.value, packed)
+        """Reduce the leaves as one flat array per replica, then view it as the leaves."""
+        reduced = await self._reduce_packed(op.value, [leaf.arrays for leaf in group])
         shapes = [leaf.arrays[0].shape for leaf in group]
         offsets = [0]
         for shape in shapes:
@@ -384,6 +396,15 @@ class ReductionEngine:
             for j, view in enumerate(views):
                 per_leaf[j].append(view)
         return per_leaf
+
+    async def _reduce_packed(self, op: str, leaves: list[list[Any]]) -> list[Any]:
+        """Reduce small leaves as one: per replica, one flat array of the reduced leaves end
+        to end (the backend packs: the host reduces each leaf into its part of one output,
+        GPUs join each replica's leaves and make one collective call).
+
+        With ``_reduce_arrays``, the step a strategy spanning several workers extends.
+        """
+        return await self.backend.all_reduce_packed(op, leaves, self.devices)
 
     async def _reduce_arrays(self, op: str, inputs: list[Any]) -> list[Any]:
         """Reduce one array per replica on the backend: one result per replica.
@@ -500,12 +521,15 @@ def _check_axis(what: str, leaf: _LeafArrays, axis: int) -> int:
     return int(axis % ndim)
 
 
+#: The structure of a single leaf: what ``_leaves`` gives a value that is one leaf.
+_LEAF: Final = _tree.flatten(None)[1]
+
+
 def _check_op(op: ReduceOp, leaves: list[_LeafArrays]) -> None:
     """Refuse a reduction the dtype cannot do, before anything is computed."""
     for leaf in leaves:
         dtype = leaf.arrays[0].dtype
         kind = dtype.kind
-        where = _tree.describe_path(leaf.path)
         if kind in "biufc" and not (
             (kind == "b" and op not in (ReduceOp.MAX, ReduceOp.MIN))
             or (kind in "iu" and op is ReduceOp.MEAN)
@@ -518,4 +542,5 @@ def _check_op(op: ReduceOp, leaves: list[_LeafArrays]) -> None:
             "u": "cast to a floating dtype first, or use SUM and divide",
             "c": "complex values have no order; reduce their absolute values instead",
         }.get(kind, "only numeric arrays can be reduced")
+        where = _tree.describe_path(leaf.path)
         raise TypeError(f"cannot {op.name} values of dtype {dtype} (at {where}): {advice}")

@@ -293,6 +293,16 @@ class DistributedIterator:
 
     # -- the iterator protocol --------------------------------------------------------------
 
+    @staticmethod
+    async def _receive_element(receive: MemoryObjectReceiveStream[Any]) -> Any:
+        """The next prefetched element: at once if one is ready (a cancelled caller still
+        sees its cancellation), else once the prefetch task sends it."""
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        try:
+            return receive.receive_nowait()
+        except anyio.WouldBlock:
+            return await receive.receive()
+
     def __aiter__(self) -> DistributedIterator:
         return self
 
@@ -312,7 +322,7 @@ class DistributedIterator:
             puller = self._puller
             self._background = _loops.current().spawn_background(lambda: _prefetch(puller, send))
         try:
-            element = await self._receive.receive()
+            element = await self._receive_element(self._receive)
         except anyio.EndOfStream:
             self._closed = True
             self._receive.close()

@@ -27,7 +27,7 @@ from ._context import default_replica_context, get_replica_context
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, slot_variable
-from ._writes import Turn, commit, compute_update, taking_turns
+from ._writes import Turn, commit, compute_copies, taking_turns
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -236,6 +236,7 @@ class Optimizer:
         grads: list[Any] = []
         variables: list[Variable] = []
         seen: set[int] = set()
+        strategy, device = ctx.strategy, ctx.device
         for pair in grads_and_vars:
             grad, variable = _check_pair(pair)
             if grad is None:
@@ -246,8 +247,9 @@ class Optimizer:
                     "gradients first"
                 )
             seen.add(id(variable))
-            self._check_owner(variable, ctx.strategy)
-            grads.append(_checked_gradient(grad, variable, ctx.device, replica_id))
+            if variable._strategy is not strategy:
+                self._check_owner(variable, strategy)
+            grads.append(_checked_gradient(grad, variable, device, replica_id))
             variables.append(variable)
         if not variables:
             raise ValueError(
@@ -273,7 +275,9 @@ class Optimizer:
         they go straight to the engine's reduction, one array per replica each.
         """
         variables = [
-            agreed(variable, f"the variable of pair {i} of apply_gradients()")
+            variable
+            if not isinstance(variable, DistributedValues)  # the same on every replica
+            else agreed(variable, f"the variable of pair {i} of apply_gradients()")
             for i, variable in enumerate(variables)
         ]
         # Every turn at once, in the global order, so that no two steps or restores can wait
@@ -281,14 +285,15 @@ class Optimizer:
         async with taking_turns(lambda: self._turns(variables)):
             return await self._apply(engine, grads, variables)
 
-    def _turns(self, variables: list[Variable]) -> set[Turn]:
+    def _turns(self, variables: list[Variable]) -> list[Turn]:
         """The turns a step of ``variables`` holds: the optimizer's, theirs and their slots'."""
-        turns = {self._turn}
+        turns = [self._turn]
+        slots = self._slots
         for variable in variables:
-            turns.add(variable._turn)
-            entry = self._slots.get(id(variable))
+            turns.append(variable._turn)
+            entry = slots.get(id(variable))
             if entry is not None:
-                turns.update(slot._turn for slot in entry[1])
+                turns += [slot._turn for slot in entry[1]]
         return turns
 
     async def _apply(
@@ -313,16 +318,25 @@ class Optimizer:
         elif self._global_clipnorm is not None:
             scales = (await _global_scales(engine.devices, summed, self._global_clipnorm),)
             update_step = functools.partial(_scaled_step, update_step)
+        # Every variable's update in one job per copy: its inputs, one after another.
+        targets: list[tuple[Variable, ...]] = []
+        inputs: list[Sequence[Any]] = []
         for variable, grad in zip(variables, summed, strict=True):
             entry = self._slots.get(id(variable))
             if entry is None:
                 entry = made[id(variable)] = (variable, self._new_slots(variable))
             slots = entry[1]
-            new = await compute_update(
-                variable, update_step, grad, *scales, *(s._copies for s in slots)
-            )
-            updates.append((variable, [result[0] for result in new]))
-            updates += [(slot, [result[k + 1] for result in new]) for k, slot in enumerate(slots)]
+            targets.append((variable, *slots))
+            inputs += [variable._copies, grad, *scales, *(slot._copies for slot in slots)]
+        arities = [len(owned) + 1 + len(scales) for owned in targets]
+        new = await compute_copies(
+            engine.devices, functools.partial(_update_all, update_step, arities), inputs
+        )
+        position = 0
+        for owned in targets:
+            for target in owned:
+                updates.append((target, [results[position] for results in new]))
+                position += 1
         # build() is synchronous and may have made slots for a variable while this step
         # awaited: they are new and unwritten, so this step's values go into them.
         for key, (_, own) in made.items():
@@ -343,7 +357,13 @@ class Optimizer:
         # Gradients arrive in the variable's dtype (cast per replica before the merge); the
         # results are cast back, since Python-float hyperparameters may promote them.
         results = self._update_step(xp, var, grad, slots, rate, step)
-        return tuple(xp.asarray(r).astype(var.dtype, copy=False) for r in results)
+        dtype = var.dtype
+        return tuple(
+            [
+                r if type(r) is np.ndarray and r.dtype == dtype else xp.asarray(r).astype(dtype)
+                for r in results
+            ]
+        )
 
     def _update_step(
         self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
@@ -598,6 +618,19 @@ class AdamW(Adam):
 # or CuPy): norms and factors stay 0-d device arrays, so a GPU step never waits on the host.
 
 
+def _update_all(
+    update_step: Callable[..., tuple[Any, ...]], arities: Sequence[int], *inputs: Any
+) -> tuple[Any, ...]:
+    """One copy's new arrays for every variable of a step: ``update_step`` on each
+    variable's inputs (``arities[i]`` of them, one after another), results concatenated."""
+    results: list[Any] = []
+    start = 0
+    for arity in arities:
+        results += update_step(*inputs[start : start + arity])
+        start += arity
+    return tuple(results)
+
+
 def _clipped_step(
     update_step: Callable[..., tuple[Any, ...]],
     xp: Any,
@@ -729,6 +762,8 @@ def _check_variable(variable: Any) -> Variable:
 
 
 def _check_pair(pair: Any) -> tuple[Any, Variable]:
+    if type(pair) is tuple and len(pair) == 2 and isinstance(pair[1], Variable):
+        return pair  # the common case
     if not isinstance(pair, tuple | list) or len(pair) != 2:
         raise TypeError(
             f"apply_gradients() takes (gradient, variable) pairs, got {type(pair).__name__} "
@@ -740,6 +775,13 @@ def _check_pair(pair: Any) -> tuple[Any, Variable]:
 
 def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: int) -> Any:
     """The gradient on this replica's device, or an error naming the variable and replica."""
+    if (
+        type(grad) is np.ndarray
+        and grad.dtype == variable._dtype
+        and grad.shape == variable._shape
+        and device.kind == "cpu"
+    ):
+        return grad  # the common case: nothing to convert or cast
     array = device.asarray(grad)
     if tuple(array.shape) != variable._shape:
         raise ValueError(

@@ -39,10 +39,9 @@ class CaseInsensitiveStrEnum(enum.StrEnum):
         if isinstance(value, cls):
             return value
         if isinstance(value, str):
-            try:
-                return cls(value.lower())
-            except ValueError:
-                pass
+            member = cls._value2member_map_.get(value) or cls._value2member_map_.get(value.lower())
+            if member is not None:
+                return member  # type: ignore[return-value]  # a member of cls
         what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
         valid = ", ".join(repr(member.value) for member in cls)
         raise ValueError(f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}")

@@ -66,7 +66,15 @@ from . import _loops
 from ._context import ContextState, ReplicaContext, context_state
 from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list
 from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest
-from ._values import PerReplica, agreed, regroup, select_replica
+from ._values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    agreed,
+    regroup,
+    regroup_arguments,
+    select_replica,
+)
 
 if TYPE_CHECKING:
     import random
@@ -104,7 +112,17 @@ class _RunFailed(BaseException):
 class _Round:
     """One merge round: who has arrived with which request, and once done, the result."""
 
-    __slots__ = ("arrived", "done", "gate", "number", "requests", "result", "waiter", "watched")
+    __slots__ = (
+        "arrived",
+        "done",
+        "gate",
+        "number",
+        "parts",
+        "requests",
+        "result",
+        "waiter",
+        "watched",
+    )
 
     def __init__(self, number: int, size: int, gate: _loops.Gate) -> None:
         self.number = number
@@ -112,6 +130,9 @@ class _Round:
         self.requests: list[MergeRequest | None] = [None] * size  # by replica id
         self.done = False
         self.result: Any = None
+        # When the result is one distributed value with a part per replica, those parts: each
+        # replica takes its own without the general ``select_replica``.
+        self.parts: tuple[Any, ...] | None = None
         self.gate = gate
         # The gate's one waiter for all, if it has one: the fast path parks on it directly. If
         # the gate later replaces it (a sibling's cancellation cancelled it), a replica parking
@@ -256,7 +277,9 @@ class _Replica:
                     if not run.fast_path or yielded[timeout_at] is not None:
                         yield from run.arrive(self, rnd, yielded)
                     elif len(arrived) == size:
-                        yield from run.complete(rnd, self)
+                        waiting = run.complete(rnd, self)
+                        if waiting is not None:
+                            yield from waiting
                     else:
                         try:
                             waiter = rnd.waiter
@@ -265,8 +288,12 @@ class _Replica:
                             yield from run.park_interrupted(self, rnd, exc)
                     if not rnd.done:  # woken by a failing run: shielded from its cancellation
                         raise _RunFailed
-                    result = rnd.result
-                    value = result if result is None else select_replica(replica_id, result)
+                    parts = rnd.parts
+                    if parts is not None:
+                        value = parts[replica_id]
+                    else:
+                        result = rnd.result
+                        value = result if result is None else select_replica(replica_id, result)
                 else:
                     value = yield yielded
             except GeneratorExit:
@@ -393,7 +420,9 @@ class _Run:
         if self.finished and not self.failures:
             self.fail(self._early_finishers_error(replica), "detected at a merge point")
         if len(rnd.arrived) == self.size and not self.failures:
-            yield from self.complete(rnd, replica)
+            waiting = self.complete(rnd, replica)
+            if waiting is not None:
+                yield from waiting
             return
         if self.failures:
             yield from self.loop.park_cancelled(_RunFailed)
@@ -445,59 +474,86 @@ class _Run:
         yield from self.loop.park_cancelled(_RunFailed)
         raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
 
-    def complete(self, rnd: _Round, last: _Replica) -> _Step:
+    def complete(self, rnd: _Round, last: _Replica) -> _Step | None:
         """The last arrival runs ``merge_fn`` once and wakes everyone in order.
 
         ``"ordered"``: ``last`` carries on at once, the others resume in arrival order (the
         gate wakes them in the order they parked); ``"random"``: in a seeded shuffle, ``last``
-        taking its turn among them.
+        taking its turn among them. Returns what ``last`` must still wait on (an async
+        ``merge_fn``, its turn in a seeded order, or a failed run's cancellation), or ``None``
+        when the round is over: a synchronous merge function costs no generator.
         """
         try:
             merge_fn, args, kwargs = self._merge_arguments(rnd)
         except (ValueError, TypeError, ReplicaSyncError) as exc:
             self.fail(exc, f"detected in merge_call #{rnd.number}")
-            failed = True
-        else:
-            failed = False
-        if failed:
-            yield from self.loop.park_cancelled(_RunFailed)
-            raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
-
+            return self._park_failed()
         token = context_state.set(self.merge_state)
         try:
             result = merge_fn(self.strategy, *args, **kwargs)
-            if result is not None and inspect.isawaitable(result):
-                result = yield from result.__await__()
         except BaseException as exc:
-            if isinstance(exc, self.cancelled_class):
-                if self.tasks.is_cancellation(exc):
-                    raise
-                exc = self.own_cancellation(exc, f"merge_fn {_describe_fn(merge_fn)}")
-            if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
-                exc.merge_number = rnd.number
-            self.fail(
-                exc,
-                f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
-                "in cross-replica context",
-            )
+            self._merge_failed(exc, merge_fn, rnd)
+            return self._park_failed()
+        finally:
+            context_state.reset(token)
+        if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
+            return self._complete_awaiting(rnd, last, merge_fn, result)
+        return self._finish_round(rnd, last, result)
+
+    def _complete_awaiting(
+        self, rnd: _Round, last: _Replica, merge_fn: Callable[..., Any], awaitable: Any
+    ) -> _Step:
+        """``complete`` for a merge function that returned an awaitable: awaited here, still
+        in cross-replica context."""
+        token = context_state.set(self.merge_state)
+        try:
+            result = yield from awaitable.__await__()
+        except BaseException as exc:
+            self._merge_failed(exc, merge_fn, rnd)
             failed = True
+        else:
+            failed = False
         finally:
             context_state.reset(token)
         if failed:
-            yield from self.loop.park_cancelled(_RunFailed)
-            raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
+            yield from self._park_failed()
+        finished = self._finish_round(rnd, last, result)
+        if finished is not None:
+            yield from finished
 
+    def _merge_failed(self, exc: BaseException, merge_fn: Callable[..., Any], rnd: _Round) -> None:
+        """Fail the run with what ``merge_fn`` raised (the run's own cancellation goes on)."""
+        if isinstance(exc, self.cancelled_class):
+            if self.tasks.is_cancellation(exc):
+                raise exc
+            exc = self.own_cancellation(exc, f"merge_fn {_describe_fn(merge_fn)}")
+        if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
+            exc.merge_number = rnd.number
+        self.fail(
+            exc,
+            f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
+            "in cross-replica context",
+        )
+
+    def _park_failed(self) -> _Step:
+        yield from self.loop.park_cancelled(_RunFailed)
+        raise AioreplicaInternalError("a replica parked after a failed run was not cancelled")
+
+    def _finish_round(self, rnd: _Round, last: _Replica, result: Any) -> _Step | None:
+        """Publish the round's result, open the next round, wake the replicas."""
         rnd.result = result
+        if isinstance(result, DistributedValues) and len(result.values) == self.size:
+            rnd.parts = result.values
         rnd.done = True
         self.round = self._new_round(rnd.number + 1)
         self.fast_path = self.sync_timeout is None and not self.failures and not self.finished
         self.scheduler.merge_rounds_completed += 1
         if self.rng is None:
             rnd.gate.open(None)  # in the order they parked: arrival order
-            return
+            return None
         order = [r.id for r in rnd.arrived]
         self.rng.shuffle(order)
-        yield from rnd.gate.hand_over(order, last.id)
+        return rnd.gate.hand_over(order, last.id)
 
     def _merge_arguments(self, rnd: _Round) -> tuple[Callable[..., Any], Any, dict[str, Any]]:
         """Check the round (callable, one merge function everywhere); regroup its arguments."""
@@ -520,11 +576,16 @@ class _Run:
                 raise
         # merge_call checked the types: args are tuples, kwargs mappings or None.
         all_args = list(map(_request_args, requests))
-        args = regroup(all_args) if any(all_args) else ()
+        args = regroup_arguments(all_args) if any(all_args) else ()
         all_kwargs = list(map(_request_kwargs, requests))
         kwargs = regroup([dict(kw or {}) for kw in all_kwargs]) if any(all_kwargs) else {}
         return merge_fn, args, kwargs
 
+
+#: What merge functions commonly return, none of it awaitable: the check is then one lookup.
+_PLAIN_RESULTS: Final = frozenset(
+    {type(None), PerReplica, Mirrored, tuple, list, dict, int, float, bool, str}
+)
 
 # C-level getters for the per-round loops over replicas (no comprehension frame).
 _request_fn = operator.itemgetter(FN)

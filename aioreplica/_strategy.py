@@ -741,10 +741,28 @@ class MirroredStrategy:
     ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
         """Each replica's ``(args, kwargs)``: distributed values replaced by its component."""
         size = self.num_replicas_in_sync
+        if not args and not kwargs:
+            return [(args, kwargs)] * size
+        if not kwargs and _tree.all_leaves(args):
+            # The common case, positional leaves (a PerReplica is one): no tree walk.
+            if not any(isinstance(arg, DistributedValues) for arg in args):
+                return [(args, kwargs)] * size
+            columns = []
+            for arg in args:
+                if not isinstance(arg, DistributedValues):
+                    columns.append((arg,) * size)
+                elif len(arg.values) == size:
+                    columns.append(arg.values)
+                else:
+                    self._check_distributed_arguments(args, kwargs)  # raises, naming it
+            return [(row, kwargs) for row in zip(*columns, strict=True)]
         leaves = _tree.flatten((args, kwargs))[0]
-        if not any(isinstance(leaf, DistributedValues) for leaf in leaves):
+        distributed = [leaf for leaf in leaves if isinstance(leaf, DistributedValues)]
+        if not distributed:
             return [(args, kwargs)] * size  # nothing differs: one flatten, no rebuilds
-        self._check_distributed_arguments(args, kwargs)
+        for leaf in distributed:
+            if len(leaf.values) != size:
+                self._check_distributed_arguments(args, kwargs)  # raises, naming its path
         return [select_replica(i, (args, kwargs)) for i in range(size)]
 
     def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -72,6 +72,7 @@ __all__ = [
     "NodeLevel",
     "SequenceKey",
     "TreeDef",
+    "all_leaves",
     "assert_same_structure",
     "describe_path",
     "find_mismatch",
@@ -263,6 +264,24 @@ def is_leaf(x: Any) -> bool:
     if kind is None:
         kind = _classify(type(x))
     return kind == _LEAF
+
+
+def all_leaves(items: Iterable[Any]) -> bool:
+    """Tell whether every item is a leaf: the check that lets flat argument tuples skip the
+    tree walk.
+
+    Example:
+        >>> all_leaves((1.0, "a", None)), all_leaves((1.0, [2.0]))
+        (True, False)
+    """
+    kinds = _KINDS
+    for t in set(map(type, items)):  # items mostly share a type or two: one lookup each
+        kind = kinds.get(t)
+        if kind is None:
+            kind = _classify(t)
+        if kind != _LEAF:
+            return False
+    return True
 
 
 def register_node(

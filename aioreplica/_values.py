@@ -24,12 +24,19 @@ import dataclasses
 import functools
 import types
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar, final, overload
+from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final, overload
 
 import numpy as np
 
 from ._errors import ReplicaSyncError, replica_list
-from ._tree import describe_path, find_mismatch, flatten, flatten_with_path, is_leaf
+from ._tree import (
+    all_leaves,
+    describe_path,
+    find_mismatch,
+    flatten,
+    flatten_with_path,
+    is_leaf,
+)
 
 __all__ = [
     "DistributedValues",
@@ -45,6 +52,10 @@ T = TypeVar("T")
 
 
 def _check_values(cls_name: str, values: Any) -> tuple[Any, ...]:
+    if type(values) is tuple and values:
+        return values  # the common cases, before the Sequence check (an ABC, so slower)
+    if type(values) is list and values:
+        return tuple(values)
     if not isinstance(values, Sequence) or isinstance(values, str | bytes | bytearray):
         raise TypeError(
             f"{cls_name}() needs a list or tuple with one value per replica, "
@@ -146,6 +157,43 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues[Any]] = Pe
     """
     replicas = _check_values("regroup", values)
     first = replicas[0]
+    if type(first) in _PLAIN:
+        # The common case, merge arguments: tuples, lists and dicts of leaves, walked directly.
+        try:
+            return _regroup_plain(replicas, wrap_class)
+        except _NotPlain:
+            pass  # the general walk checks it and names what differs
+    return _regroup_tree(replicas, wrap_class)
+
+
+def regroup_arguments(all_args: list[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """``regroup`` of one argument tuple per replica, as ``merge_call`` receives them.
+
+    The common case, a few leaves per replica (a loss, an array), is one pass per position;
+    anything else is ``regroup``'s.
+
+    Raises:
+        TypeError, ValueError: as ``regroup``, when the replicas' arguments differ in shape.
+
+    Example:
+        >>> regroup_arguments([(1.0, "sum"), (2.0, "sum")])
+        (PerReplica({0: 1.0, 1: 2.0}), 'sum')
+    """
+    size = len(all_args[0])
+    for args in all_args:
+        if len(args) != size:
+            break
+    else:
+        columns = list(zip(*all_args, strict=True))
+        if all(all_leaves(column) for column in columns):
+            return tuple([_wrap(column, PerReplica) for column in columns])
+    result: tuple[Any, ...] = regroup(all_args)
+    return result
+
+
+def _regroup_tree(replicas: Sequence[Any], wrap_class: type[DistributedValues[Any]]) -> Any:
+    """``regroup`` by the general tree walk: any registered node, mismatches named."""
+    first = replicas[0]
     if is_leaf(first) and all(is_leaf(v) for v in replicas):
         return first if all(v is first for v in replicas) else wrap_class(replicas)
     leaves, treedef = flatten(first)
@@ -155,16 +203,77 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues[Any]] = Pe
         if other != treedef:
             _raise_regroup_mismatch(first, replicas[replica_id], replica_id)
         per_replica.append(other_leaves)
-    regrouped = []
-    for column in zip(*per_replica, strict=True):
-        leaf = column[0]
-        for other_leaf in column:
-            if other_leaf is not leaf:
-                regrouped.append(wrap_class(column))
-                break
-        else:
-            regrouped.append(leaf)
-    return treedef.unflatten(regrouped)
+    return treedef.unflatten(
+        [_wrap(column, wrap_class) for column in zip(*per_replica, strict=True)]
+    )
+
+
+_PLAIN: Final = frozenset({tuple, list, dict})
+
+
+class _NotPlain(Exception):
+    """A value that the plain-container fast paths leave to the general tree walk."""
+
+
+def _regroup_plain(column: tuple[Any, ...], wrap_class: type[DistributedValues[Any]]) -> Any:
+    """``regroup`` of one value per replica made only of tuples, lists, dicts and leaves.
+
+    Raises:
+        _NotPlain: any other container, or replicas whose structures differ.
+    """
+    first = column[0]
+    t = type(first)
+    if t is tuple or t is list:
+        size = len(first)
+        for value in column:
+            if type(value) is not t or len(value) != size:
+                raise _NotPlain
+        return t([_regroup_plain(items, wrap_class) for items in zip(*column, strict=True)])
+    if t is dict:
+        keys = first.keys()
+        for value in column:
+            if type(value) is not dict or value.keys() != keys:
+                raise _NotPlain
+        return {
+            key: _regroup_plain(tuple([value[key] for value in column]), wrap_class) for key in keys
+        }
+    if not all_leaves(column):
+        raise _NotPlain
+    return _wrap(column, wrap_class)
+
+
+def _select_plain(structure: Any, replica_id: int) -> Any:
+    """``select_replica`` of a structure made only of tuples, lists, dicts and leaves.
+
+    Raises:
+        _NotPlain: any other container.
+    """
+    t = type(structure)
+    if t is tuple or t is list:
+        return t([_select_plain(x, replica_id) for x in structure])
+    if t is dict:
+        return {key: _select_plain(x, replica_id) for key, x in structure.items()}
+    if isinstance(structure, DistributedValues):
+        return _select(structure, replica_id)
+    if not all_leaves((structure,)):
+        raise _NotPlain
+    return structure
+
+
+def _wrap(column: tuple[Any, ...], wrap_class: type[DistributedValues[Any]]) -> Any:
+    """One leaf of a regrouped structure: the object itself when every replica holds it."""
+    leaf = column[0]
+    for other_leaf in column:
+        if other_leaf is not leaf:
+            # A non-empty tuple already: set it as the constructor would, minus its checks.
+            wrapped = _new(wrap_class)
+            _set_field(wrapped, "values", column)
+            return wrapped
+    return leaf
+
+
+_new: Final = object.__new__
+_set_field: Final = object.__setattr__  # what a frozen dataclass's own __init__ uses
 
 
 def _raise_regroup_mismatch(first: Any, other: Any, replica_id: int) -> None:
@@ -220,6 +329,16 @@ def select_replica(replica_id: int, structure: Any) -> Any:
     """
     if isinstance(structure, DistributedValues):
         return _select(structure, replica_id)
+    if type(structure) in _PLAIN:
+        try:
+            return _select_plain(structure, replica_id)
+        except _NotPlain:
+            pass
+    return _select_tree(structure, replica_id)
+
+
+def _select_tree(structure: Any, replica_id: int) -> Any:
+    """``select_replica`` by the general tree walk."""
     if is_leaf(structure):
         return structure
     leaves, treedef = flatten(structure)

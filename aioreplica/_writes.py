@@ -26,7 +26,6 @@ store one copy per device and have a turn (``Stored``).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
@@ -38,7 +37,7 @@ from . import _tree
 from ._backends import array_module, is_cupy_array
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+    from collections.abc import Callable, Iterable, Sequence
 
     from ._backends import Device
 
@@ -135,32 +134,47 @@ class Turn:
             self.held = False
 
 
-@contextlib.asynccontextmanager
-async def taking_turns(needed: Callable[[], Iterable[Turn]]) -> AsyncIterator[None]:
+@final
+class taking_turns:  # an async context manager named as the function it replaces
     """Hold every turn that ``needed()`` names (duplicates allowed), taken in creation order.
 
     ``needed`` is asked again once they are held: while this write waited, another may have
     given its objects new parts (an optimizer step makes slots), whose turns it then takes
     too, letting go and taking the larger set in order, so that the order is never broken.
+    Used as ``async with taking_turns(needed):``.
     """
-    turns = set(needed())
-    while True:
-        taken = await _take(turns)
-        more = set(needed())
-        if more <= turns:
-            break
-        _release(taken)
-        turns |= more
-    try:
-        yield
-    finally:
-        _release(taken)
+
+    __slots__ = ("_needed", "_taken")
+
+    def __init__(self, needed: Callable[[], Iterable[Turn]]) -> None:
+        self._needed = needed
+        self._taken: list[Turn] = []
+
+    async def __aenter__(self) -> None:
+        needed = self._needed
+        turns = set(needed())
+        while True:
+            taken = await _take(turns)
+            more = set(needed())
+            if more <= turns:
+                break
+            _release(taken)
+            turns |= more
+        self._taken = taken
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        _release(self._taken)
 
 
 async def _take(turns: set[Turn]) -> list[Turn]:
+    ordered = sorted(turns, key=_order)
+    if not any(turn.held for turn in ordered):  # uncontended: all at once, no await
+        for turn in ordered:
+            turn.held = True
+        return ordered
     taken: list[Turn] = []
     try:
-        for turn in sorted(turns, key=_order):
+        for turn in ordered:
             await turn.acquire()
             taken.append(turn)
     except BaseException:
@@ -200,6 +214,11 @@ async def compute_copies(
     it runs is the device's rule (``device.compute``): small host work inline, the rest through
     ``device.run``, so the loop never blocks (invariant 4).
     """
+    if all(len(set(map(id, argument))) == 1 for argument in per_copy):
+        # Every copy has the very same inputs (host replicas share arrays): one job.
+        inputs = [argument[0] for argument in per_copy]
+        nbytes = sum([getattr(x, "nbytes", 0) for x in inputs])
+        return (_frozen_result(await devices[0].compute(nbytes, fn, *inputs)),) * len(devices)
     results: list[Any] = []
     done: dict[tuple[int, ...], Any] = {}
     for i, device in enumerate(devices):
@@ -209,13 +228,15 @@ async def compute_copies(
         else:
             key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
         if key not in done:
-            nbytes = max((getattr(x, "nbytes", 0) for x in inputs), default=0)
-            result = await device.compute(nbytes, fn, *inputs)
-            # An optimizer's step returns several new arrays per copy.
-            multiple = isinstance(result, tuple)
-            done[key] = tuple(map(frozen, result)) if multiple else frozen(result)
+            nbytes = sum([getattr(x, "nbytes", 0) for x in inputs])  # what the job reads
+            done[key] = _frozen_result(await device.compute(nbytes, fn, *inputs))
         results.append(done[key])
     return tuple(results)
+
+
+def _frozen_result(result: Any) -> Any:
+    """A job's new array, or its tuple of them (an optimizer step's), made read-only."""
+    return tuple(map(frozen, result)) if isinstance(result, tuple) else frozen(result)
 
 
 async def compute_update(

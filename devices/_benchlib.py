@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 import anyio
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Sequence
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VERSIONED = ("numpy", "anyio", "trio", "uvloop")
@@ -54,7 +54,15 @@ class ReplicaContext(Protocol):
     @property
     def device(self) -> Any: ...
 
-    def merge_call(self, merge_fn: Callable[..., Any], /, *args: Any) -> Awaitable[Any]: ...
+    @property
+    def replica_id_in_sync_group(self) -> int: ...
+
+    def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...] = ...,
+        kwargs: Mapping[str, Any] | None = ...,
+    ) -> Awaitable[Any]: ...
 
     def all_reduce(self, op: Any, value: Any) -> Awaitable[Any]: ...
 

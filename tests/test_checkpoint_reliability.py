@@ -47,7 +47,7 @@ pytestmark = pytest.mark.anyio
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(aioreplica.__file__)))
 
 #: A variable this big is written through its device's worker thread, not inline.
-BIG: tuple[int, int] = (256, 512)
+BIG: tuple[int, int] = (1024, 1024)
 assert np.zeros(BIG).nbytes >= INLINE_BYTES
 
 

@@ -102,13 +102,13 @@ class TestAllReduce:
     async def test_large_arrays_split_over_worker_threads(self) -> None:
         """Arrays over the inline threshold reduce in the device threads, same result."""
         strategy = MirroredStrategy(cpus(3))
-        data = [np.arange(1 << 19, dtype=np.float64) * (i + 1) for i in range(3)]
+        data = [np.arange(INLINE_BYTES // 8, dtype=np.float64) * (i + 1) for i in range(3)]
 
         async def step(x: np.ndarray[Any, Any]) -> Any:
             return await ctx().all_reduce(ReduceOp.SUM, x)
 
         result = await strategy.run(step, args=(PerReplica(data),))
-        np.testing.assert_array_equal(result, np.arange(1 << 19, dtype=np.float64) * 6)
+        np.testing.assert_array_equal(result, np.arange(INLINE_BYTES // 8, dtype=np.float64) * 6)
 
     async def test_nested_structure_and_scalars(self) -> None:
         """Nested structures reduce leaf by leaf; scalars become 0-d arrays."""
@@ -504,33 +504,44 @@ class TestInlineOrWorker:
         return calls
 
     async def test_reduce_along_axis(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """Each replica's partial sum of a 2 MiB component runs in its device's worker; of a
-        small one, inline."""
+        """Each replica's partial sum of a component of INLINE_BYTES runs in its device's
+        worker; of a small one, inline."""
         strategy = MirroredStrategy(cpus(2))
         calls = self.record_device_runs(monkeypatch)
         small = PerReplica([np.ones((4, 2)), np.ones((2, 2))])
         np.testing.assert_array_equal(await strategy.reduce("sum", small, axis=0), [6.0, 6.0])
         assert calls == []
-        big = PerReplica([np.ones((1 << 17, 2)), np.ones((1 << 17, 2))])
+        rows = INLINE_BYTES // 16  # two float64 columns
+        big = PerReplica([np.ones((rows, 2)), np.ones((rows, 2))])
         total = await strategy.reduce("sum", big, axis=0)
-        np.testing.assert_array_equal(total, [2.0 * (1 << 17)] * 2)
+        np.testing.assert_array_equal(total, [2.0 * rows] * 2)
         assert calls == ["cpu:0 _partial_reduction", "cpu:1 _partial_reduction"]
 
-    async def test_large_pack_concatenates_in_the_worker(
-        self, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
-        """Packing leaves into more than 1 MiB per replica runs the concatenate in the worker."""
+    async def test_a_large_pack_reduces_in_a_worker(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A pack whose inputs add up to INLINE_BYTES or more (packs that large need a
+        bytes_per_pack above the default) is reduced in a device's worker thread; a small one
+        inline, on the loop thread."""
         strategy = MirroredStrategy(cpus(2))
-        calls = self.record_device_runs(monkeypatch)
+        threads: list[str] = []
+        real = _numpy._reduce_leaves_into
 
-        async def step() -> Any:
-            leaves = [np.full(40_000, float(rid())) for _ in range(4)]  # 4 x 320 kB: one pack
-            return await ctx().all_reduce("sum", leaves)
+        def reduce_leaves_into(*args: Any) -> None:
+            threads.append(threading.current_thread().name)
+            real(*args)
 
-        result = await strategy.run(step)
-        for leaf in result:
-            np.testing.assert_array_equal(leaf, np.ones(40_000))
-        assert calls == ["cpu:0 concatenate", "cpu:1 concatenate"]
+        monkeypatch.setattr(_numpy, "_reduce_leaves_into", reduce_leaves_into)
+        size = INLINE_BYTES // 8 // 8 + 1  # float64: 2 replicas x 4 leaves, over INLINE_BYTES
+        options = CommunicationOptions(bytes_per_pack=2 * INLINE_BYTES)
+
+        async def step(size: int) -> Any:
+            leaves = [np.full(size, float(rid())) for _ in range(4)]  # one pack
+            return await ctx().all_reduce("sum", leaves, options)
+
+        for leaf in await strategy.run(step, args=(size,)):
+            np.testing.assert_array_equal(leaf, np.ones(size))
+        for leaf in await strategy.run(step, args=(10,)):
+            np.testing.assert_array_equal(leaf, np.ones(10))
+        assert threads == ["aioreplica cpu:0", threading.current_thread().name]
 
 
 class TestHostDevice:
@@ -730,9 +741,10 @@ class TestDeviceWorkSeesTheCallersContext:
         monkeypatch.setattr(_numpy, "_cores", lambda: 2)
         strategy = MirroredStrategy(cpus(2))
         user_var.set("the caller's")
-        value = PerReplica([np.ones(1 << 20, np.float32), np.ones(1 << 20, np.float32)])  # 4 MiB
+        size = INLINE_BYTES // 4  # each replica's array alone is too big to reduce inline
+        value = PerReplica([np.ones(size, np.float32), np.ones(size, np.float32)])
         total = await strategy.reduce("sum", value)
-        np.testing.assert_array_equal(total, np.full(1 << 20, 2.0, np.float32))
+        np.testing.assert_array_equal(total, np.full(size, 2.0, np.float32))
         assert sorted(seen) == [
             ("aioreplica cpu:0", "the caller's"),
             ("aioreplica cpu:1", "the caller's"),

@@ -665,13 +665,22 @@ class TestApplyGradients:
         shapes = {"a": (4,), "b": (2, 3), "c": (), "d": (5,)}
         strategy = MirroredStrategy(cpus(3))
         variables = make_variables(strategy, rng, shapes)
-        calls: list[tuple[str, int, int]] = []
+        calls: list[tuple[str, int, int, int]] = []
+        original_packed = HOST_BACKEND.all_reduce_packed
         original = HOST_BACKEND.all_reduce
 
+        async def recording_packed(
+            op: str, leaves: Sequence[Sequence[Any]], devices: Sequence[Device]
+        ) -> Any:
+            size = sum(int(np.asarray(leaf[0]).size) for leaf in leaves)
+            calls.append((op, len(leaves), len(devices), size))
+            return await original_packed(op, leaves, devices)
+
         async def recording(op: str, inputs: Sequence[Any], devices: Sequence[Device]) -> Any:
-            calls.append((op, len(inputs), int(np.asarray(inputs[0]).size)))
+            calls.append((op, 1, len(inputs), int(np.asarray(inputs[0]).size)))
             return await original(op, inputs, devices)
 
+        monkeypatch.setattr(HOST_BACKEND, "all_reduce_packed", recording_packed)
         monkeypatch.setattr(HOST_BACKEND, "all_reduce", recording)
         opt = SGD(0.1, momentum=0.5, **clip)
         ref = Reference("sgd", 0.1, momentum=0.5, **clip)
@@ -684,7 +693,7 @@ class TestApplyGradients:
             await train_step(strategy, opt, variables, grads)
             rounds.append(strategy.statistics().merge_rounds_completed - before)
             ref.apply(summed(grads, list(shapes)))
-        assert calls == [("sum", 3, 4 + 6 + 1 + 5)] * 3
+        assert calls == [("sum", 4, 3, 4 + 6 + 1 + 5)] * 3
         assert rounds == [1, 1, 1]
         assert ref.clipped == ([True] * 3 if clip else [])
         assert_matches(opt, variables, ref)
@@ -1368,9 +1377,8 @@ class TrapDevice(FakeDevice):
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         trap = self.trap
-        first = args[0] if args else None
-        for variable in trap.watch:
-            if any(first is copy for copy in variable.values):
+        for variable in trap.watch:  # a job updating several variables has all their copies
+            if any(arg is copy for arg in args for copy in variable.values):
                 trap.updated.append(variable.name)
                 if variable is trap.target:
                     if trap.error is not None:

@@ -468,6 +468,31 @@ class TestProperties:
         if num_replicas == 1:
             assert merged == structure
 
+    @settings(max_examples=200, deadline=None, database=None)
+    @given(st.lists(structures, min_size=1, max_size=4), st.data())
+    def test_fast_paths_agree_with_the_tree_walk(
+        self, replicas: list[Any], data: st.DataObject
+    ) -> None:
+        """regroup and select_replica walk plain tuples, lists and dicts directly; whatever
+        the replicas hold (equal or different structures, namedtuples inside), they give what
+        the general tree walk gives: the same value, or the same error and message."""
+        if data.draw(st.booleans()):  # often the same structure, to reach the regroup result
+            replicas = [replicas[0]] * len(replicas)
+        error: Exception | None = None
+        try:
+            expected: Any = _values._regroup_tree(replicas, PerReplica)
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if error is not None:
+            with pytest.raises(type(error)) as info:
+                regroup(replicas)
+            assert str(info.value) == str(error)
+            return
+        merged = regroup(replicas)
+        assert repr(merged) == repr(expected)
+        for i in range(len(replicas)):
+            assert repr(select_replica(i, merged)) == repr(_values._select_tree(merged, i))
+
 
 class Opaque:
     """Prints the same for every instance and compares by identity."""

@@ -13,13 +13,14 @@ from replicas import cpus, rid
 
 import aioreplica
 from aioreplica import MirroredStrategy, PerReplica, Variable
+from aioreplica._backends._numpy import INLINE_BYTES
 from aioreplica._writes import Turn, taking_turns
 
 pytestmark = pytest.mark.anyio
 
-#: Big enough that computing a write awaits a device's worker thread (host work of 1 MiB and
-#: more is not done inline), which is where a writer used to be overtaken.
-BIG = 300_000
+#: Big enough that computing a write awaits a device's worker thread (host work that reads
+#: INLINE_BYTES or more is not done inline), which is where a writer used to be overtaken.
+BIG = INLINE_BYTES // 8
 
 
 class TestVariables:

@@ -351,6 +351,22 @@ class CupyBackend:
                     cupy.true_divide(out, len(inputs), out=out)
         return plan.fan_out(outputs)
 
+    async def all_reduce_packed(
+        self, op: str, leaves: Sequence[Sequence[Any]], devices: Sequence[Device]
+    ) -> list[Any]:
+        """Several leaves reduced as one: each GPU joins its replica's leaves into one flat
+        array (on its stream), then one ``all_reduce`` of those (one NCCL call across GPUs).
+
+        Raises:
+            ValueError, TypeError, RuntimeError: as ``all_reduce``.
+        """
+        packed = []
+        for r, device in enumerate(devices):
+            parts = [leaf[r] for leaf in leaves]
+            nbytes = sum(part.nbytes for part in parts)
+            packed.append(await device.compute(nbytes, _flat_concatenate, parts))
+        return await self.all_reduce(op, packed, devices)
+
     async def all_gather(
         self, inputs: Sequence[Any], axis: int, devices: Sequence[Device]
     ) -> list[Any]:
@@ -675,6 +691,11 @@ _BOOL_OPS: Final = {"sum": "NCCL_MAX", "prod": "NCCL_MIN", "max": "NCCL_MAX", "m
 
 #: Word sizes for copying raw bytes with NCCL (broadcast copies bits, whatever the type).
 _RAW_WORDS: Final = ((8, "NCCL_UINT64"), (4, "NCCL_UINT32"), (2, "NCCL_FLOAT16"))
+
+
+def _flat_concatenate(parts: list[Any]) -> Any:
+    """The arrays flattened and joined end to end (any layout: non-contiguous ones too)."""
+    return cupy.concatenate(parts, axis=None)
 
 
 def _nccl_reduction(nccl: Any, op: str, dtype: Any) -> tuple[int, int, int]:

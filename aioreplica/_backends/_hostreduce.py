@@ -67,6 +67,7 @@ __all__ = [
     "BufferPool",
     "PoolStatistics",
     "reduce_range",
+    "reduce_small",
     "split_ranges",
 ]
 
@@ -219,6 +220,30 @@ def reduce_range(
             ufunc(block, x[lo:hi], out=block)
         if count:
             np.divide(block, count, out=block)
+
+
+def reduce_small(op: str, inputs: Sequence[npt.NDArray[Any]], out: npt.NDArray[Any]) -> None:
+    """``reduce_range`` over the whole of a small output, without its checks.
+
+    For the backend's own calls, whose arrays the engine has checked already (one shape, one
+    numeric dtype, C-contiguous, ``out`` fresh from the pool): below ``INLINE_BYTES`` the checks
+    would cost more than the arithmetic. The same ufuncs in the same order give the same bits.
+
+    Example:
+        >>> out = np.empty(3)
+        >>> reduce_small("max", [np.array([1.0, 5.0, 2.0]), np.array([4.0, 0.0, 3.0])], out)
+        >>> out.tolist()
+        [4.0, 5.0, 3.0]
+    """
+    if len(inputs) == 1:
+        np.copyto(out, inputs[0])
+        return
+    ufunc = _UFUNCS[op]
+    ufunc(inputs[0], inputs[1], out=out)
+    for x in inputs[2:]:
+        ufunc(out, x, out=out)
+    if op == "mean":
+        np.divide(out, len(inputs), out=out)
 
 
 def split_ranges(size: int, itemsize: int, parts: int) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from .. import _loops
 from ._arrays import is_cupy_array
-from ._hostreduce import BufferPool, reduce_range, split_ranges
+from ._hostreduce import BufferPool, reduce_range, reduce_small, split_ranges
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -41,9 +41,13 @@ __all__ = ["HOST_BACKEND", "INLINE_BYTES", "HostBackend", "HostDevice", "host_de
 
 T = TypeVar("T")
 
-#: Below this many bytes host work (a collective's output, a variable update) runs inline on
-#: the loop thread: handing it to a worker thread costs more than it saves.
-INLINE_BYTES: Final = 1 << 20
+#: Host work that reads fewer bytes than this (a collective's inputs, a variable update's
+#: arrays) runs inline on the loop thread; more goes to a worker thread. Inline, 8 MiB is
+#: about 0.2 ms at memory speed, a few times what handing a job to a worker thread and
+#: waking the loop with its result costs (30-80 µs on a 2-core machine): below it the
+#: handoff costs more than it saves, above it the loop would stall for long (see
+#: docs/architecture.md, "Inline or worker thread").
+INLINE_BYTES: Final = 8 << 20
 
 
 # -- the device --------------------------------------------------------------------------
@@ -153,9 +157,10 @@ class HostDevice:
         return HOST_BACKEND
 
     async def compute(self, nbytes: int, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` inline under ``INLINE_BYTES`` of work, else in the worker thread.
+        """Run ``fn(*args)`` inline if it reads under ``INLINE_BYTES``, else in the worker thread.
 
-        A thread handoff costs more than small work; large work must not block the loop.
+        ``nbytes`` is what ``fn`` reads (every input array). A thread handoff costs more than
+        small work; large work must not block the loop.
         Either way ``fn`` sees the caller's context variables (on the worker, through ``run``,
         in a copy of the caller's context).
 
@@ -286,7 +291,9 @@ class HostBackend:
         out = self._pool.take(np.shape(inputs[0]), flat[0].dtype)
         out_flat = out.reshape(-1)
         size = out_flat.size
-        if out.nbytes < INLINE_BYTES or len(devices) == 1:
+        if out.nbytes * len(flat) < INLINE_BYTES:
+            reduce_small(op, flat, out_flat)
+        elif len(devices) == 1:
             reduce_range(op, flat, out_flat, 0, size)
         else:
             parts = min(len(devices), _cores())
@@ -298,6 +305,19 @@ class HostBackend:
             for result in pending:
                 await result
         return [self._pool.publish(out)] * len(inputs)
+
+    async def all_reduce_packed(
+        self, op: str, leaves: Sequence[Sequence[Any]], devices: Sequence[Device]
+    ) -> list[Any]:
+        """Several leaves reduced into one shared flat output, each leaf straight into its
+        part: every input is read once, with no joined copy of each replica's leaves."""
+        sizes = [leaf[0].size for leaf in leaves]
+        out = self._pool.take(sum(sizes), leaves[0][0].dtype)
+        if out.nbytes * len(devices) < INLINE_BYTES:
+            _reduce_leaves_into(op, leaves, sizes, out)
+        else:
+            await _submit(devices[0], _reduce_leaves_into, op, leaves, sizes, out)
+        return [self._pool.publish(out)] * len(devices)
 
     async def all_gather(
         self, inputs: Sequence[Any], axis: int, devices: Sequence[Device]
@@ -320,6 +340,16 @@ class HostBackend:
         else:
             await _submit(devices[0], np.copyto, out, source)
         return [self._pool.publish(out)] * len(devices)
+
+
+def _reduce_leaves_into(
+    op: str, leaves: Sequence[Sequence[Any]], sizes: Sequence[int], out: np.ndarray[Any, Any]
+) -> None:
+    start = 0
+    for leaf, size in zip(leaves, sizes, strict=True):
+        # The ufuncs take the inputs in any layout; the output part takes the leaf's shape.
+        reduce_small(op, leaf, out[start : start + size].reshape(np.shape(leaf[0])))
+        start += size
 
 
 def _submit(device: Device, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

@@ -104,6 +104,13 @@ class ArrayBackend(Protocol):
     ) -> list[Any]:
         """Reduce elementwise across replicas; every replica gets the reduced array."""
 
+    async def all_reduce_packed(
+        self, op: str, leaves: Sequence[Sequence[Any]], devices: Sequence[Device]
+    ) -> list[Any]:
+        """Reduce several small leaves as one: ``leaves[k]`` holds leaf ``k``'s input per
+        replica. Every replica gets one flat array holding the reduced leaves end to end, in
+        order, each flattened."""
+
     async def all_gather(
         self, inputs: Sequence[Any], axis: int, devices: Sequence[Device]
     ) -> list[Any]:

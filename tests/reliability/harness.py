@@ -1,6 +1,6 @@
 """What the reliability tests stand on: a small training world, thread gates, leak detectors.
 
-A *world* is what one fault-matrix cell plays in: a strategy of three host replicas, a 2 MiB
+A *world* is what one fault-matrix cell plays in: a strategy of three host replicas, a 8 MiB
 mirrored variable (so every write of it awaits a device worker thread), a small one, an SGD
 optimizer, and a checkpoint manager that has saved once. ``World.play`` runs a scenario as the
 caller of ``strategy.run`` would, inside a cancel scope that the caller-cancelled cells cancel,
@@ -40,7 +40,7 @@ from replicas import cpus, rid
 
 import aioreplica
 from aioreplica import Checkpoint, CheckpointManager, MirroredStrategy, Variable
-from aioreplica._backends import HostDevice
+from aioreplica._backends import HostDevice, _numpy
 from aioreplica.optimizers import SGD
 
 if TYPE_CHECKING:
@@ -50,8 +50,11 @@ if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
 REPLICAS: Final = 3
-#: float64 elements of the big variable: 2 MiB, past the 1 MiB under which host work runs
-#: inline, so its writes and its optimizer steps await a device worker thread.
+#: The inline threshold these tests run under (``lower_inline_bytes``): 1 MiB instead of
+#: ``_numpy.INLINE_BYTES``, so that the big variable can stay small enough to be quick.
+INLINE: Final = 1 << 20
+#: float64 elements of the big variable: 2 MiB, past ``INLINE``, so its writes, its optimizer
+#: steps and its reductions await a device worker thread.
 BIG: Final = 1 << 18
 #: Seconds a play may take before it counts as a hang (a cell takes well under 0.5 s).
 PLAY_DEADLINE: Final = 3.0
@@ -273,6 +276,12 @@ STATES: Final = {
 }
 
 
+def lower_inline_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run host work that reads ``INLINE`` bytes or more on the device workers."""
+    assert INLINE < _numpy.INLINE_BYTES
+    monkeypatch.setattr(_numpy, "INLINE_BYTES", INLINE)
+
+
 @dataclass(frozen=True)
 class Model:
     """The variables, the optimizer and the checkpoint of one world (or of its twin)."""
@@ -328,6 +337,7 @@ class World:
     async def create(
         cls, directory: Path, monkeypatch: pytest.MonkeyPatch, *, sync_timeout: float | None
     ) -> World:
+        lower_inline_bytes(monkeypatch)
         strategy = MirroredStrategy(cpus(REPLICAS), sync_timeout=sync_timeout)
         model = Model.build(strategy)
         manager = CheckpointManager(model.checkpoint, directory, max_to_keep=1)

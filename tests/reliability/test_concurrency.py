@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 import pytest
-from harness import BIG
+from harness import BIG, lower_inline_bytes
 from replicas import cpus, rid
 
 from aioreplica import Checkpoint, CheckpointManager, MirroredStrategy, Variable
@@ -31,6 +31,11 @@ REPLICAS = 2
 #: What one run adds, summed over the replicas (each adds ``rid() + 1``).
 PER_RUN = sum(range(1, REPLICAS + 1))
 DEADLINE = 20.0
+
+
+@pytest.fixture(autouse=True)
+def _big_is_not_inline(monkeypatch: pytest.MonkeyPatch) -> None:
+    lower_inline_bytes(monkeypatch)
 
 
 async def at_once(count: int, call: Callable[[], Coroutine[Any, Any, Any]]) -> None:
