@@ -299,10 +299,11 @@ class ReductionEngine:
     ) -> list[Any]:
         """One leaf's components as arrays on their replicas' devices, or a ``TypeError``."""
         backend = self.backend
-        if backend.name != "numpy" or not all(type(c) is np.ndarray for c in components):
-            kinds = {array_kind(component) for component in components}
-            if not kinds <= {backend.name, "scalar"}:
-                _refuse_components(what, path, components, per_replica, backend.name)
+        if backend.name == "numpy" and all(type(c) is np.ndarray for c in components):
+            return components  # host arrays already: nothing to place
+        kinds = {array_kind(component) for component in components}
+        if not kinds <= {backend.name, "scalar"}:
+            _refuse_components(what, path, components, per_replica, backend.name)
         return [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
 
     def _check_same_shapes(self, what: str, leaves: list[_LeafArrays]) -> None:

@@ -216,25 +216,23 @@ class ReplicaContext:
                 "(or None)"
             )
 
-    async def _collective(
-        self,
-        merge_fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        timeout: float | None,  # noqa: ASYNC109 - bounds the arrival of others, not this call
-    ) -> Any:
+    def _collective(
+        self, merge_fn: Callable[..., Any], args: tuple[Any, ...], timeout: float | None
+    ) -> Awaitable[Any]:
         """One merge round running ``merge_fn`` (which returns a ``PerReplica``), bounded by
         ``timeout`` seconds of waiting for the other replicas to arrive.
 
-        ``merge_call``'s checks and request, with a timeout; ``merge_call`` keeps its own copy
-        of them so that the hottest path there is stays one frame.
+        ``merge_call``'s checks and request, with a timeout, returning the request's trap as
+        ``merge_call`` does (no frame of its own); ``merge_call`` keeps its own copy of them so
+        that the hottest path there is stays one frame.
         """
         point = self._merge_point
         if point is None:
-            return select_replica(0, await _merge_now(self._strategy, merge_fn, args, None))
+            return _collective_now(self._strategy, merge_fn, args)
         if not point.in_own_coroutine or point.pending is not None:
             raise RuntimeError(point.misuse_message())
         request = point.pending = (MERGE, merge_fn, args, None, timeout)
-        return await merge_trap(request)
+        return merge_trap(request)
 
     # -- collectives (each one merge round; the engine does the work) ----------------------
 
@@ -441,6 +439,13 @@ async def _merge_now(
         return result
     finally:
         context_state.reset(token)
+
+
+async def _collective_now(
+    strategy: Any, merge_fn: Callable[..., Any], args: tuple[Any, ...]
+) -> Any:
+    """A collective of the default single-replica context: the merge at once, replica 0's part."""
+    return select_replica(0, await _merge_now(strategy, merge_fn, args, None))
 
 
 _default_context_factory: Callable[[], ReplicaContext] | None = None

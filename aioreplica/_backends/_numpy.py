@@ -287,13 +287,15 @@ class HostBackend:
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
     ) -> list[Any]:
+        first = inputs[0]
+        out = self._pool.take(np.shape(first), np.asarray(first).dtype)
+        if out.nbytes * len(inputs) < INLINE_BYTES:
+            reduce_small(op, inputs, out)  # the ufuncs take any layout
+            return [self._pool.publish(out)] * len(inputs)
         flat = [np.ascontiguousarray(x).reshape(-1) for x in inputs]
-        out = self._pool.take(np.shape(inputs[0]), flat[0].dtype)
         out_flat = out.reshape(-1)
         size = out_flat.size
-        if out.nbytes * len(flat) < INLINE_BYTES:
-            reduce_small(op, flat, out_flat)
-        elif len(devices) == 1:
+        if len(devices) == 1:
             reduce_range(op, flat, out_flat, 0, size)
         else:
             parts = min(len(devices), _cores())
