@@ -16,12 +16,15 @@ directly with their device objects. Every call goes through one core:
    key path). Nothing is computed before every leaf has
    passed. Callers that have checked their arrays already (an optimizer's gradients) enter
    after this step, at ``all_reduce_arrays``.
-2. **pack** (``_reduce_leaves``): small leaves of one dtype are fused into flat buffers of at
-   most ``bytes_per_pack`` bytes, reduced together, and handed back as views of the result, so
-   a hundred small gradients cost one reduction instead of a hundred.
-3. **reduce** (``_reduce_arrays``) on the backend: host replicas share one read-only output;
-   GPU replicas each get theirs (NCCL or on-device). A strategy spanning several workers adds
-   its cross-worker step here, between the local reduction and the local result.
+2. **pack** (``_reduce_leaves``): small leaves of one dtype are reduced together as one flat
+   array of at most ``bytes_per_pack`` bytes (``_reduce_packed``) and handed back as views of
+   it, so a hundred small gradients cost one reduction instead of a hundred. How to pack is the
+   backend's: the host reduces each leaf straight into its part of one output (each input read
+   once); GPUs join each replica's leaves and make one collective call.
+3. **reduce** (``_reduce_arrays``, and ``_reduce_packed`` for packs) on the backend: host
+   replicas share one read-only output; GPU replicas each get theirs (NCCL or on-device). A
+   strategy spanning several workers adds its cross-worker step in these two, between the
+   local reduction and the local result.
 
 A value passed in is a regrouped structure: a ``PerReplica`` leaf holds one component per
 replica, any other leaf stands for the same value on every replica.

@@ -44,6 +44,7 @@ __all__ = [
     "PerReplica",
     "agreed",
     "regroup",
+    "regroup_arguments",
     "select_replica",
     "select_replica_mirrored",
 ]
@@ -339,6 +340,8 @@ def select_replica(replica_id: int, structure: Any) -> Any:
 
 def _select_tree(structure: Any, replica_id: int) -> Any:
     """``select_replica`` by the general tree walk."""
+    if isinstance(structure, DistributedValues):
+        return _select(structure, replica_id)
     if is_leaf(structure):
         return structure
     leaves, treedef = flatten(structure)

@@ -226,8 +226,9 @@ def reduce_small(op: str, inputs: Sequence[npt.NDArray[Any]], out: npt.NDArray[A
     """``reduce_range`` over the whole of a small output, without its checks.
 
     For the backend's own calls, whose arrays the engine has checked already (one shape, one
-    numeric dtype, C-contiguous, ``out`` fresh from the pool): below ``INLINE_BYTES`` the checks
-    would cost more than the arithmetic. The same ufuncs in the same order give the same bits.
+    numeric dtype, ``out`` fresh from the pool, so sharing no memory with them; any layout, as
+    the ufuncs take it): below ``INLINE_BYTES`` the checks would cost more than the arithmetic.
+    The same ufuncs in the same order as ``reduce_range`` give the same bits.
 
     Example:
         >>> out = np.empty(3)
