@@ -74,6 +74,7 @@ from ._values import (
     regroup,
     regroup_arguments,
     select_replica,
+    select_replicas,
 )
 
 if TYPE_CHECKING:
@@ -130,9 +131,9 @@ class _Round:
         self.requests: list[MergeRequest | None] = [None] * size  # by replica id
         self.done = False
         self.result: Any = None
-        # When the result is one distributed value with a part per replica, those parts: each
-        # replica takes its own without the general ``select_replica``.
-        self.parts: tuple[Any, ...] | None = None
+        # Each replica's part of the result, when it is a distributed value or a structure of
+        # tuples, lists and dicts (``select_replicas``): each replica takes its own by index.
+        self.parts: Sequence[Any] | None = None
         self.gate = gate
         # The gate's one waiter for all, if it has one: the fast path parks on it directly. If
         # the gate later replaces it (a sibling's cancellation cancelled it), a replica parking
@@ -542,8 +543,11 @@ class _Run:
     def _finish_round(self, rnd: _Round, last: _Replica, result: Any) -> _Step | None:
         """Publish the round's result, open the next round, wake the replicas."""
         rnd.result = result
-        if isinstance(result, DistributedValues) and len(result.values) == self.size:
-            rnd.parts = result.values
+        if isinstance(result, DistributedValues):
+            if len(result.values) == self.size:
+                rnd.parts = result.values
+        elif type(result) in _SPLIT_RESULTS:
+            rnd.parts = select_replicas(result, self.size)
         rnd.done = True
         self.round = self._new_round(rnd.number + 1)
         self.fast_path = self.sync_timeout is None and not self.failures and not self.finished
@@ -581,6 +585,9 @@ class _Run:
         kwargs = regroup([dict(kw or {}) for kw in all_kwargs]) if any(all_kwargs) else {}
         return merge_fn, args, kwargs
 
+
+#: The merge results split for every replica at once (``select_replicas``).
+_SPLIT_RESULTS: Final = frozenset({tuple, list, dict})
 
 #: What merge functions commonly return, none of it awaitable: the check is then one lookup.
 _PLAIN_RESULTS: Final = frozenset(

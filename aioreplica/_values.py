@@ -47,6 +47,7 @@ __all__ = [
     "regroup_arguments",
     "select_replica",
     "select_replica_mirrored",
+    "select_replicas",
 ]
 
 T = TypeVar("T")
@@ -298,6 +299,46 @@ def _select(value: DistributedValues[Any], replica_id: int) -> Any:
         f"replica_id {replica_id} is out of range for {type(value).__name__} values of "
         f"{len(values)} replica{'' if len(values) == 1 else 's'}"
     )
+
+
+def select_replicas(structure: Any, size: int) -> list[Any] | None:
+    """``select_replica(i, structure)`` for every replica ``i`` of ``size``, at once.
+
+    For a structure of tuples, lists, dicts and leaves whose distributed values all have
+    ``size`` parts (what merge functions return): one walk instead of one per replica, each
+    replica still getting containers of its own. ``None`` for anything else, which
+    ``select_replica`` then handles (and reports) one replica at a time.
+
+    Example:
+        >>> select_replicas({"loss": PerReplica([1.0, 2.0]), "step": 3}, 2)
+        [{'loss': 1.0, 'step': 3}, {'loss': 2.0, 'step': 3}]
+    """
+    try:
+        return _split_plain(structure, size)
+    except _NotPlain:
+        return None
+
+
+def _split_plain(structure: Any, size: int) -> list[Any]:
+    t = type(structure)
+    if t is tuple or t is list:
+        if not structure:
+            return [t() for _ in range(size)]
+        columns = [_split_plain(x, size) for x in structure]
+        return [t(row) for row in zip(*columns, strict=True)]
+    if t is dict:
+        if not structure:
+            return [{} for _ in range(size)]
+        keys = list(structure)
+        columns = [_split_plain(structure[key], size) for key in keys]
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
+    if isinstance(structure, DistributedValues):
+        if len(structure.values) != size:
+            raise _NotPlain
+        return list(structure.values)
+    if not all_leaves((structure,)):
+        raise _NotPlain
+    return [structure] * size
 
 
 @overload

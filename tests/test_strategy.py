@@ -170,6 +170,19 @@ class TestRunArguments:
             (1, 20, Pair("x1", 5), (0.5, "same")),
         ]
 
+    async def test_flat_positional_arguments(self) -> None:
+        """Positional leaves only (the common case): each replica gets its components of the
+        distributed ones and the very same object for the others."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        label = np.array(["same"])
+        seen: list[tuple[int, Any, Any, bool]] = []
+
+        async def step(a: int, b: str, c: float, d: Any) -> None:
+            seen.append((rid(), a, (b, c), d is label))
+
+        await strategy.run(step, args=(PerReplica([10, 20]), "b", Mirrored([0.5, 0.5]), label))
+        assert sorted(seen) == [(0, 10, ("b", 0.5), True), (1, 20, ("b", 0.5), True)]
+
     async def test_plain_arguments_are_shared(self) -> None:
         """Arguments without distributed values reach every replica as they are."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
@@ -191,6 +204,8 @@ class TestRunArguments:
 
         with pytest.raises(ValueError, match=r"args\[1\]\['w'\] is a PerReplica of 2 values, .*3"):
             await strategy.run(step, args=(1, {"w": PerReplica([1, 2])}))
+        with pytest.raises(ValueError, match=r"args\[1\] is a PerReplica of 2 values, .*3"):
+            await strategy.run(step, args=(1, PerReplica([1, 2])))
         with pytest.raises(ValueError, match=r"kwargs\['b'\] is a Mirrored of 4 values"):
             await strategy.run(step, kwargs={"b": Mirrored([1, 1, 1, 1])})
 

@@ -519,6 +519,41 @@ class TestProperties:
             return
         assert repr(_values.regroup_arguments(all_args)) == repr(expected)
 
+    @settings(max_examples=150, deadline=None, database=None)
+    @given(structures, st.integers(1, 4), st.data())
+    def test_select_replicas_is_select_replica_for_each(
+        self, structure: Any, num_replicas: int, data: st.DataObject
+    ) -> None:
+        """select_replicas gives every replica what select_replica gives it, in containers of
+        its own; it declines (None) what it does not walk, and select_replica handles that."""
+        leaves, treedef = flatten(structure)
+        sizes = data.draw(
+            st.lists(
+                st.sampled_from([0, num_replicas, num_replicas + 1]),
+                min_size=len(leaves),
+                max_size=len(leaves),
+            )
+        )
+        merged = treedef.unflatten(
+            [
+                leaf if size == 0 else PerReplica([(leaf, j) for j in range(size)])
+                for leaf, size in zip(leaves, sizes, strict=True)
+            ]
+        )
+        parts = _values.select_replicas(merged, num_replicas)
+        if parts is None:
+            return
+        assert len(parts) == num_replicas
+        for i, part in enumerate(parts):
+            assert repr(part) == repr(select_replica(i, merged))
+        if num_replicas > 1 and isinstance(merged, list | dict):
+            assert parts[0] is not parts[1]
+
+    def test_select_replicas_declines_a_distributed_value_of_another_size(self) -> None:
+        """A part count that is not the replicas' is select_replica's to report."""
+        assert _values.select_replicas((PerReplica([1, 2, 3]),), 2) is None
+        assert _values.select_replicas([nested_strategies.Point(1, PerReplica([1, 2]))], 2) is None
+
 
 class Opaque:
     """Prints the same for every instance and compares by identity."""

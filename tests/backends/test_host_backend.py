@@ -71,3 +71,22 @@ class TestAllReducePacked:
         for leaf, kept in zip(leaves, before, strict=True):
             for x, y in zip(leaf, kept, strict=True):
                 np.testing.assert_array_equal(x, y)
+
+
+class TestAllReduce:
+    @pytest.mark.parametrize("op", ["sum", "max", "min", "prod", "mean"])
+    async def test_small_inputs_in_any_layout(self, op: str) -> None:
+        """Below INLINE_BYTES the inputs are reduced as they are, transposed ones too, into
+        one shared read-only result of their shape."""
+        devices = [host_device(i) for i in range(3)]
+        inputs = leaves_for(3, np.float64)[1]  # (2, 5) views of (5, 2) arrays: not contiguous
+        assert not inputs[0].flags.c_contiguous
+        results = await HOST_BACKEND.all_reduce(op, inputs, devices)
+        assert all(result is results[0] for result in results)
+        assert not results[0].flags.writeable
+        if op == "mean":
+            expected = functools.reduce(np.add, inputs) / 3
+        else:
+            expected = functools.reduce(UFUNCS[op], inputs)
+        np.testing.assert_array_equal(results[0], expected)
+        assert results[0].shape == (2, 5)
