@@ -444,6 +444,20 @@ def _make_case(
             await ctx.merge_call(count.merge)
         count.finished += 1
 
+    return _aio_case(res, aio, strat, step, counting_step, count)
+
+
+def _aio_case(
+    res: _Result,
+    aio: Driver,
+    strat: Strategy,
+    step: Callable[[int], Awaitable[None]],
+    counting_step: Callable[[int], Awaitable[None]],
+    count: _Count,
+) -> Case[_Result]:
+    """aioreplica's case: ``step`` timed, ``counting_step`` run once and checked."""
+    k = res.k
+
     def aio_sample(reps: int) -> int:
         return aio.run(lambda: timed_async(lambda: strat.run(step, args=(k,)), reps))
 
@@ -495,14 +509,7 @@ def _make_arg_case(
             count.returned(got, x)
         count.finished += 1
 
-    def aio_sample(reps: int) -> int:
-        return aio.run(lambda: timed_async(lambda: strat.run(step, args=(k,)), reps))
-
-    def aio_verify() -> None:
-        aio.run(lambda: within(VERIFY_TIMEOUT_S, strat.run(counting_step, args=(k,))))
-        count.check()
-
-    return Case(res, aio_sample, aio_verify)
+    return _aio_case(res, aio, strat, step, counting_step, count)
 
 
 # --- many steps per call -------------------------------------------------------------------
