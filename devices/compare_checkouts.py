@@ -22,7 +22,9 @@ baseline with no aioreplica code in it, shown for the machine's state, never fla
 scheduler    ``aio/floor marginal`` per N (lower) and ``threads/aio marginal`` per N (higher):
              Table 2, from ``marginal_us_per_round_per_replica`` (the JSON holds no ratio, so
              they are derived here as the benchmark prints them); ``aio/floor step`` per (N, k)
-             (lower): aioreplica's over the floor's best µs per step, from ``results``.
+             (lower): aioreplica's over the floor's best µs per step, from ``results``; and,
+             where a run has them, ``aio/floor marginal <kind>`` per N (lower) for merge calls
+             with per-replica arguments (``marginal_by_args``: scalar, array, dict3).
 collectives  ``aioreplica_over_fastest_numpy``, ``kernel2t_over_fastest_numpy`` and
              ``kernel1t_over_fastest_numpy`` per (N, MiB) (lower, ``allreduce_table``);
              ``ratio_2_over_1`` per implementation (``compute_table``; higher for aioreplica,
@@ -124,6 +126,18 @@ def scheduler_metrics(doc: dict[str, Any]) -> list[Metric]:
                 row, "threads/aio marginal", "higher", _div(m.get("threads"), m.get("aioreplica"))
             )
         )
+    for kind, by_n in doc.get("marginal_by_args", {}).items():
+        if kind == "none":  # the rows above
+            continue
+        for n, m in by_n.items():
+            out.append(
+                Metric(
+                    f"N={n}",
+                    f"aio/floor marginal {kind}",
+                    "lower",
+                    _div(m.get("aioreplica"), m.get("floor")),
+                )
+            )
     best = {(r["impl"], r["n"], r["k"]): r.get("best_us_per_step") for r in doc["results"]}
     for (impl, n, k), t in best.items():
         if impl == "aioreplica":
