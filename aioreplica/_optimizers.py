@@ -237,7 +237,6 @@ class Optimizer:
         variables: list[Variable] = []
         seen: set[int] = set()
         strategy, device = ctx.strategy, ctx.device
-        on_host = device.kind == "cpu"
         for pair in grads_and_vars:
             grad, variable = _check_pair(pair)
             if grad is None:
@@ -250,15 +249,7 @@ class Optimizer:
             seen.add(id(variable))
             if variable._strategy is not strategy:
                 self._check_owner(variable, strategy)
-            if not (
-                # the common case, checked here: a host array of the variable's shape and dtype
-                on_host
-                and type(grad) is np.ndarray
-                and grad.dtype == variable._dtype
-                and grad.shape == variable._shape
-            ):
-                grad = _checked_gradient(grad, variable, device, replica_id)
-            grads.append(grad)
+            grads.append(_checked_gradient(grad, variable, device, replica_id))
             variables.append(variable)
         if not variables:
             raise ValueError(
@@ -784,6 +775,13 @@ def _check_pair(pair: Any) -> tuple[Any, Variable]:
 
 def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: int) -> Any:
     """The gradient on this replica's device, or an error naming the variable and replica."""
+    if (
+        type(grad) is np.ndarray
+        and grad.dtype == variable._dtype
+        and grad.shape == variable._shape
+        and device.kind == "cpu"
+    ):
+        return grad  # the common case: a host array of the variable's shape and dtype
     array = device.asarray(grad)
     if tuple(array.shape) != variable._shape:
         raise ValueError(

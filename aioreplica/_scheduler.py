@@ -72,7 +72,6 @@ from ._values import (
     PerReplica,
     agreed,
     regroup,
-    regroup_arguments,
     select_replica,
     select_replicas,
 )
@@ -580,7 +579,7 @@ class _Run:
                 raise
         # merge_call checked the types: args are tuples, kwargs mappings or None.
         all_args = list(map(_request_args, requests))
-        args = regroup_arguments(all_args) if any(all_args) else ()
+        args = regroup(all_args) if any(all_args) else ()
         all_kwargs = list(map(_request_kwargs, requests))
         kwargs = regroup([dict(kw or {}) for kw in all_kwargs]) if any(all_kwargs) else {}
         return merge_fn, args, kwargs

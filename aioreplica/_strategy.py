@@ -37,7 +37,14 @@ from ._dataset import (
 from ._options import CommunicationOptions, ReduceOp
 from ._scheduler import Scheduler, SchedulerStatistics
 from ._steps import MultiStepContext, run_steps, run_steps_on_iterator
-from ._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
+from ._values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    regroup,
+    select_replica,
+    select_replicas,
+)
 from ._variables import SyncOnReadVariable, Variable, update
 
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
@@ -743,27 +750,20 @@ class MirroredStrategy:
         size = self.num_replicas_in_sync
         if not args and not kwargs:
             return [(args, kwargs)] * size
-        if not kwargs and _tree.all_leaves(args):
-            # The common case, positional leaves (a PerReplica is one): no tree walk.
-            if not any(isinstance(arg, DistributedValues) for arg in args):
-                return [(args, kwargs)] * size
-            columns = []
-            for arg in args:
-                if not isinstance(arg, DistributedValues):
-                    columns.append((arg,) * size)
-                elif len(arg.values) == size:
-                    columns.append(arg.values)
-                else:
-                    self._check_distributed_arguments(args, kwargs)  # raises, naming it
-            return [(row, kwargs) for row in zip(*columns, strict=True)]
-        leaves = _tree.flatten((args, kwargs))[0]
+        if not kwargs and _tree.all_leaves(args):  # positional leaves only: no tree walk
+            leaves: Sequence[Any] = args
+        else:
+            leaves = _tree.flatten((args, kwargs))[0]
         distributed = [leaf for leaf in leaves if isinstance(leaf, DistributedValues)]
         if not distributed:
-            return [(args, kwargs)] * size  # nothing differs: one flatten, no rebuilds
+            return [(args, kwargs)] * size  # nothing differs: no rebuilds
         for leaf in distributed:
             if len(leaf.values) != size:
                 self._check_distributed_arguments(args, kwargs)  # raises, naming its path
-        return [select_replica(i, (args, kwargs)) for i in range(size)]
+        parts = select_replicas((args, kwargs), size)
+        if parts is None:
+            return [select_replica(i, (args, kwargs)) for i in range(size)]
+        return parts
 
     def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         size = self.num_replicas_in_sync

@@ -44,7 +44,6 @@ __all__ = [
     "PerReplica",
     "agreed",
     "regroup",
-    "regroup_arguments",
     "select_replica",
     "select_replica_mirrored",
     "select_replicas",
@@ -168,31 +167,6 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues[Any]] = Pe
     return _regroup_tree(replicas, wrap_class)
 
 
-def regroup_arguments(all_args: list[tuple[Any, ...]]) -> tuple[Any, ...]:
-    """``regroup`` of one argument tuple per replica, as ``merge_call`` receives them.
-
-    The common case, a few leaves per replica (a loss, an array), is one pass per position;
-    anything else is ``regroup``'s.
-
-    Raises:
-        TypeError, ValueError: as ``regroup``, when the replicas' arguments differ in shape.
-
-    Example:
-        >>> regroup_arguments([(1.0, "sum"), (2.0, "sum")])
-        (PerReplica({0: 1.0, 1: 2.0}), 'sum')
-    """
-    size = len(all_args[0])
-    for args in all_args:
-        if len(args) != size:
-            break
-    else:
-        columns = list(zip(*all_args, strict=True))
-        if all(all_leaves(column) for column in columns):
-            return tuple([_wrap(column, PerReplica) for column in columns])
-    result: tuple[Any, ...] = regroup(all_args)
-    return result
-
-
 def _regroup_tree(replicas: Sequence[Any], wrap_class: type[DistributedValues[Any]]) -> Any:
     """``regroup`` by the general tree walk: any registered node, mismatches named."""
     first = replicas[0]
@@ -257,7 +231,7 @@ def _select_plain(structure: Any, replica_id: int) -> Any:
         return {key: _select_plain(x, replica_id) for key, x in structure.items()}
     if isinstance(structure, DistributedValues):
         return _select(structure, replica_id)
-    if not all_leaves((structure,)):
+    if not is_leaf(structure):
         raise _NotPlain
     return structure
 
@@ -336,7 +310,7 @@ def _split_plain(structure: Any, size: int) -> list[Any]:
         if len(structure.values) != size:
             raise _NotPlain
         return list(structure.values)
-    if not all_leaves((structure,)):
+    if not is_leaf(structure):
         raise _NotPlain
     return [structure] * size
 
@@ -369,8 +343,6 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         >>> select_replica(1, merged)
         ('b', None)
     """
-    if isinstance(structure, DistributedValues):
-        return _select(structure, replica_id)
     if type(structure) in _PLAIN:
         try:
             return _select_plain(structure, replica_id)

@@ -216,9 +216,8 @@ async def compute_copies(
     """
     if all(len(set(map(id, argument))) == 1 for argument in per_copy):
         # Every copy has the very same inputs (host replicas share arrays): one job.
-        inputs = [argument[0] for argument in per_copy]
-        nbytes = sum([getattr(x, "nbytes", 0) for x in inputs])
-        return (_frozen_result(await devices[0].compute(nbytes, fn, *inputs)),) * len(devices)
+        shared = await _compute(devices[0], fn, [argument[0] for argument in per_copy])
+        return (shared,) * len(devices)
     results: list[Any] = []
     done: dict[tuple[int, ...], Any] = {}
     for i, device in enumerate(devices):
@@ -228,14 +227,16 @@ async def compute_copies(
         else:
             key = tuple(id(leaf) for leaf in _tree.flatten(inputs)[0])
         if key not in done:
-            nbytes = sum([getattr(x, "nbytes", 0) for x in inputs])  # what the job reads
-            done[key] = _frozen_result(await device.compute(nbytes, fn, *inputs))
+            done[key] = await _compute(device, fn, inputs)
         results.append(done[key])
     return tuple(results)
 
 
-def _frozen_result(result: Any) -> Any:
-    """A job's new array, or its tuple of them (an optimizer step's), made read-only."""
+async def _compute(device: Device, fn: Callable[..., Any], inputs: list[Any]) -> Any:
+    """``fn(*inputs)`` where the device's rule puts work that reads that many bytes; the new
+    array, or each of a tuple of them (an optimizer step's), made read-only."""
+    nbytes = sum([getattr(x, "nbytes", 0) for x in inputs])
+    result = await device.compute(nbytes, fn, *inputs)
     return tuple(map(frozen, result)) if isinstance(result, tuple) else frozen(result)
 
 

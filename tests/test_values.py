@@ -494,32 +494,6 @@ class TestProperties:
             assert repr(select_replica(i, merged)) == repr(_values._select_tree(merged, i))
 
     @settings(max_examples=150, deadline=None, database=None)
-    @given(
-        st.lists(
-            st.lists(st.one_of(nested_strategies.leaves, structures), max_size=3).map(tuple),
-            min_size=1,
-            max_size=4,
-        ),
-        st.booleans(),
-    )
-    def test_regroup_arguments_is_regroup(self, all_args: list[Any], same: bool) -> None:
-        """The scheduler's regroup of merge_call argument tuples gives what regroup gives:
-        the same value, or the same error and message."""
-        if same:  # the same objects from every replica: nothing is wrapped
-            all_args = [all_args[0]] * len(all_args)
-        error: Exception | None = None
-        try:
-            expected = regroup(all_args)
-        except (TypeError, ValueError) as exc:
-            error = exc
-        if error is not None:
-            with pytest.raises(type(error)) as info:
-                _values.regroup_arguments(all_args)
-            assert str(info.value) == str(error)
-            return
-        assert repr(_values.regroup_arguments(all_args)) == repr(expected)
-
-    @settings(max_examples=150, deadline=None, database=None)
     @given(structures, st.integers(1, 4), st.data())
     def test_select_replicas_is_select_replica_for_each(
         self, structure: Any, num_replicas: int, data: st.DataObject
