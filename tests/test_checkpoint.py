@@ -19,6 +19,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 import pytest
+from held_writes import hold_writes
 from replicas import cpus
 
 import aioreplica
@@ -1118,16 +1119,8 @@ class TestConsistentSnapshot:
         )
         before = model.state()
         path = tmp_path / "c.npz"
-        writing = threading.Event()
         resume = threading.Event()
-        real = np.lib.format.write_array
-
-        def held(*args: Any, **kwargs: Any) -> None:
-            writing.set()
-            assert resume.wait(10), "the test never resumed the save"
-            real(*args, **kwargs)
-
-        monkeypatch.setattr(np.lib.format, "write_array", held)
+        writing = hold_writes(monkeypatch, resume)
         async with anyio.create_task_group() as tg:
             tg.start_soon(ckpt.save, path)
             assert await anyio.to_thread.run_sync(writing.wait, 10)
@@ -1153,16 +1146,8 @@ class TestConsistentSnapshot:
         w = Variable(np.arange(3.0), name="w")
         ckpt = Checkpoint(w=w)
         path = tmp_path / "c.npz"
-        writing = threading.Event()
         resume = threading.Event()
-        real = np.lib.format.write_array
-
-        def held(*args: Any, **kwargs: Any) -> None:
-            writing.set()
-            assert resume.wait(10), "the test never resumed the save"
-            real(*args, **kwargs)
-
-        monkeypatch.setattr(np.lib.format, "write_array", held)
+        writing = hold_writes(monkeypatch, resume)
         async with anyio.create_task_group() as tg:
             tg.start_soon(ckpt.save, path)
             assert await anyio.to_thread.run_sync(writing.wait, 10)

@@ -24,6 +24,7 @@ import anyio.from_thread
 import anyio.to_thread
 import numpy as np
 import pytest
+from held_writes import hold_writes
 from replicas import cpus
 
 import aioreplica
@@ -64,20 +65,6 @@ def names(paths: list[str]) -> list[str]:
 
 def listing(directory: Path) -> list[str]:
     return sorted(os.listdir(directory)) if directory.exists() else []
-
-
-def hold_writes(monkeypatch: pytest.MonkeyPatch, until: threading.Event) -> threading.Event:
-    """Make every array write wait (in its worker thread) for ``until``; return "writing"."""
-    writing = threading.Event()
-    real = np.lib.format.write_array
-
-    def held(*args: Any, **kwargs: Any) -> None:
-        writing.set()
-        assert until.wait(10), "the test never let the write go on"
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(np.lib.format, "write_array", held)
-    return writing
 
 
 class TestConcurrentSaves:

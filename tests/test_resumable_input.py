@@ -19,6 +19,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 import pytest
+from held_writes import hold_writes
 from replicas import cpus
 
 from aioreplica import (
@@ -308,16 +309,8 @@ class TestSnapshot:
         ckpt = Checkpoint(w=w, data=program.ckpt.data, plain=plain)
         await ckpt.data.get_next()
         next(plain)
-        writing = threading.Event()
         resume = threading.Event()
-        real = np.lib.format.write_array
-
-        def held(*args: Any, **kwargs: Any) -> None:
-            writing.set()
-            assert resume.wait(10), "the test never resumed the save"
-            real(*args, **kwargs)
-
-        monkeypatch.setattr(np.lib.format, "write_array", held)
+        writing = hold_writes(monkeypatch, resume)
         async with anyio.create_task_group() as tg:
             tg.start_soon(CheckpointManager(ckpt, tmp_path).save)
             assert await anyio.to_thread.run_sync(writing.wait, 10)
