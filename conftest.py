@@ -138,3 +138,10 @@ def pytest_collect_file(
         skipped.reason = reason
         return [skipped]
     return collectors
+
+
+#: The CuPy stand-in is a package named ``cupy`` for tests to put on the path, not test code.
+collect_ignore = ["tests/cupy_sim"]
+
+#: Its fixtures (``cp``, ``cb``) and the check that fails a test on a race it swallowed.
+pytest_plugins = ["simulated_gpus"]

@@ -80,6 +80,7 @@ class ReductionEngine:
         self.devices: tuple[Device, ...] = tuple(devices)
         self.backend: ArrayBackend = self.devices[0].backend
         self.options = options
+        self.backend.prepare(self.devices)
 
     @property
     def size(self) -> int:

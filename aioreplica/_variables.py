@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, final
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
-from ._backends import array_module, host_device, is_array, is_cupy_array
+from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._values import DistributedValues, PerReplica, agreed, select_replica_mirrored
@@ -293,10 +293,21 @@ class Variable(NDArrayOperatorsMixin):
             >>> Variable(2.5).value()
             array(2.5)
         """
+        return self._read()[0]
+
+    def _read(self) -> tuple[Any, Device]:
+        """``value()`` and the device whose stream made it."""
         replica = context_state.get().replica
         if replica is not None and self._strategy is not None:
-            return self._copies[self._replica_id(replica, "read")]
-        return self._read_cross_replica()
+            index = self._replica_id(replica, "read")
+            return self._copies[index], self._devices[index]
+        return self._read_cross_replica(), self._devices[0]
+
+    def _host(self) -> np.ndarray[Any, Any]:
+        """``value()`` on the host: a GPU value copied on its device's stream, after the work
+        that made it (blocking the thread until then)."""
+        value, device = self._read()
+        return host_array(value, device)
 
     def read_value(self) -> Any:
         """The same as ``value()`` (TF's spelling).
@@ -323,9 +334,9 @@ class Variable(NDArrayOperatorsMixin):
             >>> Variable([1.0]).numpy().flags.writeable
             True
         """
-        value = self.value()
+        value, device = self._read()
         if is_cupy_array(value):
-            return np.array(value.get())
+            return host_array(value, device)
         return np.array(value, copy=True)
 
     def _read_cross_replica(self) -> Any:
@@ -342,13 +353,13 @@ class Variable(NDArrayOperatorsMixin):
         return replica.replica_id_in_sync_group
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
-        value = self.value()
+        value, device = self._read()
         if is_cupy_array(value):
             if copy is False:
                 raise ValueError(
                     f"variable {self._name!r} lives on a GPU; NumPy needs a copy of it"
                 )
-            value = value.get()
+            value = host_array(value, device)
         result: np.ndarray[Any, Any] = value
         if dtype is not None and np.dtype(dtype) != value.dtype:
             return result.astype(dtype)
@@ -372,13 +383,13 @@ class Variable(NDArrayOperatorsMixin):
         return self._shape[0]
 
     def __bool__(self) -> bool:
-        return bool(self.value())
+        return bool(self._host())
 
     def __float__(self) -> float:
-        return float(self.value())
+        return float(self._host())
 
     def __int__(self) -> int:
-        return int(self.value())
+        return int(self._host())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new variable of the same kind, strategy and devices, holding copies of the values.
@@ -410,7 +421,8 @@ class Variable(NDArrayOperatorsMixin):
 
     def __repr__(self) -> str:
         try:
-            shown = repr(self._read_cross_replica())
+            value, device = snapshot(self)
+            shown = repr(host_array(value, device))
         except Exception:  # a repr must not raise
             shown = "<unreadable>"
         return (
@@ -626,14 +638,9 @@ class SyncOnReadVariable(Variable):
         copies = self._copies
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA or len(copies) == 1:
             return copies[0]
-        primary = self._devices[0]
-        with _active(primary):
-            total = primary.asarray(copies[0]).copy()
-            for copy in copies[1:]:
-                total += primary.asarray(copy)
-            if self._aggregation is _Agg.MEAN:
-                total /= len(copies)
-        return frozen(total)
+        op = "mean" if self._aggregation is _Agg.MEAN else "sum"
+        devices = self._devices
+        return frozen(devices[0].backend.reduce_to_first(op, copies, devices))
 
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
@@ -655,7 +662,7 @@ class SyncOnReadVariable(Variable):
             )
         values = self._cross_replica_values(value)
         if op == ASSIGN and self._aggregation is _Agg.SUM:
-            values = split_sum(values, self._dtype)
+            values = split_sum(values, self._dtype, self._devices)
         await self._write_copies(op, values)
         return self
 
@@ -672,7 +679,7 @@ async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tu
     value = host_value.astype(variable._dtype, copy=False)
     values = [value] * len(variable._devices)
     if isinstance(variable, SyncOnReadVariable) and variable._aggregation is _Agg.SUM:
-        values = split_sum(values, variable._dtype)
+        values = split_sum(values, variable._dtype, variable._devices)
     placed = [device.asarray(v) for device, v in zip(variable._devices, values, strict=True)]
     return await compute_update(variable, writer(ASSIGN), placed)
 
@@ -898,8 +905,11 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
     """A fresh array of ``value`` (never the caller's own object), in ``dtype`` if given."""
     if isinstance(value, Variable):
         value = value.value()
-    if is_array(value):
-        array = array_module(value).array(value, dtype=dtype, copy=True)
+    if is_cupy_array(value):
+        with value.device:  # copied on the GPU it is on, on that GPU's current stream
+            array = array_module(value).array(value, dtype=dtype, copy=True)
+    elif is_array(value):
+        array = np.array(value, dtype=dtype, copy=True)
     else:
         try:
             array = np.array(value, dtype=dtype)

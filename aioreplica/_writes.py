@@ -34,7 +34,7 @@ import anyio
 import numpy as np
 
 from . import _tree
-from ._backends import array_module, is_cupy_array
+from ._backends import array_module, host_array, is_cupy_array
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
@@ -251,8 +251,8 @@ async def to_host(array: Any, device: Device) -> np.ndarray[Any, Any]:
     """``array`` as a NumPy array; a GPU array is copied once its device's work is done."""
     if not is_cupy_array(array):
         return np.asarray(array)
-    await device.synchronize()
-    return np.asarray(array.get())
+    await device.synchronize()  # so the copy below finds the work done and blocks no longer
+    return host_array(array, device)
 
 
 def writer(op: str) -> Callable[[Any, Any], Any]:
@@ -281,16 +281,27 @@ def _empty_like(array: Any) -> Any:
     return array_module(array).empty(array.shape, array.dtype)
 
 
-def split_sum(values: list[Any], dtype: np.dtype[Any]) -> list[Any]:
-    """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first."""
+def split_sum(values: list[Any], dtype: np.dtype[Any], devices: Sequence[Device]) -> list[Any]:
+    """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first.
+
+    Each share is computed with its copy's device current (a GPU's stream), so it is made on
+    that device, in order with the copy's other work.
+    """
     n = len(values)
-    if dtype.kind in "iu":
-        parts = []
-        for i, value in enumerate(values):
-            quotient, remainder = divmod(value, n)
-            parts.append(quotient + remainder if i == 0 else quotient)
-        return parts
-    return [value / n for value in values]
+    shares = []
+    for i, (value, device) in enumerate(zip(values, devices, strict=True)):
+        if device.has_context:
+            device.enter()
+        try:
+            if dtype.kind in "iu":
+                quotient, remainder = divmod(value, n)
+                shares.append(quotient + remainder if i == 0 else quotient)
+            else:
+                shares.append(value / n)
+        finally:
+            if device.has_context:
+                device.leave()
+    return shares
 
 
 def frozen(array: Any) -> Any:

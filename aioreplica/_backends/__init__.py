@@ -12,7 +12,7 @@ import importlib.util
 import re
 from collections.abc import Iterable, Mapping
 
-from ._arrays import array_kind, array_module, is_array, is_cupy_array
+from ._arrays import array_kind, array_module, host_array, is_array, is_cupy_array
 from ._numpy import HostDevice, host_device
 from ._protocol import ArrayBackend, Device
 
@@ -24,6 +24,7 @@ __all__ = [
     "array_module",
     "canonical_device_name",
     "default_devices",
+    "host_array",
     "host_device",
     "is_array",
     "is_cupy_array",

@@ -7,11 +7,14 @@ imports CuPy: ``import aioreplica`` stays light, and a process without CuPy neve
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-__all__ = ["array_kind", "array_module", "is_array", "is_cupy_array"]
+if TYPE_CHECKING:
+    from ._protocol import Device
+
+__all__ = ["array_kind", "array_module", "host_array", "is_array", "is_cupy_array"]
 
 
 def is_cupy_array(value: object) -> bool:
@@ -61,3 +64,23 @@ def array_module(array: Any) -> Any:
     if is_cupy_array(array):
         return sys.modules["cupy"]
     return np
+
+
+def host_array(value: Any, owner: Device | None = None) -> np.ndarray[Any, Any]:
+    """``value`` on the host: NumPy data as it is (no copy), a CuPy array copied to the host.
+
+    The copy is ordered after the work that made the array. With ``owner`` (the device whose
+    work made it) the copy runs on that device's stream. Without one it runs on the current
+    stream of the array's own GPU: outside a replica's step that is the legacy default
+    stream, and CUDA orders it after the (blocking) replica streams of that GPU. Blocks the
+    calling thread until the copy is done.
+
+    Example:
+        >>> host_array([1, 2])
+        array([1, 2])
+    """
+    if not is_cupy_array(value):
+        return np.asarray(value)
+    cupy_array: Any = value
+    with cupy_array.device:
+        return cupy_array.get(stream=getattr(owner, "stream", None))  # type: ignore[no-any-return]

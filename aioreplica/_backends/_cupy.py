@@ -4,18 +4,23 @@ Imported only when a GPU is asked for or listed; ``import aioreplica`` never imp
 
 Devices
 -------
-A ``CudaDevice`` owns one non-blocking stream, created in its GPU's context. CuPy's current
-device and current stream are per host thread, and every replica runs on the loop thread, so
-the scheduler calls ``enter()`` before each step of a replica's coroutine and ``leave()`` after
-it (invariant 1). ``enter`` pushes the device's stream the way ``with stream:`` does, so
-a ``with other_stream:`` block inside replica code falls back to the replica's stream when it
-ends (a stream made current with ``Stream.use()`` would not be restored by CuPy there).
-``leave`` pops it and, if the loop thread had made a stream current with ``use()`` before,
-makes that one current again: CuPy's ``with`` exit restores the previous ``with`` block's
-stream, not a ``use()``'d one (cupy/cupy#8377).
+A ``CudaDevice`` owns one blocking stream (CuPy's default), created in its GPU's context:
+CUDA orders it with the GPU's legacy default stream, where code outside a step runs, so a
+``float(loss)`` after ``run()`` and an array made with ``cupy.asarray`` before it are ordered
+with the replica's work (docs/architecture.md, "Host reads and device order"). CuPy's
+current device and current stream are per host thread, and every replica runs on the loop
+thread, so the scheduler calls ``enter()`` before each step of a replica's coroutine and
+``leave()`` after it (invariant 1). ``enter`` pushes the device's stream the way
+``with stream:`` does, so a ``with other_stream:`` block inside replica code falls back to the
+replica's stream when it ends (a stream made current with ``Stream.use()`` would not be
+restored by CuPy there). ``leave`` pops it and, if the loop thread had made a stream current
+with ``use()`` before, makes that one current again: CuPy's ``with`` exit restores the previous
+``with`` block's stream, not a ``use()``'d one (cupy/cupy#8377). Calls nest: reading a variable
+inside a step enters its device again, and each ``leave`` undoes its own ``enter``.
 
 ``synchronize()`` never blocks the loop: it queues a stream callback that wakes the waiting
-task thread-safely (see ``CudaDevice.synchronize`` for why a callback rather than polling).
+task thread-safely, and polls an event if the callback is late (see
+``CudaDevice.synchronize``).
 
 Collectives
 -----------
@@ -36,12 +41,14 @@ No step waits on the host. Every replica gets its own result array, ready in its
 when the collective returns. The back edges matter as much as the forward ones: CuPy's memory
 pool keeps one arena per stream and hands a freed block out again only to allocations on the
 stream it was allocated on, so a buffer read on another stream is safe to free once its owner's
-stream has waited for that read.
+stream has waited for that read. The communicators are made by ``prepare``, when a strategy is
+built: ``ncclCommInitAll`` holds the GIL, so on the event loop it would stall every task.
 """
 
 from __future__ import annotations
 
 import contextvars
+import warnings
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio.lowlevel
@@ -62,7 +69,7 @@ T = TypeVar("T")
 _runtime: Any = cupy.cuda.runtime
 _get_device: Callable[[], int] = _runtime.getDevice
 _set_device: Callable[[int], None] = _runtime.setDevice
-_get_current_stream: Callable[[], Any] = cupy.cuda.get_current_stream
+_get_current_stream: Callable[..., Any] = cupy.cuda.get_current_stream
 _xp: ModuleType = cupy
 
 
@@ -71,7 +78,8 @@ _xp: ModuleType = cupy
 
 @final
 class CudaDevice:
-    """One GPU, ``gpu:<index>``: CuPy arrays and one non-blocking CUDA stream.
+    """One GPU, ``gpu:<index>``: CuPy arrays and one CUDA stream (blocking: ordered with the
+    GPU's default stream).
 
     Replica code runs with this device and its stream current, so CuPy work it launches is
     queued on the stream and runs asynchronously. Use ``cuda_device(index)`` for the
@@ -86,7 +94,7 @@ class CudaDevice:
         (0, [1.0, 2.0])
     """
 
-    __slots__ = ("_index", "_previous", "_stream")
+    __slots__ = ("_index", "_saved", "_stream")
 
     kind: Final = "gpu"
     has_context: Final = True
@@ -94,8 +102,11 @@ class CudaDevice:
     def __init__(self, index: int) -> None:
         self._index = index
         with cupy.cuda.Device(index):
-            self._stream: Any = cupy.cuda.Stream(non_blocking=True)
-        self._previous: tuple[int, Any] | None = None
+            # Blocking, as CuPy's streams are by default: the legacy default stream, on which
+            # code outside a step runs, waits for its work and it waits for the default
+            # stream's, so reads and arrays made outside a step are ordered with the replicas.
+            self._stream: Any = cupy.cuda.Stream(non_blocking=False)
+        self._saved: list[tuple[int, Any]] = []
 
     @property
     def name(self) -> str:
@@ -125,17 +136,17 @@ class CudaDevice:
     def enter(self) -> None:
         """Make this GPU and its stream current on the calling thread; remember the previous.
 
-        Called by the scheduler before every step of a replica coroutine; calls for one device
-        never nest (``run`` and the collectives save and restore on their own).
+        Called by the scheduler before every step of a replica coroutine, and around
+        synchronous work on the device outside it. Calls nest: each ``leave`` undoes the
+        latest ``enter`` (reading a variable inside a replica's step enters its device again).
         """
-        self._previous = _activate(self._index, self._stream)
+        self._saved.append(_activate(self._index, self._stream))
 
     def leave(self) -> None:
-        """Make current again exactly the device and stream that were current at ``enter``."""
-        previous = self._previous
-        if previous is not None:
-            self._previous = None
-            _restore(self._index, self._stream, previous)
+        """Make current again exactly the device and stream that were current at the matching
+        ``enter``."""
+        if self._saved:
+            _restore(self._index, self._stream, self._saved.pop())
 
     def asarray(self, value: Any) -> Any:
         """Return ``value`` as a CuPy array on this GPU, copied on this device's stream.
@@ -143,8 +154,8 @@ class CudaDevice:
         A CuPy array already on this GPU is returned as is. Host data (NumPy arrays, lists,
         scalars) is copied host-to-device on the stream, asynchronously where the CuPy version
         does so (``cupy.asarray(..., blocking=False)`` is the default from CuPy 13). An array on
-        another GPU is copied peer to peer on this device's stream; the work that produced it
-        must already be ordered before this call (as for any CuPy cross-device copy).
+        another GPU is copied peer to peer on this device's stream, after the work queued so far
+        on that GPU's current stream (where code outside a replica's step made it).
 
         Raises:
             TypeError: ``value`` cannot be turned into an array.
@@ -153,12 +164,16 @@ class CudaDevice:
             >>> cuda_device(0).asarray(np.arange(3)).device.id
             0
         """
-        if isinstance(value, cupy.ndarray) and value.device.id == self._index:
+        if not isinstance(value, cupy.ndarray):
+            with _Active(self._index, self._stream):
+                return cupy.asarray(value)
+        gpu = value.device.id
+        if gpu == self._index:
             return value
-        with _Active(self._index, self._stream):
-            if isinstance(value, cupy.ndarray):
-                return cupy.copy(value)
-            return cupy.asarray(value)
+        # Made on its GPU's current stream (where code outside a step queues its work): copy it
+        # on this stream after that work, and let that stream wait for the copy before it
+        # hands the memory out again.
+        return _copy_from(value, gpu, _get_current_stream(gpu), self._index, self._stream)
 
     async def synchronize(self) -> None:
         """Wait, without blocking the event loop, until the work queued so far on this stream
@@ -166,12 +181,14 @@ class CudaDevice:
 
         The stream gets a callback (``Stream.add_callback``) that hands the result to the
         waiting task through the event loop's thread-safe wake-up, so the loop serves other
-        replicas meanwhile and spends no CPU on the wait. Why not the alternatives: polling
-        ``Event.done`` between ``await anyio.sleep(0)`` keeps the loop spinning for as long as
-        the GPU works and turns a failed kernel into an endless wait (CuPy's ``done`` reads an
-        error as "not done"); ``launch_host_func`` is not called at all after a device error
-        (the CUDA runtime documents this for ``cudaLaunchHostFunc``), whereas a stream
-        callback is called with the error status, which this method raises.
+        replicas meanwhile and spends no CPU on the wait. The wait does not hang on the
+        callback alone: if it has not come after 50 ms, an event recorded with it is polled
+        too, at growing intervals (up to 50 ms), so a driver that runs callbacks late, or
+        never, costs latency, not a hang. Polling alone would keep the loop waking for as
+        long as the GPU works, and would never see a device error (CuPy's ``done`` reads one
+        as "not done"); ``launch_host_func`` is not called at all after a device error (the
+        CUDA runtime documents this for ``cudaLaunchHostFunc``), whereas a stream callback is
+        called with the error status, which this method raises.
 
         Raises:
             cupy.cuda.runtime.CUDARuntimeError: the stream's work failed on the device.
@@ -190,11 +207,20 @@ class CudaDevice:
         if stream.done:
             await anyio.lowlevel.checkpoint()
             return
-        result = _loops.current().thread_result()
-        stream.add_callback(_stream_callback, result)
-        status: int = await result
-        if status != 0:
-            raise _runtime.CUDARuntimeError(status)
+        with _Active(self._index, stream):
+            done = stream.record(_event())
+        waiter = _Waiter(_loops.current().thread_result())
+        stream.add_callback(_stream_callback, waiter)
+        with anyio.move_on_after(_CALLBACK_GRACE):
+            await waiter.result
+        pause = _POLL_FIRST
+        # ``done`` stays False after a device error (CuPy checks no status there): the
+        # callback's status, whenever it comes, is what reports one.
+        while waiter.status is None and not done.done:
+            await anyio.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX)
+        if waiter.status:
+            raise _runtime.CUDARuntimeError(waiter.status)
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` inline on the calling thread with this GPU and its stream
@@ -323,12 +349,17 @@ class CupyBackend:
                 first = inputs[group.replicas[0]]
                 if across and len(group.replicas) == 1:
                     # NCCL writes out of place, so the replica's own input is the send buffer.
-                    send = cupy.ascontiguousarray(first, dtype=work_dtype)
+                    send = _contiguous(first, work_dtype)
                     out = cupy.empty_like(send)
                 else:  # reduce this GPU's inputs into a fresh buffer, then NCCL in place
-                    out = send = first.astype(work_dtype, order="C", copy=True)
-                    for position in group.replicas[1:]:
-                        local_op(out, inputs[position], out=out)
+                    out = send = cupy.empty(first.shape, dtype=work_dtype)
+                    others = group.replicas[1:]
+                    if others:  # the first pass reads two inputs and writes the buffer
+                        local_op(first, inputs[others[0]], out=out)
+                        for position in others[1:]:
+                            local_op(out, inputs[position], out=out)
+                    else:
+                        out[...] = first
             sends.append(send)
             outputs.append(out)
         if across and outputs[0].size:
@@ -465,14 +496,14 @@ class CupyBackend:
         if isinstance(value, cupy.ndarray) and value.device.id in plan.rank_of_gpu:
             root = plan.rank_of_gpu[value.device.id]
             with _Active(groups[root].index, groups[root].leader):
-                source = cupy.ascontiguousarray(value)
+                source = _contiguous(value)
                 if len(groups) == 1 and source is value:
                     source = value.copy()  # every replica gets an array of its own
         else:
             root = 0
             with _Active(groups[0].index, groups[0].leader):
                 copied = cupy.copy(value) if isinstance(value, cupy.ndarray) else value
-                source = cupy.ascontiguousarray(cupy.asarray(copied))
+                source = _contiguous(cupy.asarray(copied))
         if len(groups) == 1:
             return plan.fan_out([source])
         nccl, communicators = self._nccl(plan)
@@ -498,6 +529,49 @@ class CupyBackend:
                 nccl.groupEnd()
         return plan.fan_out(outputs)
 
+    def reduce_to_first(self, op: str, inputs: Sequence[Any], devices: Sequence[Device]) -> Any:
+        """``op`` (``"sum"`` or ``"mean"``) over the inputs, into a new array on the first
+        device's GPU, queued on its stream now (synchronous: nothing is awaited).
+
+        Inputs on other GPUs are copied over first, each on the first device's stream after
+        the work on its replica's stream; inputs on the same GPU are read after the work on
+        their replicas' streams (an event each). Every replica's stream then waits for those
+        reads, so none of them reuses an input's memory too early. For small reads outside a
+        step, such as a sync-on-read variable's value.
+
+        Raises:
+            ValueError: ``op`` is not ``"sum"`` or ``"mean"``.
+
+        Example:
+            >>> a, b = cuda_device(0), CudaDevice(0)  # two replicas on one GPU
+            >>> xs = [a.asarray([1.0, 2.0]), b.asarray([3.0, 4.0])]
+            >>> CUPY_BACKEND.reduce_to_first("sum", xs, [a, b]).get()
+            array([4., 6.])
+        """
+        if op not in ("sum", "mean"):
+            raise ValueError(f"reduce_to_first reduces with 'sum' or 'mean', not {op!r}")
+        placed = [_placed(device, position) for position, device in enumerate(devices)]
+        index, stream = placed[0]
+        here = [value for value, (gpu, _) in zip(inputs, placed, strict=True) if gpu == index]
+        away = [
+            _copy_from(value, gpu, other, index, stream)
+            for value, (gpu, other) in zip(inputs, placed, strict=True)
+            if gpu != index
+        ]
+        others = {other: gpu for gpu, other in placed[1:] if gpu == index and other != stream}
+        with _Active(index, stream):
+            for other in others:
+                stream.wait_event(other.record(_event()))
+            total = cupy.array(here[0], copy=True)
+            for value in [*here[1:], *away]:
+                total += value
+            if op == "mean":
+                total /= len(inputs)
+            read = stream.record(_event())
+        for other in others:
+            other.wait_event(read)
+        return total
+
     def _plan(self, devices: Sequence[Device]) -> _Plan:
         key = tuple(devices)
         plan = self._plans.get(key)
@@ -505,14 +579,29 @@ class CupyBackend:
             plan = self._plans[key] = _Plan(key)
         return plan
 
+    def prepare(self, devices: Sequence[Device]) -> None:
+        """Make the plan of ``devices`` and, when they span several GPUs and NCCL is there,
+        its communicators: called when a strategy is built, so the first collective does not
+        run ``ncclCommInitAll`` (which holds the GIL for as long as it takes) on the event
+        loop. Without NCCL this does nothing: collectives across GPUs then raise.
+
+        Raises:
+            TypeError: a device is not a GPU device.
+
+        Example:
+            >>> CUPY_BACKEND.prepare([cuda_device(0)])
+        """
+        plan = self._plan(devices)
+        if len(plan.groups) > 1 and _nccl_or_none() is not None:
+            self._nccl(plan)
+
     def _nccl(self, plan: _Plan) -> tuple[Any, list[Any]]:
-        """The NCCL module and the communicators of the plan's GPUs, created on first use."""
+        """The NCCL module and the communicators of the plan's GPUs (made by ``prepare``, or
+        here the first time a collective meets a set of GPUs no strategy was built on)."""
         nccl = _nccl_module()
         gpus = tuple(group.index for group in plan.groups)
         communicators = self._communicators.get(gpus)
         if communicators is None:
-            # Once per set of GPUs. CuPy holds the GIL through ncclCommInitAll, so a worker
-            # thread would not keep the loop running meanwhile; it is a one-time cost.
             communicators = self._communicators[gpus] = nccl.NcclCommunicator.initAll(list(gpus))
         return nccl, communicators
 
@@ -566,15 +655,50 @@ class _Active:
         _restore(self._index, self._stream, self._previous)
 
 
-def _stream_callback(stream: Any, status: int, result: _loops.ThreadResult) -> None:
+class _Waiter:
+    """What a stream callback hands to ``synchronize``: the status, and the wake-up."""
+
+    __slots__ = ("result", "status")
+
+    def __init__(self, result: _loops.ThreadResult) -> None:
+        self.result = result
+        self.status: int | None = None
+
+
+def _stream_callback(stream: Any, status: int, waiter: _Waiter) -> None:
     # Runs on a CUDA driver thread, which may make no CUDA calls: hand the bare status over
     # and let the waiting task build the exception.
-    result.set(status, None)
+    waiter.status = status
+    waiter.result.set(status, None)
 
 
 def _event() -> Any:
     """A CUDA event on the current device, for ordering only (no timing)."""
     return cupy.cuda.Event(disable_timing=True)
+
+
+def _copy_from(value: Any, gpu: int, source: Any, index: int, stream: Any) -> Any:
+    """A copy on GPU ``index``, made on ``stream``, of ``value`` from GPU ``gpu``, where the
+    work on stream ``source`` made it: ``stream`` waits for that work, and ``source`` waits for
+    the copy before its memory pool hands ``value``'s memory out again. A non-contiguous
+    ``value`` is made contiguous on ``source`` first (CuPy copies only contiguous arrays
+    between GPUs)."""
+    if not (value.flags.c_contiguous or value.flags.f_contiguous):
+        with _Active(gpu, source):
+            value = cupy.ascontiguousarray(value)
+    with _Active(index, stream):
+        stream.wait_event(_recorded(source, gpu))
+        copied = cupy.copy(value)
+        read = stream.record(_event())
+    with cupy.cuda.Device(gpu):
+        source.wait_event(read)
+    return copied
+
+
+def _recorded(stream: Any, gpu: int) -> Any:
+    """An event recorded on ``stream`` of GPU ``gpu`` (made on that GPU, as CUDA requires)."""
+    with cupy.cuda.Device(gpu):
+        return stream.record(_event())
 
 
 class _Group:
@@ -589,6 +713,17 @@ class _Group:
         self.others: list[tuple[int, Any]] = []  # (position, stream) of all but the leader
 
 
+def _placed(device: Device, position: int) -> tuple[int, Any]:
+    """``(GPU index, stream)`` of replica ``position``'s device, or a ``TypeError``."""
+    stream = getattr(device, "stream", None)
+    if device.kind != "gpu" or stream is None:
+        raise TypeError(
+            f"the CuPy backend runs collectives over GPU devices with a CUDA stream, "
+            f"got {type(device).__name__} {device!r} for replica {position}"
+        )
+    return device.index, stream
+
+
 class _Plan:
     """How a tuple of devices maps onto GPUs and streams; made once per tuple, then cached.
 
@@ -599,15 +734,7 @@ class _Plan:
     __slots__ = ("groups", "rank_of", "rank_of_gpu")
 
     def __init__(self, devices: tuple[Device, ...]) -> None:
-        placed: list[tuple[int, Any]] = []
-        for position, device in enumerate(devices):
-            stream = getattr(device, "stream", None)
-            if device.kind != "gpu" or stream is None:
-                raise TypeError(
-                    f"the CuPy backend runs collectives over GPU devices with a CUDA stream, "
-                    f"got {type(device).__name__} {device!r} for replica {position}"
-                )
-            placed.append((device.index, stream))
+        placed = [_placed(device, position) for position, device in enumerate(devices)]
         gpus = sorted({index for index, _ in placed})
         self.rank_of_gpu = {index: rank for rank, index in enumerate(gpus)}
         self.groups = [_Group(index) for index in gpus]
@@ -654,6 +781,12 @@ class _Plan:
         return results
 
 
+#: How long ``synchronize`` waits for its stream callback before it polls an event too, the
+#: first pause between polls, and the longest (seconds).
+_CALLBACK_GRACE: Final = 0.05
+_POLL_FIRST: Final = 0.001
+_POLL_MAX: Final = 0.05
+
 _FLOAT64: Final = cupy.dtype("float64")
 
 _LOCAL_OPS: Final[dict[str, Any]] = {
@@ -691,6 +824,13 @@ _BOOL_OPS: Final = {"sum": "NCCL_MAX", "prod": "NCCL_MIN", "max": "NCCL_MAX", "m
 
 #: Word sizes for copying raw bytes with NCCL (broadcast copies bits, whatever the type).
 _RAW_WORDS: Final = ((8, "NCCL_UINT64"), (4, "NCCL_UINT32"), (2, "NCCL_FLOAT16"))
+
+
+def _contiguous(array: Any, dtype: Any = None) -> Any:
+    """``cupy.ascontiguousarray``, except that a 0-d array stays 0-d (CuPy, as NumPy, makes it
+    1-d)."""
+    result = cupy.ascontiguousarray(array, dtype=dtype)
+    return result if result.shape == array.shape else result.reshape(array.shape)
 
 
 def _flat_concatenate(parts: list[Any]) -> Any:
@@ -742,13 +882,25 @@ def _nccl_module() -> Any:
     Raises:
         RuntimeError: NCCL is not installed where CuPy looks for it.
     """
-    try:
-        from cupy.cuda import nccl
-    except ImportError as exc:  # pragma: no cover - depends on the CuPy build
-        raise RuntimeError(_NO_NCCL) from exc
-    if not getattr(nccl, "available", False):
+    nccl = _nccl_or_none()
+    if nccl is None:
         raise RuntimeError(_NO_NCCL)
     return nccl
+
+
+def _nccl_or_none() -> Any:
+    """``cupy.cuda.nccl`` where CuPy could load NCCL, else ``None``.
+
+    CuPy's wheels do not bundle NCCL: the import then succeeds with ``available`` false, after
+    a ``UserWarning`` that says so (an error under ``-W error``); ``available`` is the answer.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        try:
+            from cupy.cuda import nccl
+        except ImportError:  # pragma: no cover - older CuPy builds without the module
+            return None
+    return nccl if getattr(nccl, "available", False) else None
 
 
 _NO_NCCL: Final = (

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 import numpy as np
 
 from .. import _loops
-from ._arrays import is_cupy_array
+from ._arrays import host_array
 from ._hostreduce import BufferPool, reduce_range, reduce_small, split_ranges
 
 if TYPE_CHECKING:
@@ -190,9 +190,7 @@ class HostDevice:
         """
         if type(value) is np.ndarray:  # the common case, before any dispatch
             return value
-        if is_cupy_array(value):
-            return value.get()  # type: ignore[no-any-return]
-        return np.asarray(value)
+        return host_array(value)  # a CuPy array: copied once the work that made it is done
 
     async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` in this device's worker thread; await its result.
@@ -283,6 +281,29 @@ class HostBackend:
 
     def __init__(self) -> None:
         self._pool = BufferPool()
+
+    def prepare(self, devices: Sequence[Device]) -> None:
+        """Nothing to set up: host collectives need no communicators."""
+
+    def reduce_to_first(self, op: str, inputs: Sequence[Any], devices: Sequence[Device]) -> Any:
+        """``op`` (``"sum"`` or ``"mean"``) over the inputs into a new array, at once, on the
+        calling thread (for small reads, such as a sync-on-read variable's value).
+
+        Raises:
+            ValueError: ``op`` is not ``"sum"`` or ``"mean"``.
+
+        Example:
+            >>> HOST_BACKEND.reduce_to_first("mean", [np.ones(2), np.zeros(2)], [])
+            array([0.5, 0.5])
+        """
+        if op not in ("sum", "mean"):
+            raise ValueError(f"reduce_to_first reduces with 'sum' or 'mean', not {op!r}")
+        total = np.array(inputs[0], copy=True)
+        for value in inputs[1:]:
+            total += value
+        if op == "mean":
+            total /= len(inputs)
+        return total
 
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]

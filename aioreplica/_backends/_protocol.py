@@ -99,6 +99,14 @@ class ArrayBackend(Protocol):
     def name(self) -> str:
         """``"numpy"`` or ``"cupy"``."""
 
+    def prepare(self, devices: Sequence[Device]) -> None:
+        """Set up, once, what collectives over ``devices`` need (called when a strategy is
+        built, off the hot path: NCCL communicators, for instance)."""
+
+    def reduce_to_first(self, op: str, inputs: Sequence[Any], devices: Sequence[Device]) -> Any:
+        """Sum (``"sum"``) or average (``"mean"``) the inputs into one new array on the first
+        device, synchronously, ordered after the work that made each input."""
+
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
     ) -> list[Any]:

@@ -8,6 +8,7 @@ public API on real hardware.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from simulated_gpus import simulated_cupy
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
     from pathlib import Path
 
 OPS = ("sum", "mean", "max", "min", "prod")
@@ -53,15 +56,29 @@ class TestImportBoundary:
 # -- everything below needs CuPy and a CUDA device ----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cb() -> Any:
-    """The ``_cupy`` backend module; skips without CuPy or without a CUDA device."""
-    pytest.importorskip("cupy")
-    from aioreplica._backends import _cupy
+def _backends() -> list[Any]:
+    """The real CuPy where one is installed, and the stand-in with 1, 2 and 4 GPUs."""
+    params = [pytest.param(n, id=f"sim-{n}gpu") for n in (1, 2, 4)]
+    if importlib.util.find_spec("cupy") is not None:
+        params.insert(0, pytest.param(0, id="cuda", marks=pytest.mark.gpu))
+    return params
 
-    if _cupy.visible_device_count() == 0:
-        pytest.skip("no CUDA device")
-    return _cupy
+
+@pytest.fixture(scope="module", params=_backends())
+def cb(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """The ``_cupy`` backend module: on real CuPy (skipped without a CUDA device), or on the
+    stand-in with ``request.param`` GPUs, where any unordered access fails the test."""
+    if request.param == 0:
+        from aioreplica._backends import _cupy
+
+        if _cupy.visible_device_count() == 0:
+            pytest.skip("no CUDA device")
+        yield _cupy
+        return
+    with simulated_cupy(request.param):
+        from aioreplica._backends import _cupy
+
+        yield _cupy
 
 
 @pytest.fixture
@@ -80,9 +97,14 @@ def _layouts(cb: Any) -> dict[str, list[Any]]:
     """Replica layouts for 1 and 2 replicas: two GPUs if there are two, else one GPU twice."""
     first = cb.cuda_device(0)
     layouts = {"1 replica": [first], "2 replicas, 1 GPU": [first, cb.CudaDevice(0)]}
-    if cb.visible_device_count() >= 2:
+    if _two_gpus_with_nccl(cb):
         layouts["2 replicas, 2 GPUs"] = [first, cb.cuda_device(1)]
     return layouts
+
+
+def _two_gpus_with_nccl(cb: Any) -> bool:
+    """Whether collectives across two GPUs can run here (CuPy's wheels come without NCCL)."""
+    return bool(cb.visible_device_count() >= 2 and cb._nccl_or_none() is not None)
 
 
 def _host_inputs(op: str, count: int, dtype: str) -> list[np.ndarray[Any, Any]]:
@@ -119,10 +141,11 @@ class TestCudaDevice:
         assert device.backend is cb.CUPY_BACKEND
         assert cb.cuda_device(0) is device
 
-    def test_owns_a_non_blocking_stream_on_its_gpu(self, cb: Any) -> None:
-        """The device's stream was created on its GPU and does not sync with stream 0."""
+    def test_owns_a_blocking_stream_on_its_gpu(self, cb: Any) -> None:
+        """The device's stream was created on its GPU and is ordered with the legacy default
+        stream, on which code outside a step reads and makes arrays."""
         stream = cb.cuda_device(0).stream
-        assert (stream.device_id, stream.is_non_blocking) == (0, True)
+        assert (stream.device_id, stream.is_non_blocking) == (0, False)
 
     def test_enter_makes_device_and_stream_current_and_leave_restores(
         self, cb: Any, cp: Any
@@ -204,12 +227,13 @@ class TestCudaDevice:
 
 @pytest.mark.gpu
 class TestCupyBackend:
-    def test_is_array(self, cb: Any, cp: Any) -> None:
-        """CuPy arrays are arrays of this backend; NumPy arrays and lists are not."""
-        backend = cb.CUPY_BACKEND
-        assert backend.is_array(cp.zeros(2))
-        assert not backend.is_array(np.zeros(2))
-        assert not backend.is_array([0.0])
+    def test_cupy_arrays_are_told_apart(self, cb: Any, cp: Any) -> None:
+        """CuPy arrays are arrays of kind ``cupy``; NumPy arrays and lists are not."""
+        from aioreplica._backends import array_kind, is_cupy_array
+
+        assert (is_cupy_array(cp.zeros(2)), array_kind(cp.zeros(2))) == (True, "cupy")
+        assert not is_cupy_array(np.zeros(2))
+        assert not is_cupy_array([0.0])
 
     @pytest.mark.anyio
     @pytest.mark.parametrize("op", OPS)
@@ -261,6 +285,40 @@ class TestCupyBackend:
                 np.testing.assert_array_equal(result.get(), np.arange(12.0).reshape(3, 4))
 
     @pytest.mark.anyio
+    async def test_all_reduce_packed_joins_any_layout_per_replica(self, cb: Any) -> None:
+        """Leaves of any layout (a transposed one too) come back reduced, end to end."""
+        for layout, devices in _layouts(cb).items():
+            hosts = [np.arange(6.0).reshape(2, 3) * (r + 1) for r in range(len(devices))]
+            leaves = [
+                [d.asarray(h).T for d, h in zip(devices, hosts, strict=True)],
+                [d.asarray(h[0]) for d, h in zip(devices, hosts, strict=True)],
+            ]
+            results = await cb.CUPY_BACKEND.all_reduce_packed("sum", leaves, devices)
+            total = np.sum(hosts, axis=0)
+            expected = np.concatenate([total.T.ravel(), total[0]])
+            assert [r.device.id for r in results] == [d.index for d in devices], layout
+            for result in results:
+                np.testing.assert_array_equal(result.get(), expected, err_msg=layout)
+
+    @pytest.mark.parametrize("op", ["sum", "mean"])
+    def test_reduce_to_first_reduces_onto_the_first_gpu(self, cb: Any, op: str) -> None:
+        """The copies' sum or mean, in a new array on the first replica's GPU."""
+        for layout, devices in _layouts(cb).items():
+            hosts = [np.full(3, float(r + 1)) for r in range(len(devices))]
+            inputs = _to_devices(devices, hosts)
+            total = cb.CUPY_BACKEND.reduce_to_first(op, inputs, devices)
+            expected = sum(hosts) / (len(hosts) if op == "mean" else 1)
+            assert total.device.id == devices[0].index, layout
+            assert all(total.data.ptr != x.data.ptr for x in inputs), layout
+            np.testing.assert_array_equal(total.get(), expected, err_msg=layout)
+
+    def test_reduce_to_first_refuses_other_ops(self, cb: Any) -> None:
+        """Only sum and mean: a variable's read has no other aggregation."""
+        device = cb.cuda_device(0)
+        with pytest.raises(ValueError, match=r"'sum' or 'mean', not 'max'"):
+            cb.CUPY_BACKEND.reduce_to_first("max", [device.asarray([1.0])], [device])
+
+    @pytest.mark.anyio
     async def test_unknown_op_raises_value_error_naming_it(self, cb: Any) -> None:
         """An op that is not a reduction is named in the error with the valid ones."""
         device = cb.cuda_device(0)
@@ -280,8 +338,8 @@ class TestCupyBackend:
     @pytest.mark.anyio
     async def test_dtype_nccl_cannot_reduce_is_a_type_error_across_gpus(self, cb: Any) -> None:
         """int16 has no NCCL type: across GPUs that is a ``TypeError`` saying what to cast to."""
-        if cb.visible_device_count() < 2:
-            pytest.skip("needs two GPUs")
+        if not _two_gpus_with_nccl(cb):
+            pytest.skip("needs two GPUs and NCCL")
         devices = [cb.cuda_device(0), cb.cuda_device(1)]
         inputs = _to_devices(devices, [np.ones(3, dtype=np.int16)] * 2)
         with pytest.raises(TypeError, match=r"cannot reduce dtype int16.*astype\('int32'\)"):
@@ -290,3 +348,26 @@ class TestCupyBackend:
     def test_visible_device_count_counts_the_gpus(self, cb: Any, cp: Any) -> None:
         """The count is CuPy's device count."""
         assert cb.visible_device_count() == cp.cuda.runtime.getDeviceCount()
+
+
+def test_docstring_examples_run_on_the_stand_in() -> None:
+    """The CUDA backend's docstring examples pass on two simulated GPUs (``--doctest-modules``
+    runs them only where a real CuPy and GPU are)."""
+    import doctest
+
+    import anyio
+
+    import aioreplica
+
+    with simulated_cupy(2):
+        from aioreplica._backends import _cupy
+
+        finder = doctest.DocTestFinder(exclude_empty=True)
+        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+        globs = {"np": np, "anyio": anyio, "aioreplica": aioreplica}
+        tests = [t for t in finder.find(_cupy, extraglobs=globs) if t.examples]
+        for test in tests:
+            runner.run(test)
+        outcome = runner.summarize(verbose=False)
+    assert len(tests) >= 8
+    assert (outcome.failed, outcome.attempted > 20) == (0, True)
