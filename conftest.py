@@ -11,7 +11,7 @@ Every docstring example sees ``np``, ``anyio`` and ``aioreplica`` without import
 A docstring's examples are collected from the file that defines it. ``aioreplica/__init__.py``
 renames its exports' ``__module__`` to ``aioreplica``, which doctest's own rule (the object's
 ``__module__``) would take for the package: their methods would never run. The CuPy backend's
-examples are reported as skipped, with the reason, where CuPy or a GPU is missing.
+examples run in tests/backends/test_cupy.py (on the stand-in) and test_cupy_gpu.py (on a GPU).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import ast
 import doctest
 import functools
 import importlib
-import importlib.util
 import inspect
 import sys
 from pathlib import Path
@@ -105,43 +104,20 @@ def pytest_make_collect_report(
         return (yield)
 
 
-class _Skipped(pytest.File):
-    """A module whose doctests are all skipped, for one reason."""
-
-    reason: str
-
-    def collect(self) -> list[pytest.Item]:
-        pytest.skip(self.reason)
-
-
-def _no_gpu() -> str | None:
-    """Why the CuPy backend's examples cannot run here (they need CuPy and a GPU), or ``None``."""
-    if importlib.util.find_spec("cupy") is None:
-        return "CuPy is not installed: the CuPy backend's doctests need it"
-    try:
-        import cupy
-
-        count = int(cupy.cuda.runtime.getDeviceCount())
-    except (RuntimeError, OSError, ImportError) as exc:  # no driver, or no CUDA libraries
-        return f"CuPy sees no CUDA device ({exc}): the CuPy backend's doctests need one"
-    return None if count else "CuPy sees no CUDA device: the CuPy backend's doctests need one"
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_collect_file(
     file_path: Path, parent: pytest.Collector
 ) -> Generator[None, list[pytest.Collector], list[pytest.Collector]]:
-    """Skip the CuPy backend's module, with the reason, where CuPy or a GPU is missing."""
+    """Leave the CuPy backend's examples to the tests that run them: on the CuPy stand-in
+    (tests/backends/test_cupy.py) and on a real GPU (tests/backends/test_cupy_gpu.py, skipped
+    with the rest of the GPU-only tests, on one line, where there is none)."""
     collectors = yield
-    if file_path == _CUPY_MODULE and collectors and (reason := _no_gpu()) is not None:
-        skipped = _Skipped.from_parent(parent, path=file_path)
-        skipped.reason = reason
-        return [skipped]
-    return collectors
+    return [] if file_path == _CUPY_MODULE else collectors
 
 
 #: The CuPy stand-in is a package named ``cupy`` for tests to put on the path, not test code.
 collect_ignore = ["tests/cupy_sim"]
 
-#: Its fixtures (``cp``, ``cb``) and the check that fails a test on a race it swallowed.
-pytest_plugins = ["simulated_gpus"]
+#: Its fixtures (``cp``, ``cb``) and the check that fails a test on a race it swallowed; and
+#: pytest's ``pytester`` fixture, which tests/test_testing_plugin.py runs the plugin with.
+pytest_plugins = ["simulated_gpus", "pytester"]

@@ -94,7 +94,7 @@ from typing import TYPE_CHECKING, Any, Final, Literal, final
 import anyio
 import numpy as np
 
-from . import _tree
+from . import _trace, _tree
 from ._batched import BatchedIterator, ResumableInput, batched
 from ._context import context_state
 from ._dataset import DistributedIterator
@@ -305,6 +305,11 @@ class Checkpoint:
         if not isinstance(partial, bool):
             raise TypeError(f"partial must be True or False, got {partial!r}")
         path = os.fspath(path)
+        restoring = self._restore(path, partial)
+        report: RestoreReport = await _trace.traced(restoring, "checkpoint restore", {"path": path})
+        return report
+
+    async def _restore(self, path: str, partial: bool) -> RestoreReport:
         manifest, arrays = await anyio.to_thread.run_sync(_read, path)
         plan = _Plan(path, manifest, arrays, partial=partial)
         for obj_path, obj in self._leaves():
@@ -611,7 +616,16 @@ class _Snapshot:
         """Write the snapshot to ``path`` atomically, in a worker thread; return ``path``.
 
         Once the thread has started, the write finishes even if the caller is cancelled.
+        While a trace is recorded, the write is a span ``checkpoint save``.
         """
+        recorder = _trace.recorder
+        if recorder is not None:
+            saving = self._write(path)
+            written: str = await recorder.timed(saving, "checkpoint save", {"path": path})
+            return written
+        return await self._write(path)
+
+    async def _write(self, path: str) -> str:
         arrays = []
         for member, value, device in self.pending:
             if device is None:

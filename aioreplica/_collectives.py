@@ -28,28 +28,34 @@ directly with their device objects. Every call goes through one core:
 
 A value passed in is a regrouped structure: a ``PerReplica`` leaf holds one component per
 replica, any other leaf stands for the same value on every replica.
+
+While a trace is recorded (``aioreplica._trace``), each call's data movement (after the checks)
+is a span named after the collective, with args ``op``, ``bytes`` (one replica's input) and
+``devices``; with none, it costs one check of ``_trace.recorder``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 
-from . import _tree
+from . import _trace, _tree
 from ._backends import array_kind
 from ._errors import replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Coroutine, Sequence
 
     from ._backends import ArrayBackend, Device
     from ._options import CommunicationOptions
 
 __all__ = ["ReductionEngine"]
+
+T = TypeVar("T")
 
 
 class _LeafArrays(NamedTuple):
@@ -102,8 +108,10 @@ class ReductionEngine:
         leaves, treedef = self._leaves("all_reduce", value)
         self._check_same_shapes("all_reduce", leaves)
         _check_op(op, leaves)
-        results = await self._reduce_leaves(op, leaves, self.options.override(options))
-        return self._per_replica(treedef, results)
+        reducing = self._reduce_leaves(op, leaves, self.options.override(options))
+        if _trace.recorder is not None:
+            reducing = self._traced(reducing, "all_reduce", op, leaves)
+        return self._per_replica(treedef, await reducing)
 
     async def all_reduce_arrays(
         self, op: ReduceOp, arrays: Sequence[Sequence[Any]], options: CommunicationOptions
@@ -115,6 +123,10 @@ class ReductionEngine:
             Per leaf, one result per replica.
         """
         leaves = [_LeafArrays((), list(per_replica)) for per_replica in arrays]
+        if _trace.recorder is not None:
+            return await self._traced(
+                self._reduce_leaves(op, leaves, options), "all_reduce", op, leaves
+            )
         return await self._reduce_leaves(op, leaves, options)
 
     async def all_gather(self, value: Any, axis: int) -> list[Any]:
@@ -126,11 +138,17 @@ class ReductionEngine:
                 backend.
         """
         leaves, treedef = self._leaves("all_gather", value)
-        gathered = []
-        for leaf in leaves:
-            axis_ = self._check_gather_shapes("all_gather", leaf, axis)
-            gathered.append(await self.backend.all_gather(leaf.arrays, axis_, self.devices))
-        return self._per_replica(treedef, gathered)
+        axes = [self._check_gather_shapes("all_gather", leaf, axis) for leaf in leaves]
+        gathering = self._gather_leaves(leaves, axes)
+        if _trace.recorder is not None:
+            gathering = self._traced(gathering, "all_gather", None, leaves)
+        return self._per_replica(treedef, await gathering)
+
+    async def _gather_leaves(self, leaves: list[_LeafArrays], axes: list[int]) -> list[Any]:
+        return [
+            await self.backend.all_gather(leaf.arrays, axis, self.devices)
+            for leaf, axis in zip(leaves, axes, strict=True)
+        ]
 
     async def broadcast(self, value: Any, source: int) -> list[Any]:
         """Replica ``source``'s component of ``value``, once per replica on its device.
@@ -142,10 +160,15 @@ class ReductionEngine:
         """
         self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
-        results = [
-            await self.backend.broadcast(leaf.arrays[source], self.devices) for leaf in leaves
-        ]
-        return self._per_replica(treedef, results)
+        sending = self._broadcast_leaves([leaf.arrays[source] for leaf in leaves], self.devices)
+        if _trace.recorder is not None:
+            sending = self._traced(sending, "broadcast", None, leaves)
+        return self._per_replica(treedef, await sending)
+
+    async def _broadcast_leaves(
+        self, arrays: list[Any], destinations: Sequence[Device]
+    ) -> list[list[Any]]:
+        return [await self.backend.broadcast(array, destinations) for array in arrays]
 
     async def reduce_scatter(
         self, op: ReduceOp, value: Any, axis: int, options: CommunicationOptions | None = None
@@ -161,7 +184,10 @@ class ReductionEngine:
         _check_op(op, leaves)
         for leaf in leaves:
             _check_axis("reduce_scatter", leaf, axis)
-        results = await self._reduce_leaves(op, leaves, self.options.override(options))
+        reducing = self._reduce_leaves(op, leaves, self.options.override(options))
+        if _trace.recorder is not None:
+            reducing = self._traced(reducing, "reduce_scatter", op, leaves)
+        results = await reducing
         size = self.size
         scattered = [
             [self.devices[i].xp.array_split(replicas[i], size, axis=axis)[i] for i in range(size)]
@@ -197,9 +223,19 @@ class ReductionEngine:
         _check_op(op, leaves)
         if axis is None:
             self._check_same_shapes("reduce", leaves)
-            results = await self._reduce_leaves(op, leaves, self.options)
-            return treedef.unflatten([replicas[0] for replicas in results])
-        return treedef.unflatten([await self._reduce_along(op, leaf, axis) for leaf in leaves])
+            reducing = self._reduce_leaves(op, leaves, self.options)
+            if _trace.recorder is not None:
+                reducing = self._traced(reducing, "reduce", op, leaves)
+            return treedef.unflatten([replicas[0] for replicas in await reducing])
+        along = self._reduce_leaves_along(op, leaves, axis)
+        if _trace.recorder is not None:
+            along = self._traced(along, "reduce", op, leaves)
+        return treedef.unflatten(await along)
+
+    async def _reduce_leaves_along(
+        self, op: ReduceOp, leaves: list[_LeafArrays], axis: int
+    ) -> list[Any]:
+        return [await self._reduce_along(op, leaf, axis) for leaf in leaves]
 
     async def gather(self, value: Any, axis: int) -> Any:
         """Concatenate ``value``'s components along ``axis``, on the first device.
@@ -209,12 +245,11 @@ class ReductionEngine:
             TypeError: as ``all_gather``.
         """
         leaves, treedef = self._leaves("gather", value)
-        gathered = []
-        for leaf in leaves:
-            axis_ = self._check_gather_shapes("gather", leaf, axis)
-            whole = await self.backend.all_gather(leaf.arrays, axis_, self.devices)
-            gathered.append(whole[0])
-        return treedef.unflatten(gathered)
+        axes = [self._check_gather_shapes("gather", leaf, axis) for leaf in leaves]
+        gathering = self._gather_leaves(leaves, axes)
+        if _trace.recorder is not None:
+            gathering = self._traced(gathering, "gather", None, leaves)
+        return treedef.unflatten([whole[0] for whole in await gathering])
 
     async def batch_reduce_to(
         self,
@@ -241,7 +276,10 @@ class ReductionEngine:
         leaves, treedef = self._leaves("reduce_to", [value for value, _ in pairs])
         self._check_same_shapes("reduce_to", leaves)
         _check_op(op, leaves)
-        results = await self._reduce_leaves(op, leaves, self.options.override(options))
+        reducing = self._reduce_leaves(op, leaves, self.options.override(options))
+        if _trace.recorder is not None:
+            reducing = self._traced(reducing, "reduce_to", op, leaves)
+        results = await reducing
         index = {device.name: i for i, device in enumerate(self.devices)}
         per_replica = self._per_replica(treedef, results)
         return [
@@ -257,14 +295,36 @@ class ReductionEngine:
         """
         leaves, treedef = _tree.flatten(value)
         first = destinations[0]
-        placed = [
-            await self.backend.broadcast(first.asarray(leaf), destinations) for leaf in leaves
-        ]
+        arrays = [first.asarray(leaf) for leaf in leaves]
+        sending = self._broadcast_leaves(arrays, destinations)
+        if _trace.recorder is not None:
+            recorder = _trace.recorder
+            args = {"bytes": sum(a.nbytes for a in arrays), "devices": len(destinations)}
+            sending = recorder.timed(sending, "broadcast_to", args)
+        placed = await sending
         return [
             treedef.unflatten([results[d] for results in placed]) for d in range(len(destinations))
         ]
 
     # -- the core -------------------------------------------------------------------------
+
+    def _traced(
+        self,
+        awaitable: Coroutine[Any, Any, T],
+        name: str,
+        op: ReduceOp | None,
+        leaves: list[_LeafArrays],
+    ) -> Coroutine[Any, Any, T]:
+        """``awaitable`` as a span of the active trace (called only while one is recorded)."""
+        recorder = _trace.recorder
+        if recorder is None:
+            return awaitable
+        args: dict[str, Any] = {}
+        if op is not None:
+            args["op"] = op.value
+        args["bytes"] = sum(int(getattr(leaf.arrays[0], "nbytes", 0)) for leaf in leaves)
+        args["devices"] = self.size
+        return recorder.timed(awaitable, name, args)
 
     def _per_replica(self, treedef: _tree.TreeDef, results: Sequence[Sequence[Any]]) -> list[Any]:
         """Per-leaf results (one per replica each) as one result structure per replica."""

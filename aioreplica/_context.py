@@ -34,6 +34,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, final
 
+from . import _trace
 from ._merge import MERGE
 from ._options import ReduceOp
 from ._values import PerReplica, agreed, select_replica
@@ -410,7 +411,10 @@ async def _merge_reduce_scatter(
 
 
 def _merge_barrier(strategy: Any) -> None:
-    return None
+    recorder = _trace.recorder
+    if recorder is not None:  # nothing to move: a mark of where the replicas met
+        with recorder.span("barrier", {"devices": strategy.num_replicas_in_sync}):
+            pass
 
 
 # -- the default context ----------------------------------------------------------------------

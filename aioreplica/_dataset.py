@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final
 
 import anyio
 
-from . import _loops, _tree
+from . import _loops, _trace, _tree
 from ._batched import BatchedIterator, batch_rows, batched
 from ._values import PerReplica, regroup
 
@@ -310,7 +310,11 @@ class DistributedIterator:
         if self._closed:
             raise StopAsyncIteration
         if self._prefetch == 0:
-            element = await self._puller.next_element()
+            pulling = self._puller.next_element()
+            recorder = _trace.recorder
+            if recorder is not None:  # made on demand: on the track of the task asking
+                pulling = recorder.timed(pulling, "dataset prefetch", {"ahead": 0})
+            element = await pulling
             if element is _END:
                 self._closed = True
                 await self._puller.finish()
@@ -520,10 +524,20 @@ def _refuse_sync_iteration(dataset: DistributedDataset | DistributedIterator) ->
 
 
 async def _prefetch(puller: _Puller, send: MemoryObjectSendStream[Any]) -> None:
-    """The prefetch task: pull, split and place elements ahead; hand on the dataset's error."""
+    """The prefetch task: pull, split and place elements ahead; hand on the dataset's error.
+
+    While a trace is recorded each element made is a span ``dataset prefetch`` on a
+    ``prefetch`` track (``ahead``: how many elements it may make ahead).
+    """
+    _trace.detach("prefetch")  # not under the task that started it (a replica, perhaps)
     try:
         while True:
-            element = await puller.next_element()
+            pulling = puller.next_element()
+            recorder = _trace.recorder
+            if recorder is not None:
+                ahead = send.statistics().max_buffer_size
+                pulling = recorder.timed(pulling, "dataset prefetch", {"ahead": ahead})
+            element = await pulling
             if element is _END:
                 break
             await send.send(element)

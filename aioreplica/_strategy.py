@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Literal, final
+import sys
+import weakref
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, final
 
+import anyio
 import numpy as np
 
-from . import _tree
-from ._backends import Device, canonical_device_name, resolve_devices
+from . import _loops, _trace, _tree
+from ._backends import Device, HostDevice, canonical_device_name, resolve_devices
 from ._collectives import ReductionEngine
 from ._context import (
     ContextState,
@@ -46,6 +50,9 @@ from ._values import (
     select_replicas,
 )
 from ._variables import SyncOnReadVariable, Variable, update
+
+if TYPE_CHECKING:
+    import threading
 
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
 
@@ -266,14 +273,19 @@ class MirroredStrategy:
             between them follow each loop's scheduling).
         seed: the seed for ``interleave="random"``; ``None`` draws one (see ``.seed``).
         communication_options: defaults for collectives (packing, timeout).
+        slow_merge_warning: seconds after which a merge point that still waits for replicas
+            logs one warning (logger ``"aioreplica"``, level WARNING) naming the replicas
+            that have not arrived; it comes while the merge point still waits, within a
+            quarter of this past it. ``None`` disables it. It costs the merge path nothing: one
+            process-wide daemon thread ("aioreplica watchdog") looks at running merge points.
 
     Raises:
         ValueError: a device is unknown, unavailable or repeated; ``interleave`` is not one of
-            ``"ordered"``, ``"random"``; ``sync_timeout`` is not positive; ``seed`` is given
-            with ``interleave="ordered"``.
+            ``"ordered"``, ``"random"``; ``sync_timeout`` or ``slow_merge_warning`` is not
+            positive and finite; ``seed`` is given with ``interleave="ordered"``.
         TypeError: ``devices`` is not a list of devices (a number of replicas, a string, one
             device, a set), the message showing the list to write; or it holds something
-            that is not a device.
+            that is not a device; ``slow_merge_warning`` is not a number or None.
 
     Example:
         >>> import anyio, aioreplica
@@ -293,7 +305,9 @@ class MirroredStrategy:
         interleave: Literal["ordered", "random"] = "ordered",
         seed: int | None = None,
         communication_options: CommunicationOptions | None = None,
+        slow_merge_warning: float | None = 60.0,
     ) -> None:
+        _check_slow_merge_warning(slow_merge_warning)
         self._device_objects = resolve_devices(devices)
         if communication_options is None:
             communication_options = CommunicationOptions()
@@ -324,8 +338,19 @@ class MirroredStrategy:
         if interleave == "random":
             self._seed = seed if seed is not None else random.randrange(2**32)
             rng = random.Random(self._seed)
-        self._scheduler = Scheduler(self, self._engine, sync_timeout=sync_timeout, rng=rng)
+        self._scheduler = Scheduler(
+            self,
+            self._engine,
+            sync_timeout=sync_timeout,
+            rng=rng,
+            slow_merge_warning=slow_merge_warning,
+        )
         self._extended = StrategyExtended(self)
+        # Open: claims its host devices' worker threads until close() (see close()).
+        self._host_devices = tuple(d for d in self._device_objects if isinstance(d, HostDevice))
+        self._closed = False
+        self._is_default = False
+        self._claim()
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -348,6 +373,11 @@ class MirroredStrategy:
     def sync_timeout(self) -> float | None:
         """Seconds a replica may wait at a merge point, or ``None``."""
         return self._sync_timeout
+
+    @property
+    def slow_merge_warning(self) -> float | None:
+        """Seconds a merge point may wait before it logs a warning, or ``None``."""
+        return self._scheduler.slow_merge_warning
 
     @property
     def interleave(self) -> str:
@@ -585,13 +615,175 @@ class MirroredStrategy:
         return (value,)
 
     def statistics(self) -> SchedulerStatistics:
-        """Return a snapshot: runs active, replicas waiting at merge points, merges done.
+        """Return a snapshot: runs active, replicas waiting at merge points, merges and steps
+        done, each replica's time spent waiting for the others, and which one is late.
+
+        A merge round waits from its first replica's arrival until its last one's; every
+        replica but the last is charged that wait (exactly its own for the first to arrive).
+        ``wait_total`` and ``wait_max`` (tuples indexed by replica id, seconds) sum and
+        maximise what each replica was charged over the completed merge rounds;
+        ``slowest_replica`` is the replica that arrived last most often. Measuring costs two
+        clock reads per merge round.
 
         Example:
-            >>> MirroredStrategy(["cpu:0"]).statistics().runs_active
-            0
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.statistics().slowest_replica is None  # no merge round yet
+            True
+            >>> async def step():
+            ...     ctx = aioreplica.get_replica_context()
+            ...     if ctx.replica_id_in_sync_group == 1:
+            ...         await anyio.sleep(0.01)  # replica 1 is late
+            ...     await ctx.barrier()
+            >>> anyio.run(strategy.run, step)
+            >>> stats = strategy.statistics()
+            >>> stats.steps, stats.slowest_replica, stats.wait_total[0] >= 0.01
+            (1, 1, True)
         """
         return self._scheduler.statistics()
+
+    # -- tracing --------------------------------------------------------------------------
+
+    def start_trace(self, path: str | os.PathLike[str]) -> None:
+        """Start recording a timeline of this strategy's replicas; ``stop_trace`` writes it.
+
+        The file is Chrome Trace Event JSON, which Perfetto (ui.perfetto.dev) and
+        ``chrome://tracing`` open: one track per replica (``tid`` = replica id, named
+        ``replica r``; ``pid`` = worker index) with spans ``compute``, ``merge wait``,
+        ``merge_fn <name>``, each collective by its name, ``device.run <fn>``; and tracks
+        ``main`` and ``prefetch`` for checkpoint saves and restores and dataset prefetches
+        outside the replicas. See ``trace()`` for the format. One trace at a time per
+        process; runs that start while it is recorded are traced.
+
+        Args:
+            path: the JSON file to write (its folder must exist). A worker of a strategy
+                spanning several processes adds its index: ``run.json`` -> ``run.worker1.json``
+                (worker 0 writes ``path`` itself).
+
+        Raises:
+            RuntimeError: a trace is already being recorded (by this strategy or another).
+            TypeError: ``path`` is not a str or ``os.PathLike``.
+            FileNotFoundError: the folder of ``path`` does not exist.
+            IsADirectoryError: ``path`` is a folder.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.start_trace(tmp / "run.json")
+            >>> anyio.run(strategy.run, lambda: 1)
+            1
+            >>> os.path.basename(strategy.stop_trace())
+            'run.json'
+        """
+        self._start_trace(path)
+
+    def stop_trace(self) -> str:
+        """Stop the trace that ``start_trace`` started and write its file; return its path.
+
+        The file is written atomically (complete, or not replaced at all) on the calling
+        thread; ``async with strategy.trace(path):`` writes it in a worker thread instead.
+        Spans still open (a run in progress) are left out.
+
+        Raises:
+            RuntimeError: no trace is being recorded, or another strategy's is.
+            OSError: the file cannot be written.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0"])
+            >>> strategy.stop_trace()  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            RuntimeError: no trace is being recorded by MirroredStrategy(...); start one with ...
+        """
+        return _trace.stop(self).write()
+
+    @contextlib.asynccontextmanager
+    async def trace(self, path: str | os.PathLike[str]) -> AsyncIterator[str]:
+        """Record a timeline of this strategy's replicas while the block runs (Perfetto).
+
+        The file is complete when the block exits (also by an exception or a cancellation):
+        written atomically in a worker thread, so the event loop goes on meanwhile.
+
+        Format (Chrome Trace Event JSON): ``{"traceEvents": [...], "displayTimeUnit": "ms",
+        "otherData": {"aioreplica": version, "replicas": N, "worker": w}}``; metadata events
+        ``process_name`` (``pid`` w, ``"worker w"``) and ``thread_name`` per track; spans are
+        complete events ``{"ph": "X", "name", "pid", "tid", "ts", "dur", "args"}`` in
+        microseconds since the trace started, nested per track:
+
+        - on each replica's track (``tid`` r, ``replica r``): ``compute`` (replica code
+          between merge points; args ``replica``), ``merge wait`` (from its arrival at a merge
+          point until it resumes; args ``round``: the merge rounds of the trace counted from 1,
+          ``merge``: the ``merge_call`` number within its run, ``replica``), ``merge_fn
+          <name>`` on the track of the replica that ran the merge function (the last to
+          arrive), and inside it each collective (``all_reduce``, ``all_gather``,
+          ``broadcast``, ``reduce_scatter``, ``barrier``...; args ``op``, ``bytes`` of one
+          replica's input, ``devices``); ``device.run <fn>`` inside ``compute``;
+        - on tracks from ``tid`` N up, named ``main`` (tasks that are not replicas, such as
+          the one calling ``run()``: ``checkpoint save``, ``checkpoint restore``, collectives
+          of ``strategy.reduce``) and ``prefetch`` (``dataset prefetch``, one element pulled,
+          split and placed); where spans would overlap without nesting (concurrent tasks,
+          concurrent runs) they go on further tracks, ``main (2)``, ``replica 0 (2)``...
+
+        Overhead: off, one check per place that records (nothing per replica per merge
+        round); on, about a microsecond per span.
+
+        Args:
+            path: the JSON file to write, as for ``start_trace``.
+
+        Yields:
+            The path the file will be written to.
+
+        Raises:
+            RuntimeError: a trace is already being recorded.
+            TypeError: ``path`` is not a str or ``os.PathLike``.
+            FileNotFoundError: the folder of ``path`` does not exist.
+            IsADirectoryError: ``path`` is a folder.
+            OSError: (at the end) the file cannot be written.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def step():
+            ...     return await aioreplica.get_replica_context().all_reduce("sum", 1.0)
+            >>> async def main():
+            ...     async with strategy.trace(tmp / "run.json") as path:
+            ...         await strategy.run(step)
+            ...     return path
+            >>> import json
+            >>> with open(anyio.run(main)) as file:
+            ...     events = json.load(file)["traceEvents"]
+            >>> sorted({e["name"] for e in events if e["ph"] == "X" and e["tid"] == 1})
+            ['all_reduce', 'compute', 'merge wait', 'merge_fn _merge_all_reduce']
+        """
+        recorder = self._start_trace(path)
+        try:
+            yield recorder.path
+        finally:
+            if _trace.recorder is recorder:  # not stopped by stop_trace() in the block
+                _trace.stop(self)
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(recorder.write)
+
+    def _start_trace(self, path: str | os.PathLike[str]) -> _trace.Recorder:
+        if not isinstance(path, str | os.PathLike):
+            raise TypeError(
+                f"a trace path must be a str or os.PathLike, got {type(path).__name__} {path!r}"
+            )
+        target = os.fspath(path)
+        if not isinstance(target, str):
+            raise TypeError(f"a trace path must be text, not {type(target).__name__} {target!r}")
+        target = _trace.trace_path(target, self._worker_index())
+        if os.path.isdir(target):
+            raise IsADirectoryError(f"the trace path {target!r} is a folder; name a file in it")
+        folder = os.path.dirname(os.path.abspath(target))
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(
+                f"the folder of the trace file {target!r} does not exist; create it first"
+            )
+        return _trace.start(
+            target, self, self.num_replicas_in_sync, self._worker_index(), _version()
+        )
+
+    def _worker_index(self) -> int:
+        """This process's worker index (0: one process), the ``pid`` of its trace."""
+        return 0
 
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(self.devices)!r})"
@@ -635,6 +827,124 @@ class MirroredStrategy:
         finally:
             context_state.reset(token)
 
+    # -- lifetime -------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` (or the end of ``async with strategy:``) closed this strategy."""
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the worker threads of this strategy's host devices that no open strategy uses.
+
+        Host devices are process-wide: strategies over the same ``cpu:i`` share its worker
+        thread. A strategy is open from its construction; closing it releases its claim, and
+        each of its host devices that no other open strategy claims gets its thread stopped,
+        once the jobs already queued there have run. ``close()`` does not wait for that (it
+        never blocks the event loop); ``aclose()`` and ``async with strategy:`` do.
+
+        After ``close()``, ``run()`` and ``run_steps()`` raise ``RuntimeError``; ``async with
+        strategy:`` reopens it. What else still uses the devices (reductions, variables,
+        datasets, checkpoints) works and starts their threads again; closing again stops
+        them. Calling it again is harmless. The default strategy is never closed: its
+        ``close()`` only stops unclaimed threads.
+
+        Raises:
+            RuntimeError: a ``run()`` of this strategy is in progress (the threads would stop
+                under it): let it finish or cancel it first.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> anyio.run(strategy.run, lambda: 1)
+            1
+            >>> strategy.close()
+            >>> strategy.closed
+            True
+        """
+        self._stop_workers(None)
+
+    async def aclose(self) -> None:
+        """``close()``, then wait, without blocking the event loop, until the stopped worker
+        threads have ended.
+
+        Raises:
+            RuntimeError: a ``run()`` of this strategy is in progress.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> anyio.run(strategy.aclose)
+            >>> strategy.closed
+            True
+        """
+        loop = _loops.current()
+        waits = self._stop_workers(loop.thread_result)
+        for thread, done in waits:
+            await done
+            thread.join()  # it has set ``done`` on its way out: this returns at once
+
+    async def __aenter__(self) -> MirroredStrategy:
+        """Open the strategy (reopen a closed one); ``__aexit__`` closes it (``aclose()``).
+
+        Example:
+            >>> async def main():
+            ...     async with MirroredStrategy(["cpu:0", "cpu:1"]) as strategy:
+            ...         result = await strategy.run(lambda: 1)
+            ...     return result, strategy.closed
+            >>> anyio.run(main)
+            (1, True)
+        """
+        if self._closed:
+            self._claim()
+            self._closed = False
+            self._scheduler.resume_watching()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        """Close the strategy and wait for its unclaimed worker threads to end (``aclose()``).
+
+        Raises:
+            RuntimeError: a ``run()`` of this strategy is still in progress.
+        """
+        await self.aclose()
+
+    def _stop_workers(
+        self, make_result: Callable[[], _loops.ThreadResult] | None
+    ) -> list[tuple[threading.Thread, _loops.ThreadResult]]:
+        active = self._scheduler.statistics().runs_active
+        if active:
+            raise RuntimeError(
+                f"close() was called on {self!r} while {active} run() call"
+                f"{'s are' if active > 1 else ' is'} in progress; its devices' threads would "
+                "stop under it: close the strategy after its runs have finished or been "
+                "cancelled"
+            )
+        self._release_claims()
+        self._scheduler.stop_watching()  # no slow merge warnings: it runs nothing
+        if not self._is_default:
+            self._closed = True
+        waits = []
+        for device in self._host_devices:
+            done = make_result() if make_result is not None else None
+            thread = device.stop_worker(done, unclaimed=True)
+            if thread is not None and done is not None:
+                waits.append((thread, done))
+        return waits
+
+    def _claim(self) -> None:
+        for device in self._host_devices:
+            device.claim()
+        # A strategy dropped without close() is no longer open: its claims go with it.
+        self._claims: weakref.finalize[[tuple[HostDevice, ...]], MirroredStrategy] | None
+        self._claims = weakref.finalize(self, _release_collected, self._host_devices)
+        self._claims.atexit = False
+
+    def _release_claims(self) -> None:
+        if self._claims is not None:
+            self._claims.detach()
+            self._claims = None
+            for device in self._host_devices:
+                device.release()
+
     # -- running --------------------------------------------------------------------------
 
     async def run(
@@ -677,6 +987,11 @@ class MirroredStrategy:
             >>> anyio.run(strategy.run, step, (aioreplica.PerReplica([1, 2]),))
             3
         """
+        if self._closed:
+            raise RuntimeError(
+                f"run() was called on {self!r} after close(); a closed strategy runs no "
+                "replicas: reopen it with `async with strategy:` or make a new strategy"
+            )
         state = context_state.get()
         replica = state.replica
         if replica is not None:
@@ -777,6 +1092,28 @@ class MirroredStrategy:
                 )
 
 
+def _version() -> str:
+    """aioreplica's ``__version__`` (the package is imported by the time a trace starts; read
+    from ``sys.modules``: the facade does not import the package above it)."""
+    version = getattr(sys.modules.get(__package__ or "aioreplica"), "__version__", None)
+    return version if isinstance(version, str) else "unknown"
+
+
+def _check_slow_merge_warning(seconds: Any) -> None:
+    if seconds is None:
+        return
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError(
+            f"slow_merge_warning must be a number of seconds or None, got "
+            f"{type(seconds).__name__} {seconds!r}"
+        )
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise ValueError(
+            f"slow_merge_warning must be a positive, finite number of seconds (or None to "
+            f"disable the warning), got {seconds!r}"
+        )
+
+
 def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -> None:
     """Refuse arguments of ``distribute_dataset`` that would be misread rather than fail:
     a string iterates as characters, ``"no"`` is true, ``True`` counts as 1."""
@@ -792,9 +1129,19 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -
         raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
 
 
+def _release_collected(devices: tuple[HostDevice, ...]) -> None:
+    """A collected strategy's claims released (its finalizer: any thread, any moment)."""
+    for device in devices:
+        device.release_collected()
+
+
 def _default_context() -> ReplicaContext:
     """The default strategy's replica context (see ``aioreplica._context``)."""
-    strategy = MirroredStrategy(["cpu:0"])
+    strategy = MirroredStrategy(["cpu:0"], slow_merge_warning=None)  # it never waits
+    # Made once and never closed: it claims no device, so closing other strategies over
+    # cpu:0 stops its thread (the next use starts it again).
+    strategy._is_default = True
+    strategy._release_claims()
     return ReplicaContext(strategy, strategy._engine, 0, None)
 
 

@@ -10,25 +10,32 @@ computes the gradients of its rows (its loss is scaled by the global batch size,
 replicas' gradients sum to the batch's mean gradient) in its device's worker thread, and
 ``apply_gradients`` sums them across replicas in one packed all-reduce and updates every copy of
 every variable. A checkpoint of the model, the optimizer and the place in the data is written
-after every epoch (and where a run stops early); ``--resume`` continues from the last, in the
-middle of an epoch if that is where it was, seeing the batches an unbroken run would see.
+after every epoch (and where a run stops early) to the folder the run prints on start: a new one
+per run under the system's temporary folder, or ``--checkpoint-dir DIR``. ``--checkpoint-dir DIR
+--resume`` continues from the last checkpoint in DIR, in the middle of an epoch if that is
+where it was, seeing the batches an unbroken run would see; when DIR's run has already done
+every epoch asked for, it says so and exits.
 
 Run it::
 
     python examples/train_digits.py                     # 4 host replicas, asyncio
     python examples/train_digits.py --replicas 8 --loop trio --plot loss.png
-    python examples/train_digits.py --epochs 30 --resume
-    python examples/train_digits.py --checkpoint-every 50 --resume  # resumes mid-epoch
+    python examples/train_digits.py --checkpoint-dir digits-run      # checkpoints there
+    python examples/train_digits.py --checkpoint-dir digits-run --epochs 30 --resume
+    python examples/train_digits.py --checkpoint-dir digits-run --checkpoint-every 50 --resume
     python examples/train_digits.py --steps-per-call 16  # strategy.run_steps, 16 steps a call
+    python examples/train_digits.py --epochs 1 --trace run.json  # a timeline for Perfetto
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import math
-import os
+import shlex
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +52,6 @@ if TYPE_CHECKING:
 
 HIDDEN = 64
 CLASSES = 10
-DEFAULT_CHECKPOINTS = os.path.join(tempfile.gettempdir(), "aioreplica-train-digits")
 
 
 @dataclass
@@ -176,6 +182,7 @@ async def main(
     seed: int = 0,
     steps_per_call: int = 1,
     checkpoint_every: int | None = None,
+    trace: str | None = None,
 ) -> Result:
     """Train, checkpointing every epoch; return the parameters, losses and test accuracy.
 
@@ -183,7 +190,8 @@ async def main(
     writes no checkpoints. ``steps_per_call`` > 1 runs that many steps per
     ``strategy.run_steps`` call (the replicas start once per call) instead of one ``run()``
     per step; the steps are the same. ``checkpoint_every`` also checkpoints every that many
-    steps, so that a run killed in the middle of an epoch resumes there.
+    steps, so that a run killed in the middle of an epoch resumes there. ``trace`` writes a
+    timeline of the training to that JSON file (open it in ui.perfetto.dev).
     """
     if steps_per_call < 1:
         raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
@@ -213,9 +221,17 @@ async def main(
                     f"resumed from {manager.latest} "
                     f"(epoch {checkpoint.epoch}, step {checkpoint.step})"
                 )
+        elif resume and progress:
+            print(f"no checkpoint in {checkpoint_dir} yet: training from the start")
     result = Result(params={}, first_epoch=checkpoint.epoch)
     steps_per_epoch = len(y_train) // global_batch
-    bar = _progress(epochs * steps_per_epoch, checkpoint.step, progress)
+    complete = checkpoint.epoch >= epochs
+    if complete and progress:
+        print(
+            f"training is already complete (step {checkpoint.step} of "
+            f"{epochs * steps_per_epoch}): nothing to do; ask for more with --epochs"
+        )
+    bar = _progress(epochs * steps_per_epoch, checkpoint.step, progress and not complete)
     stopped = False
 
     async def count(steps: int) -> bool:
@@ -241,36 +257,41 @@ async def main(
             wanted = min(wanted, checkpoint_every - checkpoint.step % checkpoint_every)
         return wanted
 
-    while checkpoint.epoch < epochs and not stopped:
-        if steps_per_call == 1:
-            async for batch in checkpoint.data:
-                losses = await strategy.run(train_step, (batch, params, optimizer, global_batch))
-                result.losses.append(float(await strategy.reduce("sum", losses)))
-                stopped = await count(1)
-                if stopped:
-                    break  # the checkpoint below keeps the place in this epoch
-        else:
-            step = functools.partial(
-                recorded_step,
-                params=params,
-                optimizer=optimizer,
-                global_batch=global_batch,
-                losses=result.losses,
-            )
-            while not stopped:
-                wanted = next_call()
-                before = len(result.losses)
-                await strategy.run_steps(step, checkpoint.data, wanted)
-                done = len(result.losses) - before
-                stopped = await count(done)
-                if done < wanted:
-                    break  # the epoch ended
-        if not stopped:  # the epoch is done: the next one is a new pass
-            checkpoint.epoch += 1
-            checkpoint.data = aiter(dataset)
-        if manager is not None:
-            await manager.save()
-    await checkpoint.data.aclose()
+    # With ``trace``, a timeline of the training for Perfetto: complete when the block ends.
+    tracing = strategy.trace(trace) if trace is not None else contextlib.nullcontext()
+    async with tracing:
+        while checkpoint.epoch < epochs and not stopped:
+            if steps_per_call == 1:
+                async for batch in checkpoint.data:
+                    losses = await strategy.run(
+                        train_step, (batch, params, optimizer, global_batch)
+                    )
+                    result.losses.append(float(await strategy.reduce("sum", losses)))
+                    stopped = await count(1)
+                    if stopped:
+                        break  # the checkpoint below keeps the place in this epoch
+            else:
+                step = functools.partial(
+                    recorded_step,
+                    params=params,
+                    optimizer=optimizer,
+                    global_batch=global_batch,
+                    losses=result.losses,
+                )
+                while not stopped:
+                    wanted = next_call()
+                    before = len(result.losses)
+                    await strategy.run_steps(step, checkpoint.data, wanted)
+                    done = len(result.losses) - before
+                    stopped = await count(done)
+                    if done < wanted:
+                        break  # the epoch ended
+            if not stopped:  # the epoch is done: the next one is a new pass
+                checkpoint.epoch += 1
+                checkpoint.data = aiter(dataset)
+            if manager is not None:
+                await manager.save()
+        await checkpoint.data.aclose()
     if bar is not None:
         bar.close()
     result.params = {name: variable.numpy() for name, variable in params.items()}
@@ -284,6 +305,8 @@ async def main(
         _plot(result.losses, plot, steps_per_epoch)
         if progress:
             print(f"loss curve written to {plot}")
+    if trace is not None and progress:
+        print(f"trace written to {trace} (open it in ui.perfetto.dev)")
     return result
 
 
@@ -318,6 +341,13 @@ def _plot(losses: list[float], path: str, steps_per_epoch: int) -> None:
     plt.close(figure)
 
 
+def new_checkpoint_dir() -> str:
+    """A new, empty folder for one run's checkpoints under the system's temporary folder,
+    named by the time the run started (and made unique), so runs never mix checkpoints."""
+    started = time.strftime("%Y%m%d-%H%M%S")
+    return tempfile.mkdtemp(prefix=f"aioreplica-train-digits-{started}-")
+
+
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--replicas", type=int, default=4, help="host replicas (default 4)")
@@ -327,8 +357,17 @@ def cli() -> None:
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--plot", metavar="PNG", help="write the loss curve to this file")
-    parser.add_argument("--checkpoint-dir", default=DEFAULT_CHECKPOINTS)
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    parser.add_argument(
+        "--trace", metavar="JSON", help="write a timeline of the training (for ui.perfetto.dev)"
+    )
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where checkpoints go (default: a new folder per run, printed on start)",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the last checkpoint in DIR"
+    )
     parser.add_argument("--loop", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument(
         "--checkpoint-every",
@@ -348,11 +387,24 @@ def cli() -> None:
         parser.error("--steps-per-call must be >= 1")
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         parser.error("--checkpoint-every must be >= 1")
+    if options.checkpoint_dir is None and options.resume:
+        parser.error(
+            "--resume needs --checkpoint-dir DIR: the folder the run to continue printed on start"
+        )
     devices = None
     if options.gpus:
         devices = [name for name in aioreplica.list_devices() if name.startswith("gpu:")]
         if not devices:
             parser.error("--gpus: no GPU is visible (CuPy missing or no CUDA device)")
+    if options.checkpoint_dir is None:  # a new folder for this run, never one of another run's
+        options.checkpoint_dir = new_checkpoint_dir()
+        again = shlex.quote(options.checkpoint_dir)
+        print(
+            f"checkpoints go to {options.checkpoint_dir} "
+            f"(continue with --checkpoint-dir {again} --resume)"
+        )
+    else:
+        print(f"checkpoints go to {options.checkpoint_dir}")
 
     async def run() -> None:
         await main(
@@ -367,6 +419,7 @@ def cli() -> None:
             plot=options.plot,
             steps_per_call=options.steps_per_call,
             checkpoint_every=options.checkpoint_every,
+            trace=options.trace,
         )
 
     anyio.run(run, backend=options.loop)

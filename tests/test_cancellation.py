@@ -12,9 +12,10 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from replicas import ASYNCIO_ONLY, cpus, ctx, rid
+from event_loops import ASYNCIO_ONLY
 
 from aioreplica import MirroredStrategy, ReplicaSyncError
+from aioreplica.testing import host_devices, replica_context, replica_id
 
 pytestmark = pytest.mark.anyio
 
@@ -28,12 +29,12 @@ class TestAReplicasOwnCancellation:
     """A ``CancelledError`` that replica code raises itself is that replica's failure."""
 
     async def test_before_a_merge_point_fails_the_run_naming_the_replica(self) -> None:
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 raise asyncio.CancelledError
-            await ctx().merge_call(noop)
+            await replica_context().merge_call(noop)
 
         with anyio.fail_after(5), pytest.raises(RuntimeError) as info:
             await strategy.run(step)
@@ -46,39 +47,39 @@ class TestAReplicasOwnCancellation:
 
     async def test_without_merge_points_it_is_not_a_result(self) -> None:
         """Today's bug: the replica's result silently became ``None``."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> int:
             await anyio.lowlevel.checkpoint()
-            if rid() == 0:
+            if replica_id() == 0:
                 raise asyncio.CancelledError
-            return rid()
+            return replica_id()
 
         with anyio.fail_after(5), pytest.raises(RuntimeError, match="replica 0 raised Cancelled"):
             await strategy.run(step)
 
     async def test_from_an_inner_task_that_was_cancelled(self) -> None:
         """The usual way it happens: awaiting a task that something else cancelled."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 inner = asyncio.ensure_future(asyncio.sleep(10))
                 inner.cancel()
                 await inner
-            await ctx().merge_call(noop)
+            await replica_context().merge_call(noop)
 
         with anyio.fail_after(5), pytest.raises(RuntimeError, match="replica 1 raised"):
             await strategy.run(step)
 
     async def test_in_merge_fn_it_names_the_merge_function(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         def cancels(strategy: MirroredStrategy) -> None:
             raise asyncio.CancelledError
 
         async def step() -> None:
-            await ctx().merge_call(cancels)
+            await replica_context().merge_call(cancels)
 
         with anyio.fail_after(5), pytest.raises(RuntimeError) as info:
             await strategy.run(step)
@@ -87,15 +88,15 @@ class TestAReplicasOwnCancellation:
         assert info.value.__notes__[0].startswith("raised by merge_fn")
 
     async def test_the_callers_cancellation_is_still_a_cancellation(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         events: list[str] = []
 
         async def step() -> None:
             try:
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
                 await anyio.sleep_forever()
             except asyncio.CancelledError:
-                events.append(f"replica {rid()} cancelled")
+                events.append(f"replica {replica_id()} cancelled")
                 raise
 
         with anyio.move_on_after(0.05) as scope:
@@ -109,11 +110,11 @@ class TestShields:
     loop, whether the run fails or its caller is cancelled."""
 
     async def test_a_failing_sibling_waits_for_the_shield(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         events: list[str] = []
 
         async def step() -> None:
-            if rid() == 0:
+            if replica_id() == 0:
                 await anyio.sleep(0.01)
                 raise ValueError("replica 0 fails")
             with anyio.CancelScope(shield=True):
@@ -130,7 +131,7 @@ class TestShields:
 
     async def test_a_worker_thread_finishes_before_run_returns(self) -> None:
         """``anyio.to_thread.run_sync`` shields its wait: its side effect is never late."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         events: list[str] = []
         started = threading.Event()
 
@@ -140,7 +141,7 @@ class TestShields:
             events.append("thread done")
 
         async def step() -> None:
-            if rid() == 0:
+            if replica_id() == 0:
                 await anyio.to_thread.run_sync(started.wait)
                 raise ValueError("replica 0 fails")
             await anyio.to_thread.run_sync(work)
@@ -151,13 +152,13 @@ class TestShields:
         assert events == ["thread done", "run() raised"]
 
     async def test_the_callers_cancellation_waits_for_the_shield(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         events: list[str] = []
 
         async def step() -> None:
             with anyio.CancelScope(shield=True):
                 await anyio.sleep(0.1)
-                events.append(f"replica {rid()} shielded part done")
+                events.append(f"replica {replica_id()} shielded part done")
             await anyio.sleep_forever()
 
         with anyio.fail_after(5), anyio.move_on_after(0.02) as scope:
@@ -177,16 +178,16 @@ class TestMergePointInsideAShield:
     (it used to hang, past any deadline around it)."""
 
     async def test_another_replica_fails(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         ended: list[str] = []
 
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 await anyio.sleep(0.05)
                 raise ValueError("replica 1 fails")
             try:
                 with anyio.CancelScope(shield=True):
-                    await ctx().merge_call(noop)
+                    await replica_context().merge_call(noop)
             finally:
                 ended.append("replica 0 left the merge point")
 
@@ -199,17 +200,17 @@ class TestMergePointInsideAShield:
     async def test_sync_timeout_expires(self, interleave: str) -> None:
         seed = 1 if interleave == "random" else None
         strategy = MirroredStrategy(
-            cpus(2),
+            host_devices(2),
             sync_timeout=0.1,
             interleave=interleave,  # type: ignore[arg-type]
             seed=seed,
         )
 
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 await anyio.sleep(5)
             with anyio.CancelScope(shield=True):
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
 
         with anyio.fail_after(5), pytest.raises(ReplicaSyncError, match="for replica 1"):
             await strategy.run(step)
@@ -222,12 +223,12 @@ class TestKeyboardInterrupt:
     def test_ctrl_c_while_the_loop_waits(self, backend: str) -> None:
         if threading.current_thread() is not threading.main_thread():
             pytest.fail("signals reach only the main thread; run this test there")
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         main_thread = threading.get_ident()
         events: list[str] = []
 
         async def step() -> None:
-            if rid() == 0:
+            if replica_id() == 0:
                 # Sent while the loop idles (protected from KeyboardInterrupt on trio, which
                 # then delivers it to the main task: the caller of run(), in its task group).
                 await anyio.to_thread.run_sync(signal.pthread_kill, main_thread, signal.SIGINT)
@@ -248,14 +249,16 @@ class TestKeyboardInterrupt:
 @ASYNCIO_ONLY
 async def test_a_replica_spawning_its_own_cancelled_task_group_is_not_confused() -> None:
     """Cancellation inside a replica's own task group stays inside it."""
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
 
     async def step() -> Any:
         async with anyio.create_task_group() as group:
             group.start_soon(anyio.sleep_forever)
             await anyio.lowlevel.checkpoint()
             group.cancel_scope.cancel()
-        return await ctx().merge_call(lambda s, v: sum(v.values), args=(rid() + 1,))
+        return await replica_context().merge_call(
+            lambda s, v: sum(v.values), args=(replica_id() + 1,)
+        )
 
     with anyio.fail_after(5):
         assert await strategy.run(step) == 3

@@ -20,7 +20,6 @@ import anyio.to_thread
 import numpy as np
 import pytest
 from held_writes import hold_writes
-from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -34,6 +33,7 @@ from aioreplica import (
     Variable,
 )
 from aioreplica.optimizers import SGD, Adam, Optimizer
+from aioreplica.testing import host_devices
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -172,7 +172,7 @@ def build(
     dtype: Any = np.float64,
 ) -> Model:
     """A model: ``w`` of ``w_shape``, ``b`` of shape ``(3,)``, values shifted by ``offset``."""
-    strategy = MirroredStrategy(cpus(replicas)) if replicas is not None else None
+    strategy = MirroredStrategy(host_devices(replicas)) if replicas is not None else None
     scope: contextlib.AbstractContextManager[object] = (
         strategy.scope() if strategy is not None else contextlib.nullcontext()
     )
@@ -311,7 +311,7 @@ class TestRoundTrip:
 class TestFileFormat:
     async def test_valid_npz_with_manifest(self, tmp_path: Path) -> None:
         """The file is an ``.npz`` with one member per array and the documented manifest."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.zeros((2, 3), np.float32), name="w", synchronization="on_write")
             m = Variable(np.zeros(4, np.int64), synchronization="on_read", aggregation="sum")
@@ -392,7 +392,7 @@ class TestSavedValues:
 
     async def test_sum_float_saves_aggregate_and_restores_share(self, tmp_path: Path) -> None:
         """SUM saves the sum of the copies; restoring gives each copy the sum / n."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         with strategy.scope():
             v = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
         await set_copies(strategy, v, [np.array([1.0, 10.0]) * (i + 1) for i in range(4)])
@@ -408,12 +408,12 @@ class TestSavedValues:
 
     async def test_sum_float_into_other_replica_count(self, tmp_path: Path) -> None:
         """A SUM variable restored into 3 replicas gets the saved sum / 3 in each copy."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         with strategy.scope():
             v = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
         await set_copies(strategy, v, [np.array([1.0, 10.0]) * (i + 1) for i in range(4)])
         await Checkpoint(v=v).save(tmp_path / "c.npz")
-        with MirroredStrategy(cpus(3)).scope():
+        with MirroredStrategy(host_devices(3)).scope():
             target = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
 
         await Checkpoint(v=target).restore(tmp_path / "c.npz")
@@ -432,13 +432,13 @@ class TestSavedValues:
         self, tmp_path: Path, replicas: int, expected: list[list[int]]
     ) -> None:
         """An int SUM variable restores the quotient per copy, the remainder on copy 0."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         with strategy.scope():
             v = Variable(np.zeros(2, np.int64), synchronization="on_read", aggregation="sum")
         await set_copies(strategy, v, [[1, -3], [2, 0], [3, 0], [5, 0]])
         await Checkpoint(v=v).save(tmp_path / "c.npz")
         assert saved(tmp_path / "c.npz") == {"v": [11, -3]}
-        with MirroredStrategy(cpus(replicas)).scope():
+        with MirroredStrategy(host_devices(replicas)).scope():
             target = Variable(np.zeros(2, np.int64), synchronization="on_read", aggregation="sum")
 
         await Checkpoint(v=target).restore(tmp_path / "c.npz")
@@ -449,7 +449,7 @@ class TestSavedValues:
 
     async def test_mean_restores_value_into_every_copy(self, tmp_path: Path) -> None:
         """MEAN saves the mean of the copies and restores it into every copy."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         with strategy.scope():
             v = Variable(np.zeros(2), synchronization="on_read", aggregation="mean")
         await set_copies(strategy, v, [np.array([1.0, -2.0]) * (i + 1) for i in range(4)])
@@ -464,7 +464,7 @@ class TestSavedValues:
 
     async def test_only_first_replica_restores_value_into_every_copy(self, tmp_path: Path) -> None:
         """ONLY_FIRST_REPLICA saves copy 0 and restores it into every copy."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         with strategy.scope():
             v = Variable(
                 np.zeros(2, np.int32), synchronization="on_read", aggregation="only_first_replica"
@@ -981,7 +981,7 @@ class TestConstruction:
     @pytest.mark.parametrize("method", ["save", "restore"])
     async def test_inside_replica(self, tmp_path: Path, method: str) -> None:
         """``save`` and ``restore`` inside ``strategy.run`` raise RuntimeError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         ckpt = Checkpoint(step=1)
         await ckpt.save(tmp_path / "c.npz")
 

@@ -25,7 +25,6 @@ import anyio.to_thread
 import numpy as np
 import pytest
 from held_writes import hold_writes
-from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -37,6 +36,7 @@ from aioreplica import (
 )
 from aioreplica._backends._numpy import INLINE_BYTES, HostDevice
 from aioreplica.optimizers import SGD
+from aioreplica.testing import host_devices
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -373,7 +373,7 @@ class Model:
 
 
 async def trained(w_shape: tuple[int, ...], steps: int) -> Model:
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     with strategy.scope():
         size = int(np.prod(w_shape))
         w = Variable(np.arange(size, dtype=np.float64).reshape(w_shape) / size, name="w")

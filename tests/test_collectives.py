@@ -10,7 +10,6 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from replicas import cpus, ctx, rid
 
 import aioreplica
 from aioreplica import (
@@ -23,6 +22,7 @@ from aioreplica import (
 )
 from aioreplica._backends import HostDevice, _hostreduce, _numpy
 from aioreplica._backends._numpy import INLINE_BYTES
+from aioreplica.testing import StrategyFactory, host_devices, replica_context, replica_id
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -71,15 +71,17 @@ class TestCommunicationOptions:
 
 class TestAllReduce:
     @pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
-    @pytest.mark.parametrize("replicas", [1, 2, 3])
-    async def test_matches_numpy(self, op: str, replicas: int) -> None:
+    @pytest.mark.replicas(1, 2, 3)
+    async def test_matches_numpy(
+        self, op: str, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """Every op equals NumPy's reduction over the replicas' values."""
         rng = np.random.default_rng(replicas)
         data = [rng.normal(size=(4, 5)) for _ in range(replicas)]
-        strategy = MirroredStrategy(cpus(replicas))
+        strategy = strategy_factory()
 
         async def step(x: np.ndarray[Any, Any]) -> Any:
-            return await ctx().all_reduce(op, x)
+            return await replica_context().all_reduce(op, x)
 
         result = await strategy.run(step, args=(PerReplica(data),))
         for got in local(strategy, result):
@@ -87,11 +89,11 @@ class TestAllReduce:
 
     async def test_result_shared_read_only(self) -> None:
         """Host replicas share one read-only result: no per-replica copies."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         seen: list[np.ndarray[Any, Any]] = []
 
         async def step() -> None:
-            result = await ctx().all_reduce("sum", np.full(1000, float(rid())))
+            result = await replica_context().all_reduce("sum", np.full(1000, float(replica_id())))
             seen.append(result)
 
         await strategy.run(step)
@@ -101,22 +103,22 @@ class TestAllReduce:
 
     async def test_large_arrays_split_over_worker_threads(self) -> None:
         """Arrays over the inline threshold reduce in the device threads, same result."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         data = [np.arange(INLINE_BYTES // 8, dtype=np.float64) * (i + 1) for i in range(3)]
 
         async def step(x: np.ndarray[Any, Any]) -> Any:
-            return await ctx().all_reduce(ReduceOp.SUM, x)
+            return await replica_context().all_reduce(ReduceOp.SUM, x)
 
         result = await strategy.run(step, args=(PerReplica(data),))
         np.testing.assert_array_equal(result, np.arange(INLINE_BYTES // 8, dtype=np.float64) * 6)
 
     async def test_nested_structure_and_scalars(self) -> None:
         """Nested structures reduce leaf by leaf; scalars become 0-d arrays."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            value = {"w": np.ones(3) * rid(), "stats": (rid(), 2.5)}
-            return await ctx().all_reduce("sum", value)
+            value = {"w": np.ones(3) * replica_id(), "stats": (replica_id(), 2.5)}
+            return await replica_context().all_reduce("sum", value)
 
         result = await strategy.run(step)
         np.testing.assert_array_equal(result["w"], [1.0, 1.0, 1.0])
@@ -126,21 +128,21 @@ class TestAllReduce:
 
     async def test_same_object_on_every_replica(self) -> None:
         """A value every replica passes as the same object counts once per replica."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         shared = np.arange(4.0)
 
         async def step() -> Any:
-            return await ctx().all_reduce("sum", shared)
+            return await replica_context().all_reduce("sum", shared)
 
         np.testing.assert_array_equal(await strategy.run(step), shared * 3)
 
     async def test_small_leaves_are_packed(self) -> None:
         """Small leaves of one dtype are reduced in one pack: their results share a buffer."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            grads = [np.full(10, float(i + rid())) for i in range(20)]
-            return await ctx().all_reduce("sum", grads)
+            grads = [np.full(10, float(i + replica_id())) for i in range(20)]
+            return await replica_context().all_reduce("sum", grads)
 
         result = await strategy.run(step)
         for i, got in enumerate(result):
@@ -151,10 +153,10 @@ class TestAllReduce:
     async def test_bytes_per_pack_bounds_packs(self) -> None:
         """With a small bytes_per_pack, leaves go in several packs no bigger than it."""
         options = CommunicationOptions(bytes_per_pack=160)
-        strategy = MirroredStrategy(cpus(2), communication_options=options)
+        strategy = MirroredStrategy(host_devices(2), communication_options=options)
 
         async def step() -> Any:
-            return await ctx().all_reduce("sum", [np.ones(10) for _ in range(4)])
+            return await replica_context().all_reduce("sum", [np.ones(10) for _ in range(4)])
 
         result = await strategy.run(step)
         assert result[0].base is result[1].base  # 80 + 80 bytes: one pack
@@ -163,11 +165,11 @@ class TestAllReduce:
 
     async def test_shape_mismatch_names_replicas_and_path(self) -> None:
         """Different shapes are a ValueError naming both replicas, the key path and shapes."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> Any:
-            size = 4 if rid() == 2 else 3
-            return await ctx().all_reduce("sum", {"w": np.zeros(size)})
+            size = 4 if replica_id() == 2 else 3
+            return await replica_context().all_reduce("sum", {"w": np.zeros(size)})
 
         with pytest.raises(
             ValueError,
@@ -180,22 +182,22 @@ class TestAllReduce:
 
     async def test_dtype_mismatch(self) -> None:
         """Different dtypes are a ValueError naming both."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            dtype = np.float32 if rid() else np.float64
-            return await ctx().all_reduce("sum", np.zeros(2, dtype=dtype))
+            dtype = np.float32 if replica_id() else np.float64
+            return await replica_context().all_reduce("sum", np.zeros(2, dtype=dtype))
 
         with pytest.raises(ValueError, match=r"dtype float32, replica 0's has shape .* float64"):
             await strategy.run(step)
 
     async def test_structure_mismatch(self) -> None:
         """Different structures are a ValueError naming the replicas and the path."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            value = [np.zeros(2)] * (rid() + 1)
-            return await ctx().all_reduce("sum", value)
+            value = [np.zeros(2)] * (replica_id() + 1)
+            return await replica_context().all_reduce("sum", value)
 
         with pytest.raises(ValueError, match="replica 1's value differs from replica 0's"):
             await strategy.run(step)
@@ -210,10 +212,10 @@ class TestAllReduce:
     )
     async def test_op_the_dtype_cannot_do(self, op: str, dtype: Any, message: str) -> None:
         """An op the dtype cannot do is a TypeError with advice, before any work."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().all_reduce(op, np.zeros(3, dtype=dtype))
+            return await replica_context().all_reduce(op, np.zeros(3, dtype=dtype))
 
         with pytest.raises(TypeError, match=message):
             await strategy.run(step)
@@ -225,11 +227,11 @@ class TestAllReduce:
             shape = (2,)
 
         FakeCupyArray.__module__ = "cupy._core.core"
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            value = FakeCupyArray() if rid() else np.zeros(2)
-            return await ctx().all_reduce("sum", value)
+            value = FakeCupyArray() if replica_id() else np.zeros(2)
+            return await replica_context().all_reduce("sum", value)
 
         with pytest.raises(
             TypeError,
@@ -239,14 +241,14 @@ class TestAllReduce:
 
     async def test_timeout_names_late_replicas(self) -> None:
         """timeout_seconds fails the run with ReplicaSyncError naming who was late."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         never = anyio.Event()
 
         async def step() -> Any:
-            if rid() == 1:
+            if replica_id() == 1:
                 await never.wait()
             options = CommunicationOptions(timeout_seconds=0.05)
-            return await ctx().all_reduce("sum", np.zeros(1), options=options)
+            return await replica_context().all_reduce("sum", np.zeros(1), options=options)
 
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)
@@ -259,12 +261,12 @@ class TestSettingsMustAgree:
 
     async def test_all_reduce_ops_that_differ(self) -> None:
         """Replica 0 summing while the others take the max is refused, not silently summed."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         reduced: list[Any] = []
 
         async def step() -> None:
-            op = "sum" if rid() == 0 else "max"
-            reduced.append(await ctx().all_reduce(op, np.full(2, float(rid()))))
+            op = "sum" if replica_id() == 0 else "max"
+            reduced.append(await replica_context().all_reduce(op, np.full(2, float(replica_id()))))
 
         with pytest.raises(ReplicaSyncError, match="disagree on the reduce op") as info:
             await strategy.run(step)
@@ -274,30 +276,30 @@ class TestSettingsMustAgree:
 
     async def test_equal_settings_made_per_replica_agree(self) -> None:
         """Equal ops and options built separately in every replica are one setting."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
             options = CommunicationOptions(bytes_per_pack=64)
-            return await ctx().all_reduce(ReduceOp.parse("SUM"), np.ones(2), options)
+            return await replica_context().all_reduce(ReduceOp.parse("SUM"), np.ones(2), options)
 
         np.testing.assert_array_equal(await strategy.run(step), [2.0, 2.0])
 
     async def test_gather_axes_that_differ(self) -> None:
         """all_gather along different axes per replica is a ReplicaSyncError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().all_gather(np.ones((2, 2)), axis=rid())
+            return await replica_context().all_gather(np.ones((2, 2)), axis=replica_id())
 
         with pytest.raises(ReplicaSyncError, match="disagree on the axis of all_gather"):
             await strategy.run(step)
 
     async def test_broadcast_sources_that_differ(self) -> None:
         """Each replica naming itself as the source is a ReplicaSyncError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().broadcast(np.ones(2), source_replica=rid())
+            return await replica_context().broadcast(np.ones(2), source_replica=replica_id())
 
         with pytest.raises(ReplicaSyncError, match="disagree on the source_replica"):
             await strategy.run(step)
@@ -306,10 +308,10 @@ class TestSettingsMustAgree:
 class TestOtherReplicaCollectives:
     async def test_all_gather_uneven(self) -> None:
         """all_gather concatenates uneven batches in replica order, for every replica."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> Any:
-            return await ctx().all_gather(np.full((rid() + 1, 2), rid()))
+            return await replica_context().all_gather(np.full((replica_id() + 1, 2), replica_id()))
 
         result = await strategy.run(step)
         np.testing.assert_array_equal(
@@ -318,39 +320,41 @@ class TestOtherReplicaCollectives:
 
     async def test_all_gather_on_another_axis(self) -> None:
         """all_gather along axis 1 keeps the leading dimension."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().all_gather(np.full((2, 1), rid()), axis=1)
+            return await replica_context().all_gather(np.full((2, 1), replica_id()), axis=1)
 
         np.testing.assert_array_equal(await strategy.run(step), [[0, 1], [0, 1]])
 
     async def test_all_gather_shapes_off_axis_must_match(self) -> None:
         """Shapes may differ only along the gather axis."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().all_gather(np.zeros((2, rid() + 1)))
+            return await replica_context().all_gather(np.zeros((2, replica_id() + 1)))
 
         with pytest.raises(ValueError, match="they may differ only along axis 0"):
             await strategy.run(step)
 
     async def test_axis_out_of_range(self) -> None:
         """An axis the value does not have is a ValueError naming it."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().all_gather(np.zeros(3), axis=2)
+            return await replica_context().all_gather(np.zeros(3), axis=2)
 
         with pytest.raises(ValueError, match=r"axis 2 is out of range .* 1 dimension"):
             await strategy.run(step)
 
     async def test_broadcast(self) -> None:
         """Every replica gets the source replica's value; the others' are ignored."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> Any:
-            return await ctx().broadcast({"w": np.full(2, float(rid()))}, source_replica=1)
+            return await replica_context().broadcast(
+                {"w": np.full(2, float(replica_id()))}, source_replica=1
+            )
 
         result = await strategy.run(step)
         np.testing.assert_array_equal(result["w"], [1.0, 1.0])
@@ -358,20 +362,22 @@ class TestOtherReplicaCollectives:
 
     async def test_broadcast_source_out_of_range(self) -> None:
         """A source replica that does not exist is a ValueError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().broadcast(np.zeros(1), source_replica=2)
+            return await replica_context().broadcast(np.zeros(1), source_replica=2)
 
         with pytest.raises(ValueError, match="source_replica must be a replica id from 0 to 1"):
             await strategy.run(step)
 
     async def test_reduce_scatter(self) -> None:
         """Replica i gets the i-th array_split chunk of the reduced value."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> Any:
-            return await ctx().reduce_scatter("sum", np.arange(8.0) * (rid() + 1))
+            return await replica_context().reduce_scatter(
+                "sum", np.arange(8.0) * (replica_id() + 1)
+            )
 
         result = await strategy.run(step)
         total = np.arange(8.0) * 6
@@ -380,14 +386,14 @@ class TestOtherReplicaCollectives:
 
     async def test_barrier(self) -> None:
         """No replica passes the barrier before every replica has reached it."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         events: list[str] = []
 
         async def step() -> None:
-            for _ in range(rid() * 2):
+            for _ in range(replica_id() * 2):
                 await anyio.lowlevel.checkpoint()
             events.append("before")
-            await ctx().barrier()
+            await replica_context().barrier()
             events.append("after")
 
         await strategy.run(step)
@@ -397,14 +403,14 @@ class TestOtherReplicaCollectives:
 class TestCrossReplica:
     async def test_reduce(self) -> None:
         """strategy.reduce combines a PerReplica across replicas."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         value = PerReplica([np.array([1.0, 2.0]), np.array([3.0, 4.0])])
         np.testing.assert_array_equal(await strategy.reduce("sum", value), [4.0, 6.0])
         np.testing.assert_array_equal(await strategy.reduce(ReduceOp.MEAN, value), [2.0, 3.0])
 
     async def test_reduce_mean_along_axis_weights_by_rows(self) -> None:
         """MEAN with axis=0 divides by the real number of rows, empty batches included."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         value = PerReplica([np.array([1.0, 2.0, 3.0]), np.array([]), np.array([6.0])])
         assert await strategy.reduce("mean", value, axis=0) == 3.0
         assert await strategy.reduce("sum", value, axis=0) == 12.0
@@ -412,14 +418,14 @@ class TestCrossReplica:
 
     async def test_reduce_along_axis_of_nothing(self) -> None:
         """MAX over batches that are all empty has nothing to reduce."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         value = PerReplica([np.array([]), np.array([])])
         with pytest.raises(ValueError, match="every replica's value at <root> is empty"):
             await strategy.reduce("max", value, axis=0)
 
     async def test_reduce_inside_a_replica(self) -> None:
         """strategy.reduce inside a replica is a RuntimeError pointing to ctx.all_reduce."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
             return await strategy.reduce("sum", np.zeros(1))
@@ -429,13 +435,13 @@ class TestCrossReplica:
 
     async def test_gather(self) -> None:
         """strategy.gather concatenates the components along the axis."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         value = PerReplica([np.array([1, 2]), np.array([3])])
         np.testing.assert_array_equal(await strategy.gather(value), [1, 2, 3])
 
     async def test_reduce_to_and_batch(self) -> None:
         """reduce_to places on one or several destinations; batch_reduce_to does several."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         value = PerReplica([np.array([1.0]), np.array([2.0])])
         one = await strategy.extended.reduce_to("sum", value, "/device:CPU:1")
         np.testing.assert_array_equal(one, [3.0])
@@ -448,7 +454,7 @@ class TestCrossReplica:
 
     async def test_batch_reduce_to_nested_values(self) -> None:
         """batch_reduce_to keeps each value's structure, each leaf on its destinations."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         grads = {
             "w": PerReplica([np.full(2, 1.0), np.full(2, 2.0), np.full(2, 3.0)]),
             "b": PerReplica([np.array(1), np.array(2), np.array(4)]),
@@ -464,7 +470,7 @@ class TestCrossReplica:
 
     async def test_broadcast_to(self) -> None:
         """broadcast_to places one read-only copy on the destinations."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         result = await strategy.extended.broadcast_to(np.arange(3), ["cpu:0", "cpu:1"])
         for got in local(strategy, result):
             np.testing.assert_array_equal(got, [0, 1, 2])
@@ -474,7 +480,7 @@ class TestCrossReplica:
         """With several destinations, broadcast_to and reduce_to return a Mirrored with one
         component per destination (as in TF), even where host destinations share one array;
         with one destination, the value itself."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         spread = await strategy.extended.broadcast_to(np.arange(2.0), ["cpu:0", "cpu:2"])
         assert isinstance(spread, Mirrored)
         assert len(spread.values) == 2
@@ -506,7 +512,7 @@ class TestInlineOrWorker:
     async def test_reduce_along_axis(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """Each replica's partial sum of a component of INLINE_BYTES runs in its device's
         worker; of a small one, inline."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         calls = self.record_device_runs(monkeypatch)
         small = PerReplica([np.ones((4, 2)), np.ones((2, 2))])
         np.testing.assert_array_equal(await strategy.reduce("sum", small, axis=0), [6.0, 6.0])
@@ -521,7 +527,7 @@ class TestInlineOrWorker:
         """A pack whose inputs add up to INLINE_BYTES or more (packs that large need a
         bytes_per_pack above the default) is reduced in a device's worker thread; a small one
         inline, on the loop thread."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         threads: list[str] = []
         real = _numpy._reduce_leaves_into
 
@@ -534,8 +540,8 @@ class TestInlineOrWorker:
         options = CommunicationOptions(bytes_per_pack=2 * INLINE_BYTES)
 
         async def step(size: int) -> Any:
-            leaves = [np.full(size, float(rid())) for _ in range(4)]  # one pack
-            return await ctx().all_reduce("sum", leaves, options)
+            leaves = [np.full(size, float(replica_id())) for _ in range(4)]  # one pack
+            return await replica_context().all_reduce("sum", leaves, options)
 
         for leaf in await strategy.run(step, args=(size,)):
             np.testing.assert_array_equal(leaf, np.ones(size))
@@ -547,27 +553,27 @@ class TestInlineOrWorker:
 class TestHostDevice:
     async def test_run_uses_the_device_thread(self) -> None:
         """device.run runs in the device's own worker thread, one per device."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> str:
-            return await ctx().device.run(lambda: threading.current_thread().name)
+            return await replica_context().device.run(lambda: threading.current_thread().name)
 
         names = await strategy.run(step)
         assert names.values == ("aioreplica cpu:0", "aioreplica cpu:1")
 
     async def test_devices_run_in_parallel(self) -> None:
         """Jobs on two devices run at the same time (each waits for the other)."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         meet = threading.Barrier(2, timeout=10)
 
         async def step() -> int:
-            return await ctx().device.run(meet.wait)
+            return await replica_context().device.run(meet.wait)
 
         assert sorted(local(strategy, await strategy.run(step))) == [0, 1]
 
     async def test_loop_is_not_blocked(self) -> None:
         """While a device job waits, the event loop keeps running other tasks."""
-        strategy = MirroredStrategy(cpus(1))
+        strategy = MirroredStrategy(host_devices(1))
         released = threading.Event()
         events: list[str] = []
 
@@ -576,7 +582,7 @@ class TestHostDevice:
             events.append("job done")
 
         async def step() -> None:
-            await ctx().device.run(job)
+            await replica_context().device.run(job)
 
         async with anyio.create_task_group() as group:
             group.start_soon(strategy.run, step)
@@ -642,17 +648,17 @@ class TestHostDevice:
 class TestTimeoutScope:
     async def test_a_collective_timeout_bounds_its_own_round_only(self) -> None:
         """After a collective with a timeout, the next rounds use the strategy's own timeout."""
-        strategy = MirroredStrategy(cpus(2), sync_timeout=5)
+        strategy = MirroredStrategy(host_devices(2), sync_timeout=5)
 
         async def step() -> Any:
             options = CommunicationOptions(timeout_seconds=0.05)
             # Replica 1 arrives last and completes this round: its timeout watched nothing.
-            if rid() == 1:
+            if replica_id() == 1:
                 await anyio.lowlevel.checkpoint()
-            await ctx().all_reduce("sum", np.zeros(1), options=options)
-            if rid() == 0:
+            await replica_context().all_reduce("sum", np.zeros(1), options=options)
+            if replica_id() == 0:
                 await anyio.sleep(0.1)  # longer than that timeout, far within sync_timeout
-            return await ctx().all_reduce("sum", np.ones(1))
+            return await replica_context().all_reduce("sum", np.ones(1))
 
         np.testing.assert_array_equal(await strategy.run(step), [2.0])
 
@@ -679,11 +685,11 @@ class TestDeviceWorkSeesTheCallersContext:
     async def test_run_sees_the_replica_and_its_context_variables(self) -> None:
         """Inside device.run, replica i's work sees replica i (of 3) and i's value of a
         user ContextVar."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> str:
-            user_var.set(f"set by replica {rid()}")
-            return await ctx().device.run(replica_and_user_var)
+            user_var.set(f"set by replica {replica_id()}")
+            return await replica_context().device.run(replica_and_user_var)
 
         result = await strategy.run(step)
         assert local(strategy, result) == (
@@ -695,11 +701,11 @@ class TestDeviceWorkSeesTheCallersContext:
     async def test_compute_on_the_worker_sees_the_replica(self) -> None:
         """device.compute above the inline threshold (in the worker) sees the caller's
         context, as it does inline."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> str:
-            user_var.set(f"set by replica {rid()}")
-            device = ctx().device
+            user_var.set(f"set by replica {replica_id()}")
+            device = replica_context().device
             inline = await device.compute(0, replica_and_user_var)
             on_worker = await device.compute(INLINE_BYTES, replica_and_user_var)
             return f"inline: {inline}; on the worker: {on_worker}"
@@ -739,7 +745,7 @@ class TestDeviceWorkSeesTheCallersContext:
 
         monkeypatch.setattr(_numpy, "reduce_range", reduce_range)
         monkeypatch.setattr(_numpy, "_cores", lambda: 2)
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         user_var.set("the caller's")
         size = INLINE_BYTES // 4  # each replica's array alone is too big to reduce inline
         value = PerReplica([np.ones(size, np.float32), np.ones(size, np.float32)])
@@ -757,7 +763,7 @@ class TestLeavesThatAreNotNumbers:
 
     @staticmethod
     async def call(operation: str, value: Any) -> Any:
-        replica = ctx()
+        replica = replica_context()
         if operation == "all_reduce":
             return await replica.all_reduce("sum", value)
         if operation == "all_gather":
@@ -775,10 +781,10 @@ class TestLeavesThatAreNotNumbers:
     )
     async def test_one_replica_passes_it(self, operation: str, bad: Any, description: str) -> None:
         """Replica 1 passing None or a string where replica 0 passes an array is named."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await self.call(operation, bad if rid() == 1 else np.ones(2))
+            return await self.call(operation, bad if replica_id() == 1 else np.ones(2))
 
         with pytest.raises(TypeError) as info:
             await strategy.run(step)
@@ -791,10 +797,10 @@ class TestLeavesThatAreNotNumbers:
     async def test_every_replica_passes_it(self, bad: Any) -> None:
         """The same non-number from every replica (regrouped as one plain value) is named
         as every replica's, with its key path inside the structure."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().all_reduce("sum", {"loss": np.ones(1), "note": bad})
+            return await replica_context().all_reduce("sum", {"loss": np.ones(1), "note": bad})
 
         with pytest.raises(TypeError) as info:
             await strategy.run(step)
@@ -806,7 +812,7 @@ class TestLeavesThatAreNotNumbers:
     async def test_per_replica_nones_in_cross_replica_calls(self) -> None:
         """strategy.reduce, gather, reduce_to and batch_reduce_to of PerReplica([None, None])
         name both replicas and the operation."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         nones = PerReplica([None, None])
         calls: list[Callable[[], Awaitable[Any]]] = [
             lambda: strategy.reduce("sum", nones),
@@ -828,7 +834,7 @@ class TestLeavesThatAreNotNumbers:
 
     async def test_replicas_passing_different_non_numbers_are_each_named(self) -> None:
         """Each kind of bad value is named with the replicas that passed it."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         value = PerReplica([1.0, None, "abc", None])
         with pytest.raises(TypeError) as info:
             await strategy.reduce("sum", value)

@@ -15,7 +15,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import pytest
-from replicas import ctx
 
 import aioreplica
 from aioreplica import (
@@ -27,6 +26,7 @@ from aioreplica import (
     in_cross_replica_context,
 )
 from aioreplica._backends import HostDevice
+from aioreplica.testing import replica_context
 
 Facts = tuple[ReplicaContext | None, bool, MirroredStrategy, bool]
 
@@ -81,7 +81,7 @@ class TestGetReplicaContext:
         seen: list[tuple[int, int, bool, tuple[str, ...], HostDevice | None]] = []
 
         async def step() -> None:
-            context = ctx()
+            context = replica_context()
             device = context.device
             seen.append(
                 (
@@ -106,7 +106,7 @@ class TestGetReplicaContext:
         strategy = two()
 
         def step() -> str:
-            context = ctx()
+            context = replica_context()
             return f"replica {context.replica_id_in_sync_group} on {context.devices[0]}"
 
         result = await strategy.run(step)
@@ -120,7 +120,7 @@ class TestGetReplicaContext:
         events: list[tuple[int, str, bool]] = []
 
         async def step() -> None:
-            mine = ctx()
+            mine = replica_context()
             replica_id = mine.replica_id_in_sync_group
             events.append((replica_id, "start", get_replica_context() is mine))
             await anyio.lowlevel.checkpoint()
@@ -148,7 +148,7 @@ class TestGetReplicaContext:
             seen.append(get_replica_context())
 
         async def step() -> None:
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         await strategy.run(step)
         assert seen == [None]
@@ -165,7 +165,7 @@ class TestGetReplicaContext:
             seen.append((get_replica_context(), in_cross_replica_context()))
 
         async def step() -> None:
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         await strategy.run(step)
         assert seen == [(None, True), (None, True)]
@@ -183,7 +183,7 @@ class TestGetReplicaContext:
         strategy = MirroredStrategy(["cpu:3", "cpu:5"])
 
         def step() -> str:
-            return repr(ctx())
+            return repr(replica_context())
 
         result = await strategy.run(step)
         assert result.values == (
@@ -193,7 +193,7 @@ class TestGetReplicaContext:
 
     def test_default_repr_names_replica_and_device(self) -> None:
         """The default context's repr shows replica 0 of 1 on cpu:0."""
-        assert repr(ctx()) == "<ReplicaContext replica 0 of 1 on cpu:0>"
+        assert repr(replica_context()) == "<ReplicaContext replica 0 of 1 on cpu:0>"
 
 
 class TestInCrossReplicaContext:
@@ -210,9 +210,9 @@ class TestInCrossReplicaContext:
             record("merge_fn")
 
         async def step() -> None:
-            if ctx().replica_id_in_sync_group == 0:
+            if replica_context().replica_id_in_sync_group == 0:
                 record("replica")
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         async def default_merge(strategy: MirroredStrategy) -> None:
             record("default merge_fn")
@@ -221,7 +221,7 @@ class TestInCrossReplicaContext:
         with strategy.scope():
             record("scope")
         await strategy.run(step)
-        await ctx().merge_call(default_merge)
+        await replica_context().merge_call(default_merge)
         assert events == [
             ("default", True, False),
             ("scope", False, True),
@@ -260,11 +260,11 @@ class TestGetStrategy:
             )
 
         async def step() -> None:
-            replica_id = ctx().replica_id_in_sync_group
+            replica_id = replica_context().replica_id_in_sync_group
             events.append(
                 (f"replica {replica_id}", get_strategy() is strategy, has_strategy(), True)
             )
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         await strategy.run(step)
         assert sorted(events) == [
@@ -292,7 +292,7 @@ class TestDefaultMergeCall:
             calls.append((merge_strategy, args, kwargs))
             return "merged"
 
-        result = await ctx().merge_call(merge, args=(1, [2]), kwargs={"k": 3})
+        result = await replica_context().merge_call(merge, args=(1, [2]), kwargs={"k": 3})
         assert result == "merged"
         assert calls == [(strategy, (1, [2]), {"k": 3})]
 
@@ -304,7 +304,7 @@ class TestDefaultMergeCall:
             await anyio.lowlevel.checkpoint()
             return x + 1
 
-        assert await ctx().merge_call(merge, args=(41,)) == 42
+        assert await replica_context().merge_call(merge, args=(41,)) == 42
 
     @pytest.mark.anyio
     async def test_merge_fn_runs_in_cross_replica_context_of_default_strategy(self) -> None:
@@ -315,7 +315,7 @@ class TestDefaultMergeCall:
         def merge(merge_strategy: MirroredStrategy) -> None:
             seen.append(facts())
 
-        await ctx().merge_call(merge)
+        await replica_context().merge_call(merge)
         assert seen == [(None, True, strategy, False)]
 
     @pytest.mark.anyio
@@ -327,13 +327,13 @@ class TestDefaultMergeCall:
             raise KeyError("from merge_fn")
 
         with pytest.raises(KeyError, match="from merge_fn"):
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
         assert facts() == before
 
     @pytest.mark.anyio
     async def test_raises_in_scope(self) -> None:
         """Calling the default context's merge_call inside ``scope()`` is refused."""
-        default = ctx()
+        default = replica_context()
         with (
             two().scope(),
             pytest.raises(
@@ -350,7 +350,7 @@ class TestDefaultMergeCall:
     @pytest.mark.anyio
     async def test_raises_inside_its_own_merge_fn(self) -> None:
         """A default merge function cannot nest another default merge_call."""
-        default = ctx()
+        default = replica_context()
 
         async def merge(strategy: MirroredStrategy) -> None:
             await default.merge_call(noop)
@@ -393,7 +393,7 @@ class TestScope:
             events.append(facts())
         events.append(facts())
         cross = (None, True, strategy, True)
-        assert events == [cross, cross, (ctx(), False, default_strategy(), False)]
+        assert events == [cross, cross, (replica_context(), False, default_strategy(), False)]
 
     def test_other_strategy_scope_inside_raises_naming_both(self) -> None:
         """Entering another strategy's scope inside one is refused, naming both."""
@@ -446,7 +446,7 @@ class TestScope:
                 pass
 
         async def step() -> None:
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         with pytest.raises(
             RuntimeError,
@@ -465,7 +465,7 @@ class TestScope:
         events: list[tuple[int, str, bool]] = []
 
         async def step() -> None:
-            replica_id = ctx().replica_id_in_sync_group
+            replica_id = replica_context().replica_id_in_sync_group
             before = facts()
             with strategy.scope() as entered:
                 events.append((replica_id, "entered is strategy", entered is strategy))
@@ -473,7 +473,9 @@ class TestScope:
                 await anyio.lowlevel.checkpoint()
                 events.append((replica_id, "after await unchanged", facts() == before))
             events.append((replica_id, "after unchanged", facts() == before))
-            events.append((replica_id, "still a replica", before[0] is ctx() and not before[1]))
+            events.append(
+                (replica_id, "still a replica", before[0] is replica_context() and not before[1])
+            )
 
         await strategy.run(step)
         assert sorted(events) == sorted(
@@ -501,7 +503,7 @@ class TestScope:
             events.append(facts())
 
         async def step() -> None:
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         await strategy.run(step)
         assert events == [(None, True, strategy, True)] * 3
@@ -520,16 +522,16 @@ class TestConcurrentRuns:
         events: list[tuple[str, int, str, str]] = []
 
         def seen_label() -> str:
-            strategy = ctx().strategy
+            strategy = replica_context().strategy
             assert get_strategy() is strategy
             return next(label for label, s in strategies.items() if s is strategy)
 
         async def step(label: str) -> None:
-            replica_id = ctx().replica_id_in_sync_group
+            replica_id = replica_context().replica_id_in_sync_group
             for i in range(3):
                 events.append((label, replica_id, f"step {i}", seen_label()))
                 await anyio.lowlevel.checkpoint()
-            merged = await ctx().merge_call(_merge_strategy_label, args=(label,))
+            merged = await replica_context().merge_call(_merge_strategy_label, args=(label,))
             events.append((label, replica_id, "merge_fn", merged))
             await anyio.lowlevel.checkpoint()
             events.append((label, replica_id, "after merge", seen_label()))
@@ -561,7 +563,7 @@ class TestMergeCallMisuse:
         kept: list[ReplicaContext] = []
 
         async def step() -> None:
-            kept.append(ctx())
+            kept.append(replica_context())
 
         await strategy.run(step)
         kept.sort(key=lambda context: context.replica_id_in_sync_group)
@@ -582,7 +584,7 @@ class TestMergeCallMisuse:
         kept: list[ReplicaContext] = []
 
         async def first() -> None:
-            kept.append(ctx())
+            kept.append(replica_context())
 
         async def second() -> None:
             await kept[0].merge_call(noop)
@@ -601,8 +603,8 @@ class TestMergeCallMisuse:
             await kept[0].merge_call(noop)
 
         async def step() -> None:
-            kept.append(ctx())
-            await ctx().merge_call(merge)
+            kept.append(replica_context())
+            await replica_context().merge_call(merge)
 
         with pytest.raises(
             RuntimeError,
@@ -622,7 +624,7 @@ class TestMergeCallMisuse:
         contexts: dict[int, ReplicaContext] = {}
 
         async def step() -> None:
-            mine = ctx()
+            mine = replica_context()
             contexts[mine.replica_id_in_sync_group] = mine
             await anyio.lowlevel.checkpoint()
             other = contexts[1 - mine.replica_id_in_sync_group]
@@ -643,7 +645,7 @@ class TestMergeCallMisuse:
         strategy = two()
 
         async def child() -> None:
-            await ctx().merge_call(noop)
+            await replica_context().merge_call(noop)
 
         async def step() -> None:
             async with anyio.create_task_group() as group:
@@ -669,7 +671,7 @@ class TestMergeCallMisuse:
 
         async def step() -> Any:
             with anyio.fail_after(10):
-                return await ctx().merge_call(_mention_merge)
+                return await replica_context().merge_call(_mention_merge)
 
         assert await strategy.run(step) == "merged"
 
@@ -685,7 +687,7 @@ class TestMergeCallMisuseAsyncio:
         strategy = two()
 
         async def step() -> Any:
-            return await asyncio.wait_for(ctx().merge_call(noop), 1)
+            return await asyncio.wait_for(replica_context().merge_call(noop), 1)
 
         with pytest.raises(
             RuntimeError,

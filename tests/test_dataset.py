@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 import sniffio
 import trio
-from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -27,6 +26,7 @@ from aioreplica import (
     ValueContext,
     batched,
 )
+from aioreplica.testing import host_devices
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -133,7 +133,7 @@ class TestDistributeDataset:
     ) -> None:
         """Each global batch splits into contiguous views in replica order, larger slices first."""
         batches = global_batches(3 * batch_size - 1, batch_size)
-        strategy = MirroredStrategy(cpus(replicas))
+        strategy = MirroredStrategy(host_devices(replicas))
         elements = await collect(strategy.distribute_dataset(batches))
         assert len(elements) == len(batches)
         for (x, y), (x_parts, y_parts) in zip(batches, elements, strict=True):
@@ -148,7 +148,7 @@ class TestDistributeDataset:
 
     async def test_ten_rows_batch_four_four_replicas(self) -> None:
         """10 rows in batches of 4 over 4 replicas: 3 elements, the last 1, 1, 0, 0 rows."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         seen = []
         async for x, y in strategy.distribute_dataset(batched(table(10), 4)):
             seen.append(
@@ -170,14 +170,14 @@ class TestDistributeDataset:
 
     async def test_array_batches_give_one_per_replica(self) -> None:
         """A dataset of plain arrays gives one PerReplica per element."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         elements = await collect(strategy.distribute_dataset([np.arange(5), np.arange(5, 8)]))
         assert [rows_of(element, 2) for element in elements] == [[[0, 1, 2], [3, 4]], [[5, 6], [7]]]
 
     async def test_dict_batches_keep_their_keys(self) -> None:
         """A dict batch comes out as a dict, in its key order, of per-replica slices."""
         x, y = table(4)
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         (element,) = await collect(strategy.distribute_dataset([{"label": y, "image": x}]))
         assert list(element) == ["label", "image"]
         assert rows_of(element["label"], 2) == [[0, 1], [2, 3]]
@@ -186,7 +186,7 @@ class TestDistributeDataset:
     async def test_one_replica_gets_plain_arrays(self) -> None:
         """With one replica an element holds the arrays themselves, no PerReplica."""
         x, y = table(3)
-        strategy = MirroredStrategy(cpus(1))
+        strategy = MirroredStrategy(host_devices(1))
         (element,) = await collect(strategy.distribute_dataset([(x, y)]))
         assert isinstance(element, tuple)
         assert [type(leaf) for leaf in element] == [np.ndarray, np.ndarray]
@@ -195,7 +195,7 @@ class TestDistributeDataset:
 
     async def test_drop_remainder_drops_the_final_partial_batch(self) -> None:
         """drop_remainder=True drops a global batch smaller than the first."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         kept = await collect(strategy.distribute_dataset(global_batches(10, 4)))
         dropped = await collect(
             strategy.distribute_dataset(global_batches(10, 4), drop_remainder=True)
@@ -209,7 +209,7 @@ class TestDistributeDataset:
 
     async def test_drop_remainder_keeps_full_batches(self) -> None:
         """drop_remainder=True keeps a last batch as large as the first."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(global_batches(8, 4), drop_remainder=True)
         assert [rows_of(y, 2) for _, y in await collect(dist)] == [
             [[0, 1], [2, 3]],
@@ -222,7 +222,7 @@ class TestDatasetSources:
     @pytest.mark.parametrize("kind", SOURCES)
     async def test_every_kind_of_dataset(self, kind: str, prefetch: int) -> None:
         """Lists, generators and async generators give the same elements, prefetched or not."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(source(kind, global_batches(7, 3)), prefetch=prefetch)
         assert isinstance(dist, DistributedDataset)
         assert [rows_of(y, 2) for _, y in await collect(dist)] == [
@@ -233,7 +233,7 @@ class TestDatasetSources:
 
     async def test_each_iteration_is_a_new_pass(self) -> None:
         """Iterating again over a re-iterable dataset starts from its first batch."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         for dataset in (global_batches(5, 2), batched(table(5), 2)):
             dist = strategy.distribute_dataset(dataset)
             first = [rows_of(y, 2) for _, y in await collect(dist)]
@@ -242,7 +242,7 @@ class TestDatasetSources:
 
     async def test_each_pass_over_shuffled_batches_is_a_new_epoch(self) -> None:
         """Over batched(shuffle=True), each pass is a fresh permutation of every row."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(batched(table(20), 6, shuffle=True, seed=3))
         epochs = []
         for _ in range(2):
@@ -260,7 +260,7 @@ class TestDatasetErrors:
     @pytest.mark.parametrize("prefetch", [0, 2])
     async def test_leading_sizes_differ(self, prefetch: int) -> None:
         """Leaves with different leading sizes are a ValueError naming the path and the sizes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         batch = {"a": np.zeros(5), "b": np.zeros((5, 2)), "c": np.zeros(7)}
         dist = strategy.distribute_dataset([batch], prefetch=prefetch)
         with pytest.raises(ValueError, match=mentions(r"\['c'\]", r"\b5\b", r"\b7\b")):
@@ -272,7 +272,7 @@ class TestDatasetErrors:
         self, leaf: object, type_name: str, prefetch: int
     ) -> None:
         """A leaf without a batch dimension is a TypeError naming its path and type."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset([{"x": np.zeros(4), "step": leaf}], prefetch=prefetch)
         with pytest.raises(TypeError, match=mentions(r"\['step'\]", type_name)):
             await collect(dist)
@@ -281,7 +281,7 @@ class TestDatasetErrors:
     @pytest.mark.parametrize("kind", ["generator", "async generator"])
     async def test_dataset_error_comes_out_unchanged(self, kind: str, prefetch: int) -> None:
         """The dataset's own exception object ends the loop, after the elements before it."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         boom = RuntimeError("loader failed")
 
         def loader() -> Iterator[Array]:
@@ -306,7 +306,7 @@ class TestDatasetErrors:
     @pytest.mark.parametrize("prefetch", [0, 2])
     async def test_get_next_raises_the_dataset_error(self, prefetch: int) -> None:
         """get_next raises the dataset's own exception object."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         boom = KeyError("missing shard")
 
         async def aloader() -> AsyncIterator[Array]:
@@ -321,7 +321,7 @@ class TestDatasetErrors:
 
     async def test_negative_prefetch(self) -> None:
         """prefetch below 0 is a ValueError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with pytest.raises(ValueError, match="prefetch"):
             await collect(strategy.distribute_dataset([np.arange(2)], prefetch=-1))
 
@@ -331,7 +331,7 @@ class TestPrefetch:
     @pytest.mark.parametrize("kind", SOURCES)
     async def test_break_leaves_no_task(self, kind: str, prefetch: int) -> None:
         """Breaking out of the loop mid-epoch leaves no task behind."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dataset = source(kind, global_batches(40, 4))
         dist = strategy.distribute_dataset(dataset, prefetch=prefetch)
         before = live_tasks()
@@ -350,7 +350,7 @@ class TestPrefetch:
     @pytest.mark.parametrize("kind", ["generator", "async generator"])
     async def test_cancel_mid_epoch_leaves_no_task(self, kind: str, prefetch: int) -> None:
         """Cancelling the loop while it waits for the next element leaves no task behind."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         stalled = threading.Event()
         release = threading.Event()
 
@@ -384,7 +384,7 @@ class TestPrefetch:
     @pytest.mark.parametrize("kind", SOURCES)
     async def test_task_ends_with_the_epoch(self, kind: str, prefetch: int) -> None:
         """After a full pass no task is left."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         before = live_tasks()
         dist = strategy.distribute_dataset(source(kind, global_batches(9, 3)), prefetch=prefetch)
         assert len(await collect(dist)) == 3
@@ -394,7 +394,7 @@ class TestPrefetch:
     @pytest.mark.parametrize("kind", ["generator", "async generator"])
     async def test_prefetch_zero_pulls_on_demand(self, kind: str) -> None:
         """With prefetch=0 each element is pulled when asked for, and no task is started."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         events: list[tuple[str, int]] = []
         extra_tasks = []
 
@@ -426,7 +426,7 @@ class TestPrefetch:
     @pytest.mark.parametrize("kind", ["generator", "async generator"])
     async def test_runs_ahead_at_most_prefetch_plus_one(self, kind: str, prefetch: int) -> None:
         """The loader runs ahead of the loop, at most prefetch + 1 past the elements asked for."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         events: list[tuple[str, int]] = []
         pulled_ahead = threading.Event()
 
@@ -462,7 +462,7 @@ class TestPrefetch:
     @pytest.mark.parametrize("prefetch", [0, 2])
     async def test_sync_loader_does_not_block_the_loop(self, prefetch: int) -> None:
         """A loader blocked on a threading.Event waits in a worker thread, not on the loop."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         gate = threading.Event()
         events: list[str] = []
 
@@ -486,7 +486,7 @@ class TestPrefetch:
 class TestDistributedIterator:
     async def test_get_next_until_stop(self) -> None:
         """get_next returns the elements in order, then raises StopAsyncIteration."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         it = aiter(strategy.distribute_dataset(global_batches(6, 4)))
         assert isinstance(it, DistributedIterator)
         first = await it.get_next()
@@ -498,7 +498,7 @@ class TestDistributedIterator:
 
     async def test_get_next_as_optional(self) -> None:
         """get_next_as_optional holds each element, then an empty optional."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         async with aiter(strategy.distribute_dataset([np.arange(3)])) as it:
             present = await it.get_next_as_optional()
             empty = await it.get_next_as_optional()
@@ -511,7 +511,7 @@ class TestDistributedIterator:
     @pytest.mark.parametrize("kind", SOURCES)
     async def test_async_with_stops_the_prefetch_task(self, kind: str) -> None:
         """Leaving ``async with aiter(dist)`` mid-epoch ends the prefetch task before it returns."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(source(kind, global_batches(40, 4)), prefetch=2)
         before = live_tasks()
         async with aiter(dist) as it:
@@ -521,7 +521,7 @@ class TestDistributedIterator:
 
     async def test_aclose_stops_the_prefetch_task(self) -> None:
         """aclose mid-epoch ends the prefetch task before it returns."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(source("async generator", global_batches(40, 4)))
         before = live_tasks()
         it = aiter(dist)
@@ -534,7 +534,7 @@ class TestDistributedIterator:
 class TestRunOnElements:
     async def test_step_sees_its_own_slice(self) -> None:
         """strategy.run on an element gives each replica its own slice of the global batch."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step(batch: Table) -> tuple[int, Array]:
             x, y = batch
@@ -551,7 +551,7 @@ class TestRunOnElements:
 class TestDistributeDatasetsFromFunction:
     async def test_called_once_with_an_input_context(self) -> None:
         """dataset_fn is called once, with one pipeline for all the strategy's replicas."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         calls: list[InputContext] = []
 
         def dataset_fn(context: InputContext) -> list[Array]:
@@ -574,7 +574,7 @@ class TestDistributeDatasetsFromFunction:
         self, kind: str, prefetch: int
     ) -> None:
         """Per-replica batches go round-robin: replica r gets the r-th of each round."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         batches = global_batches(8, 2)
         dist = strategy.distribute_datasets_from_function(
             lambda context: source(kind, batches), prefetch=prefetch
@@ -586,7 +586,7 @@ class TestDistributeDatasetsFromFunction:
 
     async def test_runs_out_mid_round(self) -> None:
         """The replicas past the end of the last round get zero rows shaped like the last batch."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         batches = global_batches(8, 2)
         elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
         assert [rows_of(y, 3) for _, y in elements] == [[[0, 1], [2, 3], [4, 5]], [[6, 7], [], []]]
@@ -604,7 +604,7 @@ class TestDistributeDatasetsFromFunction:
 
     async def test_runs_out_at_a_round_boundary(self) -> None:
         """A dataset that ends with a full round ends the iteration there."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         batches = [np.arange(2 * i, 2 * i + 2) for i in range(4)]
         elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
         assert [rows_of(element, 2) for element in elements] == [
@@ -614,14 +614,14 @@ class TestDistributeDatasetsFromFunction:
 
     async def test_one_replica_gets_each_batch(self) -> None:
         """With one replica each batch is one element, as plain arrays."""
-        strategy = MirroredStrategy(cpus(1))
+        strategy = MirroredStrategy(host_devices(1))
         batches = [np.arange(2), np.arange(2, 5)]
         elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
         assert [rows_of(element, 1) for element in elements] == [[[0, 1]], [[2, 3, 4]]]
 
     async def test_negative_prefetch(self) -> None:
         """prefetch below 0 is a ValueError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with pytest.raises(ValueError, match="prefetch"):
             await collect(
                 strategy.distribute_datasets_from_function(lambda c: [np.arange(2)], prefetch=-1)
@@ -653,7 +653,7 @@ class TestInputContext:
 class TestDistributeValuesFromFunction:
     async def test_one_value_per_replica(self) -> None:
         """value_fn is called once per replica, in order, with that replica's ValueContext."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         calls: list[tuple[int, int]] = []
 
         def value_fn(context: ValueContext) -> Array:
@@ -668,7 +668,7 @@ class TestDistributeValuesFromFunction:
 
     async def test_step_sees_its_value(self) -> None:
         """strategy.run passes each replica the value made for it."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         values = strategy.experimental_distribute_values_from_function(
             lambda context: f"replica {context.replica_id_in_sync_group}"
         )

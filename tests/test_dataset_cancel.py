@@ -28,9 +28,9 @@ import numpy as np
 import pytest
 import sniffio
 import trio
-from replicas import cpus
 
 from aioreplica import MirroredStrategy
+from aioreplica.testing import host_devices
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -158,7 +158,9 @@ class TestCancellationIsPrompt:
         """``move_on_after`` around ``async for`` fires while the loader blocks, and the
         prefetch task (if any) ends with the loop."""
         loader = Loader(block_from=1)
-        dist = MirroredStrategy(cpus(2)).distribute_dataset(loader.generator(), prefetch=prefetch)
+        dist = MirroredStrategy(host_devices(2)).distribute_dataset(
+            loader.generator(), prefetch=prefetch
+        )
         before = live_tasks()
         seen = []
         try:
@@ -179,7 +181,9 @@ class TestCancellationIsPrompt:
         """Leaving ``async with aiter(dist)`` after a given-up wait returns at once, with the
         prefetch task (if any) ended."""
         loader = Loader(block_from=1)
-        dist = MirroredStrategy(cpus(2)).distribute_dataset(loader.generator(), prefetch=prefetch)
+        dist = MirroredStrategy(host_devices(2)).distribute_dataset(
+            loader.generator(), prefetch=prefetch
+        )
         before = live_tasks()
         try:
             with bounded():
@@ -202,7 +206,9 @@ class TestCancellationIsPrompt:
         gets the element being pulled (prefetch=0) or the end of the iteration (prefetch>0).
         """
         loader = Loader(block_from=1)
-        dist = MirroredStrategy(cpus(2)).distribute_dataset(loader.generator(), prefetch=prefetch)
+        dist = MirroredStrategy(host_devices(2)).distribute_dataset(
+            loader.generator(), prefetch=prefetch
+        )
         iterator = aiter(dist)
         got: list[int | None] = []
 
@@ -235,7 +241,7 @@ class TestCancellationIsPrompt:
         outcome: list[str] = []
 
         async def main() -> None:
-            dist = MirroredStrategy(cpus(2)).distribute_dataset(
+            dist = MirroredStrategy(host_devices(2)).distribute_dataset(
                 loader.generator(), prefetch=prefetch
             )
             with anyio.move_on_after(GIVE_UP_S) as timeout:
@@ -311,7 +317,7 @@ class TestNeverReEntered:
         """After a given-up wait (prefetch=0), the next wait takes the pull still running, and
         a wait beside it queues a new pull behind it: one pull at a time, nothing lost."""
         loader = Loader(block_from=1)
-        iterator = aiter(MirroredStrategy(cpus(2)).distribute_dataset(loader, prefetch=0))
+        iterator = aiter(MirroredStrategy(host_devices(2)).distribute_dataset(loader, prefetch=0))
         got: dict[str, int] = {}
 
         async def take(name: str) -> None:
@@ -340,7 +346,7 @@ class TestNeverReEntered:
         """A new pass over a generator whose last pass gave up a wait (prefetch=0) gets the
         element that pass was waiting for, then the rest; the pulls never overlap."""
         loader = Loader(block_from=1, length=3)
-        dist = MirroredStrategy(cpus(2)).distribute_dataset(loader.generator(), prefetch=0)
+        dist = MirroredStrategy(host_devices(2)).distribute_dataset(loader.generator(), prefetch=0)
         first_pass: list[int] = []
         try:
             with bounded():
@@ -360,7 +366,7 @@ class TestNeverReEntered:
         """A wait given up in the middle of a round of per-replica batches (prefetch=0) loses
         none of the round: the next wait completes it, replica r still getting batch r."""
         loader = Loader(block_from=1)
-        dist = MirroredStrategy(cpus(2)).distribute_datasets_from_function(
+        dist = MirroredStrategy(host_devices(2)).distribute_datasets_from_function(
             lambda context: loader.generator(), prefetch=0
         )
         try:
@@ -381,7 +387,7 @@ class TestNeverReEntered:
         """With prefetch>0 a given-up wait ends the prefetching; the next wait on that iterator
         is a RuntimeError saying so and what to do, not a silent end."""
         loader = Loader(block_from=1)
-        dist = MirroredStrategy(cpus(2)).distribute_dataset(loader.generator(), prefetch=2)
+        dist = MirroredStrategy(host_devices(2)).distribute_dataset(loader.generator(), prefetch=2)
         try:
             with bounded():
                 async with aiter(dist) as iterator:
@@ -401,7 +407,7 @@ class TestSyncIteration:
     def test_for_says_use_async_for(self, what: str) -> None:
         """``for`` over a distributed dataset or its iterator is a TypeError naming the object
         and saying to use ``async for``."""
-        dist = MirroredStrategy(cpus(2)).distribute_dataset([np.arange(2)])
+        dist = MirroredStrategy(host_devices(2)).distribute_dataset([np.arange(2)])
         target: Any = dist if what == "dataset" else aiter(dist)
         name = "DistributedDataset" if what == "dataset" else "DistributedIterator"
         with pytest.raises(TypeError, match=mentions(name, "async for")):

@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import pytest
 import sniffio
-from replicas import cpus, ctx
 
 from aioreplica import MirroredStrategy
 from aioreplica._loops import current
+from aioreplica.testing import host_devices, replica_context
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -23,12 +23,12 @@ pytestmark = pytest.mark.anyio
 class TestCurrent:
     async def test_one_adapter_per_loop(self) -> None:
         """Every call on one loop, in a replica and in device work alike, gets one adapter."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         seen = [current()]
 
         async def step() -> None:
             seen.append(current())
-            await ctx().device.run(lambda: None)  # device.run takes the adapter too
+            await replica_context().device.run(lambda: None)  # device.run takes the adapter too
             seen.append(current())
 
         await strategy.run(step)

@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 import anyio
 import numpy as np
 import pytest
-from fake_devices import FakeDevice
-from replicas import cpus
 
 import aioreplica
 from aioreplica import (
@@ -26,6 +24,7 @@ from aioreplica import (
 )
 from aioreplica._backends._numpy import HOST_BACKEND
 from aioreplica.optimizers import SGD, Adam, AdamW, Optimizer
+from aioreplica.testing import FakeDevice, StrategyFactory, host_devices
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -224,7 +223,7 @@ class TestUpdateRules:
     ) -> None:
         """Five steps on two replicas match the NumPy reference after every step."""
         rng = np.random.default_rng(1)
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         variables = make_variables(strategy, rng, SHAPES)
         opt = make_optimizer(kind, learning_rate, config)
         ref = Reference(kind, learning_rate, **config)
@@ -270,7 +269,7 @@ class TestUpdateRules:
 
     async def test_float32_variable_stays_float32(self) -> None:
         """A float64 gradient is cast to a float32 variable's dtype; slots are float32 too."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(3, dtype=np.float32), name="w")
         opt = Adam(0.1)
@@ -302,7 +301,7 @@ class TestAdamW:
     ) -> None:
         """Six steps on four replicas match Keras' AdamW formula after every step."""
         rng = np.random.default_rng(21)
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         variables = make_variables(strategy, rng, SHAPES)
         opt = AdamW(learning_rate, **config)
         ref = Reference("adamw", learning_rate, **config)
@@ -335,7 +334,7 @@ class TestAdamW:
     async def test_zero_weight_decay_is_adam(self) -> None:
         """``AdamW`` with ``weight_decay=0`` takes Adam's steps exactly."""
         rng = np.random.default_rng(22)
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         adam_vars = make_variables(strategy, np.random.default_rng(23), SHAPES)
         adamw_vars = make_variables(strategy, np.random.default_rng(23), SHAPES)
         adam, adamw = Adam(0.1), AdamW(0.1, weight_decay=0.0)
@@ -356,7 +355,7 @@ class TestAdamW:
         """
         rng = np.random.default_rng(24)
         config: dict[str, Any] = {"weight_decay": 0.3, "global_clipnorm": 1.5}
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         variables = make_variables(strategy, rng, SHAPES)
         opt = AdamW(halving, **config)
         ref = Reference("adamw", halving, **config)
@@ -369,7 +368,7 @@ class TestAdamW:
         model = {v.name: v for v in variables}
         path = await Checkpoint(model=model, optimizer=opt).save(tmp_path / "adamw.npz")
 
-        strategy_4 = MirroredStrategy(cpus(4))
+        strategy_4 = MirroredStrategy(host_devices(4))
         with strategy_4.scope():
             restored_vars = [Variable(np.zeros(shape), name=name) for name, shape in SHAPES.items()]
         restored = AdamW(**opt.get_config())
@@ -444,7 +443,7 @@ class CountingXpDevice(FakeDevice):
 
 
 class TestClipping:
-    @pytest.mark.parametrize("replicas", [2, 4])
+    @pytest.mark.replicas(2, 4)
     @pytest.mark.parametrize(
         "clip",
         [
@@ -459,6 +458,7 @@ class TestClipping:
         learning_rate: float,
         config: dict[str, Any],
         clip: dict[str, Any],
+        strategy_factory: StrategyFactory,
         replicas: int,
     ) -> None:
         """Six steps clip the summed gradients as the reference does; every copy agrees.
@@ -466,7 +466,7 @@ class TestClipping:
         Small and large gradients alternate, so that some steps are clipped and some not.
         """
         rng = np.random.default_rng(31)
-        strategy = MirroredStrategy(cpus(replicas))
+        strategy = strategy_factory()
         variables = make_variables(strategy, rng, SHAPES)
         opt = make_optimizer(kind, learning_rate, {**config, **clip})
         ref = Reference(kind, learning_rate, **config, **clip)
@@ -485,7 +485,7 @@ class TestClipping:
     @pytest.mark.parametrize("clip", ["clipnorm", "global_clipnorm"])
     async def test_clips_the_sum_not_each_replica(self, clip: str) -> None:
         """Replica gradients under the norm can sum over it, and those over it sum under it."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.zeros(2), name="w")
         opt = SGD(1.0, **clipping(clip, 1.0))
@@ -558,7 +558,7 @@ class TestClipping:
                 seen.append((var.dtype.name, grad.dtype.name))
                 return (var - rate * grad,)
 
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w32 = Variable(np.ones(3, dtype=np.float32), name="w32")
             w64 = Variable(np.ones(2), name="w64")
@@ -600,7 +600,7 @@ class TestApplyGradients:
     async def test_gradients_summed_across_replicas(self) -> None:
         """Each replica's own gradients are summed; every copy and slot copy gets the update."""
         rng = np.random.default_rng(2)
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         variables = make_variables(strategy, rng, SHAPES)
         opt = SGD(0.1, momentum=0.9)
         ref = Reference("sgd", 0.1, momentum=0.9)
@@ -616,7 +616,7 @@ class TestApplyGradients:
 
     async def test_returns_iterations_after_step(self) -> None:
         """Every replica gets ``iterations`` after the step; ``opt.iterations`` counts steps."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             w = Variable(np.zeros(2), name="w")
         opt = Adam(0.01)
@@ -636,7 +636,7 @@ class TestApplyGradients:
     async def test_one_merge_round_per_step(self) -> None:
         """A step over several variables takes exactly one merge round."""
         rng = np.random.default_rng(3)
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         variables = make_variables(strategy, rng, SHAPES)
         opt = Adam(0.01)
         rounds = []
@@ -663,7 +663,7 @@ class TestApplyGradients:
         """
         rng = np.random.default_rng(4)
         shapes = {"a": (4,), "b": (2, 3), "c": (), "d": (5,)}
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         variables = make_variables(strategy, rng, shapes)
         calls: list[tuple[str, int, int, int]] = []
         original_packed = HOST_BACKEND.all_reduce_packed
@@ -700,7 +700,7 @@ class TestApplyGradients:
 
     async def test_accepts_zip_and_lists(self) -> None:
         """``grads_and_vars`` may be a one-shot iterator such as ``zip``, of tuples or lists."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.zeros(2), name="w")
             b = Variable(0.0, name="b")
@@ -717,7 +717,7 @@ class TestApplyGradients:
 
     async def test_none_gradients_are_skipped(self) -> None:
         """Variables whose gradient is None keep their value and get no slots; others update."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(2), name="w")
             b = Variable(np.ones(3), name="b")
@@ -735,7 +735,7 @@ class TestApplyGradients:
 
     async def test_shared_gradient_object_counts_once_per_replica(self) -> None:
         """One array object passed by every replica is summed once per replica, as a value."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             w = Variable(np.zeros(2), name="w")
         shared = np.array([1.0, -2.0])
@@ -750,7 +750,7 @@ class TestApplyGradients:
 
     async def test_replicas_disagreeing_on_variables(self) -> None:
         """Replicas that train different variables get a clear error; nothing changes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(3), name="w")
             b = Variable(np.ones(3), name="b")
@@ -800,7 +800,7 @@ class TestReplicaEquivalence:
 
         trained = []
         for replicas in (1, 4):
-            strategy = MirroredStrategy(cpus(replicas))
+            strategy = MirroredStrategy(host_devices(replicas))
             with strategy.scope():
                 w = Variable(w0, name="w")
                 b = Variable(b0, name="b")
@@ -847,7 +847,7 @@ class TestLearningRate:
             return rates(step)
 
         rng = np.random.default_rng(6)
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         variables = make_variables(strategy, rng, {"w": (3,)})
         opt = SGD(schedule, momentum=0.5)
         ref = Reference("sgd", rates, momentum=0.5)
@@ -880,7 +880,7 @@ class TestLearningRate:
 
     async def test_schedule_returning_non_number_changes_nothing(self) -> None:
         """A schedule returning a string fails the step with TypeError; nothing changes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(2), name="w")
         opt = Adam(lambda step: 0.1 if step == 0 else "fast")  # type: ignore[arg-type, return-value]
@@ -894,7 +894,7 @@ class TestLearningRate:
 
     async def test_schedule_returning_nan_changes_nothing(self) -> None:
         """A schedule returning NaN fails the first step with ValueError; no slots are made."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(2), name="w")
         opt = SGD(lambda step: math.nan, momentum=0.9)
@@ -919,7 +919,7 @@ class TestSlots:
 
     async def test_created_on_first_step_beside_variable(self) -> None:
         """The first step makes mirrored slots on the variable's devices, of its strategy."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             w = Variable(np.ones((2, 2), dtype=np.float32), name="w")
         opt = Adam(0.1)
@@ -948,7 +948,7 @@ class TestSlots:
 
     async def test_build_creates_zero_slots_beforehand(self) -> None:
         """``build`` makes zero slots that the steps then update (the same objects)."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(3), name="w")
             b = Variable(0.0, name="b")
@@ -1034,7 +1034,7 @@ class TestErrors:
     @staticmethod
     async def trained() -> tuple[MirroredStrategy, list[Variable], Optimizer]:
         """A 2-replica strategy with variables w (3,) and b () after one Adam step."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(3), name="w")
             b = Variable(2.0, name="b")
@@ -1204,7 +1204,7 @@ class TestErrors:
 
     async def test_failed_first_step_makes_no_slots(self) -> None:
         """A first step that fails leaves no slots behind and the step count at 0."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(3), name="w")
         opt = SGD(0.1, momentum=0.9)
@@ -1336,7 +1336,7 @@ class TestDefaultContext:
 
     async def test_mirrored_variable_outside_run(self) -> None:
         """A strategy's variable trained in the default context is a ValueError; no change."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(2), name="w")
         opt = SGD(0.1, momentum=0.5)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 import pytest
-from replicas import cpus, rid
 
 import aioreplica
 from aioreplica import (
@@ -27,6 +26,7 @@ from aioreplica import (
 )
 from aioreplica._backends._numpy import HostDevice
 from aioreplica.optimizers import SGD, Adam, Optimizer
+from aioreplica.testing import host_devices, replica_id
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -78,7 +78,7 @@ class Model:
 
         async def step() -> None:
             await self.optimizer.apply_gradients(
-                [(np.full(v.shape, rid() + 1.0), v) for v in self.variables()]
+                [(np.full(v.shape, replica_id() + 1.0), v) for v in self.variables()]
             )
 
         for _ in range(steps):
@@ -94,7 +94,7 @@ def build(
     optimizer: Optimizer | None = None,
 ) -> Model:
     """A body (4 inputs, 5 units) and a head ``head`` of ``classes`` outputs."""
-    strategy = MirroredStrategy(cpus(replicas))
+    strategy = MirroredStrategy(host_devices(replicas))
     with strategy.scope():
         layers = {
             "body": {

@@ -20,7 +20,6 @@ import anyio.to_thread
 import numpy as np
 import pytest
 from held_writes import hold_writes
-from replicas import cpus
 
 from aioreplica import (
     Checkpoint,
@@ -32,6 +31,7 @@ from aioreplica import (
     Variable,
     batched,
 )
+from aioreplica.testing import host_devices
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -96,7 +96,7 @@ class Program:
         drop_remainder: bool = False,
         rows: int = ROWS,
     ) -> None:
-        self.strategy = MirroredStrategy(cpus(replicas))
+        self.strategy = MirroredStrategy(host_devices(replicas))
         self.data = batched(table(rows), BATCH, shuffle=shuffle, seed=seed)
         self.dist = self.strategy.distribute_dataset(
             self.data, prefetch=prefetch, drop_remainder=drop_remainder
@@ -132,7 +132,7 @@ def global_rows(seen: list[list[list[int]]]) -> list[list[int]]:
 class TestResumeDistributed:
     @pytest.mark.parametrize("prefetch", [0, 2])
     @pytest.mark.parametrize("shuffle", [True, False], ids=["shuffle", "in-order"])
-    @pytest.mark.parametrize("replicas", [1, 2, 4])
+    @pytest.mark.replicas(1, 2, 4)
     async def test_interrupted_and_resumed_equals_unbroken(
         self, tmp_path: Path, replicas: int, shuffle: bool, prefetch: int
     ) -> None:
@@ -229,7 +229,7 @@ class TestResumeDistributed:
         saves the batches of the rounds it handed out."""
 
         def start() -> Checkpoint:
-            strategy = MirroredStrategy(cpus(2))
+            strategy = MirroredStrategy(host_devices(2))
             dist = strategy.distribute_datasets_from_function(
                 lambda _: batched(table(14), 2, shuffle=True, seed=3), prefetch=prefetch
             )
@@ -365,7 +365,7 @@ class TestRefusedRestore:
             return batched(arrays, size, shuffle=other != "no shuffle", seed=1)
 
         data, twin = dataset(), dataset()
-        iterator = aiter(MirroredStrategy(cpus(2)).distribute_dataset(data))
+        iterator = aiter(MirroredStrategy(host_devices(2)).distribute_dataset(data))
         ckpt = Checkpoint(epoch=5, data=iterator)
         with pytest.raises(CheckpointError) as caught:
             await ckpt.restore(tmp_path / "c.npz")
@@ -480,19 +480,21 @@ class TestRefusedIterators:
                 "data is an iterator (list_iterator) with no position to save",
             ),
             (
-                lambda: aiter(MirroredStrategy(cpus(2)).distribute_dataset([np.zeros(2)])),
+                lambda: aiter(MirroredStrategy(host_devices(2)).distribute_dataset([np.zeros(2)])),
                 "data is a DistributedIterator over a list; a checkpoint saves only iterators "
                 "over an aioreplica.batched dataset",
             ),
             (
                 lambda: aiter(
-                    MirroredStrategy(cpus(2)).distribute_dataset(b for b in [np.zeros(2)])
+                    MirroredStrategy(host_devices(2)).distribute_dataset(b for b in [np.zeros(2)])
                 ),
                 "data is a DistributedIterator over a generator",
             ),
             (
                 lambda: aiter(
-                    MirroredStrategy(cpus(2)).distribute_dataset(iter(batched(np.zeros(4), 2)))
+                    MirroredStrategy(host_devices(2)).distribute_dataset(
+                        iter(batched(np.zeros(4), 2))
+                    )
                 ),
                 "data is a DistributedIterator over a BatchedIterator",
             ),

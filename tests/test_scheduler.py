@@ -9,8 +9,7 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from fake_devices import RecordingDevice
-from replicas import ASYNCIO_ONLY, cpus, ctx, rid
+from event_loops import ASYNCIO_ONLY
 
 import aioreplica
 from aioreplica import (
@@ -20,6 +19,7 @@ from aioreplica import (
     get_replica_context,
 )
 from aioreplica._collectives import ReductionEngine
+from aioreplica.testing import DeviceLog, RecordingDevice, host_devices, replica_context, replica_id
 
 pytestmark = pytest.mark.anyio
 
@@ -32,18 +32,18 @@ class TestMergeCall:
     async def test_merge_fn_runs_once_after_all_arrive(self) -> None:
         """merge_fn runs exactly once per round, only after every replica has arrived."""
         events: list[tuple[str, int]] = []
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         def merge(strategy: MirroredStrategy, ids: PerReplica[int]) -> int:
             events.append(("merge", sum(ids.values)))
             return 0
 
         async def step() -> None:
-            for _ in range(rid()):  # replicas reach the merge point at different times
+            for _ in range(replica_id()):  # replicas reach the merge point at different times
                 await anyio.lowlevel.checkpoint()
-            events.append(("arrive", rid()))
-            await ctx().merge_call(merge, args=(rid(),))
-            events.append(("resume", rid()))
+            events.append(("arrive", replica_id()))
+            await replica_context().merge_call(merge, args=(replica_id(),))
+            events.append(("resume", replica_id()))
 
         await strategy.run(step)
         arrivals, merges, resumes = events[:3], events[3:4], events[4:]
@@ -55,7 +55,7 @@ class TestMergeCall:
         """Differing args become PerReplica, shared objects stay; each replica gets its slice."""
         shared = object()
         seen: list[Any] = []
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         def merge(
             strategy: MirroredStrategy, value: PerReplica[int], same: object, *, scale: int
@@ -64,8 +64,8 @@ class TestMergeCall:
             return PerReplica([v * scale for v in value.values])
 
         async def step() -> int:
-            result: int = await ctx().merge_call(
-                merge, args=(rid() + 1, shared), kwargs={"scale": 10}
+            result: int = await replica_context().merge_call(
+                merge, args=(replica_id() + 1, shared), kwargs={"scale": 10}
             )
             return result
 
@@ -76,7 +76,7 @@ class TestMergeCall:
 
     async def test_nested_structures_round_trip(self) -> None:
         """Nested args regroup leaf by leaf and a nested result is sliced leaf by leaf."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         def merge(strategy: MirroredStrategy, tree: dict[str, Any]) -> dict[str, Any]:
             assert tree["name"] == "x"
@@ -84,8 +84,8 @@ class TestMergeCall:
             return {"sum": sum(tree["pair"][0].values), "mine": tree["pair"][1]}
 
         async def step() -> dict[str, Any]:
-            value = {"pair": (rid(), f"r{rid()}"), "name": "x"}
-            merged: dict[str, Any] = await ctx().merge_call(merge, args=(value,))
+            value = {"pair": (replica_id(), f"r{replica_id()}"), "name": "x"}
+            merged: dict[str, Any] = await replica_context().merge_call(merge, args=(value,))
             return merged
 
         result = await strategy.run(step)
@@ -95,7 +95,7 @@ class TestMergeCall:
     async def test_async_merge_fn_is_awaited(self) -> None:
         """A merge_fn that returns an awaitable is awaited once, in cross-replica context."""
         calls: list[bool] = []
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def merge(strategy: MirroredStrategy) -> str:
             await anyio.lowlevel.checkpoint()
@@ -103,7 +103,7 @@ class TestMergeCall:
             return "done"
 
         async def step() -> str:
-            result: str = await ctx().merge_call(merge)
+            result: str = await replica_context().merge_call(merge)
             return result
 
         assert await strategy.run(step) == "done"
@@ -112,7 +112,7 @@ class TestMergeCall:
     async def test_merge_fn_sees_cross_replica_context(self) -> None:
         """Inside merge_fn there is no replica context and the strategy is current."""
         seen: list[object] = []
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         def merge(s: MirroredStrategy) -> None:
             seen.extend(
@@ -125,8 +125,8 @@ class TestMergeCall:
             )
 
         async def step() -> None:
-            await ctx().merge_call(merge)
-            seen.append(rid())
+            await replica_context().merge_call(merge)
+            seen.append(replica_id())
 
         await strategy.run(step)
         assert seen[:4] == [True, None, True, True]
@@ -134,7 +134,7 @@ class TestMergeCall:
 
     async def test_several_rounds_keep_their_order(self) -> None:
         """Each round merges the values of that round, in order."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         merged: list[tuple[int, ...]] = []
 
         def merge(strategy: MirroredStrategy, v: PerReplica[int]) -> None:
@@ -142,23 +142,27 @@ class TestMergeCall:
 
         async def step() -> None:
             for round_number in range(5):
-                if (rid() + round_number) % 2:
+                if (replica_id() + round_number) % 2:
                     await anyio.lowlevel.checkpoint()
-                await ctx().merge_call(merge, args=(10 * round_number + rid(),))
+                await replica_context().merge_call(merge, args=(10 * round_number + replica_id(),))
 
         await strategy.run(step)
         assert merged == [tuple(10 * r + i for i in range(4)) for r in range(5)]
 
     async def test_same_code_in_different_closures_is_fine(self) -> None:
         """Lambdas made per replica share code, and partials with equal arguments agree."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         def add(strategy: MirroredStrategy, v: PerReplica[int], offset: int) -> int:
             return sum(v.values) + offset
 
         async def step() -> tuple[int, int]:
-            a: int = await ctx().merge_call(lambda s, v: sum(v.values), args=(rid(),))
-            b: int = await ctx().merge_call(functools.partial(add, offset=10), args=(rid(),))
+            a: int = await replica_context().merge_call(
+                lambda s, v: sum(v.values), args=(replica_id(),)
+            )
+            b: int = await replica_context().merge_call(
+                functools.partial(add, offset=10), args=(replica_id(),)
+            )
             return a, b
 
         assert await strategy.run(step) == (3, 13)
@@ -166,7 +170,7 @@ class TestMergeCall:
     async def test_partials_with_different_arguments_are_refused(self) -> None:
         """A partial whose bound arguments differ between replicas is not one merge function:
         ReplicaSyncError names the odd replica, and the merge function never runs."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         ran: list[int] = []
 
         def add(strategy: MirroredStrategy, offset: int) -> int:
@@ -174,8 +178,8 @@ class TestMergeCall:
             return offset
 
         async def step() -> int:
-            offset = 5 if rid() == 1 else 0
-            result: int = await ctx().merge_call(functools.partial(add, offset=offset))
+            offset = 5 if replica_id() == 1 else 0
+            result: int = await replica_context().merge_call(functools.partial(add, offset=offset))
             return result
 
         with pytest.raises(ReplicaSyncError) as info:
@@ -190,37 +194,37 @@ class TestMergeCall:
         strategy = MirroredStrategy(["cpu:0"])
 
         async def step() -> Any:
-            return await ctx().merge_call(lambda s, v: v * 2, args=(21,))
+            return await replica_context().merge_call(lambda s, v: v * 2, args=(21,))
 
         assert await strategy.run(step) == 42
 
     async def test_non_tuple_args_rejected(self) -> None:
         """args that is not a tuple is a TypeError naming the replica and the fix."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            await ctx().merge_call(noop, args=5)  # type: ignore[arg-type]
+            await replica_context().merge_call(noop, args=5)  # type: ignore[arg-type]
 
         with pytest.raises(TypeError, match=r"replica 0 passed merge_call args=5 .*args=\(5,\)"):
             await strategy.run(step)
 
     async def test_uncallable_merge_fn_rejected(self) -> None:
         """A merge_fn that is not callable is a TypeError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            await ctx().merge_call("not a function")  # type: ignore[arg-type]
+            await replica_context().merge_call("not a function")  # type: ignore[arg-type]
 
         with pytest.raises(TypeError, match="merge_fn must be callable, got str"):
             await strategy.run(step)
 
     async def test_structure_mismatch_between_replicas(self) -> None:
         """Merge args whose structures differ name both replicas and the key path."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            value: dict[str, Any] = {"a": [1, 2]} if rid() == 0 else {"a": [1]}
-            await ctx().merge_call(noop, args=(value,))
+            value: dict[str, Any] = {"a": [1, 2]} if replica_id() == 0 else {"a": [1]}
+            await replica_context().merge_call(noop, args=(value,))
 
         with pytest.raises(ValueError, match=r"replica 1.*replica 0.*\[0\]\['a'\]") as info:
             await strategy.run(step)
@@ -230,10 +234,10 @@ class TestMergeCall:
 class TestArguments:
     async def test_args_that_are_not_a_tuple_name_the_replica(self) -> None:
         """An array as ``args`` used to fail with "truth value of an array is ambiguous"."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            await ctx().merge_call(noop, args=np.array([1.0, 2.0]))  # type: ignore[arg-type]
+            await replica_context().merge_call(noop, args=np.array([1.0, 2.0]))  # type: ignore[arg-type]
 
         with pytest.raises(TypeError) as info:
             await strategy.run(step)
@@ -244,21 +248,21 @@ class TestArguments:
         assert "write args=(array([1., 2.]),)" in str(info.value)
 
     async def test_a_list_of_args_is_taken_as_the_tuple(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            return await ctx().merge_call(
+            return await replica_context().merge_call(
                 lambda s, a, b: sum(a.values) + b,
-                args=[rid(), 5],  # type: ignore[arg-type]
+                args=[replica_id(), 5],  # type: ignore[arg-type]
             )
 
         assert await strategy.run(step) == 6
 
     async def test_kwargs_that_are_not_a_mapping_name_the_replica(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            await ctx().merge_call(noop, kwargs=[("a", 1)])  # type: ignore[arg-type]
+            await replica_context().merge_call(noop, kwargs=[("a", 1)])  # type: ignore[arg-type]
 
         with pytest.raises(TypeError, match="replica 0 passed merge_call kwargs of type list"):
             await strategy.run(step)
@@ -266,10 +270,10 @@ class TestArguments:
     async def test_a_plain_function_may_return_the_merge_call(self) -> None:
         """``def step(): return ctx.merge_call(...)`` is awaited like a returned coroutine
         (it used to fail with "'generator' object has no attribute '__await__'")."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         def step() -> Any:
-            return ctx().merge_call(lambda s, v: sum(v.values), args=(rid(),))
+            return replica_context().merge_call(lambda s, v: sum(v.values), args=(replica_id(),))
 
         assert await strategy.run(step) == 3
 
@@ -277,21 +281,21 @@ class TestArguments:
 class TestForgottenAwait:
     async def test_merge_call_never_awaited(self) -> None:
         """A replica that calls merge_call without awaiting it fails when it finishes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            ctx().merge_call(noop)
+            replica_context().merge_call(noop)
 
         with pytest.raises(RuntimeError, match=r"called merge_call\(noop .*\) but never awaited"):
             await strategy.run(step)
 
     async def test_second_merge_call_before_awaiting_the_first(self) -> None:
         """Calling merge_call again before awaiting the first one is refused at once."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            first = ctx().merge_call(noop)
-            ctx().merge_call(noop)
+            first = replica_context().merge_call(noop)
+            replica_context().merge_call(noop)
             await first
 
         with pytest.raises(RuntimeError, match="called merge_call\\(\\) again before awaiting"):
@@ -299,10 +303,10 @@ class TestForgottenAwait:
 
     async def test_trap_awaited_elsewhere_explains_itself(self) -> None:
         """A merge_call awaited in another task fails with the advice in the loop's error."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            pending = ctx().merge_call(noop)
+            pending = replica_context().merge_call(noop)
 
             async def elsewhere() -> None:
                 await pending
@@ -321,17 +325,17 @@ class TestForgottenAwait:
 class TestReplicaSync:
     async def test_replica_finishing_early_is_named(self) -> None:
         """A replica that finishes while others wait raises ReplicaSyncError, never hangs."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         cancelled: list[int] = []
 
         async def step() -> None:
             try:
-                await ctx().merge_call(noop)
-                if rid() == 1:
+                await replica_context().merge_call(noop)
+                if replica_id() == 1:
                     return
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
             except anyio.get_cancelled_exc_class():
-                cancelled.append(rid())
+                cancelled.append(replica_id())
                 raise
 
         with pytest.raises(ReplicaSyncError) as info:
@@ -350,13 +354,13 @@ class TestReplicaSync:
 
     async def test_replica_arriving_after_another_finished(self) -> None:
         """A replica reaching a merge point that a finished replica can never join fails."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 for _ in range(5):
                     await anyio.lowlevel.checkpoint()
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
 
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)
@@ -365,7 +369,7 @@ class TestReplicaSync:
 
     async def test_different_merge_functions_in_one_round(self) -> None:
         """Replicas passing merge functions with different code raise, naming both groups."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         def first(strategy: MirroredStrategy) -> None:
             return None
@@ -374,8 +378,8 @@ class TestReplicaSync:
             return None
 
         async def step() -> None:
-            await ctx().merge_call(noop)
-            await ctx().merge_call(second if rid() == 2 else first)
+            await replica_context().merge_call(noop)
+            await replica_context().merge_call(second if replica_id() == 2 else first)
 
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)
@@ -389,17 +393,17 @@ class TestReplicaSync:
 
     async def test_sync_timeout_names_late_replicas(self) -> None:
         """With sync_timeout, waiting replicas give up and the late ones are named."""
-        strategy = MirroredStrategy(cpus(3), sync_timeout=0.05)
+        strategy = MirroredStrategy(host_devices(3), sync_timeout=0.05)
         never = anyio.Event()
         ended: list[int] = []
 
         async def step() -> None:
             try:
-                if rid() == 2:
+                if replica_id() == 2:
                     await never.wait()
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
             finally:
-                ended.append(rid())
+                ended.append(replica_id())
 
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)
@@ -411,20 +415,20 @@ class TestReplicaSync:
 
     async def test_sync_timeout_does_not_fire_on_time(self) -> None:
         """Rounds that fill within sync_timeout complete normally."""
-        strategy = MirroredStrategy(cpus(2), sync_timeout=5)
+        strategy = MirroredStrategy(host_devices(2), sync_timeout=5)
 
         async def step() -> int:
             for _ in range(3):
-                await anyio.sleep(0.001 * rid())
-                await ctx().merge_call(noop)
-            return rid()
+                await anyio.sleep(0.001 * replica_id())
+                await replica_context().merge_call(noop)
+            return replica_id()
 
         assert (await strategy.run(step)).values == (0, 1)
 
     async def test_slow_merge_fn_is_not_a_timeout(self) -> None:
         """sync_timeout bounds the wait for replicas to arrive, not merge_fn's own work: a merge
         function that takes longer than it, after every replica arrived, completes normally."""
-        strategy = MirroredStrategy(cpus(3), sync_timeout=0.05)
+        strategy = MirroredStrategy(host_devices(3), sync_timeout=0.05)
         merged: list[tuple[int, ...]] = []
 
         async def slow(strategy: MirroredStrategy, v: PerReplica[int]) -> int:
@@ -433,7 +437,7 @@ class TestReplicaSync:
             return sum(v.values)
 
         async def step() -> int:
-            total: int = await ctx().merge_call(slow, args=(rid(),))
+            total: int = await replica_context().merge_call(slow, args=(replica_id(),))
             return total
 
         assert await strategy.run(step) == 3
@@ -442,7 +446,7 @@ class TestReplicaSync:
     async def test_slow_collective_is_not_a_timeout(self, monkeypatch: pytest.MonkeyPatch) -> None:
         """A collective's ``timeout_seconds`` bounds the arrival of the others, not the
         reduction: one slower than the timeout, after everyone arrived, completes."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         reduce = ReductionEngine.all_reduce
 
         async def slow_reduce(*args: Any, **kwargs: Any) -> Any:
@@ -453,13 +457,13 @@ class TestReplicaSync:
         options = aioreplica.CommunicationOptions(timeout_seconds=0.05)
 
         async def step() -> Any:
-            return await ctx().all_reduce("sum", float(rid()), options=options)
+            return await replica_context().all_reduce("sum", float(replica_id()), options=options)
 
         assert await strategy.run(step) == 3.0
 
     async def test_fail_after_around_merge_point_leaves_the_round(self) -> None:
         """A replica's own timeout at a merge point cancels only it; the round goes on."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         late = anyio.Event()
         events: list[str] = []
 
@@ -467,17 +471,17 @@ class TestReplicaSync:
             return sum(v.values)
 
         async def step() -> int:
-            if rid() == 0:
+            if replica_id() == 0:
                 try:
                     with anyio.fail_after(0.02):
-                        await ctx().merge_call(merge, args=(100,))
+                        await replica_context().merge_call(merge, args=(100,))
                 except TimeoutError:
                     events.append("replica 0 timed out")
                 late.set()
             else:
                 await late.wait()
-            result: int = await ctx().merge_call(merge, args=(rid(),))
-            events.append(f"replica {rid()} merged {result}")
+            result: int = await replica_context().merge_call(merge, args=(replica_id(),))
+            events.append(f"replica {replica_id()} merged {result}")
             return result
 
         assert await strategy.run(step) == 1
@@ -488,18 +492,18 @@ class TestReplicaSync:
 class TestFailures:
     async def test_replica_exception_comes_out_unwrapped(self) -> None:
         """run() raises the failing replica's own exception, noted, after cancelling the rest."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         error = ValueError("bad batch")
         cancelled: list[int] = []
 
         async def step() -> None:
             try:
-                await ctx().merge_call(noop)
-                if rid() == 1:
+                await replica_context().merge_call(noop)
+                if replica_id() == 1:
                     raise error
                 await anyio.sleep_forever()
             except anyio.get_cancelled_exc_class():
-                cancelled.append(rid())
+                cancelled.append(replica_id())
                 raise
 
         with pytest.raises(ValueError, match="bad batch") as info:
@@ -510,16 +514,16 @@ class TestFailures:
 
     async def test_later_failures_are_summarised(self) -> None:
         """Failures of other replicas while the step unwinds become notes on the first."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step() -> None:
-            if rid() == 0:
+            if replica_id() == 0:
                 await anyio.lowlevel.checkpoint()
                 raise KeyError("first")
             try:
                 await anyio.sleep_forever()
             except anyio.get_cancelled_exc_class():
-                raise RuntimeError(f"cleanup of replica {rid()} failed") from None
+                raise RuntimeError(f"cleanup of replica {replica_id()} failed") from None
 
         with pytest.raises(KeyError) as info:
             await strategy.run(step)
@@ -532,10 +536,10 @@ class TestFailures:
 
     async def test_the_same_failure_of_many_replicas_is_one_note(self) -> None:
         """On trio every replica often fails alike before the cancellation reaches it."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
 
         async def step() -> None:
-            if rid() == 0:
+            if replica_id() == 0:
                 await anyio.lowlevel.checkpoint()
                 raise KeyError("first")
             try:
@@ -552,7 +556,7 @@ class TestFailures:
 
     async def test_merge_fn_exception_raised_once(self) -> None:
         """An exception from merge_fn comes out of run() once; every replica is cancelled."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         error = ZeroDivisionError("in merge")
         after: list[int] = []
         cancelled: list[int] = []
@@ -561,13 +565,13 @@ class TestFailures:
             raise error
 
         async def step() -> None:
-            await ctx().merge_call(noop)
+            await replica_context().merge_call(noop)
             try:
-                await ctx().merge_call(merge)
+                await replica_context().merge_call(merge)
             except anyio.get_cancelled_exc_class():
-                cancelled.append(rid())
+                cancelled.append(replica_id())
                 raise
-            after.append(rid())
+            after.append(replica_id())
 
         with pytest.raises(ZeroDivisionError) as info:
             await strategy.run(step)
@@ -580,17 +584,17 @@ class TestFailures:
 
     async def test_caller_cancellation_cancels_every_replica(self) -> None:
         """Cancelling the task awaiting run() cancels every replica; none outlives run()."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         ended: list[int] = []
         outcome: list[str] = []
 
         async def step() -> None:
             try:
-                if rid() == 3:
+                if replica_id() == 3:
                     await anyio.sleep_forever()
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
             finally:
-                ended.append(rid())
+                ended.append(replica_id())
 
         async def caller() -> None:
             try:
@@ -605,14 +609,15 @@ class TestFailures:
             assert strategy.statistics().replicas_waiting == 3
             group.cancel_scope.cancel()
         assert outcome == ["cancelled with [0, 1, 2, 3]"]
-        assert strategy.statistics() == aioreplica.SchedulerStatistics(0, 0, 0)
+        s = strategy.statistics()
+        assert (s.runs_active, s.replicas_waiting, s.merge_rounds_completed) == (0, 0, 0)
 
     async def test_timeout_around_run(self) -> None:
         """A deadline around run() cancels the replicas and ends the run in time."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
-            await ctx().merge_call(noop)
+            await replica_context().merge_call(noop)
             await anyio.sleep_forever()
 
         with anyio.move_on_after(0.05) as scope:
@@ -622,71 +627,70 @@ class TestFailures:
 
 
 class TestDeviceFollowsReplica:
-    async def test_device_is_current_at_every_step(self) -> None:
-        """Replica code always runs with its own device current, across sleeps and merges."""
-        RecordingDevice.current = None
-        RecordingDevice.log = []
-        devices = [RecordingDevice(i) for i in range(4)]
-        strategy = MirroredStrategy(devices, interleave="random", seed=7)
+    @pytest.mark.interleavings(8)
+    async def test_device_is_current_at_every_step(self, interleave_seed: int) -> None:
+        """Replica code always runs with its own device current, across sleeps and merges,
+        whatever the order replicas start and resume in."""
+        log = DeviceLog()
+        devices = [RecordingDevice(i, log) for i in range(4)]
+        strategy = MirroredStrategy(devices, interleave="random", seed=interleave_seed)
         observed: list[tuple[int, str | None]] = []
         in_merge: list[str | None] = []
 
         def merge(strategy: MirroredStrategy) -> None:
-            in_merge.append(RecordingDevice.current)
+            in_merge.append(log.current)
 
         async def step() -> None:
-            me = rid()
+            me = replica_id()
             for i in range(3):
-                observed.append((me, RecordingDevice.current))
+                observed.append((me, log.current))
                 await anyio.sleep(0.001 * ((me + i) % 3))
-                observed.append((me, RecordingDevice.current))
-                await ctx().merge_call(merge)
-                observed.append((me, RecordingDevice.current))
+                observed.append((me, log.current))
+                await replica_context().merge_call(merge)
+                observed.append((me, log.current))
                 await anyio.lowlevel.checkpoint()
 
         await strategy.run(step)
         assert observed
         assert [(me, cur) for me, cur in observed if cur != f"rec:{me}"] == []
         assert in_merge == [None, None, None]
-        assert RecordingDevice.current is None
-        bad = [entry for entry in RecordingDevice.log if entry[0] not in ("enter", "leave")]
-        assert bad == []
+        assert log.current is None
+        assert log.errors() == []
 
     async def test_device_is_current_while_unwinding(self) -> None:
         """A cancelled replica's cleanup code also runs with its own device current."""
-        RecordingDevice.current = None
-        RecordingDevice.log = []
-        strategy = MirroredStrategy([RecordingDevice(i) for i in range(3)])
+        log = DeviceLog()
+        strategy = MirroredStrategy([RecordingDevice(i, log) for i in range(3)])
         cleanup: list[tuple[int, str | None]] = []
 
         async def step() -> None:
-            me = rid()
+            me = replica_id()
             try:
-                await ctx().merge_call(noop)
+                await replica_context().merge_call(noop)
                 if me == 0:
                     raise ValueError("stop")
                 await anyio.sleep_forever()
             finally:
-                cleanup.append((me, RecordingDevice.current))
+                cleanup.append((me, log.current))
 
         with pytest.raises(ValueError, match="stop"):
             await strategy.run(step)
         assert sorted(cleanup) == [(0, "rec:0"), (1, "rec:1"), (2, "rec:2")]
-        assert RecordingDevice.current is None
+        assert log.current is None
 
 
 class TestInterleave:
     @ASYNCIO_ONLY
     async def test_ordered_starts_by_id_and_the_completer_carries_on(self) -> None:
         """interleave='ordered': start in id order; the last to arrive resumes first."""
-        strategy = MirroredStrategy(cpus(5))
+        strategy = MirroredStrategy(host_devices(5))
         events: list[tuple[int, int]] = []
 
         async def step() -> None:
             for round_number in range(3):
-                events.append((round_number, rid()))
-                await ctx().merge_call(noop)
-            events.append((3, rid()))
+                events.append((round_number, replica_id()))
+                await replica_context().merge_call(noop)
+            events.append((3, replica_id()))
 
         await strategy.run(step)
         assert events[:5] == [(0, i) for i in range(5)]
@@ -702,16 +706,16 @@ class TestInterleave:
         """interleave='ordered' resumes in arrival order (completer first), the same each run."""
 
         async def trace() -> list[tuple[str, int, int]]:
-            strategy = MirroredStrategy(cpus(5))
+            strategy = MirroredStrategy(host_devices(5))
             events: list[tuple[str, int, int]] = []
 
             async def step() -> None:
                 for round_number in range(3):
-                    for _ in range((rid() * 3 + round_number) % 4):  # out of id order
+                    for _ in range((replica_id() * 3 + round_number) % 4):  # out of id order
                         await anyio.lowlevel.checkpoint()
-                    events.append(("arrive", round_number, rid()))
-                    await ctx().merge_call(noop)
-                    events.append(("resume", round_number, rid()))
+                    events.append(("arrive", round_number, replica_id()))
+                    await replica_context().merge_call(noop)
+                    events.append(("resume", round_number, replica_id()))
 
             await strategy.run(step)
             return events
@@ -729,13 +733,13 @@ class TestInterleave:
         """interleave='random' gives the same order for the same seed, and shuffles it."""
 
         async def order_for(seed: int) -> list[int]:
-            strategy = MirroredStrategy(cpus(6), interleave="random", seed=seed)
+            strategy = MirroredStrategy(host_devices(6), interleave="random", seed=seed)
             events: list[int] = []
 
             async def step() -> None:
                 for _ in range(3):
-                    events.append(rid())
-                    await ctx().merge_call(noop)
+                    events.append(replica_id())
+                    await replica_context().merge_call(noop)
 
             await strategy.run(step)
             return events
@@ -754,14 +758,14 @@ class TestInterleave:
         (trio runs tasks woken together in an order of its own)."""
 
         async def order_for() -> tuple[int, ...]:
-            strategy = MirroredStrategy(cpus(5), interleave="random", seed=seed)
+            strategy = MirroredStrategy(host_devices(5), interleave="random", seed=seed)
             events: list[int] = []
 
             async def step() -> None:
-                events.append(rid())
+                events.append(replica_id())
                 for _ in range(4):
-                    await ctx().merge_call(noop)
-                    events.append(rid())
+                    await replica_context().merge_call(noop)
+                    events.append(replica_id())
 
             await strategy.run(step)
             return tuple(events)
@@ -780,23 +784,23 @@ class TestInterleave:
 
     async def test_drawn_seed_is_reported(self) -> None:
         """Without a seed, random interleave draws one and exposes it for replay."""
-        strategy = MirroredStrategy(cpus(2), interleave="random")
+        strategy = MirroredStrategy(host_devices(2), interleave="random")
         assert isinstance(strategy.seed, int)
-        assert MirroredStrategy(cpus(2)).seed is None
+        assert MirroredStrategy(host_devices(2)).seed is None
 
 
 class TestScale:
     async def test_thousands_of_replicas(self) -> None:
         """2,000 replicas run 10 merge rounds, and every replica gets its own result."""
-        strategy = MirroredStrategy(cpus(2000))
+        strategy = MirroredStrategy(host_devices(2000))
 
         def merge(strategy: MirroredStrategy, v: PerReplica[int]) -> PerReplica[int]:
             return PerReplica([x + 1 for x in v.values])
 
         async def step() -> int:
-            value = rid()
+            value = replica_id()
             for _ in range(10):
-                value = await ctx().merge_call(merge, args=(value,))
+                value = await replica_context().merge_call(merge, args=(value,))
             return value
 
         result = await strategy.run(step)
@@ -807,14 +811,14 @@ class TestScale:
 class TestStatistics:
     async def test_counts_waiting_replicas_and_rounds(self) -> None:
         """statistics() counts active runs, replicas parked at merge points and rounds done."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         go = anyio.Event()
         snapshots: list[aioreplica.SchedulerStatistics] = []
 
         async def step() -> None:
-            if rid() == 2:
+            if replica_id() == 2:
                 await go.wait()
-            await ctx().merge_call(noop)
+            await replica_context().merge_call(noop)
 
         async with anyio.create_task_group() as group:
             group.start_soon(strategy.run, step)
@@ -822,7 +826,5 @@ class TestStatistics:
             snapshots.append(strategy.statistics())
             go.set()
         snapshots.append(strategy.statistics())
-        assert snapshots == [
-            aioreplica.SchedulerStatistics(1, 2, 0),
-            aioreplica.SchedulerStatistics(0, 0, 1),
-        ]
+        counts = [(s.runs_active, s.replicas_waiting, s.merge_rounds_completed) for s in snapshots]
+        assert counts == [(1, 2, 0), (0, 0, 1)]

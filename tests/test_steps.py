@@ -7,10 +7,10 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from replicas import cpus, ctx, rid
 
 import aioreplica
 from aioreplica import MirroredStrategy, MultiStepContext, PerReplica, ReplicaSyncError
+from aioreplica.testing import host_devices, replica_context, replica_id
 
 pytestmark = pytest.mark.anyio
 
@@ -21,11 +21,11 @@ def batches(n_batches: int, size: int = 4) -> Any:
 
 class TestRunSteps:
     async def test_each_replica_gets_its_slice_of_each_element(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         seen: list[tuple[int, list[float]]] = []
 
         def step(x: Any) -> float:
-            seen.append((rid(), list(x)))
+            seen.append((replica_id(), list(x)))
             return float(x.sum())
 
         iterator = aiter(strategy.distribute_dataset(batches(3)))
@@ -44,10 +44,10 @@ class TestRunSteps:
         assert result.values == (17.0, 21.0)
 
     async def test_the_same_results_as_run_once_per_step(self) -> None:
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
 
         async def step(x: Any) -> Any:
-            return await ctx().all_reduce("sum", x.sum())
+            return await replica_context().all_reduce("sum", x.sum())
 
         dist = strategy.distribute_dataset(batches(4, 6))
         expected = [await strategy.run(step, args=(x,)) async for x in dist]
@@ -55,7 +55,7 @@ class TestRunSteps:
         assert looped == expected[-1]
 
     async def test_replicas_start_once_for_all_steps(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         tasks: set[Any] = set()
 
         def step(x: Any) -> None:
@@ -65,20 +65,20 @@ class TestRunSteps:
         assert len(tasks) == 2  # one task per replica, not per replica and step
 
     async def test_takes_exactly_steps_elements(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         iterator = aiter(strategy.distribute_dataset(batches(5), prefetch=0))
         steps: list[int] = []
-        await strategy.run_steps(lambda x: steps.append(rid()), iterator, 2)
+        await strategy.run_steps(lambda x: steps.append(replica_id()), iterator, 2)
         assert sorted(steps) == [0, 0, 1, 1]
         rest = [x async for x in iterator]
         assert [list(x.values[0]) for x in rest] == [[8.0, 9.0], [12.0, 13.0], [16.0, 17.0]]
 
     async def test_an_iterator_that_ends_early_just_stops(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         steps: list[int] = []
 
         def step(x: Any) -> int:
-            steps.append(rid())
+            steps.append(replica_id())
             return len(x)
 
         result = await strategy.run_steps(step, aiter(strategy.distribute_dataset(batches(2))), 9)
@@ -86,26 +86,26 @@ class TestRunSteps:
         assert result == 2
 
     async def test_a_partial_last_batch_with_empty_replicas_is_a_step(self) -> None:
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         data = aioreplica.batched(np.arange(10.0), 8)  # 8 rows, then 2
         result = await strategy.run_steps(len, aiter(strategy.distribute_dataset(data)), 2)
         assert isinstance(result, PerReplica)
         assert result.values == (1, 1, 0, 0)
 
     async def test_zero_steps_returns_none(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         iterator = aiter(strategy.distribute_dataset(batches(1)))
         assert await strategy.run_steps(len, iterator, 0) is None
 
     async def test_a_failing_step_ends_the_loop_as_run_does(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         steps: list[tuple[int, int]] = []
 
         async def step(x: Any) -> None:
-            steps.append((rid(), int(x[0])))
+            steps.append((replica_id(), int(x[0])))
             if int(x[0]) == 6:
                 raise ValueError("bad batch")
-            await ctx().merge_call(lambda s: None)
+            await replica_context().merge_call(lambda s: None)
 
         with pytest.raises(ValueError, match="bad batch") as info:
             await strategy.run_steps(step, aiter(strategy.distribute_dataset(batches(4))), 4)
@@ -114,17 +114,17 @@ class TestRunSteps:
         assert {(0, 0), (1, 2), (1, 6)} <= set(steps) <= {(0, 0), (1, 2), (0, 4), (1, 6)}
 
     async def test_steps_must_agree_on_merge_calls(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step(x: Any) -> None:
-            if rid() == 0:
-                await ctx().merge_call(lambda s: None)
+            if replica_id() == 0:
+                await replica_context().merge_call(lambda s: None)
 
         with pytest.raises(ReplicaSyncError):
             await strategy.run_steps(step, aiter(strategy.distribute_dataset(batches(2))), 2)
 
     async def test_bad_arguments(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(batches(2))
         with pytest.raises(TypeError, match="needs an async iterator"):
             await strategy.run_steps(len, [1, 2], 1)
@@ -136,13 +136,13 @@ class TestRunSteps:
             await strategy.run_steps(None, aiter(dist), 1)  # type: ignore[arg-type]
 
     async def test_a_distributed_dataset_itself_is_accepted(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         assert await strategy.run_steps(len, strategy.distribute_dataset(batches(2)), 2) == 2
 
 
 class TestRunStepsOnIterator:
     async def test_fn_runs_in_cross_replica_context_once_per_step(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         calls: list[tuple[bool, Any]] = []
 
         async def fn(context: MultiStepContext, inputs: Any) -> None:
@@ -161,12 +161,12 @@ class TestRunStepsOnIterator:
         assert outputs["per_replica"].values == (17.0, 21.0)
 
     async def test_outputs_set_in_replica_context(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def fn(context: MultiStepContext, inputs: Any) -> None:
             async def step(x: Any) -> None:
-                await context.set_last_step_output("rows", len(x) * (rid() + 1), "sum")
-                await context.set_non_tensor_output("who", f"replica {rid()}")
+                await context.set_last_step_output("rows", len(x) * (replica_id() + 1), "sum")
+                await context.set_non_tensor_output("who", f"replica {replica_id()}")
 
             await strategy.run(step, args=(inputs,))
 
@@ -176,7 +176,7 @@ class TestRunStepsOnIterator:
         assert context.non_tensor_outputs == {"who": ("replica 0", "replica 1")}
 
     async def test_replica_context_needs_a_reduce_op(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def fn(context: MultiStepContext, inputs: Any) -> None:
             async def step() -> None:
@@ -189,7 +189,7 @@ class TestRunStepsOnIterator:
             await run(fn, aiter(strategy.distribute_dataset(batches(1))), iterations=1)
 
     async def test_initial_loop_values_and_an_early_end(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         steps: list[int] = []
 
         def fn(context: MultiStepContext, inputs: Any) -> None:

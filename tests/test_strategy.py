@@ -10,10 +10,10 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from replicas import rid
 
 import aioreplica
 from aioreplica import Mirrored, MirroredStrategy, PerReplica, get_replica_context
+from aioreplica.testing import replica_id
 
 pytestmark = pytest.mark.anyio
 
@@ -158,7 +158,7 @@ class TestRunArguments:
         seen: list[tuple[int, Any, Any, Any]] = []
 
         async def step(a: int, pair: Pair, *, scale: float, label: str) -> None:
-            seen.append((rid(), a, pair, (scale, label)))
+            seen.append((replica_id(), a, pair, (scale, label)))
 
         await strategy.run(
             step,
@@ -178,7 +178,7 @@ class TestRunArguments:
         seen: list[tuple[int, Any, Any, bool]] = []
 
         async def step(a: int, b: str, c: float, d: Any) -> None:
-            seen.append((rid(), a, (b, c), d is label))
+            seen.append((replica_id(), a, (b, c), d is label))
 
         await strategy.run(step, args=(PerReplica([10, 20]), "b", Mirrored([0.5, 0.5]), label))
         assert sorted(seen) == [(0, 10, ("b", 0.5), True), (1, 20, ("b", 0.5), True)]
@@ -227,7 +227,7 @@ class TestRunResults:
         shared = object()
 
         async def step() -> dict[str, Any]:
-            return {"id": rid(), "shared": shared, "pair": (rid() * 2, "c")}
+            return {"id": replica_id(), "shared": shared, "pair": (replica_id() * 2, "c")}
 
         result = await strategy.run(step)
         assert result["id"].values == (0, 1)
@@ -242,7 +242,7 @@ class TestRunResults:
 
         async def step() -> Any:
             Out = collections.namedtuple("Out", ["loss", "step"])
-            return Out(0.5, rid())
+            return Out(0.5, replica_id())
 
         with pytest.raises(TypeError) as info:
             await strategy.run(step)
@@ -265,7 +265,7 @@ class TestRunResults:
     async def test_plain_function_runs_per_replica(self) -> None:
         """A plain (non-async) function runs once per replica in its replica context."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])
-        assert (await strategy.run(lambda x: x + rid(), args=(5,))).values == (5, 6)
+        assert (await strategy.run(lambda x: x + replica_id(), args=(5,))).values == (5, 6)
 
     async def test_function_returning_an_awaitable(self) -> None:
         """A plain function that returns an awaitable has it awaited, like a coroutine fn."""
@@ -274,7 +274,7 @@ class TestRunResults:
         async def inner(x: int) -> int:
             ctx = get_replica_context()
             assert ctx is not None
-            merged: int = await ctx.merge_call(lambda s, v: sum(v.values), args=(x + rid(),))
+            merged: int = await ctx.merge_call(lambda s, v: sum(v.values), args=(x + replica_id(),))
             return merged
 
         assert await strategy.run(lambda: inner(1)) == 3
@@ -338,7 +338,8 @@ class TestConcurrentRuns:
             for i in range(5):
                 await anyio.lowlevel.checkpoint()
                 total += await ctx.merge_call(
-                    lambda s, v: sum(s.experimental_local_results(v)), args=(i * (rid() + 1),)
+                    lambda s, v: sum(s.experimental_local_results(v)),
+                    args=(i * (replica_id() + 1),),
                 )
             return tag, total
 
@@ -349,7 +350,8 @@ class TestConcurrentRuns:
             group.start_soon(one, "a")
             group.start_soon(one, "b")
         assert results == {"a": ("a", 60), "b": ("b", 60)}
-        assert strategy.statistics() == aioreplica.SchedulerStatistics(0, 0, 10)
+        s = strategy.statistics()
+        assert (s.runs_active, s.replicas_waiting, s.merge_rounds_completed) == (0, 0, 10)
 
 
 class TestAsInTF:
@@ -418,7 +420,7 @@ class TestAsInTF:
             )
 
         async def step() -> None:
-            await metric.assign_add(np.full(2, rid() + 1.0))
+            await metric.assign_add(np.full(2, replica_id() + 1.0))
 
         await strategy.run(step)  # copies [2, 3] and [3, 4]
         assert list(await strategy.reduce("mean", mirrored)) == [1.0, 2.0]

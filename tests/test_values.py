@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from replicas import cpus, rid
 
 from aioreplica import MirroredStrategy, ReplicaSyncError, Variable, _values
 from aioreplica._tree import flatten, register_node
@@ -26,6 +25,7 @@ from aioreplica._values import (
     select_replica,
     select_replica_mirrored,
 )
+from aioreplica.testing import host_devices, replica_id
 
 
 def _nested_value(d: str) -> tuple[Any, ...]:
@@ -576,7 +576,7 @@ class TestAgreed:
     def test_two_variables_with_one_name(self) -> None:
         """A different variable also named 'v' is called that, with the advice to pass one
         variable object from every replica."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             v = Variable(np.zeros(2), name="v")
             other = Variable(np.zeros(2), name="v")
@@ -591,7 +591,7 @@ class TestAgreed:
 
     def test_variables_with_one_name_show_what_differs(self) -> None:
         """Two variables named 'v' of different shapes show their shapes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             v = Variable(np.zeros(2), name="v")
             other = Variable(np.zeros(3), name="v")
@@ -618,13 +618,13 @@ class TestAgreed:
     async def test_a_write_to_a_different_variable_with_the_same_name(self) -> None:
         """Replica 2 writing its own variable 'v' fails the run naming replica 2 alone;
         neither variable changes."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             v = Variable(np.zeros(2), name="v", aggregation="sum")
             other = Variable(np.zeros(2), name="v", aggregation="sum")
 
         async def step() -> None:
-            await (other if rid() == 2 else v).assign_add(np.ones(2))
+            await (other if replica_id() == 2 else v).assign_add(np.ones(2))
 
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)

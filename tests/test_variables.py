@@ -11,8 +11,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import anyio
 import numpy as np
 import pytest
-from fake_devices import FakeDevice
-from replicas import cpus, ctx, rid
 
 from aioreplica import (
     Mirrored,
@@ -24,6 +22,13 @@ from aioreplica import (
     Variable,
     VariableAggregation,
     VariableSynchronization,
+)
+from aioreplica.testing import (
+    FakeDevice,
+    StrategyFactory,
+    host_devices,
+    replica_context,
+    replica_id,
 )
 
 if TYPE_CHECKING:
@@ -156,7 +161,7 @@ class TestEnums:
 
 
 class TestCreation:
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize(
         "sync",
         [
@@ -168,28 +173,28 @@ class TestCreation:
         ],
     )
     def test_scope_makes_mirrored_variable(
-        self, n: int, sync: VariableSynchronization | str
+        self, strategy_factory: StrategyFactory, replicas: int, sync: VariableSynchronization | str
     ) -> None:
         """AUTO/ON_WRITE in a scope: a MirroredVariable, one equal read-only copy per replica."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         with strategy.scope():
             v = Variable(np.array([1.0, 2.0]), name="w", synchronization=sync, aggregation="SUM")
         assert type(v) is MirroredVariable
-        assert len(v.values) == n
+        assert len(v.values) == replicas
         assert_all(v, [1.0, 2.0])
-        assert v.devices == strategy.devices == tuple(cpus(n))
+        assert v.devices == strategy.devices == tuple(host_devices(replicas))
         assert v.distribute_strategy is strategy
         assert v.synchronization is VariableSynchronization.parse(sync)
         assert v.aggregation is VariableAggregation.SUM
         assert (v.name, v.shape, v.dtype, v.trainable) == ("w", (2,), np.dtype(np.float64), True)
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("sync", [VariableSynchronization.ON_READ, "on_read", "ON_READ"])
     def test_scope_makes_sync_on_read_variable(
-        self, n: int, sync: VariableSynchronization | str
+        self, strategy_factory: StrategyFactory, replicas: int, sync: VariableSynchronization | str
     ) -> None:
         """ON_READ in a scope: a SyncOnReadVariable, one equal read-only copy per replica."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         with strategy.scope():
             v = Variable(
                 np.arange(3),
@@ -199,7 +204,7 @@ class TestCreation:
             )
         assert type(v) is SyncOnReadVariable
         assert_all(v, np.arange(3))
-        assert v.devices == tuple(cpus(n))
+        assert v.devices == tuple(host_devices(replicas))
         assert v.distribute_strategy is strategy
         assert v.synchronization is VariableSynchronization.ON_READ
         assert v.aggregation is VariableAggregation.SUM
@@ -226,7 +231,7 @@ class TestCreation:
         self, sync: VariableSynchronization | str
     ) -> None:
         """synchronization NONE in a scope raises ValueError naming the allowed ones."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with (
             strategy.scope(),
             pytest.raises(
@@ -242,7 +247,7 @@ class TestCreation:
     @pytest.mark.parametrize("agg", ["none", VariableAggregation.NONE])
     def test_on_read_needs_aggregation(self, agg: VariableAggregation | str) -> None:
         """ON_READ with aggregation NONE in a scope raises ValueError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with (
             strategy.scope(),
             pytest.raises(
@@ -257,7 +262,7 @@ class TestCreation:
     @pytest.mark.parametrize("in_scope", [False, True])
     def test_invalid_synchronization_or_aggregation(self, in_scope: bool) -> None:
         """Invalid synchronization or aggregation strings raise ValueError in and out of scope."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope() if in_scope else contextlib.nullcontext():
             with pytest.raises(
                 ValueError, match=r"^unknown variable synchronization 'mirrored': use a"
@@ -274,7 +279,7 @@ class TestCreation:
             calls.append("called")
             return np.array([3.0, 4.0])
 
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         with strategy.scope():
             v = Variable(initial, synchronization="on_write")
             s = Variable(initial, synchronization="on_read", aggregation="mean")
@@ -284,10 +289,10 @@ class TestCreation:
         assert_all(s, [3.0, 4.0])
         assert_copies(plain, [[3.0, 4.0]])
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    def test_dtype_casts(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    def test_dtype_casts(self, strategy_factory: StrategyFactory) -> None:
         """dtype= casts the initial value; without it, the initial value's dtype is kept."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         with strategy.scope():
             v = Variable([1, 2], dtype=np.float32)
             i = Variable(7)
@@ -301,7 +306,7 @@ class TestCreation:
     @pytest.mark.parametrize("in_scope", [False, True])
     async def test_created_inside_replica_refused(self, in_scope: bool) -> None:
         """Creating a variable inside a replica raises RuntimeError, also under scope()."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> None:
             with strategy.scope() if in_scope else contextlib.nullcontext():
@@ -318,7 +323,7 @@ class TestCreation:
     @pytest.mark.parametrize("sync", ["on_write", "on_read"])
     def test_mean_with_integer_dtype_refused(self, sync: str) -> None:
         """aggregation MEAN with an integer dtype raises TypeError, in a scope and outside."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         message = (
             r"^variable 'n' of dtype int32 cannot have aggregation MEAN, whose result is "
             r"fractional; use a floating dtype, or aggregation 'sum'$"
@@ -358,15 +363,15 @@ class TestCreation:
         """A non-numeric or ragged initial value raises TypeError, in a scope and outside."""
         with pytest.raises(TypeError, match=message):
             Variable(initial, name="w")
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope(), pytest.raises(TypeError, match=message):
             Variable(initial, name="w")
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    def test_initial_array_is_copied(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    def test_initial_array_is_copied(self, strategy_factory: StrategyFactory) -> None:
         """Changing the caller's array afterwards changes no copy; the caller's stays writeable."""
         initial = np.array([1.0, 2.0, 3.0])
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         with strategy.scope():
             v = Variable(initial)
         plain = Variable(initial)
@@ -377,7 +382,7 @@ class TestCreation:
 
     def test_initial_value_from_variable(self) -> None:
         """A variable as initial value gives a new variable with its value."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         source = Variable([5.0, 6.0])
         with strategy.scope():
             v = Variable(source)
@@ -396,7 +401,7 @@ class TestCreation:
 
     def test_subclass_in_scope(self) -> None:
         """The subclasses can be called directly in a scope with a matching synchronization."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             m = MirroredVariable(1.0)
             s = SyncOnReadVariable(1.0, synchronization="on_read", aggregation="sum")
@@ -424,7 +429,7 @@ class TestCreation:
 
     def test_repr(self) -> None:
         """The repr shows class, name, shape, dtype, devices and the cross-replica value."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             v = Variable(np.zeros(2), name="w")
         assert repr(v) == (
@@ -438,15 +443,17 @@ class TestCreation:
 
 
 class TestReads:
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_replica_reads_own_copy(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_replica_reads_own_copy(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """In replica context value(), numpy(), np.asarray and facts read the replica's copy."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), name="s", synchronization="on_read", aggregation="sum")
         seen: list[tuple[Any, ...]] = []
 
         async def step() -> None:
-            me = rid()
+            me = replica_id()
             await v.assign([me + 1.0, 10.0 * me])
             numpy = v.numpy()
             seen.append(
@@ -475,22 +482,24 @@ class TestReads:
                 True,
                 facts,
             )
-            for i in range(n)
+            for i in range(replicas)
         ]
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_mirrored_cross_replica_reads_copy_0(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_mirrored_cross_replica_reads_copy_0(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """In cross-replica context a MirroredVariable reads its primary copy, in scope and out."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), name="w")
-        await v.assign(Mirrored([np.array([float(i), 1.0]) for i in range(n)]))
+        await v.assign(Mirrored([np.array([float(i), 1.0]) for i in range(replicas)]))
         for in_scope in (False, True):
             with strategy.scope() if in_scope else contextlib.nullcontext():
                 assert v.value() is v.values[0]
                 np.testing.assert_array_equal(v.numpy(), [0.0, 1.0], strict=True)
                 np.testing.assert_array_equal(np.asarray(v), [0.0, 1.0], strict=True)
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize(
         ("agg", "reduce"),
         [
@@ -500,12 +509,16 @@ class TestReads:
         ],
     )
     async def test_sync_on_read_cross_replica_reads_aggregate(
-        self, n: int, agg: str, reduce: Callable[[list[Array]], Array]
+        self,
+        strategy_factory: StrategyFactory,
+        replicas: int,
+        agg: str,
+        reduce: Callable[[list[Array]], Array],
     ) -> None:
         """In cross-replica context a SyncOnReadVariable reads the aggregate of its copies."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(3), name="s", synchronization="on_read", aggregation=agg)
-        parts = [np.array([1.0, 2.0, 4.0]) * (i + 1) for i in range(n)]
+        parts = [np.array([1.0, 2.0, 4.0]) * (i + 1) for i in range(replicas)]
 
         async def step(x: Array) -> None:
             await v.assign(x)
@@ -525,7 +538,7 @@ class TestReads:
 
     async def test_sync_on_read_int_sum_is_exact(self) -> None:
         """An int SUM variable's cross-replica read is the integer sum, in its dtype."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         v = scoped(
             strategy, 0, name="seen", dtype=np.int32, synchronization="on_read", aggregation="sum"
         )
@@ -539,7 +552,7 @@ class TestReads:
 
     def test_value_is_read_only(self) -> None:
         """value() is read-only on the host; numpy() is a writeable copy that changes nothing."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = scoped(strategy, np.zeros(2))
         with pytest.raises(ValueError, match="read-only"):
             v.value()[0] = 1.0
@@ -551,8 +564,8 @@ class TestReads:
 
     async def test_replica_of_other_strategy_refused(self) -> None:
         """Reading a variable inside a replica of another strategy raises RuntimeError."""
-        owner = MirroredStrategy(cpus(2))
-        other = MirroredStrategy(cpus(1))
+        owner = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(1))
         v = scoped(owner, 1.0, name="w")
 
         async def step() -> None:
@@ -569,29 +582,31 @@ class TestReads:
 
     async def test_plain_variable_reads_in_any_replica(self) -> None:
         """An ordinary variable reads its one copy inside any strategy's replicas."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = Variable([1.0, 2.0])
         seen: list[tuple[int, list[float]]] = []
 
         async def step() -> None:
-            seen.append((rid(), (v * 2).tolist()))
+            seen.append((replica_id(), (v * 2).tolist()))
 
         await strategy.run(step)
         assert sorted(seen) == [(0, [2.0, 4.0]), (1, [2.0, 4.0])]
 
 
 class TestOperators:
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_replica_context_uses_own_copy(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_replica_context_uses_own_copy(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """Operators, indexing, len() and float() use the replica's own copy."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
         t = scoped(strategy, 0.0, synchronization="on_read", aggregation="sum")
         x = np.array([1.0, 10.0])
         seen: list[tuple[Any, ...]] = []
 
         async def step() -> None:
-            me = rid()
+            me = replica_id()
             await v.assign([me + 1.0, me + 2.0])
             await t.assign(me + 0.5)
             seen.append(
@@ -621,13 +636,15 @@ class TestOperators:
                 i + 0.5,
                 [True, True],
             )
-            for i in range(n)
+            for i in range(replicas)
         ]
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_cross_replica_uses_aggregate(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_cross_replica_uses_aggregate(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """In cross-replica context operators use the SyncOnRead aggregate."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
         t = scoped(strategy, 0.0, synchronization="on_read", aggregation="sum")
 
@@ -637,16 +654,18 @@ class TestOperators:
 
         await strategy.run(step)
         with strategy.scope():
-            np.testing.assert_array_equal(v + 1, [n + 1.0, 2.0 * n + 1], strict=True)
-            np.testing.assert_array_equal(np.array([1.0, 10.0]) @ v, np.float64(21.0 * n))
-            np.testing.assert_array_equal(-v, [-1.0 * n, -2.0 * n], strict=True)
-            np.testing.assert_array_equal(v * v, [n * n * 1.0, n * n * 4.0], strict=True)
-            assert float(v[1]) == 2.0 * n
-            assert float(t) == 0.5 * n
+            np.testing.assert_array_equal(v + 1, [replicas + 1.0, 2.0 * replicas + 1], strict=True)
+            np.testing.assert_array_equal(np.array([1.0, 10.0]) @ v, np.float64(21.0 * replicas))
+            np.testing.assert_array_equal(-v, [-1.0 * replicas, -2.0 * replicas], strict=True)
+            np.testing.assert_array_equal(
+                v * v, [replicas * replicas * 1.0, replicas * replicas * 4.0], strict=True
+            )
+            assert float(v[1]) == 2.0 * replicas
+            assert float(t) == 0.5 * replicas
 
     def test_eq_is_elementwise_and_unhashable(self) -> None:
         """== is elementwise, and hash() raises TypeError, for plain and mirrored variables."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         for v in (Variable([1, 5]), scoped(strategy, [1, 5])):
             np.testing.assert_array_equal(v == v, [True, True], strict=True)
             np.testing.assert_array_equal(v == np.array([1, 6]), [True, False], strict=True)
@@ -660,10 +679,10 @@ class TestOperators:
             len(Variable(1.0, name="z"))
         assert (float(Variable(2.5)), int(Variable(7)), bool(Variable(0))) == (2.5, 7, False)
 
-    @pytest.mark.parametrize("n", [1, 2])
-    def test_ufunc_out_refused(self, n: int) -> None:
+    @pytest.mark.replicas(1, 2)
+    def test_ufunc_out_refused(self, strategy_factory: StrategyFactory) -> None:
         """A ufunc with out=variable, or an in-place operator, raises TypeError; nothing changes."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
         with pytest.raises(
             TypeError,
@@ -677,7 +696,7 @@ class TestOperators:
 
 
 class TestMirroredWrites:
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
     @pytest.mark.parametrize(
         ("agg", "reduce"),
@@ -689,13 +708,18 @@ class TestMirroredWrites:
         ],
     )
     async def test_replica_write_aggregates(
-        self, n: int, op: str, agg: str, reduce: Callable[[list[Array]], Array]
+        self,
+        strategy_factory: StrategyFactory,
+        replicas: int,
+        op: str,
+        agg: str,
+        reduce: Callable[[list[Array]], Array],
     ) -> None:
         """Per-replica values are aggregated and written to every copy, in one merge round."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         initial = np.array([10.0, 20.0, 30.0])
         v = scoped(strategy, initial, name="w", aggregation=agg)
-        parts = [np.array([1.0, 2.0, 4.0]) * (i + 1) for i in range(n)]
+        parts = [np.array([1.0, 2.0, 4.0]) * (i + 1) for i in range(replicas)]
         rounds = strategy.statistics().merge_rounds_completed
 
         async def step(x: Array) -> Variable:
@@ -706,15 +730,17 @@ class TestMirroredWrites:
         assert strategy.statistics().merge_rounds_completed == rounds + 1
         assert_all(v, expected_write(op, initial, reduce(parts)))
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
     @pytest.mark.parametrize("agg", ["sum", "only_first_replica"])
-    async def test_replica_write_int_variable(self, n: int, op: str, agg: str) -> None:
+    async def test_replica_write_int_variable(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str, agg: str
+    ) -> None:
         """Integer variables aggregate integer writes exactly and keep their dtype."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         initial = np.array([100, -100], dtype=np.int32)
         v = scoped(strategy, initial, name="n", aggregation=agg)
-        parts = [np.array([i + 1, 3 * i - 5]) for i in range(n)]
+        parts = [np.array([i + 1, 3 * i - 5]) for i in range(replicas)]
         reduced = np.sum(parts, axis=0) if agg == "sum" else parts[0]
 
         async def step(x: Array) -> None:
@@ -723,25 +749,33 @@ class TestMirroredWrites:
         await strategy.run(step, (PerReplica(parts),))
         assert_all(v, expected_write(op, initial, reduced).astype(np.int32))
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("agg", ["sum", "mean", "only_first_replica"])
-    async def test_replica_write_broadcasts_scalar(self, n: int, agg: str) -> None:
+    async def test_replica_write_broadcasts_scalar(
+        self, strategy_factory: StrategyFactory, replicas: int, agg: str
+    ) -> None:
         """A scalar written from replica context is broadcast to the variable's shape."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros((2, 2)), aggregation=agg)
 
         async def step() -> None:
-            await v.assign_add(float(rid() + 1))
+            await v.assign_add(float(replica_id() + 1))
 
         await strategy.run(step)
-        want = {"sum": n * (n + 1) / 2, "mean": (n + 1) / 2, "only_first_replica": 1.0}[agg]
+        want = {
+            "sum": replicas * (replicas + 1) / 2,
+            "mean": (replicas + 1) / 2,
+            "only_first_replica": 1.0,
+        }[agg]
         assert_all(v, np.full((2, 2), want))
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
-    async def test_replica_write_without_aggregation_refused(self, n: int, op: str) -> None:
+    async def test_replica_write_without_aggregation_refused(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str
+    ) -> None:
         """Aggregation NONE in replica context raises ValueError saying to choose one; no change."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
         old = snapshot(v)
 
@@ -758,15 +792,15 @@ class TestMirroredWrites:
             await strategy.run(step)
         assert_copies(v, old)
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
     @pytest.mark.parametrize("in_scope", [False, True])
     @pytest.mark.parametrize("agg", ["none", "sum"])
     async def test_cross_replica_write_every_copy(
-        self, n: int, op: str, in_scope: bool, agg: str
+        self, strategy_factory: StrategyFactory, op: str, in_scope: bool, agg: str
     ) -> None:
         """In cross-replica context a write applies the value to every copy and returns v."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         initial = np.array([1.0, 2.0, 3.0])
         v = scoped(strategy, initial, aggregation=agg)
         with strategy.scope() if in_scope else contextlib.nullcontext():
@@ -774,42 +808,44 @@ class TestMirroredWrites:
         assert result is v
         assert_all(v, expected_write(op, initial, np.array([0.5, 1.0, -4.0])))
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_cross_replica_broadcasts_scalar(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_cross_replica_broadcasts_scalar(self, strategy_factory: StrategyFactory) -> None:
         """A scalar written in cross-replica context is broadcast to every copy's shape."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.ones((2, 3)))
         await v.assign_sub(2)
         assert_all(v, np.full((2, 3), -1.0))
 
     async def test_write_inside_merge_fn(self) -> None:
         """A write inside merge_fn is cross-replica: applied once, to every copy."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         v = scoped(strategy, np.zeros(2))
 
         async def merge(strategy: MirroredStrategy) -> None:
             await v.assign_add(1.0)
 
         async def step() -> None:
-            await ctx().merge_call(merge)
+            await replica_context().merge_call(merge)
 
         await strategy.run(step)
         assert_all(v, [1.0, 1.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
-    async def test_cross_replica_mirrored_value_per_copy(self, n: int, op: str) -> None:
+    async def test_cross_replica_mirrored_value_per_copy(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str
+    ) -> None:
         """A Mirrored value writes its component i into copy i."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         initial = np.array([1.0, 2.0])
         v = scoped(strategy, initial)
-        parts = [np.array([float(i), -float(i)]) for i in range(n)]
+        parts = [np.array([float(i), -float(i)]) for i in range(replicas)]
         await WRITES[op](v, Mirrored(parts))
         assert_copies(v, [expected_write(op, initial, part) for part in parts])
 
     async def test_cross_replica_mirrored_value_wrong_count(self) -> None:
         """A Mirrored value with a different number of components raises ValueError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = scoped(strategy, np.zeros(2), name="w")
         with pytest.raises(
             ValueError,
@@ -818,11 +854,13 @@ class TestMirroredWrites:
             await v.assign(Mirrored([1.0, 2.0, 3.0]))
         assert_all(v, [0.0, 0.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
-    async def test_cross_replica_per_replica_refused(self, n: int, op: str) -> None:
+    async def test_cross_replica_per_replica_refused(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str
+    ) -> None:
         """A PerReplica value in cross-replica context raises TypeError; nothing changes."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), name="w", aggregation="sum")
         with pytest.raises(
             TypeError,
@@ -830,14 +868,16 @@ class TestMirroredWrites:
             r"which holds a different value per replica; reduce it first \(strategy\.reduce\) "
             r"or write it from replica context, inside run\(\)$",
         ):
-            await WRITES[op](v, PerReplica([np.ones(2)] * n))
+            await WRITES[op](v, PerReplica([np.ones(2)] * replicas))
         assert_all(v, [0.0, 0.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
-    async def test_cross_replica_wrong_shape_refused(self, n: int, op: str) -> None:
+    async def test_cross_replica_wrong_shape_refused(
+        self, strategy_factory: StrategyFactory, op: str
+    ) -> None:
         """A value that does not broadcast raises ValueError naming the variable; no change."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(3), name="w")
         with pytest.raises(
             ValueError,
@@ -851,14 +891,16 @@ class TestMirroredWrites:
             await WRITES[op](v, np.ones((2, 3)))
         assert_all(v, [0.0, 0.0, 0.0])
 
-    @pytest.mark.parametrize("n", [2, 4])
+    @pytest.mark.replicas(2, 4)
     @pytest.mark.parametrize("op", OPS)
-    async def test_replica_wrong_shape_names_replica(self, n: int, op: str) -> None:
+    async def test_replica_wrong_shape_names_replica(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str
+    ) -> None:
         """A replica passing a bad shape raises ValueError naming it and the variable; no change."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(3), name="w", aggregation="sum")
         old = snapshot(v)
-        parts = [np.ones(3)] * n
+        parts = [np.ones(3)] * replicas
         parts[1] = np.ones(4)
 
         async def step(x: Array) -> None:
@@ -872,11 +914,13 @@ class TestMirroredWrites:
             await strategy.run(step, (PerReplica(parts),))
         assert_copies(v, old)
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
-    async def test_uncastable_dtype_refused(self, n: int, op: str) -> None:
+    async def test_uncastable_dtype_refused(
+        self, strategy_factory: StrategyFactory, op: str
+    ) -> None:
         """A float written to an int variable raises TypeError in both contexts; no change."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1, 2]), name="n", aggregation="sum")
         old = snapshot(v)
         with pytest.raises(
@@ -901,8 +945,8 @@ class TestMirroredWrites:
 
     async def test_replica_of_other_strategy_refused(self) -> None:
         """Writing inside a replica of another strategy raises RuntimeError; nothing changes."""
-        owner = MirroredStrategy(cpus(2))
-        other = MirroredStrategy(cpus(1))
+        owner = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(1))
         v = scoped(owner, 1.0, name="w", aggregation="sum")
 
         async def step() -> None:
@@ -933,80 +977,91 @@ class TestMirroredWrites:
 
 
 class TestSyncOnReadWrites:
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
     @pytest.mark.parametrize("agg", ["sum", "mean", "only_first_replica"])
-    async def test_replica_write_changes_local_copy(self, n: int, op: str, agg: str) -> None:
+    async def test_replica_write_changes_local_copy(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str, agg: str
+    ) -> None:
         """In replica context each replica writes its own copy only, and gets v back."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         initial = np.array([1.0, 2.0])
         v = scoped(strategy, initial, synchronization="on_read", aggregation=agg)
         rounds = strategy.statistics().merge_rounds_completed
 
         async def step() -> Variable:
-            return await WRITES[op](v, [10.0 * (rid() + 1), 1.0])
+            return await WRITES[op](v, [10.0 * (replica_id() + 1), 1.0])
 
         assert await strategy.run(step) is v
         assert strategy.statistics().merge_rounds_completed == rounds
         assert_copies(
-            v, [expected_write(op, initial, np.array([10.0 * (i + 1), 1.0])) for i in range(n)]
+            v,
+            [expected_write(op, initial, np.array([10.0 * (i + 1), 1.0])) for i in range(replicas)],
         )
 
     @pytest.mark.parametrize("op", OPS)
     async def test_one_replica_writing_leaves_others(self, op: str) -> None:
         """A write by replica 2 alone changes copy 2 and no other."""
-        strategy = MirroredStrategy(cpus(4))
+        strategy = MirroredStrategy(host_devices(4))
         v = scoped(strategy, np.array([1, 2]), synchronization="on_read", aggregation="sum")
 
         async def step() -> None:
-            if rid() == 2:
+            if replica_id() == 2:
                 await WRITES[op](v, 5)
 
         await strategy.run(step)
         mine = expected_write(op, np.array([1, 2]), 5)
         assert_copies(v, [[1, 2], [1, 2], mine, [1, 2]])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("in_scope", [False, True])
-    async def test_cross_replica_assign_sum_splits_float(self, n: int, in_scope: bool) -> None:
+    async def test_cross_replica_assign_sum_splits_float(
+        self, strategy_factory: StrategyFactory, replicas: int, in_scope: bool
+    ) -> None:
         """assign() with SUM stores value / n in each float copy, so the aggregate is the value."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(3), synchronization="on_read", aggregation="sum")
         x = np.array([8.0, -4.0, 2.0])
         with strategy.scope() if in_scope else contextlib.nullcontext():
             assert await v.assign(x) is v
             np.testing.assert_array_equal(v.value(), x, strict=True)
-        assert_all(v, x / n)
+        assert_all(v, x / replicas)
 
-    @pytest.mark.parametrize("n", [*REPLICAS, 3])
-    async def test_cross_replica_assign_sum_splits_int(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS, 3)
+    async def test_cross_replica_assign_sum_splits_int(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """An int SUM variable gets the quotient in each copy and the remainder on copy 0."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(
             strategy, np.zeros(5, dtype=np.int64), synchronization="on_read", aggregation="sum"
         )
         x = np.array([7, -7, 8, 0, 1])
         await v.assign(x)
-        quotient, remainder = np.divmod(x, n)
-        assert_copies(v, [quotient + remainder] + [quotient] * (n - 1))
+        quotient, remainder = np.divmod(x, replicas)
+        assert_copies(v, [quotient + remainder] + [quotient] * (replicas - 1))
         np.testing.assert_array_equal(np.sum(v.values, axis=0), x, strict=True)
         np.testing.assert_array_equal(v.value(), x, strict=True)
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("agg", ["mean", "only_first_replica"])
-    async def test_cross_replica_assign_mean_first_each_copy(self, n: int, agg: str) -> None:
+    async def test_cross_replica_assign_mean_first_each_copy(
+        self, strategy_factory: StrategyFactory, agg: str
+    ) -> None:
         """assign() with MEAN or ONLY_FIRST_REPLICA writes the value into every copy."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation=agg)
         await v.assign([3.0, 5.0])
         assert_all(v, [3.0, 5.0])
         np.testing.assert_array_equal(v.value(), [3.0, 5.0], strict=True)
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", ["assign_add", "assign_sub"])
-    async def test_cross_replica_add_sub_with_sum_refused(self, n: int, op: str) -> None:
+    async def test_cross_replica_add_sub_with_sum_refused(
+        self, strategy_factory: StrategyFactory, op: str
+    ) -> None:
         """assign_add/assign_sub with SUM in cross-replica context raise ValueError; no change."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), name="s", synchronization="on_read", aggregation="sum")
         with pytest.raises(
             ValueError,
@@ -1017,27 +1072,32 @@ class TestSyncOnReadWrites:
             await WRITES[op](v, 1.0)
         assert_all(v, [0.0, 0.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", ["assign_add", "assign_sub"])
     @pytest.mark.parametrize("agg", ["mean", "only_first_replica"])
-    async def test_cross_replica_add_sub_every_copy(self, n: int, op: str, agg: str) -> None:
+    async def test_cross_replica_add_sub_every_copy(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str, agg: str
+    ) -> None:
         """assign_add/assign_sub with MEAN or ONLY_FIRST_REPLICA apply to every copy."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation=agg)
 
         async def step() -> None:
-            await v.assign([float(rid()), 1.0])
+            await v.assign([float(replica_id()), 1.0])
 
         await strategy.run(step)
         assert await WRITES[op](v, [2.0, 0.5]) is v
         assert_copies(
             v,
-            [expected_write(op, np.array([float(i), 1.0]), np.array([2.0, 0.5])) for i in range(n)],
+            [
+                expected_write(op, np.array([float(i), 1.0]), np.array([2.0, 0.5]))
+                for i in range(replicas)
+            ],
         )
 
     async def test_cross_replica_per_replica_refused(self) -> None:
         """A PerReplica value in cross-replica context raises TypeError; nothing changes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = scoped(strategy, 0.0, name="s", synchronization="on_read", aggregation="mean")
         with pytest.raises(
             TypeError, match=r"^variable 's' was written in cross-replica context with a PerReplica"
@@ -1048,7 +1108,7 @@ class TestSyncOnReadWrites:
     @pytest.mark.parametrize("op", OPS)
     async def test_replica_bad_value_refused(self, op: str) -> None:
         """A bad shape or dtype from a replica raises an error naming it; no copy changes."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = scoped(
             strategy,
             np.zeros(2, dtype=np.int64),
@@ -1077,8 +1137,8 @@ class TestSyncOnReadWrites:
 
     async def test_replica_of_other_strategy_refused(self) -> None:
         """Writing inside a replica of another strategy raises RuntimeError."""
-        owner = MirroredStrategy(cpus(2))
-        other = MirroredStrategy(cpus(1))
+        owner = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(1))
         v = scoped(owner, 1.0, name="s", synchronization="on_read", aggregation="sum")
 
         async def step() -> None:
@@ -1099,23 +1159,25 @@ class TestPlainVariable:
         assert await WRITES[op](v, [3.0, 5.0]) is v
         assert_copies(v, [expected_write(op, np.array([1.0, 2.0]), np.array([3.0, 5.0]))])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", ["assign_add", "assign_sub"])
-    async def test_write_inside_replicas(self, n: int, op: str) -> None:
+    async def test_write_inside_replicas(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str
+    ) -> None:
         """Inside a strategy's replicas every replica's write applies to the one copy."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = Variable(100)
 
         async def step() -> None:
-            await WRITES[op](v, rid() + 1)
+            await WRITES[op](v, replica_id() + 1)
 
         await strategy.run(step)
-        total = n * (n + 1) // 2
+        total = replicas * (replicas + 1) // 2
         assert_copies(v, [100 + total if op == "assign_add" else 100 - total])
 
     async def test_assign_inside_replica(self) -> None:
         """assign() from a replica writes the one copy."""
-        strategy = MirroredStrategy(cpus(1))
+        strategy = MirroredStrategy(host_devices(1))
         v = Variable(np.zeros(2))
 
         async def step() -> None:
@@ -1126,7 +1188,7 @@ class TestPlainVariable:
 
     async def test_write_in_a_scope(self) -> None:
         """An ordinary variable is written in another strategy's cross-replica context too."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = Variable(1.0)
         with strategy.scope():
             await v.assign_add(1.0)
@@ -1268,7 +1330,7 @@ class TestUpdate:
     async def test_per_replica_partials_with_equal_arguments(self) -> None:
         """Each replica's own partial of one function with equal arguments is one update
         function: extended.update in replica context applies it once to every copy."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         v = scoped(strategy, np.array([1.0, 2.0]))
 
         async def step() -> None:
@@ -1281,11 +1343,11 @@ class TestUpdate:
     async def test_per_replica_partials_with_different_arguments(self) -> None:
         """Partials whose bound arguments differ per replica are refused with ReplicaSyncError
         naming the odd replica; no copy changes (replica 0's partial does not silently win)."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         v = scoped(strategy, np.array([1.0, 2.0]))
 
         async def step() -> None:
-            fn = functools.partial(scale_and_shift, shift=float(rid() == 2))
+            fn = functools.partial(scale_and_shift, shift=float(replica_id() == 2))
             await strategy.extended.update(v, fn, (10.0,))
 
         with pytest.raises(ReplicaSyncError, match="disagree on the update function") as info:
@@ -1293,10 +1355,10 @@ class TestUpdate:
         assert (info.value.merge_number, info.value.replicas) == (1, (2,))
         assert_all(v, [1.0, 2.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_every_copy_becomes_fn_of_copy(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_every_copy_becomes_fn_of_copy(self, strategy_factory: StrategyFactory) -> None:
         """Every copy becomes fn(copy, *args, **kwargs); shared host copies are computed once."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
         calls: list[list[float]] = []
 
@@ -1309,39 +1371,43 @@ class TestUpdate:
         np.testing.assert_array_equal(result, [4.0, 7.0], strict=True)
         assert_all(v, [4.0, 7.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_mirrored_args_unwrapped(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_mirrored_args_unwrapped(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """Mirrored args and kwargs give copy i component i; group=True returns a Mirrored."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]))
-        factors = Mirrored([float(i + 1) for i in range(n)])
-        shifts = Mirrored([10.0 * i for i in range(n)])
+        factors = Mirrored([float(i + 1) for i in range(replicas)])
+        shifts = Mirrored([10.0 * i for i in range(replicas)])
         result = await strategy.extended.update(v, scale_and_shift, (factors,), {"shift": shifts})
-        want = [np.array([1.0, 2.0]) * (i + 1) + 10.0 * i for i in range(n)]
+        want = [np.array([1.0, 2.0]) * (i + 1) + 10.0 * i for i in range(replicas)]
         assert_copies(v, want)
-        if n == 1:
+        if replicas == 1:
             np.testing.assert_array_equal(result, want[0], strict=True)
         else:
             assert isinstance(result, Mirrored)
             assert all(got is copy for got, copy in zip(result.values, v.values, strict=True))
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_group_false_returns_tuple(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_group_false_returns_tuple(self, strategy_factory: StrategyFactory) -> None:
         """group=False returns a tuple with one entry per copy."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]))
         result = await strategy.extended.update(v, scale_and_shift, (2.0,), group=False)
         assert isinstance(result, tuple)
         assert all(got is copy for got, copy in zip(result, v.values, strict=True))
         assert_all(v, [2.0, 4.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
+    @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("where", ["args", "kwargs"])
-    async def test_per_replica_args_refused(self, n: int, where: str) -> None:
+    async def test_per_replica_args_refused(
+        self, strategy_factory: StrategyFactory, replicas: int, where: str
+    ) -> None:
         """A PerReplica argument raises TypeError; nothing changes."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
-        per_replica = PerReplica([2.0] * n)
+        per_replica = PerReplica([2.0] * replicas)
         args: tuple[Any, ...] = (per_replica,) if where == "args" else (2.0,)
         kwargs = {"shift": per_replica} if where == "kwargs" else {}
         with pytest.raises(
@@ -1353,10 +1419,10 @@ class TestUpdate:
             await strategy.extended.update(v, scale_and_shift, args, kwargs)
         assert_all(v, [1.0, 2.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_wrong_shape_or_dtype_refused(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_wrong_shape_or_dtype_refused(self, strategy_factory: StrategyFactory) -> None:
         """fn returning the wrong shape or an uncastable dtype raises ValueError; no change."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
         with pytest.raises(
             ValueError,
@@ -1373,30 +1439,32 @@ class TestUpdate:
             await strategy.extended.update(v, lambda copy: copy + 1j)
         assert_all(v, [1.0, 2.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_fn_raising_changes_nothing(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_fn_raising_changes_nothing(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
         """fn raising for the last copy propagates that exception; no copy changes."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]))
         await distinct_copies(v, np.array([1.0, 2.0]))
         seen: list[int] = []
 
         def fn(copy: Array, index: int) -> Array:
             seen.append(index)
-            if index == n - 1:
+            if index == replicas - 1:
                 raise ZeroDivisionError(f"copy {index}")
             result: Array = copy * 0
             return result
 
-        with pytest.raises(ZeroDivisionError, match=rf"^copy {n - 1}$"):
-            await strategy.extended.update(v, fn, (Mirrored(list(range(n))),))
-        assert seen == list(range(n))
+        with pytest.raises(ZeroDivisionError, match=rf"^copy {replicas - 1}$"):
+            await strategy.extended.update(v, fn, (Mirrored(list(range(replicas))),))
+        assert seen == list(range(replicas))
         assert_all(v, [1.0, 2.0])
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    async def test_replica_context_one_merge_round(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_replica_context_one_merge_round(self, strategy_factory: StrategyFactory) -> None:
         """Called by every replica, update takes one merge round and updates every copy once."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]))
         calls: list[list[float]] = []
 
@@ -1416,8 +1484,8 @@ class TestUpdate:
 
     async def test_variable_of_other_strategy_refused(self) -> None:
         """A variable of another strategy raises ValueError; nothing changes."""
-        owner = MirroredStrategy(cpus(2))
-        other = MirroredStrategy(cpus(2))
+        owner = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(2))
         v = scoped(owner, np.array([1.0, 2.0]), name="w")
         with pytest.raises(
             ValueError,
@@ -1430,8 +1498,8 @@ class TestUpdate:
 
     async def test_other_strategy_replica_refused(self) -> None:
         """update called inside a replica of another strategy raises RuntimeError."""
-        owner = MirroredStrategy(cpus(2))
-        other = MirroredStrategy(cpus(1))
+        owner = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(1))
         v = scoped(owner, np.array([1.0, 2.0]))
 
         async def step() -> None:
@@ -1447,7 +1515,7 @@ class TestUpdate:
 
     async def test_plain_variable(self) -> None:
         """An ordinary variable is updated through any strategy."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = Variable(np.array([1.0, 2.0]))
         result = await strategy.extended.update(v, scale_and_shift, (2.0,))
         np.testing.assert_array_equal(result, [2.0, 4.0], strict=True)
@@ -1455,7 +1523,7 @@ class TestUpdate:
 
     async def test_bad_arguments(self) -> None:
         """A non-variable or non-callable fn raises TypeError."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         v = scoped(strategy, 1.0)
         with pytest.raises(
             TypeError, match=r"^update\(\) needs an aioreplica\.Variable, got ndarray$"
@@ -1465,10 +1533,10 @@ class TestUpdate:
             await strategy.extended.update(v, 3)  # type: ignore[arg-type]
         assert_all(v, 1.0)
 
-    @pytest.mark.parametrize("n", REPLICAS)
-    def test_local_results_are_values(self, n: int) -> None:
+    @pytest.mark.replicas(*REPLICAS)
+    def test_local_results_are_values(self, strategy_factory: StrategyFactory) -> None:
         """experimental_local_results(v) returns v.values."""
-        strategy = MirroredStrategy(cpus(n))
+        strategy = strategy_factory()
         v = scoped(strategy, np.zeros(2))
         s = scoped(strategy, np.zeros(2), synchronization="on_read", aggregation="sum")
         assert strategy.experimental_local_results(v) is v.values
@@ -1479,7 +1547,7 @@ class TestAsInTF:
     """Behaviour a TensorFlow user relies on, where aioreplica used to differ."""
 
     async def test_sync_on_read_is_not_trainable_by_default(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             metric = Variable(0.0, synchronization="on_read", aggregation="sum")
             chosen = Variable(0.0, synchronization="on_read", aggregation="sum", trainable=True)
@@ -1489,7 +1557,7 @@ class TestAsInTF:
 
     @pytest.mark.parametrize("sync", ["on_write", "on_read"])
     async def test_deepcopy_makes_new_copies_under_the_same_strategy(self, sync: str) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             v = Variable(np.arange(3.0), name="w", synchronization=sync, aggregation="mean")
         w = copy_module.deepcopy(v)
@@ -1512,7 +1580,7 @@ class TestAsInTF:
 
     async def test_the_same_object_from_every_replica_is_not_summed(self) -> None:
         """``assign(5.0)`` in every replica of a SUM variable: TF raises, and so do we."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             v = Variable(1.0, aggregation="sum")
         five = np.float64(5.0)
@@ -1527,18 +1595,20 @@ class TestAsInTF:
         assert all(float(c) == 1.0 for c in v.values)
 
     async def test_equal_values_from_each_replica_are_summed(self) -> None:
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             v = Variable(0.0, aggregation="sum")
 
         async def step() -> None:
-            await v.assign_add(np.float64(rid() * 0 + 5.0))  # equal, but made in each replica
+            await v.assign_add(
+                np.float64(replica_id() * 0 + 5.0)
+            )  # equal, but made in each replica
 
         await strategy.run(step)
         assert float(v) == 15.0
 
     async def test_the_same_object_is_fine_for_mean_and_one_replica(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             mean = Variable(0.0, aggregation="mean")
             first = Variable(0.0, aggregation="only_first_replica")
@@ -1550,7 +1620,7 @@ class TestAsInTF:
 
         await strategy.run(step)
         assert (float(mean), float(first)) == (5.0, 5.0)
-        single = MirroredStrategy(cpus(1))
+        single = MirroredStrategy(host_devices(1))
         with single.scope():
             total = Variable(0.0, aggregation="sum")
         await single.run(lambda: total.assign(five))

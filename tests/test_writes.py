@@ -9,12 +9,12 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
-from replicas import cpus, rid
 
 import aioreplica
 from aioreplica import MirroredStrategy, PerReplica, Variable
 from aioreplica._backends._numpy import INLINE_BYTES
 from aioreplica._writes import Turn, taking_turns
+from aioreplica.testing import host_devices, replica_id
 
 pytestmark = pytest.mark.anyio
 
@@ -33,7 +33,7 @@ class TestVariables:
 
     async def test_writes_apply_in_the_order_callers_reached_them(self) -> None:
         """Each ``extended.update`` sees the value the one before it committed."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             v = Variable(np.zeros(BIG))
         seen: list[tuple[int, float]] = []
@@ -51,12 +51,12 @@ class TestVariables:
         assert all(np.all(copy == 6.0) for copy in v.values)
 
     async def test_mirrored_writes_from_concurrent_runs(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             total = Variable(np.zeros(BIG), aggregation="sum")
 
         async def step() -> None:
-            await total.assign_add(np.full(BIG, rid() + 1.0))
+            await total.assign_add(np.full(BIG, replica_id() + 1.0))
 
         async with anyio.create_task_group() as group:
             for _ in range(8):
@@ -64,12 +64,12 @@ class TestVariables:
         assert all(np.all(copy == 24.0) for copy in total.values)
 
     async def test_sync_on_read_writes_from_concurrent_runs(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             seen = Variable(np.zeros(BIG, np.int64), synchronization="on_read", aggregation="sum")
 
         async def step() -> None:
-            await seen.assign_add(np.full(BIG, rid() + 1, np.int64))
+            await seen.assign_add(np.full(BIG, replica_id() + 1, np.int64))
 
         async with anyio.create_task_group() as group:
             for _ in range(6):
@@ -101,7 +101,7 @@ class TestVariables:
 class TestOptimizers:
     async def test_concurrent_steps_each_count(self) -> None:
         """Ten concurrent ``apply_gradients`` used to end with ``iterations == 1``."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.zeros(BIG), name="w")
         opt = aioreplica.optimizers.SGD(0.1, momentum=0.9)
@@ -123,7 +123,7 @@ class TestOptimizers:
 
     async def test_steps_over_shared_variables_in_any_order_do_not_deadlock(self) -> None:
         """Two optimizers, the same variables listed in opposite orders, and writes between."""
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             a = Variable(np.zeros(BIG), name="a")
             b = Variable(np.zeros(BIG), name="b")
@@ -146,7 +146,7 @@ class TestOptimizers:
         assert np.all(b.numpy() == -16.0)
 
     async def test_the_first_steps_share_one_set_of_slots(self) -> None:
-        strategy = MirroredStrategy(cpus(2))
+        strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.zeros(BIG), name="w")
         opt = aioreplica.optimizers.Adam(0.01)
@@ -214,7 +214,7 @@ class TestTurn:
 
     async def test_per_replica_values_are_unchanged_by_serialisation(self) -> None:
         """A write's own semantics stay: per-replica values of a SUM variable are summed."""
-        strategy = MirroredStrategy(cpus(3))
+        strategy = MirroredStrategy(host_devices(3))
         with strategy.scope():
             v = Variable(0.0, aggregation="sum")
 
@@ -228,7 +228,7 @@ class TestTurn:
 async def test_slots_built_during_a_first_step_get_its_values() -> None:
     """``build()`` (synchronous) while a first step awaits its update: one set of slots, and
     it holds the step's values."""
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     with strategy.scope():
         w = Variable(np.zeros(BIG), name="w")
     opt = aioreplica.optimizers.SGD(0.1, momentum=0.9)

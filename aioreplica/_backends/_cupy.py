@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 import anyio.lowlevel
 import cupy
 
-from .. import _loops
+from .. import _loops, _trace
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -247,6 +247,11 @@ class CudaDevice:
             >>> anyio.run(strategy.run, step)
             5.0
         """
+        recorder = _trace.recorder
+        if recorder is not None:  # a trace is being recorded: a span on the caller's track
+            name = f"device.run {_trace.callable_name(fn)}"
+            with recorder.span(name, {"device": self.name}), _Active(self._index, self._stream):
+                return contextvars.copy_context().run(fn, *args, **kwargs)
         with _Active(self._index, self._stream):
             return contextvars.copy_context().run(fn, *args, **kwargs)
 

@@ -9,6 +9,9 @@ blocking, so host replicas really compute in parallel (NumPy releases the GIL) w
 keeps serving the others (invariant 4). Every job runs in a copy of its submitter's context
 (as ``anyio.to_thread.run_sync`` runs its function), so replica code on the worker still sees
 its replica context and its context variables, and what it sets stays inside the job.
+Devices are process-wide, so strategies share them: each open strategy claims its devices, and
+``strategy.close()`` stops the threads no open strategy still claims; the next job starts the
+thread again.
 
 Host collectives read each input once and write one output, which every host replica shares
 read-only (invariant 6). Large reductions are split into cache-sized blocks spread over the
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import numpy as np
 
-from .. import _loops
+from .. import _loops, _trace
 from ._arrays import host_array
 from ._hostreduce import BufferPool, reduce_range, reduce_small, split_ranges
 
@@ -54,15 +57,26 @@ INLINE_BYTES: Final = 8 << 20
 
 
 class _Worker:
-    """One thread running submitted jobs in order: a host device's stream."""
+    """One thread running submitted jobs in order: a host device's stream.
 
-    __slots__ = ("_lock", "_name", "_queue", "_thread")
+    The thread starts on the first job and stops when ``stop`` is called (after the jobs
+    already queued); the next job starts a new thread, which first waits for the old one to
+    end, so jobs still run one at a time in submission order across a restart. ``claims``
+    counts the open strategies that use the device (see ``HostDevice.claim``).
+    """
+
+    __slots__ = ("_claims", "_collected", "_lock", "_name", "_previous", "_queue", "_thread")
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._previous: threading.Thread | None = None  # stopping, maybe not yet ended
         self._lock = threading.Lock()
+        self._claims = 0
+        # Claims of strategies collected as garbage: their finalizers may run on any thread,
+        # even one holding the lock, so they only append here (atomic); counted under the lock.
+        self._collected: list[None] = []
 
     def submit(
         self,
@@ -72,24 +86,66 @@ class _Worker:
         kwargs: dict[str, Any],
         result: _loops.ThreadResult,
     ) -> None:
-        if self._thread is None:
-            with self._lock:
-                if self._thread is None:
-                    thread = threading.Thread(
-                        target=self._work, name=f"aioreplica {self._name}", daemon=True
-                    )
-                    thread.start()
-                    _running_workers.append(self)
-                    self._thread = thread
-        self._queue.put((context, fn, args, kwargs, result))
+        # Under the lock, so a stop from another thread cannot slip between the check and the
+        # put and leave the job behind the stop marker with no thread to run it.
+        with self._lock:
+            if self._thread is None:
+                thread = threading.Thread(
+                    target=self._work,
+                    args=(self._previous,),
+                    name=f"aioreplica {self._name}",
+                    daemon=True,
+                )
+                self._previous = None
+                thread.start()
+                _running_workers.add(self)
+                self._thread = thread
+            self._queue.put((context, fn, args, kwargs, result))
 
-    def stop(self) -> None:
-        self._queue.put(None)
+    def claim(self) -> None:
+        with self._lock:
+            self._claims += 1
 
-    def _work(self) -> None:
+    def release(self) -> None:
+        with self._lock:
+            self._count_collected()
+            if self._claims == 0:  # pragma: no cover - strategies release what they claimed
+                raise AssertionError(f"{self._name}: released more often than claimed")
+            self._claims -= 1
+
+    def release_collected(self) -> None:
+        self._collected.append(None)
+
+    def _count_collected(self) -> None:
+        while self._collected:
+            self._collected.pop()
+            self._claims -= 1
+
+    def stop(
+        self, done: _loops.ThreadResult | None = None, *, unclaimed: bool = False
+    ) -> threading.Thread | None:
+        """End the thread once the jobs queued so far have run (at once if idle); ``done`` is
+        set when it ends. ``unclaimed``: only if no open strategy uses the device. Returns the
+        thread that was stopped, or ``None`` (none running, or still claimed)."""
+        with self._lock:
+            self._count_collected()
+            thread = self._thread
+            if thread is None or (unclaimed and self._claims):
+                return None
+            self._queue.put((None, done))
+            self._thread = None
+            self._previous = thread
+            _running_workers.discard(self)
+            return thread
+
+    def _work(self, previous: threading.Thread | None) -> None:
+        if previous is not None:
+            previous.join()  # its queued jobs first: one job at a time, in order
         while True:
             job = self._queue.get()
-            if job is None:
+            if job[0] is None:  # the stop marker: (None, done)
+                if job[1] is not None:
+                    job[1].set(None, None)
                 return
             self._run(*job)
             # Hold nothing between jobs: a pooled output must not look held by this thread.
@@ -113,12 +169,12 @@ class _Worker:
             result.set(value, None)
 
 
-_running_workers: list[_Worker] = []
+_running_workers: set[_Worker] = set()
 
 
 @atexit.register
 def _stop_workers() -> None:
-    for worker in _running_workers:
+    for worker in list(_running_workers):
         worker.stop()
 
 
@@ -216,6 +272,15 @@ class HostDevice:
             >>> anyio.run(strategy.run, step)
             PerReplica({0: 5.0, 1: 5.0})
         """
+        recorder = _trace.recorder
+        if recorder is not None:  # a trace is being recorded: a span on the caller's track
+            span = recorder.open(f"device.run {_trace.callable_name(fn)}", {"device": self.name})
+            try:
+                traced: T = await self._queue(fn, args, kwargs)
+            finally:
+                if span is not None:
+                    recorder.close(*span)
+            return traced
         value: T = await self._queue(fn, args, kwargs)
         return value
 
@@ -244,6 +309,80 @@ class HostDevice:
             PerReplica({0: 'cpu:0', 1: 'cpu:1'})
         """
         await self.run(_nothing)
+
+    # Host devices are process-wide (``host_device``), so several strategies may share one.
+    # Each open strategy claims its host devices; closing it releases them, and a worker
+    # thread is stopped only when no open strategy still claims its device. A later job
+    # starts the thread again.
+
+    def claim(self) -> None:
+        """Count one more open user (a strategy): ``stop_worker(unclaimed=True)`` leaves the
+        worker thread running until every claim is released.
+
+        Example:
+            >>> device = HostDevice(9)
+            >>> device.claim()
+            >>> device.stop_worker(unclaimed=True) is None  # claimed (and not started)
+            True
+            >>> device.release()
+        """
+        self._worker.claim()
+
+    def release(self) -> None:
+        """Undo one ``claim``; the worker thread keeps running until ``stop_worker``.
+
+        Raises:
+            AssertionError: more releases than claims (a bug in the caller).
+
+        Example:
+            >>> device = HostDevice(9)
+            >>> device.claim()
+            >>> device.release()
+        """
+        self._worker.release()
+
+    def release_collected(self) -> None:
+        """``release`` for a strategy collected as garbage, from its finalizer: safe on any
+        thread at any moment (it takes no lock), counted at the next ``release`` or stop.
+
+        Example:
+            >>> device = HostDevice(9)
+            >>> device.claim()
+            >>> device.release_collected()
+            >>> device.stop_worker(unclaimed=True) is None  # unclaimed (and not started)
+            True
+        """
+        self._worker.release_collected()
+
+    def stop_worker(
+        self, done: _loops.ThreadResult | None = None, *, unclaimed: bool = False
+    ) -> threading.Thread | None:
+        """Stop the worker thread once the jobs already queued have run; never blocks.
+
+        The next job starts a new thread, which runs only after the old one has ended, so jobs
+        still run one at a time in submission order.
+
+        Args:
+            done: set (from the worker) when the thread ends, for a task to await.
+            unclaimed: stop only if no open strategy claims the device.
+
+        Returns:
+            The thread being stopped (to ``join``), or ``None``: no thread was running, or it
+            is still claimed (``done`` is then never set).
+
+        Example:
+            >>> device = HostDevice(9)
+            >>> anyio.run(device.run, sum, [1, 2])
+            3
+            >>> thread = device.stop_worker()
+            >>> thread.join(5)
+            >>> thread.is_alive(), device.stop_worker()
+            (False, None)
+            >>> anyio.run(device.run, sum, [3, 4])  # starts a new thread
+            7
+            >>> device.stop_worker().join(5)
+        """
+        return self._worker.stop(done, unclaimed=unclaimed)
 
     def __repr__(self) -> str:
         return f"<HostDevice {self.name}>"

@@ -1,14 +1,14 @@
 """Tests for aioreplica._backends._cupy: CUDA devices and the CuPy collectives backend.
 
-Everything but ``TestImportBoundary`` needs CuPy and a CUDA device and is skipped cleanly
-without them (``gpu`` marker). ``devices/check_gpu.py`` checks the same backend through the
-public API on real hardware.
+Everything but ``TestImportBoundary`` runs on the CuPy stand-in (``tests/cupy_sim``) with 1, 2
+and 4 simulated GPUs; ``test_cupy_gpu.py`` runs the same classes on the real CuPy where it sees
+a CUDA device (and is skipped with one line elsewhere). ``devices/check_gpu.py`` checks the same
+backend through the public API on real hardware.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import subprocess
 import sys
@@ -53,28 +53,13 @@ class TestImportBoundary:
         assert json.loads(completed.stdout) == []
 
 
-# -- everything below needs CuPy and a CUDA device ----------------------------------------
+# -- everything below runs on the stand-in here, and on a real GPU in test_cupy_gpu.py ------
 
 
-def _backends() -> list[Any]:
-    """The real CuPy where one is installed, and the stand-in with 1, 2 and 4 GPUs."""
-    params = [pytest.param(n, id=f"sim-{n}gpu") for n in (1, 2, 4)]
-    if importlib.util.find_spec("cupy") is not None:
-        params.insert(0, pytest.param(0, id="cuda", marks=pytest.mark.gpu))
-    return params
-
-
-@pytest.fixture(scope="module", params=_backends())
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=["sim-1gpu", "sim-2gpu", "sim-4gpu"])
 def cb(request: pytest.FixtureRequest) -> Iterator[Any]:
-    """The ``_cupy`` backend module: on real CuPy (skipped without a CUDA device), or on the
-    stand-in with ``request.param`` GPUs, where any unordered access fails the test."""
-    if request.param == 0:
-        from aioreplica._backends import _cupy
-
-        if _cupy.visible_device_count() == 0:
-            pytest.skip("no CUDA device")
-        yield _cupy
-        return
+    """The ``_cupy`` backend module on the stand-in with ``request.param`` GPUs, where any
+    unordered access fails the test. ``test_cupy_gpu.py`` runs the same tests on a real GPU."""
     with simulated_cupy(request.param):
         from aioreplica._backends import _cupy
 

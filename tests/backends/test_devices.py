@@ -6,7 +6,6 @@ import re
 from typing import Any
 
 import pytest
-from fake_devices import FakeDevice
 
 import aioreplica
 from aioreplica._backends import (
@@ -16,6 +15,7 @@ from aioreplica._backends import (
     list_devices,
     resolve_devices,
 )
+from aioreplica.testing import FakeDevice
 
 
 class NotQuiteADevice:

@@ -14,7 +14,7 @@ In messages and notes, ``…`` stands for any text (a file name, a line number).
 
 The world every cell plays in is ``harness.World``: three host replicas, a 2 MiB mirrored
 variable (``big``), a small one, an SGD optimizer, a checkpoint manager that saved ``ckpt-1``.
-A "write" is every replica adding ``rid() + 1`` to ``big`` (one merge round); a "step" is one
+A "write" is every replica adding ``replica_id() + 1`` to ``big`` (one merge round); a "step" is one
 ``apply_gradients`` of both variables.
 """
 
@@ -39,9 +39,9 @@ if __name__ == "__main__":  # run as a script: find the test helpers as pytest d
     sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 
 from harness import BIG, REPLICAS, World, raise_, until
-from replicas import ctx, rid
 
 from aioreplica import CommunicationOptions, ReplicaSyncError
+from aioreplica.testing import replica_context, replica_id
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -209,9 +209,9 @@ def replica_1_raises_at_once(make: Callable[[], BaseException]) -> Scenario:
         error = w.inject(make())
 
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 raise error
-            await stuck(w, f"replica {rid()}")
+            await stuck(w, f"replica {replica_id()}")
             await w.write()
 
         await w.strategy.run(step)
@@ -221,7 +221,7 @@ def replica_1_raises_at_once(make: Callable[[], BaseException]) -> Scenario:
 
 async def caller_cancelled_before_merging(w: World) -> None:
     async def step() -> None:
-        await stuck(w, f"replica {rid()}")
+        await stuck(w, f"replica {replica_id()}")
         await w.write()
 
     w.cancel_when(lambda: len(w.events) == REPLICAS, "every replica waits before merging")
@@ -234,10 +234,10 @@ def caller_cancelled_in_shielded_work(work: Callable[[World], Awaitable[None]]) 
 
     async def scenario(w: World) -> None:
         async def step() -> None:
-            if rid() == 1:
+            if replica_id() == 1:
                 await work(w)
                 w.events.append("replica 1's shielded work ended")
-            await stuck(w, f"replica {rid()}")
+            await stuck(w, f"replica {replica_id()}")
             await w.write()
 
         w.cancel_when(
@@ -278,7 +278,7 @@ async def _once_caller_cancelled(w: World, then: Callable[[], None]) -> None:
 
 async def replica_2_finishes_before_anyone_merges(w: World) -> None:
     async def step() -> None:
-        if rid() == 2:
+        if replica_id() == 2:
             w.events.append("replica 2 finished")
             return
         await until(lambda: "replica 2 finished" in w.events, "replica 2 finishes")
@@ -296,7 +296,7 @@ def replica_2_after_0_and_1_park(fault: Callable[[World], Awaitable[None]]) -> S
 
     async def scenario(w: World) -> None:
         async def step() -> None:
-            if rid() == 2:
+            if replica_id() == 2:
                 await until(lambda: w.waiting() == 2, "replicas 0 and 1 park in merge_call #1")
                 await fault(w)
             await w.write()
@@ -327,7 +327,7 @@ async def caller_cancelled_at_merge_point(w: World) -> None:
 
 async def replica_2_finishes_while_others_wait(w: World) -> None:
     async def step() -> None:
-        if rid() == 2:
+        if replica_id() == 2:
             await until(lambda: w.waiting() == 2, "replicas 0 and 1 park in merge_call #1")
             return
         await w.write()
@@ -344,7 +344,7 @@ async def merge_then_write(w: World, merge_for: Callable[[int], Callable[..., An
     """Every replica calls ``merge_for(its id)`` in merge_call #1, then writes."""
 
     async def step() -> None:
-        await ctx().merge_call(merge_for(rid()), args=(rid(),))
+        await replica_context().merge_call(merge_for(replica_id()), args=(replica_id(),))
         await w.write()
 
     await w.strategy.run(step)
@@ -399,7 +399,7 @@ async def reduce_then_write(
     """Every replica all-reduces 2 MiB (on the device workers), then writes."""
 
     async def step() -> None:
-        await ctx().all_reduce(op_for(rid()), value_for(rid()), options)
+        await replica_context().all_reduce(op_for(replica_id()), value_for(replica_id()), options)
         await w.write()
 
     await w.strategy.run(step)
@@ -419,9 +419,11 @@ async def reduce_with_timeout(w: World) -> None:
 
 async def replica_2_late_for_collective(w: World) -> None:
     async def step() -> None:
-        if rid() == 2:
+        if replica_id() == 2:
             await stuck(w, "replica 2")
-        await ctx().all_reduce("sum", np.ones(BIG), CommunicationOptions(timeout_seconds=TIMEOUT))
+        await replica_context().all_reduce(
+            "sum", np.ones(BIG), CommunicationOptions(timeout_seconds=TIMEOUT)
+        )
 
     await w.strategy.run(step)
 
@@ -467,7 +469,7 @@ def worker_slow(then: Callable[[World], Awaitable[None]]) -> Scenario:
 
 async def device_job_then_write(w: World, job_for: Callable[[int], Callable[[], Any]]) -> None:
     async def step() -> None:
-        await ctx().device.run(job_for(rid()))
+        await replica_context().device.run(job_for(replica_id()))
         await w.write()
 
     await w.strategy.run(step)
@@ -510,7 +512,7 @@ async def write_once(w: World) -> None:
 def replica_2_writes(how: Callable[[World], Awaitable[Any]]) -> Scenario:
     async def scenario(w: World) -> None:
         async def step() -> None:
-            await (how(w) if rid() == 2 else w.write())
+            await (how(w) if replica_id() == 2 else w.write())
 
         await w.strategy.run(step)
 
@@ -528,7 +530,7 @@ async def step_once(w: World) -> None:
 def replica_2_steps(pairs: Callable[[World], list[tuple[Any, Any]]]) -> Scenario:
     async def scenario(w: World) -> None:
         async def step() -> None:
-            if rid() == 2:
+            if replica_id() == 2:
                 await w.optimizer.apply_gradients(pairs(w))
             else:
                 await w.step()
@@ -545,7 +547,7 @@ def replica_2_steps(pairs: Callable[[World], list[tuple[Any, Any]]]) -> Scenario
 
 async def replica_1_saves(w: World) -> None:
     async def step() -> None:
-        if rid() == 1:
+        if replica_id() == 1:
             await w.model.checkpoint.save(Path(w.manager.directory) / "inside.npz")
         await w.write()
 

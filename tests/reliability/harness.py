@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any, Final
 import anyio
 import anyio.lowlevel
 import numpy as np
-from replicas import cpus, rid
 
 import aioreplica
 from aioreplica import Checkpoint, CheckpointManager, MirroredStrategy, Variable
 from aioreplica._backends import HostDevice, _numpy
 from aioreplica.optimizers import SGD
+from aioreplica.testing import host_devices, replica_id
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine
@@ -67,8 +67,10 @@ _POLL: Final = 0.001
 _PACKAGE: Final = str(Path(aioreplica.__file__).parent)
 _TESTS: Final = str(Path(__file__).parents[1])
 #: How the package names its device workers (``aioreplica/_backends/_numpy.py``): one per
-#: host device, process-wide, started on first use.
-_DEVICE_WORKER = re.compile(r"aioreplica cpu:\d+")
+#: host device, process-wide, started on first use; and its slow merge watchdog
+#: (``aioreplica/_scheduler.py``), process-wide too, alive while a strategy with
+#: ``slow_merge_warning`` is. Each waits in the function it was started with when idle.
+_DEVICE_WORKER = re.compile(r"aioreplica cpu:\d+|aioreplica watchdog")
 #: Idle pooled threads of the async libraries (anyio's asyncio worker threads, trio's cache).
 _POOLED = re.compile(r"AnyIO worker thread|Trio thread \d+")
 
@@ -267,7 +269,7 @@ def raise_(error: BaseException, *args: Any) -> Any:
 # -- the world ----------------------------------------------------------------------------
 
 #: What each variable holds in every element, and the optimizer's step count, after nothing,
-#: one write (every replica adds ``rid() + 1``: the mean over three replicas is 2) or one
+#: one write (every replica adds ``replica_id() + 1``: the mean over three replicas is 2) or one
 #: optimizer step (gradients of ones, summed over three replicas, learning rate 0.5).
 STATES: Final = {
     "untouched": {"big": 0.0, "small": 0.0, "iterations": 0},
@@ -338,7 +340,7 @@ class World:
         cls, directory: Path, monkeypatch: pytest.MonkeyPatch, *, sync_timeout: float | None
     ) -> World:
         lower_inline_bytes(monkeypatch)
-        strategy = MirroredStrategy(cpus(REPLICAS), sync_timeout=sync_timeout)
+        strategy = MirroredStrategy(host_devices(REPLICAS), sync_timeout=sync_timeout)
         model = Model.build(strategy)
         manager = CheckpointManager(model.checkpoint, directory, max_to_keep=1)
         await manager.save()
@@ -479,7 +481,7 @@ class World:
 
     async def write(self) -> None:
         """One write of the big variable from every replica: one merge round, every copy +2."""
-        await self.big.assign_add(rid() + 1.0)
+        await self.big.assign_add(replica_id() + 1.0)
 
     async def step(self) -> None:
         """One optimizer step from every replica: one merge round, every element -1.5."""
@@ -517,7 +519,7 @@ async def assert_checkpoints(world: World, newest: int) -> None:
         f"the checkpoint directory holds {on_disk}, the manager keeps {manager.checkpoints}"
     )
     assert manager.latest == os.path.join(manager.directory, f"ckpt-{newest}.npz")
-    twin = Model.build(MirroredStrategy(cpus(REPLICAS)))
+    twin = Model.build(MirroredStrategy(host_devices(REPLICAS)))
     await twin.big.assign(1.0)
     twin.optimizer.iterations = 5
     twin.checkpoint.step = 5

@@ -15,10 +15,10 @@ import anyio
 import numpy as np
 import pytest
 from harness import BIG, lower_inline_bytes
-from replicas import cpus, rid
 
 from aioreplica import Checkpoint, CheckpointManager, MirroredStrategy, Variable
 from aioreplica.optimizers import SGD
+from aioreplica.testing import host_devices, replica_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Coroutine
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.anyio
 
 RUNS = 100
 REPLICAS = 2
-#: What one run adds, summed over the replicas (each adds ``rid() + 1``).
+#: What one run adds, summed over the replicas (each adds ``replica_id() + 1``).
 PER_RUN = sum(range(1, REPLICAS + 1))
 DEADLINE = 20.0
 
@@ -53,7 +53,7 @@ def held(variable: Variable) -> list[list[float]]:
 
 async def test_replica_writes_are_all_applied() -> None:
     """assign_add in replica context, mirrored and sync-on-read, small and 2 MiB: none lost."""
-    strategy = MirroredStrategy(cpus(REPLICAS))
+    strategy = MirroredStrategy(host_devices(REPLICAS))
     with strategy.scope():
         mirrored = [Variable(np.zeros(n), aggregation="sum") for n in (4, BIG)]
         on_read = [
@@ -62,7 +62,7 @@ async def test_replica_writes_are_all_applied() -> None:
 
     async def step() -> None:
         for variable in (*mirrored, *on_read):
-            await variable.assign_add(rid() + 1.0)
+            await variable.assign_add(replica_id() + 1.0)
 
     await at_once(RUNS, lambda: strategy.run(step))
     for variable in mirrored:
@@ -72,7 +72,7 @@ async def test_replica_writes_are_all_applied() -> None:
 
 
 async def test_cross_replica_writes_are_all_applied() -> None:
-    strategy = MirroredStrategy(cpus(REPLICAS))
+    strategy = MirroredStrategy(host_devices(REPLICAS))
     with strategy.scope():
         big = Variable(np.zeros(BIG))
 
@@ -85,7 +85,7 @@ async def test_optimizer_steps_are_all_applied() -> None:
     step is the same, so their order does not matter): variables, momentum, step count."""
 
     async def train(concurrently: bool) -> tuple[list[Variable], SGD]:
-        strategy = MirroredStrategy(cpus(REPLICAS))
+        strategy = MirroredStrategy(host_devices(REPLICAS))
         with strategy.scope():
             variables = [Variable(np.ones(n), name=f"v{n}") for n in (4, BIG)]
         optimizer = SGD(0.01, momentum=0.9)
@@ -117,14 +117,14 @@ async def test_checkpoint_saves_get_distinct_numbers(
 ) -> None:
     """Runs and saves from a hundred tasks: a hundred checkpoints numbered 1 to 100; the
     directory holds exactly the ones the manager keeps, and the newest restores."""
-    strategy = MirroredStrategy(cpus(REPLICAS))
+    strategy = MirroredStrategy(host_devices(REPLICAS))
     with strategy.scope():
         counter = Variable(0.0, aggregation="sum")
     manager = CheckpointManager(Checkpoint(counter=counter), tmp_path, max_to_keep=max_to_keep)
     saved: list[str] = []
 
     async def step() -> None:
-        await counter.assign_add(rid() + 1.0)
+        await counter.assign_add(replica_id() + 1.0)
 
     async def run_and_save() -> None:
         await strategy.run(step)

@@ -43,10 +43,10 @@ from typing import Any, Final
 import numpy as np
 import pytest
 from harness import live_tasks
-from replicas import cpus, ctx
 
 from aioreplica import MirroredStrategy, PerReplica, Variable
 from aioreplica.optimizers import SGD
+from aioreplica.testing import host_devices, replica_context
 
 pytestmark = pytest.mark.anyio
 
@@ -82,7 +82,7 @@ class TinyModel:
     """A linear regression on two replicas: the loss all-reduced, an SGD step, a row count."""
 
     def __init__(self) -> None:
-        self.strategy = MirroredStrategy(cpus(2))
+        self.strategy = MirroredStrategy(host_devices(2))
         rng = np.random.default_rng(0)
         x = rng.normal(size=(64, 8))
         y = x @ np.arange(8.0)
@@ -94,7 +94,7 @@ class TinyModel:
 
     async def step(self, x: np.ndarray[Any, Any], y: np.ndarray[Any, Any]) -> Any:
         error = x @ self.w.value() - y
-        loss = await ctx().all_reduce("mean", np.mean(error * error))
+        loss = await replica_context().all_reduce("mean", np.mean(error * error))
         await self.optimizer.apply_gradients([(x.T @ error / 64, self.w)])
         await self.rows.assign_add(len(x))
         return loss

@@ -1,0 +1,336 @@
+"""examples/service.py: training in the background while it serves HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+import pytest
+
+if TYPE_CHECKING:
+    import httpx
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture
+def service(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
+    """examples/service.py loaded as a module (it imports train_digits from its folder)."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    spec = importlib.util.spec_from_file_location("examples_service", EXAMPLES / "service.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text as ``{name{labels}: value}``, checking every line's syntax: each sample
+    follows a ``# HELP`` and a ``# TYPE`` line of its own metric."""
+    samples: dict[str, float] = {}
+    declared: dict[str, list[str]] = {}
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# "):
+            match = re.fullmatch(r"# (HELP|TYPE) (aioreplica_\w+) (.+)", line)
+            assert match, line
+            declared.setdefault(match.group(2), []).append(match.group(1))
+            if match.group(1) == "TYPE":
+                assert match.group(3) in ("gauge", "counter"), line
+            continue
+        match = re.fullmatch(r'(aioreplica_\w+)((?:\{replica="\d+"\})?) (\S+)', line)
+        assert match, line
+        assert declared.get(match.group(1)) == ["HELP", "TYPE"], line
+        samples[match.group(1) + match.group(2)] = float(match.group(3))
+    return samples
+
+
+def p99(latencies: list[float]) -> float:
+    """The 99th percentile by nearest rank."""
+    ordered = sorted(latencies)
+    return ordered[math.ceil(0.99 * len(ordered)) - 1]
+
+
+class TestOverHTTP:
+    @pytest.mark.timeout(60)
+    def test_serves_while_training_and_shuts_down_on_sigint(
+        self, service: types.ModuleType, tmp_path: Path
+    ) -> None:
+        """The real server on loopback: /predict classifies, /health stays fast while training
+        (p99 under 250 ms, which only a blocked loop breaks), the loss falls, and SIGINT ends
+        training and the device threads and exits with code 0 within 5 s."""
+        import httpx
+
+        _, _, x_test, y_test = service.train_digits.load_data(0)
+        port = free_port()
+        log = tmp_path / "service.log"
+        with log.open("w") as output:
+            process = subprocess.Popen(
+                [sys.executable, str(EXAMPLES / "service.py"), "--port", str(port)],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                wait_until_up(client, process, log)
+
+                first = parse_metrics(client.get("/metrics").text)
+                while first["aioreplica_steps_total"] == 0:  # the loss is NaN before a step
+                    first = parse_metrics(client.get("/metrics").text)
+                health = client.get("/health").json()
+                assert health["status"] == "ok"
+                assert health["training"] is True
+
+                latencies = []
+                for _ in range(100):
+                    start = time.perf_counter()
+                    response = client.get("/health")
+                    latencies.append(time.perf_counter() - start)
+                    assert response.status_code == 200
+                middle = parse_metrics(client.get("/metrics").text)
+                assert middle["aioreplica_steps_total"] > first["aioreplica_steps_total"]
+                assert p99(latencies) < 0.25, sorted(latencies)[-5:]
+
+                rows = x_test[:50]
+                answer = client.post("/predict", json={"inputs": rows.tolist()})
+                assert answer.status_code == 200
+                predictions = answer.json()["predictions"]
+                assert len(predictions) == 50
+                assert set(predictions) <= set(range(10))
+                bad = client.post("/predict", json={"inputs": [[0.5] * 63]})
+                assert bad.status_code == 400
+                assert "has 63 values" in bad.json()["error"]
+
+                # Ten epochs later the loss (a mean over the last epoch) is lower.
+                last = middle
+                target = first["aioreplica_steps_total"] + 10 * 22
+                while last["aioreplica_steps_total"] < target:
+                    last = parse_metrics(client.get("/metrics").text)
+                assert last["aioreplica_loss"] < first["aioreplica_loss"]
+                assert last["aioreplica_strategy_merge_rounds_completed"] >= target
+                later = client.post("/predict", json={"inputs": rows.tolist()}).json()
+                accuracy = np.mean(np.array(later["predictions"]) == y_test[:50])
+                assert accuracy >= 0.9
+
+            process.send_signal(signal.SIGINT)
+            code = process.wait(timeout=5)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        text = log.read_text()
+        assert code == 0, text
+        match = re.search(r"training stopped after (\d+) steps \(loss [\d.]+\); (\d+) device", text)
+        assert match, text
+        assert int(match.group(1)) >= target
+        assert match.group(2) == "0"  # no device worker thread outlived the lifespan
+        assert "Traceback" not in text
+
+
+def wait_until_up(client: httpx.Client, process: subprocess.Popen[bytes], log: Path) -> None:
+    """Poll /health until the server answers (it imports, loads data, binds: a few seconds)."""
+    import httpx
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            pytest.fail(f"the service exited with {process.returncode}:\n{log.read_text()}")
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)  # the server is starting: nothing to wait on but the port
+    pytest.fail(f"the service did not answer within 30 s:\n{log.read_text()}")
+
+
+async def run_app(service: types.ModuleType, settings: Any, requests: Any) -> tuple[Any, Any]:
+    """Run the app's lifespan with ``settings``; call ``requests(client, trainer)`` inside."""
+    import httpx
+
+    app = service.create_app(settings)
+    async with app.router.lifespan_context(app):
+        trainer = app.state.trainer
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            result = await requests(client, trainer)
+    return result, trainer
+
+
+@pytest.mark.anyio
+class TestInProcess:
+    async def test_predictions_are_the_models_over_any_split(
+        self, service: types.ModuleType
+    ) -> None:
+        """Rows split across 3 replicas (7 rows, and 1 row: empty replicas) come back in order,
+        each the argmax of the trained weights' scores computed in one piece."""
+        digits = service.train_digits
+        _, _, x_test, _ = digits.load_data(0)
+
+        async def requests(client: httpx.AsyncClient, trainer: Any) -> list[list[int]]:
+            await trainer.stopped.wait()  # after 30 steps
+            answers = []
+            for rows in (x_test[:7], x_test[7:8]):
+                response = await client.post("/predict", json={"inputs": rows.tolist()})
+                assert response.status_code == 200
+                answers.append(response.json()["predictions"])
+            return answers
+
+        settings = service.Settings(replicas=3, max_steps=30)
+        answers, trainer = await run_app(service, settings, requests)
+        assert trainer.steps == 30
+        weights = {name: v.numpy() for name, v in trainer.params.items()}
+        expected = np.argmax(digits.logits(np, weights, x_test[:8]), axis=1).tolist()
+        assert answers == [expected[:7], expected[7:]]
+
+    @pytest.mark.parametrize(
+        ("body", "message"),
+        [
+            (b"{not json", "the body is not valid JSON"),
+            (b"[1, 2]", 'the body must be a JSON object {"inputs"'),
+            (b'{"rows": []}', 'the body must be a JSON object {"inputs"'),
+            (b'{"inputs": "0.5"}', '"inputs" must be a list of rows, got a string'),
+            (b'{"inputs": []}', '"inputs" is empty: send at least one row'),
+            (b'{"inputs": [5]}', '"inputs"[0] must be a list of 64 numbers, got the number 5'),
+            (b'{"inputs": [[1, 2]]}', '"inputs"[0] has 2 values; each row is an 8x8 image'),
+            (
+                json.dumps({"inputs": [[0.0] * 64, [0.0] * 63 + ["x"]]}).encode(),
+                '"inputs"[1][63] must be a number, got a string',
+            ),
+            (
+                json.dumps({"inputs": [[True] + [0.0] * 63]}).encode(),
+                '"inputs"[0][0] must be a number, got a boolean',
+            ),
+            (
+                json.dumps({"inputs": [[None] * 64]}).encode(),
+                '"inputs"[0][0] must be a number, got null',
+            ),
+            (b'{"inputs": [[NaN' + b", 0" * 63 + b"]]}", "a value that is not finite"),
+            (
+                json.dumps({"inputs": [[0.0] * 64] * 4097}).encode(),
+                '"inputs" has 4097 rows; send at most 4096',
+            ),
+        ],
+    )
+    async def test_bad_input_is_a_400_saying_what_is_wrong(
+        self, service: types.ModuleType, body: bytes, message: str
+    ) -> None:
+        """A /predict body that is not {"inputs": [[64 numbers], ...]} gets 400 and a JSON
+        error naming the part that is wrong."""
+
+        async def requests(client: httpx.AsyncClient, trainer: Any) -> httpx.Response:
+            return await client.post("/predict", content=body)
+
+        response, _ = await run_app(service, service.Settings(max_steps=0), requests)
+        assert response.status_code == 400
+        assert response.headers["content-type"] == "application/json"
+        assert message in response.json()["error"]
+
+    async def test_metrics_and_health(self, service: types.ModuleType) -> None:
+        """/metrics is Prometheus text with the loss, the counters and the statistics; /health
+        reports the steps; both after training stopped at max_steps."""
+
+        async def requests(client: httpx.AsyncClient, trainer: Any) -> tuple[Any, Any]:
+            await trainer.stopped.wait()
+            metrics = await client.get("/metrics")
+            health = await client.get("/health")
+            return metrics, health
+
+        settings = service.Settings(replicas=2, max_steps=25)
+        (metrics, health), trainer = await run_app(service, settings, requests)
+        assert metrics.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
+        samples = parse_metrics(metrics.text)
+        assert samples["aioreplica_steps_total"] == 25
+        assert samples["aioreplica_epochs_total"] == 1  # 22 steps an epoch
+        assert samples["aioreplica_loss"] == pytest.approx(sum(trainer.recent_losses) / 22)
+        assert 0.5 < samples["aioreplica_test_accuracy"] <= 1
+        assert samples["aioreplica_strategy_runs_active"] == 0
+        assert samples["aioreplica_strategy_merge_rounds_completed"] >= 25
+        assert "# TYPE aioreplica_steps_total counter" in metrics.text
+        assert "# TYPE aioreplica_loss gauge" in metrics.text
+        assert health.json() == {"status": "ok", "steps": 25, "training": False}
+
+    async def test_lifespan_end_cancels_training_and_closes_the_strategy(
+        self, service: types.ModuleType
+    ) -> None:
+        """Ending the lifespan while training runs stops it and closes the strategy."""
+
+        async def requests(client: httpx.AsyncClient, trainer: Any) -> int:
+            while trainer.steps < 3:
+                await anyio.lowlevel.checkpoint()  # training runs on this loop
+            steps: int = trainer.steps
+            return steps
+
+        steps, trainer = await run_app(service, service.Settings(replicas=2), requests)
+        assert steps >= 3
+        assert trainer.training is False
+        assert trainer.strategy.closed
+
+
+class TestMetricsText:
+    def test_statistics_fields_render_generically(self, service: types.ModuleType) -> None:
+        """Every numeric field of the statistics object is a series: a tuple one per replica
+        (labelled), ``None`` skipped, help text from its docstring's Attributes section."""
+
+        @dataclasses.dataclass(frozen=True)
+        class Statistics:
+            """Test statistics.
+
+            Attributes:
+                steps: completed ``run()`` calls.
+                wait_total: seconds waited,
+                    per replica.
+                slowest_replica: the id that arrived last most often.
+            """
+
+            steps: int
+            wait_total: tuple[float, ...]
+            slowest_replica: int | None
+            label: str
+
+        def trainer(slowest: int | None) -> Any:
+            strategy = types.SimpleNamespace(
+                statistics=lambda: Statistics(3, (0.5, 1.25), slowest, "x")
+            )
+            return types.SimpleNamespace(
+                loss=math.nan, steps=3, epochs=0, test_accuracy=math.nan, strategy=strategy
+            )
+
+        text = service.render_metrics(trainer(None))
+        samples = parse_metrics(text)
+        assert {k: v for k, v in samples.items() if "strategy" in k} == {
+            "aioreplica_strategy_steps": 3,
+            'aioreplica_strategy_wait_total{replica="0"}': 0.5,
+            'aioreplica_strategy_wait_total{replica="1"}': 1.25,
+        }
+        assert math.isnan(samples["aioreplica_loss"])
+        assert "# HELP aioreplica_strategy_steps completed run() calls." in text
+        assert "# HELP aioreplica_strategy_wait_total seconds waited, per replica." in text
+        assert "# TYPE aioreplica_strategy_wait_total counter" in text
+        with_slowest = parse_metrics(service.render_metrics(trainer(1)))
+        assert with_slowest["aioreplica_strategy_slowest_replica"] == 1
+        assert "# TYPE aioreplica_strategy_slowest_replica gauge" in service.render_metrics(
+            trainer(1)
+        )
