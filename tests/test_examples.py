@@ -3,39 +3,27 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
 import numpy as np
 import pytest
+from example_modules import EXAMPLES, load_example
 
 if TYPE_CHECKING:
+    from pathlib import Path
     from types import ModuleType
 
     from numpy.typing import NDArray
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-
-def load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"examples_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 class TestQuickstart:
     @pytest.mark.anyio
     async def test_recovers_the_true_weights(self) -> None:
         """Data-parallel training on 4 replicas finds the weights that made the data."""
-        quickstart = load("quickstart")
+        quickstart = load_example("quickstart")
         result = await quickstart.main(replicas=4, steps=60, rows=512, report=False)
         np.testing.assert_allclose(result.weights, quickstart.TRUE_WEIGHTS, atol=0.01)
         assert result.merges == 60
@@ -43,7 +31,7 @@ class TestQuickstart:
     @pytest.mark.anyio
     async def test_replica_count_does_not_change_the_result(self) -> None:
         """Averaging equal-sized shard gradients gives the same weights on 1 or 8 replicas."""
-        quickstart = load("quickstart")
+        quickstart = load_example("quickstart")
         one = await quickstart.main(replicas=1, steps=20, rows=512, report=False)
         eight = await quickstart.main(replicas=8, steps=20, rows=512, report=False)
         np.testing.assert_allclose(one.weights, eight.weights, rtol=1e-12, atol=1e-12)
@@ -88,7 +76,7 @@ class TestTrainDigits:
     @pytest.mark.anyio
     async def test_replicas_and_plain_numpy_agree(self) -> None:
         """50 steps on 4 replicas, on 1 replica, and in plain NumPy give the same parameters."""
-        digits = load("train_digits")
+        digits = load_example("train_digits")
         settings = {"global_batch": 64, "learning_rate": 0.1, "momentum": 0.9}
         four = await digits.main(4, max_steps=50, progress=False, **settings)
         one = await digits.main(1, max_steps=50, progress=False, **settings)
@@ -104,7 +92,7 @@ class TestTrainDigits:
     @pytest.mark.anyio
     async def test_resuming_continues_the_same_run(self, tmp_path: Path) -> None:
         """Two epochs, a restart from the checkpoint and a third equal three epochs straight."""
-        digits = load("train_digits")
+        digits = load_example("train_digits")
         directory = str(tmp_path / "checkpoints")
         first = await digits.main(3, epochs=2, checkpoint_dir=directory, progress=False)
         assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
@@ -124,7 +112,7 @@ class TestTrainDigits:
     async def test_resuming_mid_epoch_continues_the_same_run(self, tmp_path: Path) -> None:
         """A run stopped after 30 steps (8 into the second epoch) and resumed sees the batches
         of an unbroken run and ends with its parameters."""
-        digits = load("train_digits")
+        digits = load_example("train_digits")
         directory = str(tmp_path / "checkpoints")
         stopped = await digits.main(
             3, epochs=2, max_steps=30, checkpoint_dir=directory, progress=False
@@ -147,7 +135,7 @@ class TestTrainDigits:
     async def test_steps_per_call_runs_the_same_steps(self, tmp_path: Path) -> None:
         """``steps_per_call`` (``strategy.run_steps``) takes the steps ``run()`` per step takes,
         over an epoch boundary and a ``max_steps`` inside a call, checkpoints and resumes."""
-        digits = load("train_digits")
+        digits = load_example("train_digits")
         directory = str(tmp_path / "checkpoints")
         straight = await digits.main(3, epochs=2, progress=False)
         stopped = await digits.main(
@@ -173,7 +161,7 @@ class TestTrainDigits:
         """``checkpoint_every`` saves mid-epoch; a run killed after step 25 (its stopping
         checkpoint deleted, as if it never came) resumes at step 20 and ends as an unbroken
         run."""
-        digits = load("train_digits")
+        digits = load_example("train_digits")
         directory = tmp_path / "checkpoints"
         settings = {"progress": False, "steps_per_call": steps_per_call}
         killed = await digits.main(
@@ -203,7 +191,7 @@ class TestTrainDigits:
 
     def test_reaches_95_percent_test_accuracy(self, tmp_path: Path) -> None:
         """The default run (4 replicas, 20 epochs) classifies at least 95 % of the test set."""
-        digits = load("train_digits")
+        digits = load_example("train_digits")
         result = anyio.run(
             functools.partial(digits.main, checkpoint_dir=str(tmp_path), progress=False)
         )

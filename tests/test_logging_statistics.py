@@ -15,6 +15,7 @@ import pytest
 import aioreplica
 from aioreplica import MirroredStrategy
 from aioreplica._scheduler import _WATCHDOG, _Watchdog
+from aioreplica.testing import host_devices, replica_id
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -24,16 +25,6 @@ if TYPE_CHECKING:
 THRESHOLD = 0.05
 #: Seconds any one wait of these tests may take before it counts as a hang.
 PATIENCE = 10.0
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
-
-
-def replica_id() -> int:
-    ctx = aioreplica.get_replica_context()
-    assert ctx is not None
-    return ctx.replica_id_in_sync_group
 
 
 def noop(strategy: Any) -> None:
@@ -75,7 +66,7 @@ def watched() -> Iterator[Callable[..., MirroredStrategy]]:
     made: list[MirroredStrategy] = []
 
     def make(replicas: int, seconds: float | None = THRESHOLD) -> MirroredStrategy:
-        strategy = MirroredStrategy(cpus(replicas), slow_merge_warning=seconds)
+        strategy = MirroredStrategy(host_devices(replicas), slow_merge_warning=seconds)
         made.append(strategy)
         return strategy
 
@@ -212,25 +203,25 @@ async def test_none_disables_the_warning(
 
 
 def test_the_default_is_a_minute() -> None:
-    assert MirroredStrategy(cpus(1)).slow_merge_warning == 60.0
+    assert MirroredStrategy(host_devices(1)).slow_merge_warning == 60.0
 
 
 @pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf])
 def test_slow_merge_warning_must_be_positive_and_finite(bad: float) -> None:
     with pytest.raises(ValueError, match=r"^slow_merge_warning must be a positive, finite number"):
-        MirroredStrategy(cpus(1), slow_merge_warning=bad)
+        MirroredStrategy(host_devices(1), slow_merge_warning=bad)
 
 
 @pytest.mark.parametrize("bad", ["60", True, [1.0]])
 def test_slow_merge_warning_must_be_a_number(bad: Any) -> None:
     with pytest.raises(TypeError, match=r"^slow_merge_warning must be a number of seconds or None"):
-        MirroredStrategy(cpus(1), slow_merge_warning=bad)
+        MirroredStrategy(host_devices(1), slow_merge_warning=bad)
 
 
 def test_the_watchdog_thread_ends_when_nothing_is_watched() -> None:
     """One thread for every watched scheduler; it ends once none is left, and starts again."""
     watchdog = _Watchdog()
-    scheduler = MirroredStrategy(cpus(1), slow_merge_warning=None)._scheduler
+    scheduler = MirroredStrategy(host_devices(1), slow_merge_warning=None)._scheduler
     scheduler.slow_merge_warning = THRESHOLD
     watchdog.watch(scheduler)
     thread = watchdog.thread
@@ -255,7 +246,7 @@ def test_the_watchdog_thread_ends_when_nothing_is_watched() -> None:
 
 
 def test_statistics_before_any_run() -> None:
-    stats = MirroredStrategy(cpus(3)).statistics()
+    stats = MirroredStrategy(host_devices(3)).statistics()
     assert stats == aioreplica.SchedulerStatistics(
         runs_active=0,
         replicas_waiting=0,
@@ -286,7 +277,7 @@ async def late_replica_one(rounds: int) -> None:
 
 @pytest.mark.anyio
 async def test_statistics_name_the_late_replica_and_the_waits() -> None:
-    strategy = MirroredStrategy(cpus(3))
+    strategy = MirroredStrategy(host_devices(3))
     await strategy.run(late_replica_one, args=(2,))
     stats = strategy.statistics()
     assert (stats.steps, stats.merge_rounds_completed, stats.slowest_replica) == (1, 2, 1)
@@ -309,7 +300,7 @@ async def test_statistics_name_the_late_replica_and_the_waits() -> None:
 async def test_a_replica_arriving_in_between_is_charged_the_rounds_wait() -> None:
     """Replica 0 arrives first, 1 after ``LATE``, 2 after ``3 * LATE``: the round waited
     about ``3 * LATE``, and both replicas that were not last are charged all of it."""
-    strategy = MirroredStrategy(cpus(3))
+    strategy = MirroredStrategy(host_devices(3))
 
     async def step() -> None:
         ctx = aioreplica.get_replica_context()
@@ -329,7 +320,7 @@ async def test_a_replica_arriving_in_between_is_charged_the_rounds_wait() -> Non
 
 @pytest.mark.anyio
 async def test_a_failed_run_is_no_step_and_its_unfinished_round_no_wait() -> None:
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
 
     async def step() -> None:
         ctx = aioreplica.get_replica_context()
@@ -354,7 +345,7 @@ async def test_a_failed_run_is_no_step_and_its_unfinished_round_no_wait() -> Non
 
 @pytest.mark.anyio
 async def test_run_steps_is_one_step_and_plain_runs_have_no_slowest_replica() -> None:
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     await strategy.run(lambda: None)
     stats = strategy.statistics()
     assert (stats.steps, stats.slowest_replica) == (1, None)  # no merge round yet
@@ -371,7 +362,7 @@ async def test_run_steps_is_one_step_and_plain_runs_have_no_slowest_replica() ->
 
 @pytest.mark.anyio
 async def test_a_closed_strategy_is_not_watched() -> None:
-    strategy = MirroredStrategy(cpus(1), slow_merge_warning=THRESHOLD)
+    strategy = MirroredStrategy(host_devices(1), slow_merge_warning=THRESHOLD)
     scheduler = strategy._scheduler
     assert scheduler in _WATCHDOG._schedulers
     strategy.close()

@@ -2,40 +2,29 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from collections import Counter, defaultdict
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 import pytest
+from example_modules import EXAMPLES, load_example
 
 import aioreplica
 from aioreplica import MirroredStrategy, _trace
+from aioreplica.testing import host_devices, replica_id
 
 if TYPE_CHECKING:
-    from types import ModuleType
+    from pathlib import Path
 
 pytestmark = pytest.mark.anyio
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 #: Rounding: times are written in microseconds with three decimals.
 EPSILON = 0.002
-
-
-def cpus(n: int) -> list[str]:
-    return [f"cpu:{i}" for i in range(n)]
-
-
-def replica_id() -> int:
-    ctx = aioreplica.get_replica_context()
-    assert ctx is not None
-    return ctx.replica_id_in_sync_group
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -118,7 +107,7 @@ def merge_twice(strategy: Any, value: Any) -> Any:
 async def test_the_spans_of_a_step_are_named_and_nest(tmp_path: Path) -> None:
     """A step with device.run, a merge_call, a collective and a barrier, fed by a distributed
     dataset, between a checkpoint save and a restore: every span is where it belongs."""
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     with strategy.scope():
         weights = aioreplica.Variable(np.zeros(3))
     checkpoint = aioreplica.Checkpoint(weights=weights)
@@ -237,7 +226,7 @@ async def test_the_spans_of_a_step_are_named_and_nest(tmp_path: Path) -> None:
 
 async def test_a_trace_of_two_runs(tmp_path: Path) -> None:
     """The merge rounds of a trace count on across runs; the second run comes after the first."""
-    strategy = MirroredStrategy(cpus(3))
+    strategy = MirroredStrategy(host_devices(3))
 
     async def step() -> None:
         ctx = aioreplica.get_replica_context()
@@ -267,7 +256,7 @@ async def test_a_trace_of_two_runs(tmp_path: Path) -> None:
 
 
 async def test_a_plain_step_function_is_one_compute_span(tmp_path: Path) -> None:
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     async with strategy.trace(tmp_path / "plain.json"):
         assert await strategy.run(lambda: 7) == 7
     depths = check_nesting(load(tmp_path / "plain.json"))
@@ -280,7 +269,7 @@ async def test_a_plain_step_function_is_one_compute_span(tmp_path: Path) -> None
 async def test_tasks_a_replica_starts_record_on_tracks_of_their_own(tmp_path: Path) -> None:
     """Two device jobs awaited at once by tasks of one replica overlap: they cannot both nest
     on the replica's track, so one goes on ``replica r (2)``."""
-    strategy = MirroredStrategy(cpus(1))
+    strategy = MirroredStrategy(host_devices(1))
 
     def job() -> None:
         return None
@@ -309,7 +298,7 @@ async def test_tasks_a_replica_starts_record_on_tracks_of_their_own(tmp_path: Pa
 
 
 async def test_concurrent_runs_take_tracks_of_their_own(tmp_path: Path) -> None:
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     both_started = anyio.Event()
     started: list[int] = []
 
@@ -346,8 +335,8 @@ async def test_concurrent_runs_take_tracks_of_their_own(tmp_path: Path) -> None:
 
 
 async def test_another_strategy_is_not_recorded(tmp_path: Path) -> None:
-    traced = MirroredStrategy(cpus(2))
-    other = MirroredStrategy(cpus(2))
+    traced = MirroredStrategy(host_devices(2))
+    other = MirroredStrategy(host_devices(2))
 
     async def step() -> None:
         ctx = aioreplica.get_replica_context()
@@ -373,7 +362,7 @@ async def test_the_file_is_written_once_complete_and_atomically(tmp_path: Path) 
     once, and no temporary file is left."""
     path = tmp_path / "run.json"
     path.write_text("an older trace")
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     async with strategy.trace(path):
         await strategy.run(lambda: None)
         assert path.read_text() == "an older trace"
@@ -383,7 +372,7 @@ async def test_the_file_is_written_once_complete_and_atomically(tmp_path: Path) 
 
 
 async def test_the_file_is_written_when_the_block_fails_or_is_cancelled(tmp_path: Path) -> None:
-    strategy = MirroredStrategy(cpus(2))
+    strategy = MirroredStrategy(host_devices(2))
     with pytest.raises(ZeroDivisionError):
         async with strategy.trace(tmp_path / "failed.json"):
             await strategy.run(lambda: 1 / 0)
@@ -404,7 +393,7 @@ async def test_the_file_is_written_when_the_block_fails_or_is_cancelled(tmp_path
 async def test_a_file_that_cannot_be_written_raises_and_ends_the_trace(tmp_path: Path) -> None:
     folder = tmp_path / "gone"
     folder.mkdir()
-    strategy = MirroredStrategy(cpus(1))
+    strategy = MirroredStrategy(host_devices(1))
     strategy.start_trace(folder / "run.json")
     folder.rmdir()
     with pytest.raises(FileNotFoundError):
@@ -416,8 +405,8 @@ async def test_a_file_that_cannot_be_written_raises_and_ends_the_trace(tmp_path:
 
 
 async def test_start_and_stop_refuse_what_they_cannot_do(tmp_path: Path) -> None:
-    strategy = MirroredStrategy(cpus(2))
-    other = MirroredStrategy(cpus(1))
+    strategy = MirroredStrategy(host_devices(2))
+    other = MirroredStrategy(host_devices(1))
     with pytest.raises(RuntimeError, match=r"^no trace is being recorded by MirroredStrategy"):
         strategy.stop_trace()
     strategy.start_trace(str(tmp_path / "first.json"))
@@ -456,7 +445,7 @@ class _SecondWorker(MirroredStrategy):
 
 
 async def test_a_worker_other_than_the_first_adds_its_index_to_the_name(tmp_path: Path) -> None:
-    strategy = _SecondWorker(cpus(2))
+    strategy = _SecondWorker(host_devices(2))
     async with strategy.trace(tmp_path / "run.json") as written:
         await strategy.run(lambda: None)
     assert written == str(tmp_path / "run.worker1.json")
@@ -465,16 +454,6 @@ async def test_a_worker_other_than_the_first_adds_its_index_to_the_name(tmp_path
     assert document["otherData"]["worker"] == 1
     assert {event["pid"] for event in document["traceEvents"]} == {1}
     assert document["traceEvents"][0]["args"] == {"name": "worker 1"}
-
-
-def load_example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"trace_{name}", EXAMPLES / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def check_training_trace(document: dict[str, Any], replicas: int) -> None:

@@ -6,20 +6,16 @@ folder unless ``--checkpoint-dir`` names one, so runs never find each other's ch
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import pytest
+from example_modules import EXAMPLES, load_example
 
-if TYPE_CHECKING:
-    from types import ModuleType
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_digits.py"
+EXAMPLE = EXAMPLES / "train_digits.py"
 #: A short run: 2 replicas, 2 steps of 512 rows.
 QUICK = ["--epochs", "1", "--batch-size", "512", "--replicas", "2"]
 
@@ -34,16 +30,6 @@ def train(*arguments: str, temp: Path, check: bool = True) -> subprocess.Complet
         check=check,
         env={**os.environ, "TMPDIR": str(temp), "TEMP": str(temp), "TMP": str(temp)},
     )
-
-
-def load_example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("examples_train_digits_cli", EXAMPLE)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def contents(directory: Path) -> dict[str, bytes]:
@@ -115,7 +101,7 @@ class TestResume:
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
         """``resume=True`` with no checkpoint in the folder says so and trains from step 0."""
-        digits = load_example()
+        digits = load_example("train_digits")
         folder = tmp_path / "empty"
         result = await digits.main(
             2, epochs=1, global_batch=512, checkpoint_dir=str(folder), resume=True, max_steps=1
@@ -130,7 +116,7 @@ class TestResume:
         self, tmp_path: Path, capsys: pytest.CaptureFixture[str]
     ) -> None:
         """A finished run resumed with a larger ``epochs`` trains only the new epochs."""
-        digits = load_example()
+        digits = load_example("train_digits")
         folder = str(tmp_path / "ck")
         await digits.main(2, epochs=1, global_batch=512, checkpoint_dir=folder, progress=False)
         done = await digits.main(2, epochs=1, global_batch=512, checkpoint_dir=folder, resume=True)
