@@ -75,11 +75,14 @@ def canonical_device_name(name: str) -> str:
 
 
 def _gpu_count() -> int:
-    """How many GPUs CuPy sees; 0 without CuPy (never imported when not installed) or CUDA."""
+    """How many GPUs CuPy sees; 0 without CuPy (never imported when not installed), with a
+    CuPy that cannot load, or without CUDA."""
     if importlib.util.find_spec("cupy") is None:
         return 0
-    from . import _cupy
-
+    try:
+        from . import _cupy
+    except ImportError:  # installed, but it cannot load (a CUDA library missing, ...)
+        return 0
     return _cupy.visible_device_count()
 
 
@@ -111,14 +114,20 @@ def _device_for(name: str) -> Device:
             "pip install 'aioreplica[cuda]'; the devices here are "
             f"{list_devices()}"
         )
+    try:
+        from . import _cupy
+    except ImportError as exc:
+        raise ValueError(
+            f"device {name!r} needs CuPy, which is installed but cannot be imported ({exc}); "
+            "reinstall the cupy-cudaNNx wheel that matches your CUDA; the devices here are "
+            f"{list_devices()}"
+        ) from exc
     count = _gpu_count()
     if index >= count:
         raise ValueError(
             f"device {name!r} ({canonical}) does not exist: CuPy sees {count} GPU"
             f"{'' if count == 1 else 's'}; the devices here are {list_devices()}"
         )
-    from . import _cupy
-
     return _cupy.cuda_device(index)
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
-from typing import Any
+import subprocess
+import sys
+import textwrap
+from typing import TYPE_CHECKING, Any
 
 import pytest
+from simulated_gpus import simulated_cupy
 
 import aioreplica
 from aioreplica._backends import (
@@ -16,6 +21,9 @@ from aioreplica._backends import (
     resolve_devices,
 )
 from aioreplica.testing import FakeDevice
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 
 class NotQuiteADevice:
@@ -246,9 +254,16 @@ class TestResolveDevices:
         [("gpu:0", "gpu:0"), ("cuda:1", "gpu:1"), ("/device:GPU:1", "gpu:1"), ("GPU:2", "gpu:2")],
     )
     def test_gpu_name_raises_value_error_listing_available_devices(
-        self, name: str, canonical: str
+        self, name: str, canonical: str, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        """GPU names parse but, without CuPy, are refused with install advice and the devices."""
+        """GPU names parse but, without CuPy, are refused with install advice and the devices
+        (CuPy is hidden, so the test means the same where it is installed)."""
+        find_spec = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda module, *args: None if module == "cupy" else find_spec(module, *args),
+        )
         with pytest.raises(
             ValueError,
             match=(
@@ -257,6 +272,36 @@ class TestResolveDevices:
             ),
         ):
             resolve_devices(["cpu:0", name])
+
+    def test_a_cupy_that_cannot_load_is_named_and_host_devices_still_work(
+        self, tmp_path: Path
+    ) -> None:
+        """An installed CuPy whose import fails: ``list_devices`` lists the host, and a GPU
+        name is refused with the import error, not a traceback from inside the backend."""
+        (tmp_path / "cupy").mkdir()
+        (tmp_path / "cupy" / "__init__.py").write_text("raise ImportError('libcudart.so.12')")
+        code = textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(tmp_path)!r})
+            import aioreplica
+            print(aioreplica.list_devices())
+            try:
+                aioreplica.MirroredStrategy(["gpu:0"])
+            except ValueError as exc:
+                print(exc)
+            """
+        )
+        completed = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=30
+        )
+        assert (completed.returncode, completed.stderr) == (0, "")
+        assert completed.stdout.splitlines() == [
+            "['cpu:0']",
+            "device 'gpu:0' needs CuPy, which is installed but cannot be imported "
+            "(libcudart.so.12); reinstall the cupy-cudaNNx wheel that matches your CUDA; the "
+            "devices here are ['cpu:0']",
+        ]
 
     def test_unknown_name_raises_value_error(self) -> None:
         """An unknown name in the sequence is named."""
@@ -385,25 +430,17 @@ class TestListDevices:
 
 
 class TestGpuWithoutDevices:
-    def test_cupy_installed_but_no_gpu(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def test_cupy_installed_but_no_gpu(self) -> None:
         """With CuPy but no CUDA device, a GPU name is refused with the devices that exist."""
-        import importlib.util
-
         from aioreplica import _backends
 
-        real_find_spec = importlib.util.find_spec
-
-        def find_spec(name: str, *args: Any) -> Any:
-            return object() if name == "cupy" else real_find_spec(name, *args)
-
-        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-        monkeypatch.setattr(_backends, "_gpu_count", lambda: 0)
-        with pytest.raises(
-            ValueError,
-            match=(
-                r"^device 'cuda:1' \(gpu:1\) does not exist: CuPy sees 0 GPUs; "
-                r"the devices here are \['cpu:0'\]$"
-            ),
-        ):
-            resolve_devices(["cuda:1"])
-        assert [d.name for d in _backends.default_devices()] == ["cpu:0"]
+        with simulated_cupy(0):
+            with pytest.raises(
+                ValueError,
+                match=(
+                    r"^device 'cuda:1' \(gpu:1\) does not exist: CuPy sees 0 GPUs; "
+                    r"the devices here are \['cpu:0'\]$"
+                ),
+            ):
+                resolve_devices(["cuda:1"])
+            assert [d.name for d in _backends.default_devices()] == ["cpu:0"]
