@@ -31,6 +31,7 @@ from ._writes import (
     ASSIGN,
     SUB,
     Turn,
+    active,
     commit,
     compute_copies,
     compute_update,
@@ -413,7 +414,7 @@ class Variable(NDArrayOperatorsMixin):
         fresh: dict[int, Any] = {}  # host replicas share one array: copy it once
         for copy, device in zip(self._copies, self._devices, strict=True):
             if id(copy) not in fresh:
-                with _active(device):
+                with active(device):
                     fresh[id(copy)] = frozen(array_module(copy).array(copy, copy=True))
         new._copies = tuple(fresh[id(copy)] for copy in self._copies)
         memo[id(self)] = new
@@ -942,20 +943,3 @@ def _check_aggregation_dtype(agg: VariableAggregation, dtype: np.dtype[Any], nam
 def _short(value: Any) -> str:
     shown = repr(value)
     return shown if len(shown) <= 40 else f"{type(value).__name__} {shown[:30]}..."
-
-
-class _active:
-    """Make a device current (with its stream) for synchronous work outside a replica."""
-
-    __slots__ = ("_device",)
-
-    def __init__(self, device: Device) -> None:
-        self._device = device
-
-    def __enter__(self) -> None:
-        if self._device.has_context:
-            self._device.enter()
-
-    def __exit__(self, *exc: object) -> None:
-        if self._device.has_context:
-            self._device.leave()

@@ -47,6 +47,7 @@ __all__ = [
     "SUB",
     "Stored",
     "Turn",
+    "active",
     "commit",
     "compute_copies",
     "compute_update",
@@ -290,18 +291,31 @@ def split_sum(values: list[Any], dtype: np.dtype[Any], devices: Sequence[Device]
     n = len(values)
     shares = []
     for i, (value, device) in enumerate(zip(values, devices, strict=True)):
-        if device.has_context:
-            device.enter()
-        try:
+        with active(device):
             if dtype.kind in "iu":
                 quotient, remainder = divmod(value, n)
                 shares.append(quotient + remainder if i == 0 else quotient)
             else:
                 shares.append(value / n)
-        finally:
-            if device.has_context:
-                device.leave()
     return shares
+
+
+class active:
+    """``with active(device):`` makes a device current (with its stream) for synchronous work
+    outside a replica's step; a host device has nothing to make current."""
+
+    __slots__ = ("_device",)
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+
+    def __enter__(self) -> None:
+        if self._device.has_context:
+            self._device.enter()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._device.has_context:
+            self._device.leave()
 
 
 def frozen(array: Any) -> Any:

@@ -22,6 +22,7 @@ from simulated_gpus import simulated_cupy
 if TYPE_CHECKING:
     from collections.abc import Iterator
     from pathlib import Path
+    from types import ModuleType
 
 OPS = ("sum", "mean", "max", "min", "prod")
 
@@ -337,22 +338,28 @@ class TestCupyBackend:
 
 def test_docstring_examples_run_on_the_stand_in() -> None:
     """The CUDA backend's docstring examples pass on two simulated GPUs (``--doctest-modules``
-    runs them only where a real CuPy and GPU are)."""
+    does not collect them; ``test_cupy_gpu.py`` runs them on a real GPU)."""
+    with simulated_cupy(2):
+        from aioreplica._backends import _cupy
+
+        assert_docstring_examples_pass(_cupy)
+
+
+def assert_docstring_examples_pass(cupy_backend: ModuleType) -> None:
+    """Run the docstring examples of ``cupy_backend`` (``aioreplica._backends._cupy``, on
+    whichever CuPy it was imported with) and check that they all pass."""
     import doctest
 
     import anyio
 
     import aioreplica
 
-    with simulated_cupy(2):
-        from aioreplica._backends import _cupy
-
-        finder = doctest.DocTestFinder(exclude_empty=True)
-        runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-        globs = {"np": np, "anyio": anyio, "aioreplica": aioreplica}
-        tests = [t for t in finder.find(_cupy, extraglobs=globs) if t.examples]
-        for test in tests:
-            runner.run(test)
-        outcome = runner.summarize(verbose=False)
+    finder = doctest.DocTestFinder(exclude_empty=True)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    globs = {"np": np, "anyio": anyio, "aioreplica": aioreplica}
+    tests = [t for t in finder.find(cupy_backend, extraglobs=globs) if t.examples]
+    for test in tests:
+        runner.run(test)
+    outcome = runner.summarize(verbose=False)
     assert len(tests) >= 8
     assert (outcome.failed, outcome.attempted > 20) == (0, True)

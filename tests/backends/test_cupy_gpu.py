@@ -35,6 +35,7 @@ if (_reason := _no_cuda_device()) is not None:
 # Collected again here, with the real backend as ``cb``.
 from test_cupy import TestCudaDevice as TestCudaDevice  # noqa: E402
 from test_cupy import TestCupyBackend as TestCupyBackend  # noqa: E402
+from test_cupy import assert_docstring_examples_pass  # noqa: E402
 from test_cupy import cp as cp  # noqa: E402
 
 if TYPE_CHECKING:
@@ -49,22 +50,6 @@ def cb() -> ModuleType:
     return _cupy
 
 
-def test_docstring_examples_run_on_the_gpu() -> None:
+def test_docstring_examples_run_on_the_gpu(cb: ModuleType) -> None:
     """The CUDA backend's docstring examples pass on the real CuPy."""
-    import doctest
-
-    import anyio
-    import numpy as np
-
-    import aioreplica
-    from aioreplica._backends import _cupy
-
-    finder = doctest.DocTestFinder(exclude_empty=True)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
-    globs = {"np": np, "anyio": anyio, "aioreplica": aioreplica}
-    tests = [t for t in finder.find(_cupy, extraglobs=globs) if t.examples]
-    for test in tests:
-        runner.run(test)
-    outcome = runner.summarize(verbose=False)
-    assert len(tests) >= 8
-    assert (outcome.failed, outcome.attempted > 20) == (0, True)
+    assert_docstring_examples_pass(cb)

@@ -261,6 +261,14 @@ class World:
             self.host.clock.join(clock)
             self.host.tick()
 
+    def device_sync(self, device: int, what: str) -> None:
+        """The host waited for all work launched so far on GPU ``device``, on every stream."""
+        clock = Clock()
+        for agent in [self.null[device], *self.streams]:
+            if agent.device == device:
+                clock.join(agent.clock)
+        self.host_sync(clock, what)
+
     # -- memory ---------------------------------------------------------------------------
 
     def allocate(self, device: int, nbytes: int, stream: Agent) -> Lease:

@@ -50,11 +50,7 @@ class Device:
     def synchronize(self) -> None:
         world = _sim.world()
         world.declare_synchronize()
-        clock = _sim.Clock()
-        for agent in [world.null[self.id], *world.streams]:
-            if agent.device == self.id:
-                clock.join(agent.clock)
-        world.host_sync(clock, f"Device({self.id}).synchronize")
+        world.device_sync(self.id, f"Device({self.id}).synchronize")
 
     def __int__(self) -> int:
         return self.id

@@ -40,12 +40,7 @@ def setDevice(device: int) -> None:
 
 def deviceSynchronize() -> None:
     world = _sim.world()
-    device = world.thread.device
-    clock = _sim.Clock()
-    for agent in [world.null[device], *world.streams]:
-        if agent.device == device:
-            clock.join(agent.clock)
-    world.host_sync(clock, "runtime.deviceSynchronize")
+    world.device_sync(world.thread.device, "runtime.deviceSynchronize")
 
 
 def runtimeGetVersion() -> int:
