@@ -28,6 +28,8 @@ from ._dataset import ValueContext as ValueContext
 from ._errors import AioreplicaInternalError as AioreplicaInternalError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ReplicaSyncError as ReplicaSyncError
+from ._multiworker import Cluster as Cluster
+from ._multiworker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from ._options import CommunicationOptions as CommunicationOptions
 from ._options import ReduceOp as ReduceOp
 from ._scheduler import SchedulerStatistics as SchedulerStatistics
@@ -56,6 +58,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CheckpointManager",
+    "Cluster",
     "CommunicationOptions",
     "Device",
     "DistributedDataset",
@@ -66,6 +69,7 @@ __all__ = [
     "MirroredStrategy",
     "MirroredVariable",
     "MultiStepContext",
+    "MultiWorkerMirroredStrategy",
     "OptionalValue",
     "PerReplica",
     "ReduceOp",

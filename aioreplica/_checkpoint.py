@@ -100,11 +100,13 @@ from ._context import context_state
 from ._dataset import DistributedIterator
 from ._errors import CheckpointError
 from ._optimizers import Optimizer, restore_state, slot_table, slots_to_restore
-from ._variables import Variable, new_copies, snapshot
+from ._variables import Variable, new_copies, snapshot, sync_variables
 from ._writes import Turn, commit, taking_turns, to_host
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Awaitable, Callable, Iterator
+
+    from ._cluster import Workers
 
 __all__ = ["Checkpoint", "CheckpointManager", "RestoreReport"]
 
@@ -221,7 +223,29 @@ class Checkpoint:
             True
         """
         _check_not_in_replica("Checkpoint.save")
-        return await self._snapshot().write(os.fspath(path))
+        workers = self._workers()
+        if workers is None:
+            return await self._snapshot().write(os.fspath(path))
+        snap = await self._collective_snapshot(workers)
+        target = os.fspath(path)
+        return await _chief_writes(workers, lambda: snap.write(target), None)
+
+    def _workers(self) -> Workers | None:
+        """The workers of a multi-worker strategy whose variables this checkpoint holds."""
+        for _, obj in self._leaves():
+            engine = getattr(obj, "_engine", None) if isinstance(obj, Variable) else None
+            if engine is not None and engine.cluster is not None:
+                workers: Workers = engine.cluster
+                return workers
+        return None
+
+    async def _collective_snapshot(self, workers: Workers) -> _Snapshot:
+        """The snapshot of a save on several workers: once every worker is here, new
+        variables take the chief's values, and sync-on-read ones are read over all workers."""
+        await workers.barrier("Checkpoint.save")
+        if workers.pending:
+            await sync_variables(workers)
+        return self._snapshot()
 
     def _snapshot(self) -> _Snapshot:
         """Every value to save, taken at once with no await in between: a consistent snapshot."""
@@ -525,9 +549,22 @@ class CheckpointManager:
         ):
             raise ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
         _check_not_in_replica("CheckpointManager.save")
+        workers = self._checkpoint._workers()
+        if workers is not None:
+            return await self._save_on_workers(workers, checkpoint_number)
         values = self._checkpoint._snapshot()  # references only: copies never change in place
         async with self._turn:
             return await self._save(values, checkpoint_number)
+
+    async def _save_on_workers(self, workers: Workers, checkpoint_number: int | None) -> str:
+        """A collective save: the chief numbers, writes and prunes; the others take its list
+        of checkpoints (no worker ever deletes another's files)."""
+        async with self._turn:
+            values = await self._checkpoint._collective_snapshot(workers)
+            path = await _chief_writes(
+                workers, lambda: self._save(values, checkpoint_number), self._numbers
+            )
+            return path
 
     async def _save(self, values: _Snapshot, checkpoint_number: int | None) -> str:
         """Number, write, record and prune one checkpoint (holding the manager's turn)."""
@@ -594,6 +631,39 @@ class CheckpointManager:
 
 
 # -- saving ---------------------------------------------------------------------------------
+
+
+async def _chief_writes(
+    workers: Workers, write: Callable[[], Awaitable[str]], numbers: list[int] | None
+) -> str:
+    """The chief runs ``write()``; every worker then returns its path, or raises its error.
+
+    ``numbers`` (a manager's kept checkpoint numbers) is replaced on the other workers by the
+    chief's, after its pruning.
+    """
+    outcome: dict[str, Any] = {}
+    if workers.is_chief:
+        try:
+            outcome["path"] = await write()
+        except Exception as exc:
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+            outcome["exception"] = exc
+        if numbers is not None:
+            outcome["numbers"] = numbers
+    shown = {key: value for key, value in outcome.items() if key != "exception"}
+    with anyio.CancelScope(shield=True):  # the others wait for this answer: always send it
+        answer = json.loads(await workers.broadcast_bytes(json.dumps(shown).encode(), 0))
+    if "exception" in outcome:
+        raise outcome["exception"]
+    if "error" in answer:
+        raise OSError(
+            f"the chief (worker 0) could not write the checkpoint: {answer['error']}; every "
+            "worker's save failed, and the previous checkpoints are intact"
+        )
+    if numbers is not None and not workers.is_chief:
+        numbers[:] = answer["numbers"]
+    path: str = answer["path"]
+    return path
 
 
 @final

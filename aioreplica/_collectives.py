@@ -36,21 +36,23 @@ is a span named after the collective, with args ``op``, ``bytes`` (one replica's
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, TypeVar
 
 import numpy as np
 
 from . import _trace, _tree
-from ._backends import array_kind
+from ._backends import HOST_BACKEND, array_kind, host_array
 from ._errors import replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine, Sequence
+    from collections.abc import Coroutine, Iterator, Sequence
 
     from ._backends import ArrayBackend, Device
+    from ._cluster import Workers
     from ._options import CommunicationOptions
 
 __all__ = ["ReductionEngine"]
@@ -71,6 +73,9 @@ class ReductionEngine:
     Args:
         devices: the replicas' devices, in replica order (all of one backend).
         options: the default ``CommunicationOptions`` (packing, timeout).
+        cluster: the workers, when the replicas span several processes: every reduction then
+            adds a cross-worker step (host staging for GPUs), and replica ids are global
+            (worker ``w``'s replica ``j`` is ``w * size + j``).
 
     Example:
         >>> from aioreplica._backends import host_device
@@ -80,17 +85,28 @@ class ReductionEngine:
         [array(3.), array(3.)]
     """
 
-    __slots__ = ("backend", "devices", "options")
+    __slots__ = ("backend", "cluster", "devices", "first_replica", "num_replicas", "options")
 
-    def __init__(self, devices: Sequence[Device], options: CommunicationOptions) -> None:
+    def __init__(
+        self,
+        devices: Sequence[Device],
+        options: CommunicationOptions,
+        cluster: Workers | None = None,
+    ) -> None:
         self.devices: tuple[Device, ...] = tuple(devices)
         self.backend: ArrayBackend = self.devices[0].backend
         self.options = options
+        self.cluster = cluster
+        workers = cluster.num_workers if cluster is not None else 1
+        #: The global id of this worker's first replica.
+        self.first_replica = cluster.worker_index * len(self.devices) if cluster else 0
+        #: The replicas of every worker.
+        self.num_replicas = workers * len(self.devices)
         self.backend.prepare(self.devices)
 
     @property
     def size(self) -> int:
-        """The number of replicas."""
+        """The number of this worker's replicas (every replica with one process)."""
         return len(self.devices)
 
     # -- one result per replica ---------------------------------------------------------
@@ -108,9 +124,13 @@ class ReductionEngine:
         leaves, treedef = self._leaves("all_reduce", value)
         self._check_same_shapes("all_reduce", leaves)
         _check_op(op, leaves)
-        reducing = self._reduce_leaves(op, leaves, self.options.override(options))
+        opts = self.options.override(options)
+        reducing = self._reduce_leaves(op, leaves, opts)
         if _trace.recorder is not None:
             reducing = self._traced(reducing, "all_reduce", op, leaves)
+        if opts.timeout_seconds is not None and self.cluster is not None:
+            with self.cluster.timeout(opts.timeout_seconds):
+                return self._per_replica(treedef, await reducing)
         return self._per_replica(treedef, await reducing)
 
     async def all_reduce_arrays(
@@ -146,9 +166,19 @@ class ReductionEngine:
 
     async def _gather_leaves(self, leaves: list[_LeafArrays], axes: list[int]) -> list[Any]:
         return [
-            await self.backend.all_gather(leaf.arrays, axis, self.devices)
+            await self._gather_arrays(leaf.arrays, axis)
             for leaf, axis in zip(leaves, axes, strict=True)
         ]
+
+    async def _gather_arrays(self, arrays: list[Any], axis: int) -> list[Any]:
+        """One leaf gathered on the backend, then (several workers) across the workers."""
+        local = await self.backend.all_gather(arrays, axis, self.devices)
+        cluster = self.cluster
+        if cluster is None:
+            return local
+        staged = np.moveaxis(await self._staged(local[0]), axis, 0)
+        whole = np.moveaxis(await cluster.allgather_rows(staged), 0, axis)
+        return await self._placed(np.asarray(whole, order="C"))
 
     async def broadcast(self, value: Any, source: int) -> list[Any]:
         """Replica ``source``'s component of ``value``, once per replica on its device.
@@ -160,7 +190,10 @@ class ReductionEngine:
         """
         self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
-        sending = self._broadcast_leaves([leaf.arrays[source] for leaf in leaves], self.devices)
+        if self.cluster is not None:
+            sending = self._broadcast_across(leaves, source)
+        else:
+            sending = self._broadcast_leaves([leaf.arrays[source] for leaf in leaves], self.devices)
         if _trace.recorder is not None:
             sending = self._traced(sending, "broadcast", None, leaves)
         return self._per_replica(treedef, await sending)
@@ -169,6 +202,18 @@ class ReductionEngine:
         self, arrays: list[Any], destinations: Sequence[Device]
     ) -> list[list[Any]]:
         return [await self.backend.broadcast(array, destinations) for array in arrays]
+
+    async def _broadcast_across(self, leaves: list[_LeafArrays], source: int) -> list[list[Any]]:
+        """Global replica ``source``'s leaves from its worker to every worker's replicas."""
+        assert self.cluster is not None
+        root, local = divmod(source, self.size)
+        results = []
+        for leaf in leaves:
+            # Every worker passes its own replica's array: the shape the root's must have.
+            mine = leaf.arrays[local if self.cluster.worker_index == root else 0]
+            value = await self.cluster.broadcast(await self._staged(mine), root)
+            results.append(await self._placed(value))
+        return results
 
     async def reduce_scatter(
         self, op: ReduceOp, value: Any, axis: int, options: CommunicationOptions | None = None
@@ -184,13 +229,18 @@ class ReductionEngine:
         _check_op(op, leaves)
         for leaf in leaves:
             _check_axis("reduce_scatter", leaf, axis)
-        reducing = self._reduce_leaves(op, leaves, self.options.override(options))
+        opts = self.options.override(options)
+        reducing = self._reduce_leaves(op, leaves, opts)
         if _trace.recorder is not None:
             reducing = self._traced(reducing, "reduce_scatter", op, leaves)
-        results = await reducing
-        size = self.size
+        with self._timeout(opts):
+            results = await reducing
+        size, first, chunks = self.size, self.first_replica, self.num_replicas
         scattered = [
-            [self.devices[i].xp.array_split(replicas[i], size, axis=axis)[i] for i in range(size)]
+            [
+                self.devices[i].xp.array_split(replicas[i], chunks, axis=axis)[first + i]
+                for i in range(size)
+            ]
             for replicas in results
         ]
         return self._per_replica(treedef, scattered)
@@ -201,10 +251,21 @@ class ReductionEngine:
         Raises:
             ValueError: ``source`` is not an int from 0 to ``size - 1``.
         """
-        if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source < self.size:
+        last = self.num_replicas - 1
+        if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source <= last:
             raise ValueError(
-                f"source_replica must be a replica id from 0 to {self.size - 1}, got {source!r}"
+                f"source_replica must be a replica id from 0 to {last}, got {source!r}"
             )
+
+    async def barrier(self) -> None:
+        """Wait until every worker's replicas have reached this barrier (several workers)."""
+        if self.cluster is None:
+            return
+        waiting = self.cluster.barrier("barrier")
+        recorder = _trace.recorder
+        if recorder is not None:
+            waiting = recorder.timed(waiting, "barrier", {"devices": self.num_replicas})
+        await waiting
 
     # -- one result per destination ---------------------------------------------------
 
@@ -276,10 +337,12 @@ class ReductionEngine:
         leaves, treedef = self._leaves("reduce_to", [value for value, _ in pairs])
         self._check_same_shapes("reduce_to", leaves)
         _check_op(op, leaves)
-        reducing = self._reduce_leaves(op, leaves, self.options.override(options))
+        opts = self.options.override(options)
+        reducing = self._reduce_leaves(op, leaves, opts)
         if _trace.recorder is not None:
             reducing = self._traced(reducing, "reduce_to", op, leaves)
-        results = await reducing
+        with self._timeout(opts):
+            results = await reducing
         index = {device.name: i for i, device in enumerate(self.devices)}
         per_replica = self._per_replica(treedef, results)
         return [
@@ -469,7 +532,10 @@ class ReductionEngine:
 
         With ``_reduce_arrays``, the step a strategy spanning several workers extends.
         """
-        return await self.backend.all_reduce_packed(op, leaves, self.devices)
+        if self.cluster is None:
+            return await self.backend.all_reduce_packed(op, leaves, self.devices)
+        local = await self.backend.all_reduce_packed(_local_op(op), leaves, self.devices)
+        return await self._across_workers(op, local)
 
     async def _reduce_arrays(self, op: str, inputs: list[Any]) -> list[Any]:
         """Reduce one array per replica on the backend: one result per replica.
@@ -477,7 +543,67 @@ class ReductionEngine:
         The step a strategy spanning several workers extends: local reduction, across
         workers, the local result.
         """
-        return await self.backend.all_reduce(op, inputs, self.devices)
+        if self.cluster is None:
+            return await self.backend.all_reduce(op, inputs, self.devices)
+        if len(inputs) == 1 and self.backend is HOST_BACKEND:
+            # One host replica: from its array straight into the output, as a separate-buffer
+            # Allreduce does (a local copy first would read and write it once more).
+            first = np.asarray(inputs[0], order="C")
+            out = HOST_BACKEND.output(first.shape, first.dtype)
+            await self.cluster.allreduce(_local_op(op), first, out)
+            if op == "mean":
+                np.divide(out, self.num_replicas, out=out)
+            return [HOST_BACKEND.publish(out)]
+        local = await self.backend.all_reduce(_local_op(op), inputs, self.devices)
+        return await self._across_workers(op, local)
+
+    async def _across_workers(self, op: str, local: list[Any]) -> list[Any]:
+        """The cross-worker step: this worker's reduction (``local``, one result per replica,
+        summed for ``mean``) combined with every other worker's, one result per replica.
+
+        Host replicas share one output from the pool, published read-only: it is reduced in
+        place (``MPI.IN_PLACE``) before anyone else sees it. GPU results go through the host.
+        """
+        assert self.cluster is not None
+        if self.backend is HOST_BACKEND:
+            out = local[0]
+            out.flags.writeable = True  # the pool's fresh output: nobody else holds it yet
+            try:
+                await self.cluster.allreduce(_local_op(op), None, out)
+                if op == "mean":
+                    np.divide(out, self.num_replicas, out=out)
+            finally:
+                out.flags.writeable = False
+            return local
+        staged = await self._staged(local[0])
+        await self.cluster.allreduce(_local_op(op), None, staged)
+        if op == "mean":
+            np.divide(staged, self.num_replicas, out=staged)
+        return await self._placed(staged)
+
+    async def _staged(self, value: Any) -> np.ndarray[Any, Any]:
+        """A writeable, contiguous host copy of a result on the first device, once the
+        device's work that made it is done (without blocking the event loop)."""
+        if self.backend is HOST_BACKEND:
+            return np.array(value, copy=True, order="C")
+        await self.devices[0].synchronize()
+        return np.array(host_array(value, self.devices[0]), order="C", copy=True)
+
+    async def _placed(self, value: np.ndarray[Any, Any]) -> list[Any]:
+        """A host array on every replica's device (host replicas share it, read-only)."""
+        if self.backend is HOST_BACKEND:
+            value.flags.writeable = False
+            return [value] * self.size
+        return await self.backend.broadcast(value, self.devices)
+
+    @contextlib.contextmanager
+    def _timeout(self, options: CommunicationOptions) -> Iterator[None]:
+        """Bound the cross-worker waits in the block by ``options.timeout_seconds``."""
+        if self.cluster is None or options.timeout_seconds is None:
+            yield
+            return
+        with self.cluster.timeout(options.timeout_seconds):
+            yield
 
     async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: int) -> Any:
         """``strategy.reduce`` with ``axis``: within each replica, then across replicas.
@@ -487,8 +613,12 @@ class ReductionEngine:
         """
         axis_ = self._check_gather_shapes("reduce", leaf, axis)
         inner = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}[op]
-        empty = [component.shape[axis_] == 0 for component in leaf.arrays]
-        if op in (ReduceOp.MAX, ReduceOp.MIN) and all(empty):
+        rows = sum(component.shape[axis_] for component in leaf.arrays)
+        if self.cluster is not None:
+            count = np.array([rows], np.int64)
+            await self.cluster.allreduce("sum", None, count)
+            rows = int(count[0])
+        if op in (ReduceOp.MAX, ReduceOp.MIN) and rows == 0:
             raise ValueError(
                 f"reduce: every replica's value at {_tree.describe_path(leaf.path)} is empty "
                 f"along axis {axis}, so {op.name} has nothing to reduce"
@@ -502,9 +632,14 @@ class ReductionEngine:
         # Across replicas through the backend, which orders the devices' streams.
         result = (await self._reduce_arrays(inner, partials))[0]
         if op is ReduceOp.MEAN:
-            count = sum(component.shape[axis_] for component in leaf.arrays)
-            result = await self.devices[0].compute(result.nbytes, _divide, result, count)
+            result = await self.devices[0].compute(result.nbytes, _divide, result, rows)
         return result
+
+
+def _local_op(op: str) -> str:
+    """The op of the local step before the cross-worker one: a mean is summed, then divided
+    by the replicas of every worker."""
+    return "sum" if op == "mean" else op
 
 
 def _refuse_components(

@@ -124,13 +124,20 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """This replica's id, ``0 <= id < num_replicas_in_sync``."""
+        """This replica's id, ``0 <= id < num_replicas_in_sync`` (over all workers of a
+        multi-worker strategy: worker ``w``'s local replica ``j`` is ``w * local + j``)."""
+        return self._engine.first_replica + self._replica_id
+
+    @property
+    def local_replica_id(self) -> int:
+        """This replica's index among its worker's replicas (its component of ``run()``'s
+        arguments and results); the same as ``replica_id_in_sync_group`` in one process."""
         return self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas run in sync."""
-        return self._engine.size
+        """How many replicas run in sync (over all workers)."""
+        return self._engine.num_replicas
 
     @property
     def device(self) -> Device:
@@ -368,12 +375,12 @@ class ReplicaContext:
             [0, 1]
         """
         timeout = self._engine.options.override(options).timeout_seconds
-        await self._collective(_merge_barrier, (), timeout)
+        await self._collective(_merge_barrier, (self._engine,), timeout)
 
     def __repr__(self) -> str:
         return (
-            f"<ReplicaContext replica {self._replica_id} of {self.num_replicas_in_sync} "
-            f"on {self._device.name}>"
+            f"<ReplicaContext replica {self.replica_id_in_sync_group} of "
+            f"{self.num_replicas_in_sync} on {self._device.name}>"
         )
 
 
@@ -410,11 +417,14 @@ async def _merge_reduce_scatter(
     return PerReplica(await engine.reduce_scatter(op, value, axis, options))
 
 
-def _merge_barrier(strategy: Any) -> None:
+def _merge_barrier(strategy: Any, engine: ReductionEngine) -> Awaitable[None] | None:
+    if engine.cluster is not None:  # the other workers' replicas too
+        return engine.barrier()
     recorder = _trace.recorder
     if recorder is not None:  # nothing to move: a mark of where the replicas met
         with recorder.span("barrier", {"devices": strategy.num_replicas_in_sync}):
             pass
+    return None
 
 
 # -- the default context ----------------------------------------------------------------------

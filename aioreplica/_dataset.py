@@ -41,6 +41,7 @@ import bisect
 import contextlib
 import contextvars
 import itertools
+import pickle
 import queue
 import threading
 import weakref
@@ -50,8 +51,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final
 
 import anyio
+import numpy as np
 
 from . import _loops, _trace, _tree
+from ._backends import host_array
 from ._batched import BatchedIterator, batch_rows, batched
 from ._values import PerReplica, regroup
 
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
     from ._backends import Device
+    from ._cluster import Workers
 
 __all__ = [
     "DistributedDataset",
@@ -205,6 +209,8 @@ class DistributedDataset:
         drop_remainder: bool,
         prefetch: int,
         input_context: InputContext,
+        workers: Workers | None = None,
+        first_replica: int = 0,
     ) -> None:
         if not isinstance(prefetch, int) or prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
@@ -219,6 +225,8 @@ class DistributedDataset:
         self._drop_remainder = drop_remainder
         self._prefetch = prefetch
         self._input_context = input_context
+        self._workers = workers
+        self._first_replica = first_replica
         # A one-shot iterator (a generator) is the same object on every pass, so every pass
         # shares its loader thread: a new pass must wait for a pull an earlier one gave up on.
         one_shot = isinstance(dataset, Iterator) and _pulled_on_a_thread(dataset)
@@ -232,6 +240,10 @@ class DistributedDataset:
             drop_remainder=self._drop_remainder,
             input_context=self._input_context,
             loader=self._loader,
+            # A pass's agreements get their own communicator: the prefetch task's never
+            # interleave with the step's collectives.
+            workers=self._workers.duplicate() if self._workers is not None else None,
+            first_replica=self._first_replica,
         )
         return DistributedIterator(puller, self._prefetch)
 
@@ -566,8 +578,12 @@ class _Puller:
         drop_remainder: bool,
         input_context: InputContext,
         loader: _LoaderThread | None,
+        workers: Workers | None = None,
+        first_replica: int = 0,
     ) -> None:
         self._devices = devices
+        self._workers = workers
+        self._first_replica = first_replica
         self._per_replica = per_replica_source
         self._drop_remainder = drop_remainder
         self._input_context = input_context
@@ -616,7 +632,36 @@ class _Puller:
         return item
 
     async def next_element(self) -> Any:
-        """The next element (replicas' slices, regrouped), or ``_END``."""
+        """The next element (replicas' slices, regrouped), or ``_END``; with several workers,
+        once they agree that any of them still has data (zero-row slices where this one has
+        none)."""
+        if self._workers is None:
+            return await self._next_local()
+        element = await self._next_local()
+        workers = self._workers
+        have = await workers.allgather_rows(np.array([element is not _END], np.int64))
+        if not have.any():
+            return _END
+        if have.all():
+            return element
+        root = int(np.flatnonzero(have)[0])
+        spec = pickle.dumps(_zero_rows(element)) if workers.worker_index == root else b""
+        spec = await workers.broadcast_bytes(spec, root)
+        if element is not _END:
+            return element
+        return self._placed_zero_rows(pickle.loads(spec))
+
+    def _placed_zero_rows(self, spec: Any) -> Any:
+        """An element of zero-row slices shaped as ``spec`` (one host array per leaf)."""
+        leaves, treedef = _tree.flatten(spec)
+        if len(self._devices) == 1:
+            return treedef.unflatten([self._devices[0].asarray(leaf) for leaf in leaves])
+        return treedef.unflatten(
+            [PerReplica([device.asarray(leaf) for device in self._devices]) for leaf in leaves]
+        )
+
+    async def _next_local(self) -> Any:
+        """This worker's next element, or ``_END``."""
         if self._per_replica:
             parts = await self._pull_round()
             if parts is None:
@@ -656,8 +701,12 @@ class _Puller:
             return None
         # This pipeline's contiguous part of the global batch, then one slice per replica.
         context = self._input_context
-        start, stop = _share(rows, context.num_input_pipelines, context.input_pipeline_id)
-        bounds = [(start + a, start + b) for a, b in _shares(stop - start, len(self._devices))]
+        if self._workers is not None:  # the global batch in slices for every worker's replicas
+            first = self._first_replica
+            bounds = _shares(rows, context.num_replicas_in_sync)[first : first + len(self._devices)]
+        else:
+            start, stop = _share(rows, context.num_input_pipelines, context.input_pipeline_id)
+            bounds = [(start + a, start + b) for a, b in _shares(stop - start, len(self._devices))]
         columns = [
             [
                 device.asarray(leaf[a:b])
@@ -690,7 +739,10 @@ class _Puller:
 
     async def finish(self) -> None:
         """Close the underlying iterator (a generator's ``finally`` runs now, not at GC), or,
-        while a pull of a blocking loader still runs, have it closed after that pull."""
+        while a pull of a blocking loader still runs, have it closed after that pull; free a
+        pass's communicator."""
+        if self._workers is not None:
+            self._workers.close()
         if self._async is not None:
             close_async = getattr(self._async, "aclose", None)
             self._async = None
@@ -876,6 +928,17 @@ def _empty_rows(leaf: Any) -> Any:
     return leaf[0:0]
 
 
+def _zero_rows(element: Any) -> Any:
+    """``element``'s structure with each leaf a zero-row host array of its dtype and shape."""
+    leaves, treedef = _tree.flatten(element)
+    zeros = []
+    for leaf in leaves:
+        first = leaf.values[0] if isinstance(leaf, PerReplica) else leaf
+        array = host_array(first)
+        zeros.append(np.empty((0, *array.shape[1:]), array.dtype))
+    return treedef.unflatten(zeros)
+
+
 def _shares(rows: int, parts: int) -> list[tuple[int, int]]:
     """``rows`` cut into ``parts`` contiguous ranges, sizes differing by at most one, larger
     first (``numpy.array_split``'s rule)."""
@@ -891,7 +954,9 @@ def _share(rows: int, parts: int, part: int) -> tuple[int, int]:
 
 
 def distribute_values(
-    value_fn: Callable[[ValueContext], Any], num_replicas: int
+    value_fn: Callable[[ValueContext], Any], num_replicas: int, first: int = 0, local: int = 0
 ) -> PerReplica[Any]:
-    """``PerReplica([value_fn(ValueContext(i, n)) for i in range(n)])``."""
-    return PerReplica([value_fn(ValueContext(i, num_replicas)) for i in range(num_replicas)])
+    """``PerReplica([value_fn(ValueContext(i, n)) for i in ...])`` over this worker's ``local``
+    replicas from global id ``first`` (every replica: ``local`` 0)."""
+    ids = range(first, first + local) if local else range(num_replicas)
+    return PerReplica([value_fn(ValueContext(i, num_replicas)) for i in ids])

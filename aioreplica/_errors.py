@@ -34,8 +34,11 @@ class ReplicaSyncError(RuntimeError):
     Attributes:
         merge_number: the 1-based number of the ``merge_call`` round where it went wrong
             (``None`` only while it is raised inside a merge function: the scheduler sets it).
-        replicas: the replicas at fault (those that finished early, differ, or are late).
+        replicas: the replicas at fault (those that finished early, differ, or are late;
+            global ids on a multi-worker strategy).
         waiting: the replicas that were waiting at that merge point.
+        workers: on a multi-worker strategy, the workers at fault (that failed, or are late);
+            empty otherwise.
     """
 
     def __init__(
@@ -45,11 +48,13 @@ class ReplicaSyncError(RuntimeError):
         merge_number: int | None,
         replicas: Iterable[int] = (),
         waiting: Iterable[int] = (),
+        workers: Iterable[int] = (),
     ) -> None:
         super().__init__(message)
         self.merge_number = merge_number
         self.replicas = tuple(sorted(replicas))
         self.waiting = tuple(sorted(waiting))
+        self.workers = tuple(sorted(workers))
 
 
 class CheckpointError(ValueError):

@@ -474,9 +474,11 @@ class _Run:
         return error
 
     def replica_failed(self, replica: _Replica, exc: BaseException) -> None:
+        engine = self.engine
         self.fail(
             exc,
-            f"raised in replica {replica.id} of {self.size} (device {replica.device.name})",
+            f"raised in replica {engine.first_replica + replica.id} of {engine.num_replicas} "
+            f"(device {replica.device.name})",
             replica.id,
         )
 

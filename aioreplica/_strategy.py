@@ -190,7 +190,7 @@ class StrategyExtended:
             return copies
         replica = context_state.get().replica
         if replica is not None:
-            return copies[replica.replica_id_in_sync_group]
+            return copies[replica.local_replica_id]
         return copies[0] if all(copy is copies[0] for copy in copies) else Mirrored(list(copies))
 
     async def experimental_run_steps_on_iterator(
@@ -316,7 +316,6 @@ class MirroredStrategy:
                 "communication_options must be a CommunicationOptions, got "
                 f"{type(communication_options).__name__}"
             )
-        self._engine = ReductionEngine(self._device_objects, communication_options)
         if interleave not in _INTERLEAVES:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
         if sync_timeout is not None and not (
@@ -331,6 +330,7 @@ class MirroredStrategy:
             raise ValueError(
                 "seed only applies to interleave='random'; pass interleave='random' with it"
             )
+        self._engine = self._new_engine(self._device_objects, communication_options)
         self._interleave = interleave
         self._sync_timeout = sync_timeout
         self._seed: int | None = None
@@ -352,12 +352,18 @@ class MirroredStrategy:
         self._is_default = False
         self._claim()
 
+    def _new_engine(
+        self, devices: tuple[Device, ...], options: CommunicationOptions
+    ) -> ReductionEngine:
+        """The reduction engine over ``devices`` (a multi-worker strategy adds its workers)."""
+        return ReductionEngine(devices, options)
+
     # -- facts ----------------------------------------------------------------------------
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """The number of replicas, one per device."""
-        return len(self._device_objects)
+        """The number of replicas, one per device (of every worker)."""
+        return self._engine.num_replicas
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -515,6 +521,8 @@ class MirroredStrategy:
             drop_remainder=drop_remainder,
             prefetch=prefetch,
             input_context=self._input_context(),
+            workers=self._engine.cluster,
+            first_replica=self._engine.first_replica,
         )
 
     def experimental_distribute_dataset(
@@ -567,6 +575,8 @@ class MirroredStrategy:
             drop_remainder=False,
             prefetch=prefetch,
             input_context=self._input_context(),
+            workers=self._engine.cluster,
+            first_replica=self._engine.first_replica,
         )
 
     def experimental_distribute_values_from_function(
@@ -584,7 +594,8 @@ class MirroredStrategy:
             ... )
             PerReplica({0: 0, 1: 10})
         """
-        return distribute_values(value_fn, self.num_replicas_in_sync)
+        engine = self._engine
+        return distribute_values(value_fn, engine.num_replicas, engine.first_replica, engine.size)
 
     def _input_context(self) -> InputContext:
         return InputContext(
@@ -987,6 +998,12 @@ class MirroredStrategy:
             >>> anyio.run(strategy.run, step, (aioreplica.PerReplica([1, 2]),))
             3
         """
+        return regroup(await self._scheduler.run(fn, self._prepare_run(fn, args, kwargs)))
+
+    def _prepare_run(
+        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None
+    ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+        """``run()``'s checks, then each replica's arguments."""
         if self._closed:
             raise RuntimeError(
                 f"run() was called on {self!r} after close(); a closed strategy runs no "
@@ -1014,10 +1031,7 @@ class MirroredStrategy:
             )
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
-        args = tuple(args)
-        kwargs = dict(kwargs) if kwargs else {}
-        results = await self._scheduler.run(fn, self._per_replica_arguments(args, kwargs))
-        return regroup(results)
+        return self._per_replica_arguments(tuple(args), dict(kwargs) if kwargs else {})
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """Run ``step_fn`` on the next ``steps`` elements of ``iterator``, starting the replicas
@@ -1062,7 +1076,7 @@ class MirroredStrategy:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
         """Each replica's ``(args, kwargs)``: distributed values replaced by its component."""
-        size = self.num_replicas_in_sync
+        size = len(self._device_objects)
         if not args and not kwargs:
             return [(args, kwargs)] * size
         if not kwargs and _tree.all_leaves(args):  # positional leaves only: no tree walk
@@ -1081,7 +1095,7 @@ class MirroredStrategy:
         return parts
 
     def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        size = self.num_replicas_in_sync
+        size = len(self._device_objects)
         for path, leaf in _tree.flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, DistributedValues) and len(leaf.values) != size:
                 where = _tree.format_path(path)

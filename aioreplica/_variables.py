@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
 
     from ._backends import Device
+    from ._cluster import Workers
     from ._collectives import ReductionEngine
 
 __all__ = [
@@ -157,6 +158,7 @@ class Variable(NDArrayOperatorsMixin):
         "_synchronization",
         "_trainable",
         "_turn",
+        "_unsynced",
     )
 
     # Elementwise ``==`` (from the operator mixin) rules out a consistent hash, as for ndarray.
@@ -192,6 +194,10 @@ class Variable(NDArrayOperatorsMixin):
         if trainable is None:
             trainable = sync is not _Sync.ON_READ
         self._init(strategy, engine, value, name, dtype, bool(trainable), sync, agg)
+        workers = engine.cluster if engine is not None else None
+        if workers is not None:  # it starts from the chief's value, fetched before first use
+            self._unsynced = True
+            workers.pending.append(self)
 
     def _init(
         self,
@@ -221,6 +227,7 @@ class Variable(NDArrayOperatorsMixin):
         self._copies: tuple[Any, ...] = tuple(
             frozen(device.asarray(array)) for device in self._devices
         )
+        self._unsynced = False
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -298,6 +305,8 @@ class Variable(NDArrayOperatorsMixin):
 
     def _read(self) -> tuple[Any, Device]:
         """``value()`` and the device whose stream made it."""
+        if self._unsynced:
+            sync_variables_now(self._engine)
         replica = context_state.get().replica
         if replica is not None and self._strategy is not None:
             index = self._replica_id(replica, "read")
@@ -351,7 +360,7 @@ class Variable(NDArrayOperatorsMixin):
                 f"replica {replica.replica_id_in_sync_group} of {replica.strategy!r} tried to "
                 f"{what} it; use each variable only with the strategy that created it"
             )
-        return replica.replica_id_in_sync_group
+        return replica.local_replica_id
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
         value, device = self._read()
@@ -411,6 +420,9 @@ class Variable(NDArrayOperatorsMixin):
         new._synchronization = self._synchronization
         new._trainable = self._trainable
         new._turn = Turn()
+        new._unsynced = self._unsynced
+        if self._unsynced:  # still to take the chief's value: in turn with the others
+            self._engine.cluster.pending.append(new)  # type: ignore[union-attr]
         fresh: dict[int, Any] = {}  # host replicas share one array: copy it once
         for copy, device in zip(self._copies, self._devices, strict=True):
             if id(copy) not in fresh:
@@ -462,6 +474,8 @@ class Variable(NDArrayOperatorsMixin):
             >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
             array([1., 2.])
         """
+        if self._unsynced:
+            await _sync_first(self)
         return await self._write(ASSIGN, value)
 
     async def assign_add(self, value: Any) -> Variable:
@@ -478,6 +492,8 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_add, 2.0))
             3.0
         """
+        if self._unsynced:
+            await _sync_first(self)
         return await self._write(ADD, value)
 
     async def assign_sub(self, value: Any) -> Variable:
@@ -493,6 +509,8 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_sub, 0.25))
             0.75
         """
+        if self._unsynced:
+            await _sync_first(self)
         return await self._write(SUB, value)
 
     async def _write(self, op: str, value: Any) -> Variable:
@@ -637,11 +655,39 @@ class SyncOnReadVariable(Variable):
 
     def _read_cross_replica(self) -> Any:
         copies = self._copies
+        engine = self._engine
+        if engine is not None and engine.cluster is not None:
+            return self._read_all_workers(engine.cluster)
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA or len(copies) == 1:
             return copies[0]
         op = "mean" if self._aggregation is _Agg.MEAN else "sum"
         devices = self._devices
         return frozen(devices[0].backend.reduce_to_first(op, copies, devices))
+
+    def _read_all_workers(self, workers: Workers) -> Any:
+        """The aggregate over every worker's copies (a collective every worker makes):
+        ``ONLY_FIRST_REPLICA`` is the chief's first copy."""
+        if self._unsynced:
+            sync_variables_now(self._engine)
+        copies, devices = self._copies, self._devices
+        mpi = workers.mpi
+        if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
+            value = np.array(host_array(copies[0], devices[0]), order="C", copy=True)
+
+            def read(comm: Any) -> None:
+                comm.Bcast(value, 0)
+
+        else:
+            local = devices[0].backend.reduce_to_first("sum", copies, devices)
+            value = np.array(host_array(local, devices[0]), order="C", copy=True)
+
+            def read(comm: Any) -> None:
+                comm.Allreduce(mpi.IN_PLACE, value, mpi.SUM)
+                if self._aggregation is _Agg.MEAN:
+                    np.divide(value, self._engine.num_replicas, out=value)  # type: ignore[union-attr]
+
+        workers.blocking(f"reading sync-on-read variable {self._name!r}", read)
+        return frozen(devices[0].asarray(value))
 
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
@@ -663,9 +709,69 @@ class SyncOnReadVariable(Variable):
             )
         values = self._cross_replica_values(value)
         if op == ASSIGN and self._aggregation is _Agg.SUM:
-            values = split_sum(values, self._dtype, self._devices)
+            values = split_sum(values, self._dtype, self._devices, *_global_copies(self))
         await self._write_copies(op, values)
         return self
+
+
+# -- several workers: every variable starts from the chief's value -----------------------
+
+
+async def sync_variables(workers: Workers) -> None:
+    """Give the variables made since the last call the chief's values (collective).
+
+    Every worker makes its variables in the same order, so the ``k``-th pending variable is
+    the same on each: broadcast from worker 0 one by one, in creation order.
+    """
+    pending, workers.pending = workers.pending, []
+    for variable in pending:
+        copy, device = variable._copies[0], variable._devices[0]
+        await device.synchronize()
+        value = await workers.broadcast(np.asarray(host_array(copy, device), order="C"), 0)
+        _start_from(variable, value)
+
+
+async def _sync_first(variable: Variable) -> None:
+    """Before ``variable``'s first write: every pending variable takes the chief's values."""
+    engine = variable._engine
+    if engine is not None and engine.cluster is not None:
+        await sync_variables(engine.cluster)
+
+
+def sync_variables_now(engine: ReductionEngine | None) -> None:
+    """``sync_variables`` for a synchronous read, with blocking MPI calls (every worker reads).
+
+    Raises:
+        RuntimeError: another collective is in progress on this worker.
+    """
+    workers = engine.cluster if engine is not None else None
+    if workers is None or not workers.pending:
+        return
+    pending = workers.pending
+
+    def broadcast(comm: Any) -> None:
+        for variable in pending:
+            copy = host_array(variable._copies[0], variable._devices[0])
+            value = np.array(copy, order="C", copy=True)
+            comm.Bcast(value, 0)
+            _start_from(variable, value)
+
+    workers.blocking(f"the first read of variable {pending[0]._name!r}", broadcast)
+    workers.pending = []
+
+
+def _global_copies(variable: Variable) -> tuple[int | None, int]:
+    """How many copies of ``variable`` every worker holds, and this worker's first one's
+    global index (``(None, 0)``: one process)."""
+    engine = variable._engine
+    if engine is None or engine.cluster is None:
+        return None, 0
+    return engine.num_replicas, engine.first_replica
+
+
+def _start_from(variable: Variable, value: np.ndarray[Any, Any]) -> None:
+    variable._copies = tuple(frozen(device.asarray(value)) for device in variable._devices)
+    variable._unsynced = False
 
 
 # -- writing ------------------------------------------------------------------------------
@@ -680,7 +786,7 @@ async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tu
     value = host_value.astype(variable._dtype, copy=False)
     values = [value] * len(variable._devices)
     if isinstance(variable, SyncOnReadVariable) and variable._aggregation is _Agg.SUM:
-        values = split_sum(values, variable._dtype, variable._devices)
+        values = split_sum(values, variable._dtype, variable._devices, *_global_copies(variable))
     placed = [device.asarray(v) for device, v in zip(variable._devices, values, strict=True)]
     return await compute_update(variable, writer(ASSIGN), placed)
 
@@ -744,6 +850,8 @@ async def _aggregate(variable: Variable, value: Any) -> list[Any]:
     assert engine is not None  # a mirrored variable always has its strategy's engine
     devices = variable._devices
     if variable._aggregation is _Agg.ONLY_FIRST_REPLICA:
+        if engine.cluster is not None:  # replica 0 of every worker's: the chief's first
+            return await engine.broadcast(value, 0)
         first = value.values[0] if isinstance(value, DistributedValues) else value
         return await engine.broadcast_to(first, devices)
     op = ReduceOp.SUM if variable._aggregation is _Agg.SUM else ReduceOp.MEAN

@@ -282,19 +282,28 @@ def _empty_like(array: Any) -> Any:
     return array_module(array).empty(array.shape, array.dtype)
 
 
-def split_sum(values: list[Any], dtype: np.dtype[Any], devices: Sequence[Device]) -> list[Any]:
+def split_sum(
+    values: list[Any],
+    dtype: np.dtype[Any],
+    devices: Sequence[Device],
+    total: int | None = None,
+    first: int = 0,
+) -> list[Any]:
     """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first.
+
+    Over several workers, ``total`` is the number of copies of every worker and ``first`` the
+    global index of this worker's first one: the remainder goes to global copy 0 only.
 
     Each share is computed with its copy's device current (a GPU's stream), so it is made on
     that device, in order with the copy's other work.
     """
-    n = len(values)
+    n = total if total is not None else len(values)
     shares = []
     for i, (value, device) in enumerate(zip(values, devices, strict=True)):
         with active(device):
             if dtype.kind in "iu":
                 quotient, remainder = divmod(value, n)
-                shares.append(quotient + remainder if i == 0 else quotient)
+                shares.append(quotient + remainder if first + i == 0 else quotient)
             else:
                 shares.append(value / n)
     return shares

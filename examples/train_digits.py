@@ -16,6 +16,13 @@ per run under the system's temporary folder, or ``--checkpoint-dir DIR``. ``--ch
 where it was, seeing the batches an unbroken run would see; when DIR's run has already done
 every epoch asked for, it says so and exits.
 
+``--multi-worker`` trains across processes, one worker each, under MPI's ``mpiexec`` (extra
+``mpi``): a ``MultiWorkerMirroredStrategy`` over this worker's ``--replicas`` local replicas, the
+same global batch (each worker takes its replicas' slices), and so the parameters of the
+single-process run with as many replicas in all. Only the chief (worker 0) prints and writes
+files; every worker takes part in each checkpoint save. ``--save-params FILE`` writes the final
+parameters (NumPy ``.npz``).
+
 Run it::
 
     python examples/train_digits.py                     # 4 host replicas, asyncio
@@ -25,6 +32,10 @@ Run it::
     python examples/train_digits.py --checkpoint-dir digits-run --checkpoint-every 50 --resume
     python examples/train_digits.py --steps-per-call 16  # strategy.run_steps, 16 steps a call
     python examples/train_digits.py --epochs 1 --trace run.json  # a timeline for Perfetto
+    python examples/train_digits.py --max-steps 20 --save-params params.npz
+    # 2 workers of 2 replicas each (4 in all), every socket on loopback (docs/multi-worker.md):
+    UCX_NET_DEVICES=lo .venv/bin/mpiexec -iface lo -n 2 \\
+        .venv/bin/python -m mpi4py examples/train_digits.py --multi-worker --replicas 2
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import argparse
 import contextlib
 import functools
 import math
+import os
 import shlex
 import tempfile
 import time
@@ -63,6 +75,8 @@ class Result:
     test_accuracy: float = math.nan
     steps: int = 0
     first_epoch: int = 0
+    #: Whether this process is the chief (worker 0; always, without ``multi_worker``).
+    is_chief: bool = True
 
 
 # -- data and model (plain array code: NumPy on the host, CuPy on a GPU) --------------------
@@ -155,14 +169,16 @@ async def recorded_step(
     optimizer: SGD,
     global_batch: int,
     losses: list[float],
+    recorder: int = 0,
 ) -> None:
-    """``train_step``, and the batch's loss (summed over replicas) appended to ``losses``: how
-    each step of ``run_steps`` reports, since it returns only the last step's results."""
+    """``train_step``, and the batch's loss (summed over replicas) appended to ``losses`` by
+    the replica whose id is ``recorder`` (this process's first replica): how each step of
+    ``run_steps`` reports, since it returns only the last step's results."""
     loss = await train_step(batch, params, optimizer, global_batch)
     ctx = aioreplica.get_replica_context()
     assert ctx is not None
     total = await ctx.all_reduce("sum", loss)
-    if ctx.replica_id_in_sync_group == 0:
+    if ctx.replica_id_in_sync_group == recorder:
         losses.append(float(total))
 
 
@@ -183,6 +199,8 @@ async def main(
     steps_per_call: int = 1,
     checkpoint_every: int | None = None,
     trace: str | None = None,
+    multi_worker: bool = False,
+    save_params: str | None = None,
 ) -> Result:
     """Train, checkpointing every epoch; return the parameters, losses and test accuracy.
 
@@ -192,12 +210,30 @@ async def main(
     per step; the steps are the same. ``checkpoint_every`` also checkpoints every that many
     steps, so that a run killed in the middle of an epoch resumes there. ``trace`` writes a
     timeline of the training to that JSON file (open it in ui.perfetto.dev).
+
+    ``multi_worker`` trains with a ``MultiWorkerMirroredStrategy``: this process is one worker
+    (run every worker under ``mpiexec``), ``replicas`` and ``devices`` are its local replicas,
+    ``global_batch`` the batch of all workers together. Only the chief (worker 0) prints, and
+    writes checkpoints and ``save_params``; every worker returns the same parameters.
+    ``checkpoint_dir`` must then name the same folder on every worker, on a filesystem they
+    all see. ``save_params`` writes the final parameters to that ``.npz`` file.
     """
     if steps_per_call < 1:
         raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
-    strategy = aioreplica.MirroredStrategy(devices or [f"cpu:{i}" for i in range(replicas)])
+    local = devices or [f"cpu:{i}" for i in range(replicas)]
+    strategy: aioreplica.MirroredStrategy
+    if multi_worker:
+        # Collective: every worker builds it, with as many local replicas as the others.
+        workers = aioreplica.MultiWorkerMirroredStrategy(local)
+        chief = workers.cluster.is_chief
+        recorder = workers.cluster.worker_index * len(local)  # this worker's first replica
+        strategy = workers
+    else:
+        strategy = aioreplica.MirroredStrategy(local)
+        chief, recorder = True, 0
+    progress = progress and chief  # one worker reports for all
     x_train, y_train, x_test, y_test = load_data(seed)
     with strategy.scope():
         params = {
@@ -223,7 +259,7 @@ async def main(
                 )
         elif resume and progress:
             print(f"no checkpoint in {checkpoint_dir} yet: training from the start")
-    result = Result(params={}, first_epoch=checkpoint.epoch)
+    result = Result(params={}, first_epoch=checkpoint.epoch, is_chief=chief)
     steps_per_epoch = len(y_train) // global_batch
     complete = checkpoint.epoch >= epochs
     if complete and progress:
@@ -245,7 +281,9 @@ async def main(
         stop = max_steps is not None and result.steps >= max_steps
         due = checkpoint_every is not None and checkpoint.step % checkpoint_every == 0
         if manager is not None and due and not stop:
-            await manager.save()  # mid-epoch too: the data iterator keeps its place
+            # Mid-epoch too: the data iterator keeps its place. A save is collective: every
+            # worker calls it, the chief writes.
+            await manager.save()
         return stop
 
     def next_call() -> int:
@@ -277,6 +315,7 @@ async def main(
                     optimizer=optimizer,
                     global_batch=global_batch,
                     losses=result.losses,
+                    recorder=recorder,
                 )
                 while not stopped:
                     wanted = next_call()
@@ -296,6 +335,9 @@ async def main(
         bar.close()
     result.params = {name: variable.numpy() for name, variable in params.items()}
     result.test_accuracy = accuracy(result.params, x_test, y_test)
+    if save_params is not None and chief:
+        arrays: dict[str, Any] = dict(result.params)
+        np.savez(save_params, **arrays)
     if progress:
         print(
             f"{strategy.num_replicas_in_sync} replicas, {result.steps} steps, "
@@ -306,7 +348,13 @@ async def main(
         if progress:
             print(f"loss curve written to {plot}")
     if trace is not None and progress:
-        print(f"trace written to {trace} (open it in ui.perfetto.dev)")
+        others = ""
+        if multi_worker:
+            stem, suffix = os.path.splitext(trace)
+            others = f"; worker 1's to {stem}.worker1{suffix}, and so on"
+        print(f"trace written to {trace}{others} (open it in ui.perfetto.dev)")
+    if save_params is not None and progress:
+        print(f"parameters written to {save_params}")
     return result
 
 
@@ -350,15 +398,32 @@ def new_checkpoint_dir() -> str:
 
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replicas", type=int, default=4, help="host replicas (default 4)")
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=4,
+        help="host replicas (default 4); with --multi-worker, on each worker",
+    )
     parser.add_argument("--gpus", action="store_true", help="one replica per visible GPU")
+    parser.add_argument(
+        "--multi-worker",
+        action="store_true",
+        help="this process is one worker of several: run every worker under mpiexec "
+        "(needs the mpi extra); the chief (worker 0) reports and writes files",
+    )
     parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument(
+        "--max-steps", type=int, metavar="N", help="stop after N steps (with a checkpoint there)"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="the global batch size")
     parser.add_argument("--learning-rate", type=float, default=0.1)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--plot", metavar="PNG", help="write the loss curve to this file")
     parser.add_argument(
         "--trace", metavar="JSON", help="write a timeline of the training (for ui.perfetto.dev)"
+    )
+    parser.add_argument(
+        "--save-params", metavar="NPZ", help="write the final parameters to this .npz file"
     )
     parser.add_argument(
         "--checkpoint-dir",
@@ -387,6 +452,8 @@ def cli() -> None:
         parser.error("--steps-per-call must be >= 1")
     if options.checkpoint_every is not None and options.checkpoint_every < 1:
         parser.error("--checkpoint-every must be >= 1")
+    if options.max_steps is not None and options.max_steps < 1:
+        parser.error("--max-steps must be >= 1")
     if options.checkpoint_dir is None and options.resume:
         parser.error(
             "--resume needs --checkpoint-dir DIR: the folder the run to continue printed on start"
@@ -396,14 +463,28 @@ def cli() -> None:
         devices = [name for name in aioreplica.list_devices() if name.startswith("gpu:")]
         if not devices:
             parser.error("--gpus: no GPU is visible (CuPy missing or no CUDA device)")
+    chief = True
+    comm: Any = None
+    if options.multi_worker:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            parser.error(f"--multi-worker needs mpi4py (pip install 'aioreplica[mpi]'): {exc}")
+        comm = MPI.COMM_WORLD
+        chief = comm.Get_rank() == 0
     if options.checkpoint_dir is None:  # a new folder for this run, never one of another run's
-        options.checkpoint_dir = new_checkpoint_dir()
+        # Made by the chief alone; with several workers they all use its folder (which only
+        # the chief writes to; resuming needs a folder every worker sees: --checkpoint-dir).
+        options.checkpoint_dir = new_checkpoint_dir() if chief else None
+        if comm is not None:
+            options.checkpoint_dir = comm.bcast(options.checkpoint_dir, root=0)
         again = shlex.quote(options.checkpoint_dir)
-        print(
-            f"checkpoints go to {options.checkpoint_dir} "
-            f"(continue with --checkpoint-dir {again} --resume)"
-        )
-    else:
+        if chief:
+            print(
+                f"checkpoints go to {options.checkpoint_dir} "
+                f"(continue with --checkpoint-dir {again} --resume)"
+            )
+    elif chief:
         print(f"checkpoints go to {options.checkpoint_dir}")
 
     async def run() -> None:
@@ -414,12 +495,15 @@ def cli() -> None:
             options.learning_rate,
             options.momentum,
             devices=devices,
+            max_steps=options.max_steps,
             checkpoint_dir=options.checkpoint_dir,
             resume=options.resume,
             plot=options.plot,
             steps_per_call=options.steps_per_call,
             checkpoint_every=options.checkpoint_every,
             trace=options.trace,
+            multi_worker=options.multi_worker,
+            save_params=options.save_params,
         )
 
     anyio.run(run, backend=options.loop)

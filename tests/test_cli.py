@@ -31,9 +31,25 @@ SIM_DIR = Path(__file__).parent / "cupy_sim"
 REPO = Path(__file__).parent.parent
 
 CUPY_INSTALLED = importlib.util.find_spec("cupy") is not None
-MPI4PY_INSTALLED = importlib.util.find_spec("mpi4py") is not None
 
 INSTALL_CUPY = "pip install 'aioreplica[cuda]'"
+
+#: A ``sitecustomize`` under which mpi4py cannot be found, as if it were not installed.
+_HIDE_MPI4PY = """\
+import sys
+from importlib.machinery import PathFinder
+
+
+class _WithoutMpi4py(PathFinder):
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name.partition(".")[0] == "mpi4py":
+            return None
+        return super().find_spec(name, path, target)
+
+
+sys.meta_path[:] = [_WithoutMpi4py if f is PathFinder else f for f in sys.meta_path]
+"""
 INSTALL_MPI = "pip install 'aioreplica[mpi]'"
 
 
@@ -203,11 +219,12 @@ class TestInfo:
             "NCCL: needs the GPU backend (see GPU)",
         ]
 
-    @pytest.mark.skipif(MPI4PY_INSTALLED, reason="mpi4py is installed here")
     @pytest.mark.timeout(60)
-    def test_without_mpi4py_says_how_to_install_it(self) -> None:
-        """Without mpi4py the multi-worker backend says what to install."""
-        info = _info()
+    def test_without_mpi4py_says_how_to_install_it(self, tmp_path: Path) -> None:
+        """Without mpi4py the multi-worker backend says what to install (mpi4py, which the test
+        extra installs, is hidden from the child by a ``sitecustomize`` on its path)."""
+        (tmp_path / "sitecustomize.py").write_text(_HIDE_MPI4PY)
+        info = _info(path=(tmp_path,))
         assert info["packages"]["mpi4py"]["installed"] is False
         assert info["mpi"] == {
             "library": None,

@@ -13,12 +13,14 @@ import re
 from collections.abc import Iterable, Mapping
 
 from ._arrays import array_kind, array_module, host_array, is_array, is_cupy_array
-from ._numpy import HostDevice, host_device
+from ._numpy import HOST_BACKEND, HostBackend, HostDevice, host_device, share_cores
 from ._protocol import ArrayBackend, Device
 
 __all__ = [
+    "HOST_BACKEND",
     "ArrayBackend",
     "Device",
+    "HostBackend",
     "HostDevice",
     "array_kind",
     "array_module",
@@ -30,6 +32,7 @@ __all__ = [
     "is_cupy_array",
     "list_devices",
     "resolve_devices",
+    "share_cores",
 ]
 
 # Accepts "cpu:1", "CPU:1", "/cpu:1", "/device:CPU:1", "cuda:0", "gpu:0", "/gpu:0", and TF's full

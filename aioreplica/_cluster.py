@@ -1,0 +1,624 @@
+"""The workers of a multi-worker strategy, and the MPI collectives that run between them.
+
+One process per worker, under ``mpiexec``. ``Workers`` holds this worker's place (its index,
+how many workers there are) and two duplicates of the user's communicator, so the caller's own
+traffic on it is never disturbed:
+
+- **the collectives' communicator.** Every cross-worker collective is a non-blocking MPI call
+  (``Iallreduce``, ``Iallgatherv``, ``Ibcast``, ``Ibarrier``) that the event loop polls with
+  ``Test`` and a zero sleep, so the loop keeps running other tasks; after a short busy phase
+  the poll backs off (up to a few milliseconds between tests) so a worker waiting long for a
+  late peer does not spin a core. MPI requires every worker to issue collectives in the same
+  order: the calls of one communicator go through one first-come queue (``_Turn``), and an
+  operation of two messages (a header, then the data) holds it for both. Independent streams
+  of collectives (a dataset pass agreeing whether any worker still has data) get their own
+  duplicate (``Workers.duplicate``).
+- **the side channel.** A failure is announced to every peer as a small message on its own
+  communicator, where each worker keeps a receive posted; every wait tests it alongside its
+  collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
+  naming the failing worker. With a timeout in force, each worker also tells its peers which
+  collective it has reached (one eight-byte send per peer), so a worker that gives up waiting
+  can name exactly the late workers; without a timeout nothing more is sent.
+
+MPI cannot cancel a collective: after any cross-worker failure (a peer's, a timeout, a
+cancelled wait) the collectives' communicator may hold a request that will never complete, so
+the cluster is *broken* and refuses every further call with ``RuntimeError``.
+
+``mpi4py`` is imported on first use, never by ``import aioreplica``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import math
+import sys
+import time
+from collections import deque
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, Final, final
+
+import anyio
+import numpy as np
+
+from ._errors import ReplicaSyncError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterator
+
+__all__ = ["ClusterBroken", "Workers", "collective_timeout", "import_mpi"]
+
+#: Tags of the side channel.
+_NOTICE: Final = 1
+_ARRIVAL: Final = 2
+#: Room for one failure notice (JSON, UTF-8); longer messages are cut.
+_NOTICE_BYTES: Final = 4096
+#: How long a wait polls with zero sleeps before it backs off (seconds), plus the time its
+#: bytes take at ``_SLOW_BYTES_PER_SECOND``: MPI moves data only inside ``Test``, so a pause
+#: during a transfer stalls it; a peer a little late costs no added latency, and one late for
+#: longer leaves the core to others.
+_BUSY_SECONDS: Final = 0.005
+#: How long a wait tests its request in a tight loop before it first yields to the event loop.
+_SPIN_SECONDS: Final = 2e-5
+_SLOW_BYTES_PER_SECOND: Final = 250e6
+#: The first and the longest pause between two tests of a long wait (seconds).
+_FIRST_PAUSE: Final = 5e-5
+_MAX_PAUSE: Final = 0.005
+
+#: The timeout of the collectives being made (seconds, or ``None``): set by the reduction
+#: engine from its options around each call, read by every wait.
+collective_timeout: ContextVar[float | None] = ContextVar(
+    "aioreplica.collective_timeout", default=None
+)
+
+_REDUCE_OPS: Final = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
+_BOOL_OPS: Final = {"max": "LOR", "min": "LAND"}
+
+
+def import_mpi() -> Any:
+    """``mpi4py.MPI``, imported now, or an ``ImportError`` that says what to install.
+
+    Raises:
+        ImportError: mpi4py (or the MPI library it needs) is not installed.
+    """
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            f"MultiWorkerMirroredStrategy needs mpi4py and an MPI library, which cannot be "
+            f"imported ({exc}); install them with `pip install 'aioreplica[mpi]'` and launch "
+            "one process per worker with that environment's `mpiexec -n N python ...`"
+        ) from exc
+    return MPI
+
+
+class ClusterBroken(RuntimeError):
+    """The workers fell out of step (a failure, a timeout, a cancelled wait): no more calls."""
+
+
+@final
+class _Turn:
+    """A first-come queue for one communicator's collectives, on one event loop.
+
+    Uncontended, ``acquire`` takes the turn without suspending; a contended one waits for an
+    event in the order of arrival.
+    """
+
+    __slots__ = ("_busy", "_waiters")
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiters: deque[anyio.Event] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def take_now(self) -> bool:
+        """Take the turn if it is free (no suspension); whether it was taken."""
+        if self._busy:
+            return False
+        self._busy = True
+        return True
+
+    async def acquire(self) -> None:
+        if not self._busy:
+            self._busy = True
+            return
+        event = anyio.Event()
+        self._waiters.append(event)
+        try:
+            await event.wait()
+        except BaseException:
+            if event.is_set():  # handed the turn while being cancelled: pass it on
+                self.release()
+            else:
+                self._waiters.remove(event)
+            raise
+
+    def release(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().set()  # the turn goes to the next waiter as it is
+        else:
+            self._busy = False
+
+
+@final
+class Workers:
+    """This worker's place among the workers, and the collectives between them.
+
+    Construction is collective: every worker makes its ``Workers`` (through its strategy) at
+    the same point of its program, and they agree on the number of local replicas.
+
+    Args:
+        communicator: an mpi4py intracommunicator (default ``COMM_WORLD``); the cluster works
+            on duplicates of it.
+        local_replicas: how many replicas this worker runs.
+
+    Raises:
+        ImportError: mpi4py is not installed.
+        TypeError: ``communicator`` is not an mpi4py intracommunicator.
+        ValueError: the workers run different numbers of local replicas (on every worker).
+    """
+
+    def __init__(self, communicator: Any, local_replicas: int) -> None:
+        mpi = import_mpi()
+        self.mpi = mpi
+        if communicator is None:
+            communicator = mpi.COMM_WORLD
+        if not isinstance(communicator, mpi.Intracomm) or communicator == mpi.COMM_NULL:
+            raise TypeError(
+                "communicator must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got "
+                f"{type(communicator).__name__} {communicator!r}"
+            )
+        self._comm = communicator.Dup()
+        self.worker_index: int = self._comm.Get_rank()
+        self.num_workers: int = self._comm.Get_size()
+        self._turn = _Turn()
+        self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers)
+        # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
+        # its collectives reached, and an interrupted wait on it is this worker's failure.
+        self._primary = True
+        self._sequence = 0  # collectives started on this communicator
+        #: The timeout of a wait when the call sets none (the strategy's ``sync_timeout``).
+        self.default_timeout: float | None = None
+        #: Variables made since the last sync, which start from the chief's values.
+        self.pending: list[Any] = []
+        counts = self._comm.allgather(int(local_replicas))  # blocking: construction is sync
+        if len(set(counts)) > 1:
+            shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
+            self.close()
+            self._side.comm.Free()
+            raise ValueError(
+                f"every worker must run the same number of local replicas, but {shown}; "
+                "give each worker's MultiWorkerMirroredStrategy as many devices"
+            )
+        self.local_replicas = int(local_replicas)
+        here = self._side.comm.Split_type(mpi.COMM_TYPE_SHARED)
+        #: How many workers run on this machine (they share its cores).
+        self.workers_here: int = here.Get_size()
+        here.Free()
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this is worker 0, which writes checkpoints and numbers them."""
+        return self.worker_index == 0
+
+    @property
+    def failure(self) -> str | None:
+        """Why the workers fell out of step, or ``None``."""
+        return self._side.failure
+
+    @property
+    def broken(self) -> bool:
+        """Whether a cross-worker failure has ended this cluster's collectives."""
+        return self.failure is not None
+
+    def __repr__(self) -> str:
+        return f"<Workers: worker {self.worker_index} of {self.num_workers}>"
+
+    # -- failures -------------------------------------------------------------------------
+
+    def check(self, what: str) -> None:
+        """Refuse ``what`` once the workers have fallen out of step.
+
+        Raises:
+            ClusterBroken: the cluster is broken.
+        """
+        if self.failure is not None:
+            raise ClusterBroken(
+                f"{what} was refused: the workers fell out of step ({self.failure}); MPI cannot "
+                "cancel a collective, so this MultiWorkerMirroredStrategy makes no more "
+                "cross-worker calls: end the job (or handle the failure and start a new one)"
+            )
+
+    def announce(self, reason: str, replicas: tuple[int, ...] = ()) -> None:
+        """Tell every peer that this worker failed (``reason``); the cluster is broken.
+
+        Peers waiting in a collective, or reaching one later, raise ``ReplicaSyncError``
+        naming this worker. Announcing twice sends once.
+        """
+        side = self._side
+        if side.failure is not None:
+            return
+        side.failure = f"worker {self.worker_index} failed: {reason}"
+        notice = {"worker": self.worker_index, "reason": reason, "replicas": list(replicas)}
+        side.send_all(json.dumps(notice).encode()[:_NOTICE_BYTES], _NOTICE, self.worker_index)
+
+    def _peer_failure(self) -> ReplicaSyncError | None:
+        """The failure a peer announced, as the error to raise here, or ``None`` (a test)."""
+        side = self._side
+        if side.notice_request is None or not side.notice_request.Test():
+            return None
+        side.notice_request = None
+        raw = bytes(side.notice).rstrip(b"\0")
+        try:
+            notice = json.loads(raw.decode(errors="replace"))
+            worker, reason = int(notice["worker"]), str(notice["reason"])
+            replicas = tuple(int(r) for r in notice.get("replicas", ()))
+        except (ValueError, KeyError, TypeError):
+            worker, reason, replicas = -1, raw.decode(errors="replace"), ()
+        if side.failure is None:
+            side.failure = f"worker {worker} failed: {reason}"
+        return ReplicaSyncError(
+            f"worker {worker} failed: {reason}; every worker's run() stops, and this "
+            "MultiWorkerMirroredStrategy makes no more cross-worker calls (MPI cannot cancel a "
+            "collective): end the job, or fix the failing worker's code",
+            merge_number=None,
+            replicas=replicas,
+            workers=(worker,),
+        )
+
+    # -- waiting --------------------------------------------------------------------------
+
+    async def _wait(self, request: Any, what: str, nbytes: int = 0) -> None:
+        """Poll ``request`` until it completes, testing the side channel alongside.
+
+        Raises:
+            ReplicaSyncError: a peer failed, or the timeout in force passed (naming the late
+                workers); the cluster is then broken.
+        """
+        test = request.Test
+        if _spin(test):
+            return
+        timeout = collective_timeout.get() or self.default_timeout
+        started = time.monotonic()
+        busy = _BUSY_SECONDS + nbytes / _SLOW_BYTES_PER_SECOND
+        polls = 0
+        pause = 0.0
+        try:
+            while True:
+                if pause:
+                    await anyio.sleep(pause)
+                    if test():
+                        return
+                else:
+                    await anyio.lowlevel.checkpoint()
+                    if _spin(test):
+                        return
+                polls += 1
+                if polls & 15 == 0 or pause:  # now and then: the side channel, the clock
+                    failure = self._peer_failure()
+                    if failure is not None:
+                        raise failure
+                    waited = time.monotonic() - started
+                    if timeout is not None and waited > timeout:
+                        raise self._timed_out(what, timeout)
+                    if waited > busy:
+                        pause = min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+        except ReplicaSyncError:
+            raise
+        except BaseException as exc:  # cancelled (or interrupted) while MPI still waits
+            if self._primary:
+                self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
+            # A dataset pass left early: its duplicate is abandoned with the request (the
+            # peers, leaving at the same point, complete theirs); nothing else is affected.
+            raise
+
+    def _timed_out(self, what: str, timeout: float) -> ReplicaSyncError:
+        reached = self._side.read_arrivals() if self._primary else None
+        late = [
+            w
+            for w in range(self.num_workers)
+            if w != self.worker_index and reached is not None and reached[w] < self._sequence
+        ]
+        named = _worker_list(late) if late else "a worker"
+        reason = (
+            f"it waited {timeout:g} s in {what} (cross-worker collective #{self._sequence}) "
+            f"for {named}, which did not arrive"
+        )
+        self.announce(reason)
+        return ReplicaSyncError(
+            f"worker {self.worker_index} waited {timeout:g} s in {what} for {named}, which did "
+            "not arrive; a worker is stuck or skips this collective (raise sync_timeout or "
+            "timeout_seconds if it is just slow). This MultiWorkerMirroredStrategy makes no "
+            "more cross-worker calls",
+            merge_number=None,
+            workers=late,
+        )
+
+    def _arrive(self) -> None:
+        """Count this collective; with a timeout in force, tell the peers it was reached."""
+        self._sequence += 1
+        if not self._primary or (collective_timeout.get() or self.default_timeout) is None:
+            return
+        side = self._side
+        side.read_arrivals()  # keeps the peers' messages from piling up
+        side.send_all(np.array([self._sequence], np.int64), _ARRIVAL, self.worker_index)
+
+    async def _begin(self, what: str) -> None:
+        """Take this communicator's turn for one collective (of one or more messages), and
+        count it; the caller releases the turn (``self._turn.release()``) when it is done.
+
+        No side-channel test here, before the collective is posted: MPI progress made then
+        takes a peer's early data in as unexpected messages (measured: a 64 MiB reduction ran
+        1.4x slower). A failure announced meanwhile is found by the wait.
+        """
+        if self._side.failure is not None or not self._turn.take_now():
+            self.check(what)
+            await self._turn.acquire()
+            if self._side.failure is not None:
+                self._turn.release()
+                self.check(what)
+        self._arrive()
+
+    # -- collectives ----------------------------------------------------------------------
+
+    async def allreduce(self, op: str, send: Any, out: np.ndarray[Any, Any]) -> None:
+        """Reduce over workers into ``out``; ``send`` is an array, or ``None`` for in place.
+
+        ``op``: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"`` (``max``/``min`` of bools are any
+        and all).
+        """
+        mpi_op = self._op(op, out.dtype)
+        await self._begin("all_reduce")
+        try:
+            source = self.mpi.IN_PLACE if send is None else send
+            request = self._comm.Iallreduce(source, out, mpi_op)
+            await self._wait(request, "all_reduce", out.nbytes)
+        finally:
+            self._turn.release()
+
+    async def allgather_rows(self, local: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """Concatenate the workers' arrays along axis 0, in worker order (uneven rows).
+
+        Raises:
+            ValueError: the workers' arrays differ in dtype or in their other dimensions.
+        """
+        local = np.asarray(local, order="C")
+        header = _header(local, skip_first=True)
+        await self._begin("all_gather")
+        try:
+            headers = np.empty((self.num_workers, header.size), np.int64)
+            await self._wait(self._comm.Iallgather(header, headers), "all_gather")
+            _check_headers("all_gather", headers, "the dimensions after the first")
+            rows = [int(h[0]) for h in headers]
+            inner = math.prod(local.shape[1:])
+            out = np.empty((sum(rows), *local.shape[1:]), local.dtype)
+            counts = [r * inner for r in rows]
+            displacements = [sum(counts[:w]) for w in range(self.num_workers)]
+            recv = [out, (counts, displacements), _mpi_type(self.mpi, local.dtype)]
+            await self._wait(self._comm.Iallgatherv(local, recv), "all_gather", out.nbytes)
+        finally:
+            self._turn.release()
+        return out
+
+    async def broadcast(self, value: np.ndarray[Any, Any], root: int) -> np.ndarray[Any, Any]:
+        """Worker ``root``'s ``value`` on every worker (a new array; the root's is copied).
+
+        Raises:
+            ValueError: a worker's ``value`` differs from the root's in shape or dtype.
+        """
+        value = np.asarray(value, order="C")
+        header = _header(value, skip_first=False)
+        await self._begin("broadcast")
+        try:
+            headers = np.empty((self.num_workers, header.size), np.int64)
+            await self._wait(self._comm.Iallgather(header, headers), "broadcast")
+            if not (headers == headers[root]).all():
+                bad = [w for w, h in enumerate(headers) if not (h == headers[root]).all()]
+                raise ValueError(
+                    f"broadcast: {_worker_list(bad)} passed a value of another shape or dtype "
+                    f"than worker {root}'s {value.dtype}{tuple(value.shape)} (every worker must "
+                    "pass the same shape and dtype)"
+                )
+            out = value.copy() if self.worker_index == root else np.empty_like(value)
+            await self._wait(self._comm.Ibcast(out, root), "broadcast", out.nbytes)
+        finally:
+            self._turn.release()
+        return out
+
+    async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
+        """Worker ``root``'s ``data`` on every worker (the others pass anything)."""
+        await self._begin("broadcast")
+        try:
+            size = np.array([len(data)], np.int64)
+            await self._wait(self._comm.Ibcast(size, root), "broadcast")
+            buffer = bytearray(data) if self.worker_index == root else bytearray(int(size[0]))
+            await self._wait(self._comm.Ibcast(buffer, root), "broadcast")
+        finally:
+            self._turn.release()
+        return bytes(buffer)
+
+    async def barrier(self, what: str) -> None:
+        """Wait until every worker has reached this point."""
+        await self._begin(what)
+        try:
+            await self._wait(self._comm.Ibarrier(), what)
+        finally:
+            self._turn.release()
+
+    def blocking(self, what: str, fn: Callable[[Any], Any]) -> Any:
+        """Run ``fn(communicator)`` (blocking MPI calls, made on every worker) in turn, now.
+
+        For synchronous reads that must be collective (a sync-on-read variable's global value,
+        a new variable's first read).
+
+        Raises:
+            RuntimeError: another collective is in progress on this worker (await it first).
+            ClusterBroken: the cluster is broken.
+        """
+        self.check(what)
+        if self._turn.busy:
+            raise RuntimeError(
+                f"{what} needs a collective, but another cross-worker collective is in progress "
+                "on this worker; read it once that has finished (await it first)"
+            )
+        failure = self._peer_failure()
+        if failure is not None:
+            raise failure
+        self._arrive()
+        return fn(self._comm)
+
+    def duplicate(self) -> Workers:
+        """A cluster of the same workers on a new duplicate communicator (collective).
+
+        Its collectives are ordered among themselves only: for an independent stream of them,
+        such as a dataset pass. It shares this cluster's failure state (and side channel);
+        a wait on it that is cancelled abandons it without failing the workers. ``close()`` it
+        after.
+        """
+        twin = object.__new__(Workers)
+        twin.__dict__.update(self.__dict__)
+        # From the side channel's communicator, which carries no collectives that could be
+        # under way (another task's) when this one is called.
+        twin._comm = self._side.comm.Dup()
+        twin._turn = _Turn()
+        twin._primary = False
+        twin._sequence = 0
+        return twin
+
+    def close(self) -> None:
+        """Free this cluster's collectives' communicator (not the shared side channel)."""
+        with contextlib.suppress(Exception):
+            self._comm.Free()
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _op(self, op: str, dtype: np.dtype[Any]) -> Any:
+        name = _BOOL_OPS[op] if dtype.kind == "b" else _REDUCE_OPS[op]
+        return getattr(self.mpi, name)
+
+    @contextlib.contextmanager
+    def timeout(self, seconds: float | None) -> Iterator[None]:
+        """Bound the waits of the collectives made in the block (``None``: as they are)."""
+        if seconds is None:
+            yield
+            return
+        token = collective_timeout.set(seconds)
+        try:
+            yield
+        finally:
+            collective_timeout.reset(token)
+
+
+@final
+class _SideChannel:
+    """What a cluster and its duplicates share: the failure state and the side channel."""
+
+    def __init__(self, mpi: Any, comm: Any, workers: int) -> None:
+        self.mpi = mpi
+        self.comm = comm
+        self.failure: str | None = None  # why the workers fell out of step
+        self.notice = bytearray(_NOTICE_BYTES)
+        self.notice_request: Any = comm.Irecv(self.notice, mpi.ANY_SOURCE, _NOTICE)
+        self.sends: list[Any] = []  # sends not yet known to be complete
+        self.reached = [0] * workers  # the last collective each peer said it reached
+        # Withdraw the posted receive before MPI finalizes (at exit handlers run last first,
+        # and mpi4py registered its own when it was imported, before this).
+        atexit.register(self.withdraw)
+
+    def withdraw(self) -> None:
+        """Cancel the posted notice receive (nothing more will be heard)."""
+        request, self.notice_request = self.notice_request, None
+        if request is not None and not self.mpi.Is_finalized():
+            with contextlib.suppress(Exception):
+                request.Cancel()
+                request.Wait()
+
+    def send_all(self, data: Any, tag: int, me: int) -> None:
+        for peer in range(len(self.reached)):
+            if peer != me:
+                self.sends.append(self.comm.Isend(data, peer, tag))
+        if len(self.sends) > 64:
+            self.sends = [request for request in self.sends if not request.Test()]
+
+    def read_arrivals(self) -> list[int]:
+        """Take in every arrival message the peers have sent; the latest each reached."""
+        mpi = self.mpi
+        status = mpi.Status()
+        box = np.zeros(1, np.int64)
+        while self.comm.Iprobe(mpi.ANY_SOURCE, _ARRIVAL, status):
+            source = status.Get_source()
+            self.comm.Recv(box, source, _ARRIVAL)
+            self.reached[source] = max(self.reached[source], int(box[0]))
+        return self.reached
+
+
+def _spin(test: Callable[[], bool]) -> bool:
+    """``test()`` again and again for up to ``_SPIN_SECONDS``, without leaving the thread:
+    MPI moves data only inside ``Test``, and a trip through the event loop between two tests
+    costs several microseconds (a peer just behind, or a transfer under way, finishes sooner).
+    Whether the request completed."""
+    if test():
+        return True
+    until = time.perf_counter() + _SPIN_SECONDS
+    while time.perf_counter() < until:
+        if test():
+            return True
+    return False
+
+
+def _worker_list(workers: list[int]) -> str:
+    if len(workers) == 1:
+        return f"worker {workers[0]}"
+    return "workers " + ", ".join(map(str, workers[:-1])) + f" and {workers[-1]}"
+
+
+def _header(array: np.ndarray[Any, Any], *, skip_first: bool) -> np.ndarray[Any, Any]:
+    """Shape and dtype as a fixed-size int64 array, for the workers to compare."""
+    header = np.full(3 + 32, -1, np.int64)
+    header[0] = array.shape[0] if array.ndim else 1
+    header[1] = array.ndim
+    header[2] = array.dtype.num
+    dims = array.shape[1:] if skip_first else array.shape
+    header[3 : 3 + len(dims)] = dims
+    return header
+
+
+def _check_headers(what: str, headers: np.ndarray[Any, Any], parts: str) -> None:
+    rest = headers[:, 1:]
+    if not (rest == rest[0]).all():
+        bad = [w for w in range(len(headers)) if not (rest[w] == rest[0]).all()]
+        raise ValueError(
+            f"{what}: {_worker_list(bad)} passed values whose dtype or {parts} differ from "
+            "worker 0's; every worker must pass the same dtype and shape (off the gathered axis)"
+        )
+
+
+def _mpi_type(mpi: Any, dtype: np.dtype[Any]) -> Any:
+    return mpi._typedict[dtype.char]
+
+
+def install_abort_on_uncaught(comm: Any) -> None:
+    """Make an uncaught exception end the whole MPI job (non-zero), not hang it.
+
+    The exception is printed as usual, then ``Abort(1)`` stops every process; otherwise the
+    failed process would wait in ``MPI_Finalize`` and its peers in a collective. Installed
+    once per process, chained to the hook in place.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_aioreplica_abort", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        previous(kind, value, traceback)
+        if not issubclass(kind, SystemExit):
+            sys.stderr.flush()
+            comm.Abort(1)
+
+    hook._aioreplica_abort = True  # type: ignore[attr-defined]
+    sys.excepthook = hook

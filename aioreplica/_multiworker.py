@@ -1,0 +1,318 @@
+"""``MultiWorkerMirroredStrategy``: one step function on the replicas of several processes.
+
+One process per worker, launched by ``mpiexec``; each runs its local replicas as
+``MirroredStrategy`` does, and the reduction engine adds a cross-worker step to every
+collective (``aioreplica._cluster``). This facade adds what is about workers: global replica
+ids, variables that start from the chief's values, a failure on any worker ending ``run()`` on
+every worker, and refusing concurrent runs (their collectives would interleave differently on
+different workers).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, final
+
+import anyio
+
+from . import _tree
+from ._backends import share_cores
+from ._cluster import ClusterBroken, Workers, install_abort_on_uncaught
+from ._collectives import ReductionEngine
+from ._dataset import InputContext
+from ._errors import ReplicaSyncError
+from ._strategy import MirroredStrategy
+from ._values import DistributedValues, regroup
+from ._variables import sync_variables
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+    from ._backends import Device
+    from ._options import CommunicationOptions
+
+__all__ = ["Cluster", "MultiWorkerMirroredStrategy"]
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class Cluster:
+    """Where this process stands among the workers of a ``MultiWorkerMirroredStrategy``.
+
+    Attributes:
+        worker_index: this worker's index, from 0 (its MPI rank in the strategy's
+            communicator).
+        num_workers: how many workers (processes) run the strategy.
+
+    Example:
+        >>> Cluster(worker_index=0, num_workers=2).is_chief
+        True
+    """
+
+    worker_index: int
+    num_workers: int
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this is worker 0, which writes checkpoints and numbers them."""
+        return self.worker_index == 0
+
+
+class MultiWorkerMirroredStrategy(MirroredStrategy):
+    """``MirroredStrategy`` over the replicas of several processes (workers), under MPI.
+
+    Launch one process per worker with ``mpiexec -n W python program.py`` (the ``mpiexec`` of
+    the environment where ``pip install 'aioreplica[mpi]'`` put mpi4py and MPICH). Every worker
+    builds the strategy at the same point of its program with as many local devices; a
+    replica's id is global and worker-major (worker ``w``'s local replica ``j`` is ``w * L +
+    j``), while ``run()``'s arguments and results stay local: one component per local replica.
+    Collectives (``ctx.all_reduce`` and the others, ``strategy.reduce``, ``gather``,
+    ``extended.reduce_to``) combine over every worker; ``merge_fn`` runs once per worker, on
+    that worker's ``PerReplica``. Each global batch of ``distribute_dataset`` is cut in
+    ``num_replicas_in_sync`` slices, of which a worker takes its replicas'.
+
+    Variables made in ``scope()`` start from the chief's initial value (fetched before their
+    first use in ``run()``, or at their first read, which every worker must then make).
+    Checkpoints are collective: the chief writes, every worker returns once the file is
+    complete (the workers must share the file system).
+
+    A failure on one worker (an exception in a replica or ``merge_fn``, a cancelled
+    ``run()``) makes ``run()`` raise on every worker: its own exception on the failing one,
+    ``ReplicaSyncError`` naming the failing worker on the others, which learn of it through a
+    side channel while they wait. ``sync_timeout`` (and a collective's ``timeout_seconds``)
+    bounds every wait for another worker too. MPI cannot cancel a collective, so after such a
+    failure the strategy refuses further cross-worker calls. An uncaught exception ends the
+    whole job (``MPI_Abort``) instead of leaving the other workers waiting.
+
+    Args:
+        devices: this worker's local devices, as for ``MirroredStrategy``.
+        communicator: an mpi4py intracommunicator of the workers (default
+            ``MPI.COMM_WORLD``); the strategy works on duplicates of it, so the caller's own
+            traffic on it is never disturbed.
+        communication_options: defaults for collectives (packing, timeout).
+        sync_timeout: seconds a replica, or a worker, may wait for the others to arrive.
+        interleave: as for ``MirroredStrategy``.
+        seed: as for ``MirroredStrategy``.
+        slow_merge_warning: as for ``MirroredStrategy``.
+
+    Raises:
+        ImportError: mpi4py is not installed (``pip install 'aioreplica[mpi]'``).
+        ValueError: the workers have different numbers of local replicas (on every worker,
+            naming which has how many); and as ``MirroredStrategy``.
+        TypeError: ``communicator`` is not an mpi4py intracommunicator; and as
+            ``MirroredStrategy``.
+
+    Example:
+        >>> strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])  # one process
+        >>> strategy.cluster.num_workers, strategy.num_replicas_in_sync
+        (1, 2)
+        >>> async def step():
+        ...     ctx = aioreplica.get_replica_context()
+        ...     return await ctx.all_reduce("sum", ctx.replica_id_in_sync_group)
+        >>> int(anyio.run(strategy.run, step))
+        1
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str | Device] | None = None,
+        *,
+        communicator: Any = None,
+        communication_options: CommunicationOptions | None = None,
+        sync_timeout: float | None = None,
+        interleave: Literal["ordered", "random"] = "ordered",
+        seed: int | None = None,
+        slow_merge_warning: float | None = 60.0,
+    ) -> None:
+        self._communicator = communicator
+        self._running = False
+        super().__init__(
+            devices,
+            sync_timeout=sync_timeout,
+            interleave=interleave,
+            seed=seed,
+            communication_options=communication_options,
+            slow_merge_warning=slow_merge_warning,
+        )
+        workers = self._workers
+        workers.default_timeout = sync_timeout
+        self._cluster = Cluster(workers.worker_index, workers.num_workers)
+        share_cores(workers.workers_here)
+        if workers.num_workers > 1:
+            install_abort_on_uncaught(workers.mpi.COMM_WORLD)
+
+    def _new_engine(
+        self, devices: tuple[Device, ...], options: CommunicationOptions
+    ) -> ReductionEngine:
+        self._workers = Workers(self._communicator, len(devices))
+        return ReductionEngine(devices, options, self._workers)
+
+    # -- facts ----------------------------------------------------------------------------
+
+    @property
+    def cluster(self) -> Cluster:
+        """This worker's index, the number of workers, and whether this is the chief."""
+        return self._cluster
+
+    def _input_context(self) -> InputContext:
+        return InputContext(
+            num_input_pipelines=self._cluster.num_workers,
+            input_pipeline_id=self._cluster.worker_index,
+            num_replicas_in_sync=self.num_replicas_in_sync,
+        )
+
+    def _worker_index(self) -> int:
+        return self._cluster.worker_index
+
+    def __repr__(self) -> str:
+        cluster = self._cluster
+        return (
+            f"MultiWorkerMirroredStrategy(devices={list(self.devices)!r}, worker "
+            f"{cluster.worker_index} of {cluster.num_workers})"
+        )
+
+    # -- running --------------------------------------------------------------------------
+
+    async def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """Run ``fn`` once per local replica of every worker; return this worker's results.
+
+        As ``MirroredStrategy.run``, with the arguments and results local. Every worker calls
+        it; they leave it together: the end of ``run()`` is a cross-worker agreement, so a
+        failure on any worker reaches every worker's ``run()``.
+
+        Raises:
+            RuntimeError: another ``run()`` of this strategy is in progress on this worker; the
+                workers fell out of step earlier (the strategy makes no more cross-worker
+                calls); and as ``MirroredStrategy.run``.
+            ValueError: a distributed argument does not have one value per local replica.
+            ReplicaSyncError: another worker failed (naming it, its replica and what it
+                raised), or a worker was late past ``sync_timeout``.
+            BaseException: what this worker's replica or ``merge_fn`` raised, as
+                ``MirroredStrategy.run``.
+
+        Example:
+            >>> strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])
+            >>> anyio.run(strategy.run, lambda: aioreplica.get_replica_context().device.name)
+            'cpu:0'
+        """
+        parts = self._prepare_run(fn, args, kwargs)  # bad arguments fail here, alone
+        self._check_usable("run()")
+        return regroup(await self._in_step("run()", lambda: self._scheduler.run(fn, parts)))
+
+    async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
+        """``MirroredStrategy.run_steps`` on every worker; they leave it together.
+
+        Raises:
+            RuntimeError: as ``run()``.
+            ReplicaSyncError: as ``run()``.
+            BaseException: as ``MirroredStrategy.run_steps``.
+
+        Example:
+            >>> strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+            >>> batches = aioreplica.batched(np.arange(8.0), 4)
+            >>> async def loop():
+            ...     iterator = aiter(strategy.distribute_dataset(batches))
+            ...     return await strategy.run_steps(lambda x: float(x.sum()), iterator, 2)
+            >>> anyio.run(loop)
+            PerReplica({0: 9.0, 1: 13.0})
+        """
+        self._check_usable("run_steps()")
+        # The steps are one run() of replicas that loop: that run() is the collective step.
+        return await MirroredStrategy.run_steps(self, step_fn, iterator, steps)
+
+    async def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
+        """``MirroredStrategy.reduce`` over the replicas of every worker (collective).
+
+        Raises:
+            RuntimeError: the workers fell out of step earlier; and as
+                ``MirroredStrategy.reduce``.
+            ValueError: as ``MirroredStrategy.reduce``.
+            TypeError: as ``MirroredStrategy.reduce``.
+
+        Example:
+            >>> strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+            >>> float(anyio.run(strategy.reduce, "sum", aioreplica.PerReplica([1.0, 2.0])))
+            3.0
+        """
+        if self._workers.pending:
+            await self._sync_variables()
+        return await super().reduce(reduce_op, value, axis)
+
+    def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        local = len(self._device_objects)
+        for leaf in _tree.flatten((args, kwargs))[0]:
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != local:
+                raise ValueError(
+                    f"run() takes this worker's values: a {type(leaf).__name__} of one value "
+                    f"per local replica ({local} on worker {self._cluster.worker_index}), got "
+                    f"{len(leaf.values)} values (num_replicas_in_sync is "
+                    f"{self.num_replicas_in_sync} over all workers); each worker passes its own "
+                    "replicas' values"
+                )
+
+    async def _sync_variables(self) -> None:
+        try:
+            await sync_variables(self._workers)
+        except BaseException as exc:
+            self._failed(exc)
+            raise
+
+    def _check_usable(self, what: str) -> None:
+        if self._closed:
+            return  # MirroredStrategy's own check says so
+        self._workers.check(what)
+        if self._running:
+            raise RuntimeError(
+                f"{what} was called on {self!r} while another run() is in progress on this "
+                "worker; the workers must make their collectives in the same order, which "
+                "concurrent runs would not keep: await one run() before starting the next"
+            )
+
+    async def _in_step(self, what: str, start: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``start()``, refusing a concurrent one; announce a failure to the other
+        workers; agree with them at the end that every worker's step succeeded."""
+        workers = self._workers
+        self._running = True
+        try:
+            try:
+                if workers.pending:
+                    await sync_variables(workers)
+                result = await start()
+                await workers.barrier(f"the end of {what}")
+            except BaseException as exc:
+                self._failed(exc)
+                raise
+            return result
+        finally:
+            self._running = False
+
+    def _failed(self, exc: BaseException) -> None:
+        """Tell the other workers that this one failed (unless a peer's failure it is)."""
+        workers = self._workers
+        if workers.broken or isinstance(exc, ClusterBroken):
+            return
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            workers.announce("its run() was cancelled")
+            return
+        place = ""
+        replicas: tuple[int, ...] = ()
+        for note in getattr(exc, "__notes__", ()):
+            found = _REPLICA_NOTE.search(note)
+            if found is not None:
+                replicas = (int(found.group(1)),)
+                place = f" in replica {found.group(1)}"
+                break
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        reason = f"{type(exc).__name__}{': ' + text[:500] if text else ''} was raised{place}"
+        if isinstance(exc, ReplicaSyncError) and not place:
+            replicas = exc.replicas
+        workers.announce(reason, replicas)
+
+
+_REPLICA_NOTE = re.compile(r"raised in replica (\d+) of")

@@ -1,0 +1,262 @@
+"""Failure scenarios of the multi-worker strategy, each an MPI job of its own.
+
+``tests/test_multiworker.py`` launches ``mpiexec -n 2 python [-m mpi4py] scenarios.py NAME
+BACKEND`` and checks the exit status, the time the job took and the lines printed. Each rank
+checks what it saw with plain asserts (an assertion error ends the job: ``-m mpi4py``, or
+the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` per part.
+
+- ``failing``: rank 1's replica raises ``ValueError`` while rank 0 waits in an ``all_reduce``;
+  then a failure after the last collective of a step; then a merge function failing on rank 1
+  while rank 0's merge function reduces across workers. Rank 1 gets its own error, rank 0 a
+  ``ReplicaSyncError`` naming worker 1; each strategy then refuses further calls.
+- ``uncaught``: as the first part of ``failing``, caught nowhere: the job must end non-zero
+  within seconds, without ``-m mpi4py`` (the strategy's ``sys.excepthook`` aborts it).
+- ``late``: ``sync_timeout=1``: rank 1 sleeps 5 s before its collective; rank 0 raises
+  ``ReplicaSyncError`` naming worker 1 after about 1 s, rank 1 when it gets there. Then the
+  same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective.
+- ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
+  collective and while waiting in it; rank 0 raises naming worker 1.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+from mpi4py import MPI
+
+from aioreplica import CommunicationOptions, MultiWorkerMirroredStrategy, ReplicaSyncError
+from aioreplica.testing import host_devices, replica_context, replica_id
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from aioreplica import MirroredStrategy
+
+WORLD = MPI.COMM_WORLD
+RANK = WORLD.Get_rank()
+LOCAL = 2
+#: Global id of the failing replica: worker 1's second local replica.
+FAILING = 1 * LOCAL + 1
+
+
+def report(part: str, seconds: float) -> None:
+    print(f"rank {RANK}: ok {part} {seconds:.2f} s (cpu {cpu_seconds:.2f} s)", flush=True)
+
+
+def check_sync_error(error: BaseException | None, *texts: str) -> ReplicaSyncError:
+    """``error`` is a ReplicaSyncError naming worker 1 (``.workers``) and every text."""
+    assert isinstance(error, ReplicaSyncError), f"expected ReplicaSyncError, got {error!r}"
+    assert error.workers == (1,), error.workers
+    message = str(error)
+    for text in ("worker 1", *texts):
+        assert text in message, f"{text!r} not in {message!r}"
+    return error
+
+
+#: The CPU time the last ``outcome`` took, in seconds (every thread of this process).
+cpu_seconds = 0.0
+
+
+async def outcome(call: Callable[[], Awaitable[Any]]) -> tuple[BaseException | None, float]:
+    """Run ``call`` after every rank is ready; what it raised and how long it took."""
+    global cpu_seconds
+    WORLD.Barrier()
+    start, cpu = time.monotonic(), time.process_time()
+    error: BaseException | None = None
+    try:
+        await call()
+    except Exception as exc:
+        error = exc
+    cpu_seconds = time.process_time() - cpu
+    return error, time.monotonic() - start
+
+
+async def assert_refused(strategy: MirroredStrategy) -> None:
+    """After a cross-worker failure the strategy refuses run() with RuntimeError."""
+
+    async def step() -> Any:
+        return await replica_context().all_reduce("sum", np.ones(1))
+
+    error: RuntimeError | None = None
+    try:
+        await strategy.run(step)
+    except RuntimeError as exc:
+        error = exc
+    assert isinstance(error, RuntimeError), f"run() after a cross-worker failure: {error!r}"
+    assert "MPI cannot cancel a collective" in str(error), str(error)
+
+
+# -- failing ----------------------------------------------------------------------------------
+
+
+async def fail_before_collective(strategy: MirroredStrategy) -> Any:
+    async def step() -> Any:
+        ctx = replica_context()
+        if ctx.replica_id_in_sync_group == FAILING:
+            await anyio.sleep(0.05)  # let every other replica reach its all_reduce first
+            raise ValueError(f"bad batch in replica {FAILING}")
+        return await ctx.all_reduce("sum", np.ones(4))
+
+    return await strategy.run(step)
+
+
+async def failing() -> None:
+    # 1. A replica fails while the other worker waits in an all_reduce.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    error, seconds = await outcome(lambda: fail_before_collective(strategy))
+    if RANK == 1:
+        assert isinstance(error, ValueError), repr(error)
+        assert str(error) == f"bad batch in replica {FAILING}"
+    else:
+        check_sync_error(
+            error, f"replica {FAILING}", "ValueError", f"bad batch in replica {FAILING}"
+        )
+    assert seconds < 5, seconds
+    await assert_refused(strategy)
+    report("failure-in-collective", seconds)
+
+    # 2. A replica fails after the step's last collective: every run() still raises.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+
+    async def after_last() -> Any:
+        ctx = replica_context()
+        total = await ctx.all_reduce("sum", np.ones(2))
+        if ctx.replica_id_in_sync_group == FAILING:
+            raise KeyError("after the last collective")
+        return total
+
+    error, seconds = await outcome(lambda: strategy.run(after_last))
+    if RANK == 1:
+        assert isinstance(error, KeyError), repr(error)
+    else:
+        check_sync_error(error, "KeyError", "after the last collective")
+    assert seconds < 5, seconds
+    await assert_refused(strategy)
+    report("failure-after-last-collective", seconds)
+
+    # 3. A merge function fails on worker 1 while worker 0's reduces across workers.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+
+    async def merge(s: MirroredStrategy, value: Any) -> Any:
+        if RANK == 1:
+            raise ZeroDivisionError("merge failed on worker 1")
+        return await s.reduce("sum", value)
+
+    async def merging() -> Any:
+        return await replica_context().merge_call(merge, args=(np.full(2, float(replica_id())),))
+
+    error, seconds = await outcome(lambda: strategy.run(merging))
+    if RANK == 1:
+        assert isinstance(error, ZeroDivisionError), repr(error)
+    else:
+        check_sync_error(error, "ZeroDivisionError", "merge failed on worker 1")
+    assert seconds < 5, seconds
+    await assert_refused(strategy)
+    report("failure-in-merge-fn", seconds)
+
+
+async def uncaught() -> None:
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    WORLD.Barrier()
+    await fail_before_collective(strategy)  # raises on every rank, caught nowhere
+    print(f"rank {RANK}: run() returned: the failure was lost", flush=True)
+
+
+# -- late ----------------------------------------------------------------------------------
+
+
+async def late() -> None:
+    # 1. sync_timeout bounds every cross-worker wait.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=1.0)
+
+    async def step() -> Any:
+        if RANK == 1:
+            await anyio.sleep(5.0)
+        return await replica_context().all_reduce("sum", np.ones(3))
+
+    error, seconds = await outcome(lambda: strategy.run(step))
+    if RANK == 0:
+        check_sync_error(error)
+        assert 0.8 <= seconds <= 3.0, seconds
+        # Waiting for the late peer backs off instead of spinning a core all along.
+        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
+    else:
+        assert isinstance(error, RuntimeError), repr(error)
+        assert 5.0 <= seconds <= 8.0, seconds
+    await assert_refused(strategy)
+    report("sync-timeout", seconds)
+
+    # 2. CommunicationOptions(timeout_seconds) bounds one collective.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    options = CommunicationOptions(timeout_seconds=0.5)
+
+    async def bounded() -> Any:
+        ctx = replica_context()
+        await ctx.all_reduce("sum", np.ones(1))  # unbounded, both on time
+        if RANK == 1:
+            await anyio.sleep(2.0)
+        return await ctx.all_reduce("sum", np.ones(3), options)
+
+    error, seconds = await outcome(lambda: strategy.run(bounded))
+    if RANK == 0:
+        check_sync_error(error)
+        assert 0.4 <= seconds <= 2.0, seconds
+    else:
+        assert isinstance(error, RuntimeError), repr(error)
+        assert 2.0 <= seconds <= 4.5, seconds
+    await assert_refused(strategy)
+    report("collective-timeout", seconds)
+
+
+# -- cancelled ------------------------------------------------------------------------------
+
+
+async def cancelled() -> None:
+    for part, rank0_delay in (("cancel-before-collective", 0.0), ("cancel-in-collective", 1.5)):
+        strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+
+        async def step(delay: float = rank0_delay) -> Any:
+            if RANK == 1 and delay == 0.0:
+                await anyio.sleep_forever()  # cancelled before reaching the collective
+            if RANK == 0:
+                await anyio.sleep(delay)  # rank 1 waits in the collective when cancelled
+            return await replica_context().all_reduce("sum", np.ones(2))
+
+        async def run_it(s: MirroredStrategy = strategy) -> Any:
+            if RANK != 1:
+                return await s.run(step)
+            with anyio.move_on_after(0.5) as scope:
+                await s.run(step)
+            assert scope.cancelled_caught, "rank 1's run() was not cancelled"
+            return None
+
+        error, seconds = await outcome(run_it)
+        if RANK == 0:
+            check_sync_error(error)
+            assert seconds < 5, seconds
+        else:
+            assert error is None, repr(error)
+            assert seconds < 2, seconds
+        await assert_refused(strategy)
+        report(part, seconds)
+
+
+SCENARIOS = {"failing": failing, "uncaught": uncaught, "late": late, "cancelled": cancelled}
+
+
+def main() -> None:
+    name, backend = sys.argv[1], sys.argv[2]
+    faulthandler.dump_traceback_later(60, exit=True)
+    start = time.monotonic()
+    anyio.run(SCENARIOS[name], backend=backend)
+    WORLD.Barrier()
+    print(f"rank {RANK}: scenario {name} on {backend} done in {time.monotonic() - start:.2f}")
+
+
+if __name__ == "__main__":
+    main()

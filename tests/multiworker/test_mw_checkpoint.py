@@ -1,0 +1,193 @@
+"""Checkpoints across workers: a collective save the chief writes, restore everywhere, and a
+CheckpointManager whose numbering and pruning come from the chief.
+
+The ranks share one directory (made by rank 0, its name broadcast): the shared filesystem the
+multi-worker strategy assumes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from aioreplica import Checkpoint, CheckpointManager, Variable
+from aioreplica.optimizers import Adam
+from aioreplica.testing import replica_id
+from multiworker.mwtools import (
+    RANK,
+    WORKERS,
+    WORLD,
+    allgather,
+    assert_same_on_every_worker,
+    shared_directory,
+)
+
+if TYPE_CHECKING:
+    from aioreplica import MultiWorkerMirroredStrategy
+    from multiworker.mwtools import MakeStrategy
+
+pytestmark = pytest.mark.anyio
+
+Array = np.ndarray[Any, Any]
+NUMBERED = re.compile(r"ckpt-\d+\.npz$")
+
+
+class Model:
+    """A weight, a sync-on-read metric and an Adam optimizer, trained one step."""
+
+    def __init__(self, strategy: MultiWorkerMirroredStrategy) -> None:
+        self.strategy = strategy
+        with strategy.scope():
+            self.w = Variable(np.arange(6.0).reshape(2, 3) * (RANK + 1), name="w")
+            self.seen = Variable(0, name="seen", synchronization="on_read", aggregation="sum")
+        self.optimizer = Adam(0.1)
+
+    async def train(self, scale: float) -> None:
+        async def step() -> None:
+            g = replica_id()
+            await self.optimizer.apply_gradients([(np.full((2, 3), scale * (g + 1)), self.w)])
+            await self.seen.assign_add(g + 1)
+
+        await self.strategy.run(step)
+
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(w=self.w, seen=self.seen, optimizer=self.optimizer, epoch=3)
+
+    def state(self) -> list[Any]:
+        """What must be equal on every worker: the weight's and the slots' copies, the step."""
+        slots = [copy for slot in self.optimizer.variables() for copy in slot.values]
+        return [*self.w.values, *slots, self.optimizer.iterations]
+
+
+async def read_back(path: str) -> Checkpoint:
+    """The file's values, restored into plain variables outside any strategy."""
+    w = Variable(np.zeros((2, 3)), name="w")
+    ckpt = Checkpoint(w=w, seen=Variable(0, name="seen"), optimizer=Adam(0.1), epoch=0)
+    await ckpt.restore(path)
+    return ckpt
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_save_is_collective_and_complete_on_return(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """Every worker's save returns the same path once the file is complete: the non-chief
+    reads it at once and finds the global values (the sync-on-read sum over all workers)."""
+    strategy = make_strategy(local)
+    model = Model(strategy)
+    await model.train(1.0)
+    n = WORKERS * local
+    with shared_directory() as directory:
+        path = os.path.join(directory, "model.npz")
+        returned = await model.checkpoint().save(path)
+        assert returned == path
+        assert allgather(returned) == [path] * WORKERS
+        back = await read_back(path)  # on every rank, at once
+        np.testing.assert_array_equal(back.w.numpy(), model.w.values[0])
+        assert int(back.seen.numpy()) == sum(g + 1 for g in range(n))
+        assert back.optimizer.iterations == 1
+        assert back.epoch == 3
+        assert sorted(os.listdir(directory)) == ["model.npz"]  # no temporaries left
+        WORLD.Barrier()
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_restore_on_every_worker(make_strategy: MakeStrategy, local: int) -> None:
+    """After more training, restoring brings every worker back to the saved state, bitwise
+    equal across workers; the sync-on-read metric reads the saved global total again."""
+    strategy = make_strategy(local)
+    model = Model(strategy)
+    await model.train(1.0)
+    saved_w = np.array(model.w.values[0])
+    saved_seen = int(model.seen.numpy())
+    with shared_directory() as directory:
+        ckpt = model.checkpoint()
+        path = await ckpt.save(os.path.join(directory, "model.npz"))
+        await model.train(5.0)
+        ckpt.epoch = 9
+        assert not np.array_equal(model.w.values[0], saved_w)
+        await ckpt.restore(path)
+        for copy in model.w.values:
+            np.testing.assert_array_equal(copy, saved_w)
+        assert model.optimizer.iterations == 1
+        assert ckpt.epoch == 3
+        assert int(model.seen.numpy()) == saved_seen
+        assert_same_on_every_worker(*model.state())
+        # Training goes on from the restored state identically everywhere.
+        await model.train(2.0)
+        assert_same_on_every_worker(*model.state())
+        WORLD.Barrier()
+
+
+async def test_manager_numbering_and_pruning_come_from_the_chief(
+    make_strategy: MakeStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The non-chief's manager, made before the chief's saw an older checkpoint, still numbers
+    as the chief does, keeps the chief's list, and never deletes a file itself."""
+    strategy = make_strategy(2)
+    model = Model(strategy)
+    deleted: list[str] = []
+    if RANK != 0:
+        for name in ("unlink", "remove"):
+            real = getattr(os, name)
+
+            def recording(path: Any, *args: Any, _real: Any = real, **kwargs: Any) -> None:
+                if NUMBERED.search(os.fspath(path)):
+                    deleted.append(os.fspath(path))
+                _real(path, *args, **kwargs)
+
+            monkeypatch.setattr(os, name, recording)
+    with shared_directory() as directory:
+        run = os.path.join(directory, "run")
+        seed = await model.checkpoint().save(os.path.join(directory, "seed.npz"))
+        managers: list[CheckpointManager] = []
+        if RANK != 0:  # made while the directory does not exist yet
+            managers.append(CheckpointManager(model.checkpoint(), run, max_to_keep=2))
+        WORLD.Barrier()
+        if RANK == 0:  # an older run left checkpoint 5
+            os.makedirs(run)
+            shutil.copyfile(seed, os.path.join(run, "ckpt-5.npz"))
+            managers.append(CheckpointManager(model.checkpoint(), run, max_to_keep=2))
+        manager = managers[0]
+        paths = []
+        for scale in (1.0, 2.0, 3.0):
+            await model.train(scale)
+            paths.append(await manager.save())
+            assert allgather(paths[-1]) == [paths[-1]] * WORKERS
+        assert [os.path.basename(p) for p in paths] == ["ckpt-6.npz", "ckpt-7.npz", "ckpt-8.npz"]
+        assert [os.path.basename(p) for p in manager.checkpoints] == ["ckpt-7.npz", "ckpt-8.npz"]
+        assert manager.latest == paths[-1]
+        assert sorted(f for f in os.listdir(run) if NUMBERED.search(f)) == [
+            "ckpt-7.npz",
+            "ckpt-8.npz",
+        ]
+        assert allgather(deleted) == [[]] * WORKERS  # only the chief (not recorded) deletes
+        WORLD.Barrier()
+
+
+async def test_manager_restore_latest_on_every_worker(make_strategy: MakeStrategy) -> None:
+    """A manager made after a restart finds the latest checkpoint on every worker; restoring
+    it there gives every worker the saved weights."""
+    strategy = make_strategy(2)
+    model = Model(strategy)
+    with shared_directory() as directory:
+        manager = CheckpointManager(model.checkpoint(), directory, max_to_keep=3)
+        for scale in (1.0, 2.0):
+            await model.train(scale)
+            await manager.save()
+        saved = np.array(model.w.values[0])
+        await model.train(7.0)
+        restarted = CheckpointManager(model.checkpoint(), directory, max_to_keep=3)
+        latest = restarted.latest
+        assert latest is not None
+        assert allgather(os.path.basename(latest)) == ["ckpt-2.npz"] * WORKERS
+        await model.checkpoint().restore(latest)
+        for copy in model.w.values:
+            np.testing.assert_array_equal(copy, saved)
+        assert_same_on_every_worker(*model.state())
+        WORLD.Barrier()

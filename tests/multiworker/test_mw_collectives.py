@@ -1,0 +1,360 @@
+"""Collectives across workers: replica-context ones, and reduce/gather in cross-replica context.
+
+Every test builds the whole global data on every rank (seeded), gives global replica ``g`` its
+row ``g``, and compares with NumPy over all of it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aioreplica import CommunicationOptions, PerReplica, ReduceOp
+from aioreplica.testing import host_devices, replica_context, replica_id
+from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
+
+if TYPE_CHECKING:
+    from multiworker.mwtools import MakeStrategy
+
+pytestmark = pytest.mark.anyio
+
+Array = np.ndarray[Any, Any]
+
+NUMPY = {
+    "sum": lambda a: np.sum(a, axis=0),
+    "mean": lambda a: np.mean(a, axis=0),
+    "max": lambda a: np.max(a, axis=0),
+    "min": lambda a: np.min(a, axis=0),
+    "prod": lambda a: np.prod(a, axis=0),
+}
+
+
+def local_results(strategy: Any, value: Any) -> list[Any]:
+    """Each local replica's part of ``value`` (a structure that may hold distributed values)."""
+    return each_replica(strategy, value)
+
+
+def per_replica(values: list[Any]) -> Any:
+    """This worker's values as run() takes them: a PerReplica, or the value for one replica."""
+    return PerReplica(values) if len(values) > 1 else values[0]
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+async def test_all_reduce_every_op_float64(
+    make_strategy: MakeStrategy, local: int, op: str
+) -> None:
+    """Every ReduceOp over all workers' replicas equals NumPy's over the global data."""
+    strategy = make_strategy(local)
+    data = np.random.default_rng(1).normal(size=(WORKERS * local, 4, 3))
+
+    async def step() -> Any:
+        return await replica_context().all_reduce(op, data[replica_id()])
+
+    for got in local_results(strategy, await strategy.run(step)):
+        assert got.dtype == np.float64
+        np.testing.assert_allclose(got, NUMPY[op](data), rtol=1e-12)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_all_reduce_keeps_dtypes(make_strategy: MakeStrategy, local: int) -> None:
+    """float32 and int32 keep their dtype for every op; bool MAX is any, MIN is all."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(2)
+    f32 = rng.normal(size=(n, 5)).astype(np.float32)
+    i32 = rng.integers(-5, 6, size=(n, 5)).astype(np.int32)
+    flags = np.zeros((n, 4), dtype=bool)
+    flags[n - 1, 0] = True  # only the last worker's last replica: any, not all
+    flags[:, 1] = True  # everyone: any and all
+    flags[0, 2] = True  # only the chief's first replica
+    ops = ["sum", "mean", "max", "min", "prod"]
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        out: dict[str, Any] = {}
+        for op in ops:
+            out[f"f32-{op}"] = await ctx.all_reduce(op, f32[g])
+        for op in ["sum", "max", "min", "prod"]:
+            out[f"i32-{op}"] = await ctx.all_reduce(op, i32[g])
+        out["bool-max"] = await ctx.all_reduce(ReduceOp.MAX, flags[g])
+        out["bool-min"] = await ctx.all_reduce(ReduceOp.MIN, flags[g])
+        return out
+
+    for got in local_results(strategy, await strategy.run(step)):
+        for op in ops:
+            assert got[f"f32-{op}"].dtype == np.float32, op
+            np.testing.assert_allclose(got[f"f32-{op}"], NUMPY[op](f32), rtol=2e-6)
+        for op in ["sum", "max", "min", "prod"]:
+            assert got[f"i32-{op}"].dtype == np.int32, op
+            np.testing.assert_array_equal(got[f"i32-{op}"], NUMPY[op](i32).astype(np.int32))
+        assert got["bool-max"].dtype == np.bool_
+        assert got["bool-min"].dtype == np.bool_
+        np.testing.assert_array_equal(got["bool-max"], flags.any(axis=0))
+        np.testing.assert_array_equal(got["bool-min"], flags.all(axis=0))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_all_reduce_nested_structures(make_strategy: MakeStrategy, local: int) -> None:
+    """Dicts and lists reduce leaf by leaf, each leaf keeping its dtype; scalars too."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=(n, 2, 2))
+    b = rng.integers(0, 100, size=(n, 3)).astype(np.int32)
+    c = rng.normal(size=(n, 7)).astype(np.float32)
+
+    def value(g: int) -> Any:
+        return {"a": a[g], "list": [b[g], {"c": c[g]}], "scalar": float(g)}
+
+    async def step() -> Any:
+        return await replica_context().all_reduce("sum", value(replica_id()))
+
+    for got in local_results(strategy, await strategy.run(step)):
+        assert set(got) == {"a", "list", "scalar"}
+        np.testing.assert_allclose(got["a"], a.sum(axis=0), rtol=1e-12)
+        assert got["list"][0].dtype == np.int32
+        np.testing.assert_array_equal(got["list"][0], b.sum(axis=0))
+        assert got["list"][1]["c"].dtype == np.float32
+        np.testing.assert_allclose(got["list"][1]["c"], c.sum(axis=0), rtol=2e-6)
+        assert float(got["scalar"]) == sum(range(n))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("bytes_per_pack", [None, 0, 64, 1 << 20])
+async def test_all_reduce_packs_many_small_leaves(
+    make_strategy: MakeStrategy, local: int, bytes_per_pack: int | None
+) -> None:
+    """Hundreds of small leaves of mixed dtypes reduce right whatever the pack size."""
+    options = None if bytes_per_pack is None else CommunicationOptions(bytes_per_pack)
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(4)
+    dtypes = [np.float64, np.float32, np.int32, np.int64]
+    leaves = [
+        rng.integers(-9, 10, size=(n, 1 + i % 5)).astype(dtypes[i % len(dtypes)])
+        for i in range(300)
+    ]
+
+    async def step() -> Any:
+        g = replica_id()
+        return await replica_context().all_reduce("sum", [x[g] for x in leaves], options)
+
+    for got in local_results(strategy, await strategy.run(step)):
+        assert len(got) == len(leaves)
+        for leaf, want in zip(got, leaves, strict=True):
+            assert leaf.dtype == want.dtype
+            np.testing.assert_array_equal(leaf, want.sum(axis=0).astype(want.dtype))
+
+
+async def test_strategy_communication_options_pack(make_strategy: MakeStrategy) -> None:
+    """The strategy's own CommunicationOptions (tiny packs) give the same sums."""
+    strategy = make_strategy(2, communication_options=CommunicationOptions(bytes_per_pack=16))
+    n = 2 * WORKERS
+    data = [np.arange(n * 3, dtype=np.float32).reshape(n, 3) * (i + 1) for i in range(40)]
+
+    async def step() -> Any:
+        return await replica_context().all_reduce("mean", [x[replica_id()] for x in data])
+
+    for got in local_results(strategy, await strategy.run(step)):
+        for leaf, want in zip(got, data, strict=True):
+            np.testing.assert_allclose(leaf, want.mean(axis=0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_all_gather_uneven_rows_in_global_order(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """Replicas with 0, 1, 2... rows gather into the global concatenation, in replica order."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(5)
+    parts = [rng.normal(size=((g + 1) % 3, 2)).astype(np.float32) for g in range(n)]
+    cols = [np.full((2, g + 1), g, dtype=np.int64) for g in range(n)]
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        return await ctx.all_gather(parts[g]), await ctx.all_gather(cols[g], axis=1)
+
+    for rows, columns in local_results(strategy, await strategy.run(step)):
+        assert rows.dtype == np.float32
+        np.testing.assert_array_equal(rows, np.concatenate(parts))
+        np.testing.assert_array_equal(columns, np.concatenate(cols, axis=1))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_broadcast_from_every_global_source(make_strategy: MakeStrategy, local: int) -> None:
+    """broadcast(source_replica=k) gives every replica of every worker replica k's value."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+
+    def value(g: int) -> Any:
+        return {"x": np.full(3, float(g)), "n": np.array([g, -g], dtype=np.int32)}
+
+    async def step() -> Any:
+        ctx = replica_context()
+        mine = value(ctx.replica_id_in_sync_group)
+        return [await ctx.broadcast(mine, source_replica=k) for k in range(n)]
+
+    for got in local_results(strategy, await strategy.run(step)):
+        for k, item in enumerate(got):
+            np.testing.assert_array_equal(item["x"], value(k)["x"])
+            assert item["n"].dtype == np.int32
+            np.testing.assert_array_equal(item["n"], value(k)["n"])
+
+
+async def test_broadcast_source_out_of_range(make_strategy: MakeStrategy) -> None:
+    """A source beyond the global replica count is refused (ValueError)."""
+    strategy = make_strategy(2)
+
+    async def step() -> Any:
+        return await replica_context().broadcast(np.ones(1), source_replica=2 * WORKERS)
+
+    with pytest.raises(ValueError, match=str(2 * WORKERS)):
+        await strategy.run(step)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+async def test_reduce_scatter_chunks_by_global_id(
+    make_strategy: MakeStrategy, local: int, op: str
+) -> None:
+    """Replica g gets chunk g of array_split(reduced, W * L) (uneven chunks, larger first)."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    data = np.random.default_rng(6).normal(size=(n, 2 * n + 1, 2))
+
+    async def step() -> Any:
+        return await replica_context().reduce_scatter(op, data[replica_id()])
+
+    chunks = np.array_split(NUMPY[op](data), n)
+    got = local_results(strategy, await strategy.run(step))
+    assert len(got) == local
+    for g, chunk in zip(global_ids(local), got, strict=True):
+        np.testing.assert_allclose(chunk, chunks[g], rtol=1e-12)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_barrier_waits_for_the_other_worker(make_strategy: MakeStrategy, local: int) -> None:
+    """No replica leaves the barrier before the last worker's replicas have reached it."""
+    strategy = make_strategy(local)
+    delay = 0.4
+
+    async def step() -> float:
+        if RANK == WORKERS - 1:
+            await anyio.sleep(delay)  # the last worker reaches the barrier late
+        await replica_context().barrier()
+        return time.monotonic()
+
+    WORLD.Barrier()
+    start = time.monotonic()
+    result = await strategy.run(step)
+    left = [t - start for t in local_results(strategy, result)]
+    if RANK != WORKERS - 1:
+        assert min(left) >= delay * 0.9, left
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_strategy_reduce_axis_none_and_zero(make_strategy: MakeStrategy, local: int) -> None:
+    """reduce(axis=None) combines replicas elementwise; reduce(axis=0) MEAN weights by rows,
+    with every replica of the last worker holding no rows at all."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(8)
+    same = rng.normal(size=(n, 3))
+    counts = [0 if g // local == WORKERS - 1 else g + 1 for g in range(n)]
+    batches = [rng.normal(size=(c, 3)) for c in counts]
+
+    async def step() -> Any:
+        g = replica_id()
+        return same[g], batches[g]
+
+    result = await strategy.run(step)
+    locals_ = local_results(strategy, result)
+    elementwise = per_replica([r[0] for r in locals_])
+    uneven = per_replica([r[1] for r in locals_])
+    for op in ["sum", "mean", "max", "min", "prod"]:
+        got = await strategy.reduce(op, elementwise, axis=None)
+        np.testing.assert_allclose(got, NUMPY[op](same), rtol=1e-12, err_msg=op)
+    everything = np.concatenate(batches)
+    np.testing.assert_allclose(
+        await strategy.reduce("mean", uneven, axis=0), everything.mean(axis=0), rtol=1e-12
+    )
+    np.testing.assert_allclose(
+        await strategy.reduce(ReduceOp.SUM, uneven, axis=0), everything.sum(axis=0), rtol=1e-12
+    )
+    # A nested structure with distributed leaves reduces leaf by leaf.
+    nested = {"a": elementwise, "b": [uneven]}
+    both = await strategy.reduce("sum", nested, axis=0)
+    np.testing.assert_allclose(both["a"], same.sum(axis=(0, 1)), rtol=1e-12)
+    np.testing.assert_allclose(both["b"][0], everything.sum(axis=0), rtol=1e-12)
+
+
+async def test_reduce_of_a_loss_from_one_local_replica(make_strategy: MakeStrategy) -> None:
+    """With one local replica, run() returns the bare value; reducing it spans the workers."""
+    strategy = make_strategy(1)
+    losses = np.arange(1.0, WORKERS + 1.0)
+
+    async def step() -> float:
+        return float(losses[replica_id()])
+
+    loss = await strategy.run(step)
+    assert loss == losses[RANK]
+    assert float(await strategy.reduce("sum", loss)) == losses.sum()
+    assert float(await strategy.reduce("mean", loss)) == losses.mean()
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_gather_concatenates_every_worker_in_order(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """strategy.gather joins all workers' components in global replica order (uneven rows)."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    parts = [np.full((g % 3, 2), g, dtype=np.int32) for g in range(n)]
+    value = per_replica([parts[g] for g in global_ids(local)])
+    got = await strategy.gather(value, axis=0)
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.concatenate(parts))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_batch_reduce_to_and_reduce_to(make_strategy: MakeStrategy, local: int) -> None:
+    """batch_reduce_to and reduce_to reduce over all workers, to local destinations."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(9)
+    a = rng.normal(size=(n, 4))
+    b = rng.integers(0, 9, size=(n, 2)).astype(np.int32)
+    value_a = per_replica([a[g] for g in global_ids(local)])
+    value_b = per_replica([b[g] for g in global_ids(local)])
+    first = host_devices(local)[0]
+    got_a, got_b = await strategy.extended.batch_reduce_to(
+        "sum", [(value_a, first), (value_b, host_devices(local))]
+    )
+    np.testing.assert_allclose(got_a, a.sum(axis=0), rtol=1e-12)
+    for part in local_results(strategy, got_b):
+        assert part.dtype == np.int32
+        np.testing.assert_array_equal(part, b.sum(axis=0))
+    mean = await strategy.extended.reduce_to("mean", value_a, first)
+    np.testing.assert_allclose(mean, a.mean(axis=0), rtol=1e-12)
+
+
+async def test_collectives_agree_across_ranks_bitwise(make_strategy: MakeStrategy) -> None:
+    """Every worker gets the very same bits from a float32 all_reduce."""
+    strategy = make_strategy(2)
+    data = np.random.default_rng(10).normal(size=(2 * WORKERS, 1000)).astype(np.float32)
+
+    async def step() -> Any:
+        return await replica_context().all_reduce("sum", data[replica_id()])
+
+    got = local_results(strategy, await strategy.run(step))
+    mine = [np.asarray(x).tobytes() for x in got]
+    assert len(set(mine)) == 1
+    assert len({m[0] for m in allgather(mine)}) == 1

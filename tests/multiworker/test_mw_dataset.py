@@ -1,0 +1,217 @@
+"""Distributed datasets across workers: global batches split in global replica order, the end
+of the data agreed every step (partial batches, a worker short of data, a worker with none),
+and input pipelines made per worker.
+
+Row i of every table holds the value i, so a slice says which rows it got.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from aioreplica import InputContext, batched
+from aioreplica.testing import replica_context
+from multiworker.mwtools import RANK, WORKERS, allgather, global_ids
+
+if TYPE_CHECKING:
+    from aioreplica import MultiWorkerMirroredStrategy
+    from multiworker.mwtools import MakeStrategy
+
+pytestmark = pytest.mark.anyio
+
+Array = np.ndarray[Any, Any]
+Table = tuple[Array, Array]
+
+
+def table(rows: int, width: int = 3) -> Table:
+    """Features (float32, ``width`` wide) and labels (int64) whose row i holds i."""
+    x = np.repeat(np.arange(rows, dtype=np.float32)[:, None], width, axis=1)
+    return x, np.arange(rows, dtype=np.int64)
+
+
+def global_batches(rows: int, batch_size: int) -> list[Table]:
+    x, y = table(rows)
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, rows, batch_size)]
+
+
+def split(batch: Table, replicas: int) -> list[Table]:
+    """What each global replica should get of ``batch``: ``np.array_split`` slices."""
+    xs = np.array_split(batch[0], replicas)
+    ys = np.array_split(batch[1], replicas)
+    return list(zip(xs, ys, strict=True))
+
+
+def local_slices(strategy: MultiWorkerMirroredStrategy, element: Any) -> list[Table]:
+    """This worker's replicas' slices of one element ``(x, y)``."""
+    xs = strategy.experimental_local_results(element[0])
+    ys = strategy.experimental_local_results(element[1])
+    return [(np.asarray(x), np.asarray(y)) for x, y in zip(xs, ys, strict=True)]
+
+
+def assert_table(got: Table, want: Table) -> None:
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype
+        assert g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+
+
+async def rows_seen(strategy: MultiWorkerMirroredStrategy, element: Any) -> int:
+    """The global number of rows in ``element``, from a step's all_reduce over all replicas."""
+
+    async def step(x: Array, y: Array) -> Any:
+        return await replica_context().all_reduce("sum", np.array(len(y), dtype=np.int64))
+
+    result = await strategy.run(step, args=element)
+    return int(strategy.experimental_local_results(result)[0])
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 2])
+async def test_global_batches_split_in_global_replica_order(
+    make_strategy: MakeStrategy, local: int, prefetch: int
+) -> None:
+    """Every worker iterates the same global batches; replica g gets slice g of each (the last
+    batch partial, with zero-row slices where rows run out), and steps run in between."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    batches = global_batches(4 * n + 3, 2 * n + 1)  # uneven splits, a partial last batch
+    batches.append(global_batches(1, 1)[0])  # one row: most replicas get none
+    steps = 0
+    async for element in strategy.distribute_dataset(batches, prefetch=prefetch):
+        want = split(batches[steps], n)
+        mine = local_slices(strategy, element)
+        assert len(mine) == local
+        for slice_, g in zip(mine, global_ids(local), strict=True):
+            assert_table(slice_, want[g])
+        everyone = [s for rank_slices in allgather(mine) for s in rank_slices]
+        np.testing.assert_array_equal(np.concatenate([s[1] for s in everyone]), batches[steps][1])
+        assert await rows_seen(strategy, element) == len(batches[steps][1])
+        steps += 1
+    assert steps == len(batches)
+    assert allgather(steps) == [len(batches)] * WORKERS
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_batched_source(make_strategy: MakeStrategy, local: int) -> None:
+    """aioreplica.batched over a table splits each global batch the same way."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    x, y = table(5 * n + 1)
+    batches = global_batches(5 * n + 1, 3 * n)
+    got = [
+        local_slices(strategy, e) async for e in strategy.distribute_dataset(batched((x, y), 3 * n))
+    ]
+    assert len(got) == len(batches)
+    for mine, batch in zip(got, batches, strict=True):
+        for slice_, g in zip(mine, global_ids(local), strict=True):
+            assert_table(slice_, split(batch, n)[g])
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_a_worker_one_batch_short(make_strategy: MakeStrategy, local: int) -> None:
+    """The last worker's dataset ends one batch early: every worker still takes the same
+    number of steps; in the last one the short worker's replicas get zero-row slices of the
+    right shape and dtype, and the others their slices of their own batch."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    batches = global_batches(6 * n, 2 * n)
+    short = RANK == WORKERS - 1
+    mine_batches = batches[:-1] if short else batches
+    steps = 0
+    async for element in strategy.distribute_dataset(mine_batches):
+        want = split(batches[steps], n)
+        slices = local_slices(strategy, element)
+        if steps < len(batches) - 1 or not short:
+            for slice_, g in zip(slices, global_ids(local), strict=True):
+                assert_table(slice_, want[g])
+        else:
+            for x, y in slices:
+                assert (x.shape, x.dtype) == ((0, 3), np.float32)
+                assert (y.shape, y.dtype) == ((0,), np.int64)
+        # The last step sees only the rows of the workers that had a batch.
+        holders = range(n) if steps < len(batches) - 1 else range((WORKERS - 1) * local)
+        assert await rows_seen(strategy, element) == sum(len(want[g][1]) for g in holders)
+        steps += 1
+    assert allgather(steps) == [len(batches)] * WORKERS
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_a_worker_with_no_data(make_strategy: MakeStrategy, local: int) -> None:
+    """A worker whose dataset is empty takes every step with zero-row slices shaped and typed
+    as the others' data; no one hangs."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    batches = global_batches(4 * n, 2 * n)
+    empty = RANK == WORKERS - 1
+    steps = 0
+    async for element in strategy.distribute_dataset([] if empty else batches):
+        want = split(batches[steps], n)
+        for slice_, g in zip(local_slices(strategy, element), global_ids(local), strict=True):
+            if empty:
+                x, y = slice_
+                assert (x.shape, x.dtype) == ((0, 3), np.float32)
+                assert (y.shape, y.dtype) == ((0,), np.int64)
+            else:
+                assert_table(slice_, want[g])
+        holders = range((WORKERS - 1) * local)
+        assert await rows_seen(strategy, element) == sum(len(want[g][1]) for g in holders)
+        steps += 1
+    assert allgather(steps) == [len(batches)] * WORKERS
+
+
+async def test_no_worker_has_data(make_strategy: MakeStrategy) -> None:
+    """Empty everywhere: the pass ends at once on every worker."""
+    strategy = make_strategy(2)
+    got = [e async for e in strategy.distribute_dataset([])]
+    assert got == []
+    assert allgather(len(got)) == [0] * WORKERS
+
+
+async def test_iterator_get_next_and_partial_pass(make_strategy: MakeStrategy) -> None:
+    """get_next_as_optional agrees on the end; an early break then a new pass still works."""
+    strategy = make_strategy(2)
+    n = 2 * WORKERS
+    batches = global_batches(3 * n, n)
+    dataset = strategy.distribute_dataset(batches)
+    iterator = aiter(dataset)
+    first = await iterator.get_next_as_optional()
+    assert first.has_value()
+    for slice_, g in zip(local_slices(strategy, first.get_value()), global_ids(2), strict=True):
+        assert_table(slice_, split(batches[0], n)[g])
+    await iterator.aclose()
+    count = 0
+    async for element in dataset:
+        assert await rows_seen(strategy, element) == n
+        count += 1
+    assert count == len(batches)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_distribute_datasets_from_function(make_strategy: MakeStrategy, local: int) -> None:
+    """dataset_fn runs once per worker with InputContext(W, w, W * L); replica j of a worker
+    gets the j-th per-replica batch of each round of that worker's pipeline."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    contexts: list[InputContext] = []
+
+    def dataset_fn(context: InputContext) -> Any:
+        contexts.append(context)
+        size = context.get_per_replica_batch_size(2 * n)
+        rows = np.arange(4 * local * size) + 1000 * context.input_pipeline_id
+        return batched(rows, size)
+
+    got = [
+        [np.asarray(v) for v in strategy.experimental_local_results(e)]
+        async for e in strategy.distribute_datasets_from_function(dataset_fn)
+    ]
+    assert len(contexts) == 1
+    context = contexts[0]
+    assert context.num_input_pipelines == WORKERS
+    assert context.input_pipeline_id == RANK
+    assert context.num_replicas_in_sync == n
+    assert len(got) == 4
+    flat = np.concatenate([part for round_ in got for part in round_])
+    np.testing.assert_array_equal(flat, np.arange(4 * local * 2) + 1000 * RANK)

@@ -1,0 +1,108 @@
+"""GPU replicas across workers, on the CuPy stand-in: every cross-worker step stages through the
+host (device, host, MPI, host, device), ordered with the devices' streams.
+
+Each rank has its own simulated machine with two GPUs (``cp``, from tests/simulated_gpus.py);
+the stand-in raises ``RaceError`` on any access CUDA would not order, and fails the test on one
+the library swallowed. Expected values come from NumPy over the global data.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aioreplica
+from aioreplica.testing import replica_context
+from multiworker.mwtools import RANK, WORKERS, allgather, each_replica, shared_directory
+
+pytestmark = pytest.mark.anyio
+
+LOCAL = 2
+GLOBAL = WORKERS * LOCAL
+
+
+def _rows() -> np.ndarray[Any, Any]:
+    """Row ``g`` is global replica ``g``'s input."""
+    return np.random.default_rng(7).normal(size=(GLOBAL, 5)).astype(np.float32)
+
+
+async def test_collectives_stage_through_the_host(cp: Any) -> None:
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    rows = _rows()
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        x = ctx.device.asarray(rows[g])
+        total = await ctx.all_reduce("mean", {"x": x, "head": x[:2]})
+        gathered = await ctx.all_gather(x[: g % 3 + 1])
+        sent = await ctx.broadcast(x, source_replica=GLOBAL - 1)
+        chunk = await ctx.reduce_scatter("sum", x)
+        await ctx.barrier()
+        return [cp.asnumpy(a) for a in (total["x"], total["head"], gathered, sent, chunk)]
+
+    results = each_replica(strategy, await strategy.run(step))
+    expected_gather = np.concatenate([rows[g][: g % 3 + 1] for g in range(GLOBAL)])
+    chunks = np.array_split(rows.sum(axis=0), GLOBAL)
+    for local, (mean, head, gathered, sent, chunk) in enumerate(results):
+        g = RANK * LOCAL + local
+        np.testing.assert_allclose(mean, rows.mean(axis=0), rtol=1e-6)
+        np.testing.assert_allclose(head, rows.mean(axis=0)[:2], rtol=1e-6)
+        np.testing.assert_array_equal(gathered, expected_gather)
+        np.testing.assert_array_equal(sent, rows[GLOBAL - 1])
+        np.testing.assert_allclose(chunk, chunks[g], rtol=1e-6)
+
+
+async def test_variables_start_from_the_chief_and_stay_identical(cp: Any) -> None:
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    rows = _rows()
+    with strategy.scope():
+        w = aioreplica.Variable(np.full(5, float(RANK + 1), np.float32), name="w")
+        seen = aioreplica.Variable(0.0, synchronization="on_read", aggregation="sum")
+    optimizer = aioreplica.optimizers.SGD(0.5, momentum=0.9)
+
+    async def step() -> None:
+        ctx = replica_context()
+        grad = ctx.device.asarray(rows[ctx.replica_id_in_sync_group])
+        await optimizer.apply_gradients([(grad, w)])
+        await seen.assign_add(1.0)
+
+    for _ in range(3):
+        await strategy.run(step)
+    copies = [cp.asnumpy(copy) for copy in w.values]
+    assert all(np.array_equal(copy, copies[0]) for copy in copies)
+    every_worker = allgather(copies[0].tobytes())
+    assert len(set(every_worker)) == 1  # bitwise identical on every worker
+    # The chief's initial 1.0, then SGD with momentum on the summed gradient.
+    expected, velocity = np.ones(5, np.float32), np.zeros(5, np.float32)
+    for _ in range(3):
+        velocity = 0.9 * velocity - 0.5 * rows.sum(axis=0)
+        expected = expected + velocity
+    np.testing.assert_allclose(copies[0], expected, rtol=1e-5)
+    assert float(seen) == 3.0 * GLOBAL
+
+
+async def test_a_checkpoint_of_gpu_variables_holds_the_global_values(cp: Any) -> None:
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    with strategy.scope():
+        w = aioreplica.Variable(np.arange(3.0, dtype=np.float32) + RANK, name="w")
+        count = aioreplica.Variable(0, synchronization="on_read", aggregation="sum")
+
+    async def step() -> None:
+        await count.assign_add(replica_context().replica_id_in_sync_group)
+
+    await strategy.run(step)
+    checkpoint = aioreplica.Checkpoint(w=w, count=count)
+    with shared_directory() as directory:
+        path = await checkpoint.save(f"{directory}/gpu.npz")
+        with np.load(path) as saved:  # every worker reads it as soon as save() returns
+            arrays = sorted(k for k in saved.files if k != "manifest.json")
+            values = [saved[k] for k in arrays]
+        await count.assign(0)
+        await checkpoint.restore(path)
+    assert any(np.array_equal(v, np.arange(3.0)) for v in values)
+    assert sum(range(GLOBAL)) in [int(v) for v in values if v.ndim == 0]
+    np.testing.assert_array_equal(w.numpy(), np.arange(3.0))
+    assert int(count.numpy()) == sum(range(GLOBAL))

@@ -1,0 +1,255 @@
+"""The multi-worker strategy's facts, replica ids, run() arguments, merge_call and communicators.
+
+Runs under ``mpiexec -n 2`` (see conftest.py): every rank runs every test, and the tests
+compare ranks through ``COMM_WORLD``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aioreplica
+from aioreplica import (
+    MirroredStrategy,
+    MultiWorkerMirroredStrategy,
+    PerReplica,
+    ReduceOp,
+)
+from aioreplica.testing import host_devices, replica_context, replica_id
+from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
+
+if TYPE_CHECKING:
+    from multiworker.mwtools import MakeStrategy
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.mark.parametrize("local", [1, 2])
+def test_cluster_facts(make_strategy: MakeStrategy, local: int) -> None:
+    """Worker index, worker count and chief come from the communicator; replicas count all."""
+    strategy = make_strategy(local)
+    assert isinstance(strategy, MirroredStrategy)
+    assert isinstance(strategy.cluster, aioreplica.Cluster)
+    assert strategy.cluster.worker_index == RANK
+    assert strategy.cluster.num_workers == WORKERS
+    assert strategy.cluster.is_chief is (RANK == 0)
+    assert strategy.num_replicas_in_sync == WORKERS * local
+    assert strategy.extended.worker_devices == tuple(host_devices(local))
+    facts = allgather((strategy.cluster.worker_index, strategy.cluster.is_chief))
+    assert facts == [(w, w == 0) for w in range(WORKERS)]
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_replica_ids_are_global_and_worker_major(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """Replica j of worker w is ``w * L + j``; every replica sees the global count."""
+    strategy = make_strategy(local)
+
+    async def step() -> tuple[int, int, str]:
+        ctx = replica_context()
+        return ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync, ctx.device.name
+
+    results = each_replica(strategy, await strategy.run(step))
+    assert [r[0] for r in results] == global_ids(local)
+    assert [r[1] for r in results] == [WORKERS * local] * local
+    assert [r[2] for r in results] == host_devices(local)
+    everyone = [r[0] for rank_results in allgather(results) for r in rank_results]
+    assert everyone == list(range(WORKERS * local))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_run_arguments_and_results_are_local(make_strategy: MakeStrategy, local: int) -> None:
+    """A local PerReplica (length L) goes in; each replica gets its own; results are local."""
+    strategy = make_strategy(local)
+    inputs = [np.full(3, 100.0 * RANK + j) for j in range(local)]
+
+    async def step(x: np.ndarray[Any, Any], scale: float) -> np.ndarray[Any, Any]:
+        return x * scale + replica_id()
+
+    arg = PerReplica(inputs) if local > 1 else inputs[0]
+    result = await strategy.run(step, args=(arg,), kwargs={"scale": 2.0})
+    got = strategy.experimental_local_results(result)
+    assert len(got) == local
+    for j, value in enumerate(got):
+        np.testing.assert_array_equal(value, inputs[j] * 2.0 + (RANK * local + j))
+
+
+async def test_global_length_per_replica_is_refused(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A PerReplica with one value per global replica is a ValueError saying args are local."""
+    strategy = make_strategy(2)
+    global_arg = PerReplica([np.zeros(1)] * (2 * WORKERS))
+
+    async def step(x: Any) -> Any:
+        return x
+
+    with pytest.raises(ValueError, match=r"(?i)local|this worker"):
+        await strategy.run(step, args=(global_arg,))
+    # The strategy still works (both workers refused before any collective).
+    result = await strategy.run(lambda: replica_id())
+    assert strategy.experimental_local_results(result) == tuple(global_ids(2))
+
+
+def test_unequal_local_replica_counts_are_refused_on_every_worker() -> None:
+    """Workers with 1 and 2 local replicas: every worker gets a ValueError naming the counts."""
+    local = 1 if RANK == 0 else 2
+    with pytest.raises(ValueError, match="same number of local replicas") as caught:
+        MultiWorkerMirroredStrategy(host_devices(local))
+    message = str(caught.value)
+    assert re.search(r"worker 0\D[^.,;]*\b1\b", message), message
+    assert re.search(r"worker 1\D[^.,;]*\b2\b", message), message
+    # Every worker refused: the next collective construction still pairs up.
+    assert allgather("refused") == ["refused"] * WORKERS
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_merge_fn_runs_once_per_worker_on_local_values(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """merge_fn sees this worker's PerReplica; strategy.reduce inside it spans all workers."""
+    strategy = make_strategy(local)
+    calls: list[int] = []
+    rng = np.random.default_rng(7)
+    data = rng.normal(size=(WORKERS * local, 4))
+
+    async def merge(s: MirroredStrategy, value: Any) -> Any:
+        calls.append(len(s.experimental_local_results(value)))
+        total = await s.reduce(ReduceOp.SUM, value)
+        mean = await s.reduce("mean", value)
+        reduced_to = await s.extended.reduce_to("max", value, host_devices(local)[0])
+        return total, mean, reduced_to
+
+    async def step() -> Any:
+        ctx = replica_context()
+        return await ctx.merge_call(merge, args=(data[ctx.replica_id_in_sync_group],))
+
+    results = each_replica(strategy, await strategy.run(step))
+    assert calls == [local]
+    for total, mean, reduced_to in results:
+        np.testing.assert_allclose(total, data.sum(axis=0), rtol=1e-12)
+        np.testing.assert_allclose(mean, data.mean(axis=0), rtol=1e-12)
+        np.testing.assert_array_equal(reduced_to, data.max(axis=0))
+    assert allgather(len(calls)) == [1] * WORKERS
+
+
+async def test_merge_fn_sees_its_own_workers_values(
+    make_strategy: MakeStrategy,
+) -> None:
+    """The PerReplica a merge function gets holds the values of this worker's replicas."""
+    strategy = make_strategy(2)
+    seen: list[list[int]] = []
+
+    def merge(s: MirroredStrategy, ids: Any) -> None:
+        seen.append(list(s.experimental_local_results(ids)))
+
+    async def step() -> None:
+        await replica_context().merge_call(merge, args=(replica_id(),))
+
+    await strategy.run(step)
+    assert allgather(seen) == [[global_ids(2, w)] for w in range(WORKERS)]
+
+
+async def test_distribute_values_from_function_has_global_ids(
+    make_strategy: MakeStrategy,
+) -> None:
+    """ValueContext ids are global; the PerReplica made is local."""
+    strategy = make_strategy(2)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: (ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync)
+    )
+    assert strategy.experimental_local_results(value) == tuple(
+        (g, 2 * WORKERS) for g in global_ids(2)
+    )
+
+    async def step(v: tuple[int, int]) -> bool:
+        return v[0] == replica_id()
+
+    assert each_replica(strategy, await strategy.run(step, args=(value,))) == [True, True]
+
+
+async def test_concurrent_run_is_refused(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A second run() while one is in progress raises RuntimeError; the first completes."""
+    strategy = make_strategy(2)
+    started = anyio.Event()
+    go_on = anyio.Event()
+    results: list[Any] = []
+
+    async def step() -> Any:
+        started.set()
+        await go_on.wait()
+        return await replica_context().all_reduce("sum", np.ones(2))
+
+    async def first() -> None:
+        results.append(await strategy.run(step))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        await started.wait()
+        with pytest.raises(RuntimeError, match=r"(?i)concurrent|in progress|already"):
+            await strategy.run(lambda: 1)
+        go_on.set()
+    for value in strategy.experimental_local_results(results[0]):
+        np.testing.assert_array_equal(value, np.full(2, 2.0 * WORKERS))
+
+
+@pytest.mark.parametrize("own_communicator", [False, True], ids=["world", "dup"])
+async def test_caller_traffic_on_the_communicator_is_undisturbed(own_communicator: bool) -> None:
+    """The caller's messages on the communicator it passed (or COMM_WORLD) arrive untouched,
+    between strategy calls and across a run, and the strategy spans the communicator."""
+    comm = WORLD.Dup() if own_communicator else WORLD
+    try:
+        strategy = MultiWorkerMirroredStrategy(
+            host_devices(2), communicator=comm if own_communicator else None
+        )
+        assert comm.bcast(("before", RANK), root=1) == ("before", 1)
+        # A receive the caller posts before the run must get the caller's message, not one
+        # of the strategy's own.
+        pending = comm.irecv(source=(RANK + 1) % WORKERS, tag=77) if RANK == 0 else None
+
+        async def step() -> Any:
+            ctx = replica_context()
+            total = await ctx.all_reduce("sum", np.full(3, float(ctx.replica_id_in_sync_group)))
+            gathered = await ctx.all_gather(np.array([ctx.replica_id_in_sync_group]))
+            return total, gathered
+
+        for total, gathered in each_replica(strategy, await strategy.run(step)):
+            np.testing.assert_array_equal(total, np.full(3, float(sum(range(2 * WORKERS)))))
+            np.testing.assert_array_equal(gathered, np.arange(2 * WORKERS))
+        if RANK == 1:
+            comm.send(("user message", RANK), dest=0, tag=77)
+        if pending is not None:
+            assert pending.wait() == ("user message", 1)
+        assert comm.allreduce(RANK + 1) == sum(range(1, WORKERS + 1))
+        total = await strategy.reduce("sum", PerReplica([np.ones(1)] * 2))
+        np.testing.assert_array_equal(total, np.full(1, 2.0 * WORKERS))
+        assert comm.bcast("after" if RANK == 0 else None, root=0) == "after"
+        strategy.close()
+    finally:
+        if own_communicator:
+            comm.Free()
+
+
+@pytest.mark.parametrize("interleave", ["ordered", "random"])
+async def test_mirrored_keywords_are_accepted(make_strategy: MakeStrategy, interleave: str) -> None:
+    """MirroredStrategy's keywords (interleave, seed) work across workers too."""
+    seed = 3 if interleave == "random" else None
+    strategy = make_strategy(2, interleave=interleave, seed=seed)
+    assert (strategy.interleave, strategy.seed) == (interleave, seed)
+
+    async def step() -> Any:
+        ctx = replica_context()
+        first = await ctx.all_reduce("sum", np.full(2, float(ctx.replica_id_in_sync_group)))
+        return await ctx.all_gather(np.asarray(first)[:1] + ctx.replica_id_in_sync_group)
+
+    total = float(sum(range(2 * WORKERS)))
+    for got in each_replica(strategy, await strategy.run(step)):
+        np.testing.assert_array_equal(got, total + np.arange(2 * WORKERS))

@@ -1,0 +1,247 @@
+"""Variables across workers: the chief's initial value, writes, optimizer steps, sync-on-read.
+
+Copies are compared bitwise across workers (dtype, shape and bytes through ``allgather``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+from aioreplica import MirroredVariable, PerReplica, SyncOnReadVariable, Variable
+from aioreplica.optimizers import SGD, Adam, Optimizer
+from aioreplica.testing import replica_context, replica_id
+from multiworker.mwtools import RANK, WORKERS, allgather, assert_same_on_every_worker, global_ids
+
+if TYPE_CHECKING:
+    from multiworker.mwtools import MakeStrategy
+
+pytestmark = pytest.mark.anyio
+
+Array = np.ndarray[Any, Any]
+
+
+def worker_value(rank: int) -> Array:
+    """A different initial value on every worker; the chief's is ``worker_value(0)``."""
+    return np.arange(4, dtype=np.float64) + 10.0 * rank
+
+
+def assert_copies_equal(v: Variable, want: Any) -> None:
+    """Every local copy of ``v`` equals ``want`` exactly, and every worker holds the same."""
+    for copy in v.values:
+        np.testing.assert_array_equal(copy, np.asarray(want, dtype=v.dtype), strict=True)
+    assert_same_on_every_worker(*v.values)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_chief_initial_value_wins_in_run(make_strategy: MakeStrategy, local: int) -> None:
+    """Each worker passes its own initial value; the first run() sees the chief's everywhere."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        v = Variable(worker_value(RANK), name="w")
+    assert isinstance(v, MirroredVariable)
+    assert len(v.values) == local
+
+    async def step() -> Array:
+        return np.array(v.value())
+
+    for got in strategy.experimental_local_results(await strategy.run(step)):
+        np.testing.assert_array_equal(got, worker_value(0))
+    assert_copies_equal(v, worker_value(0))
+
+
+async def test_chief_initial_value_wins_in_a_cross_replica_read(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A cross-replica read (on every worker) is the first use: it gives the chief's value."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(worker_value(RANK), name="w")
+        flag = Variable(RANK == 0, name="flag")
+    np.testing.assert_array_equal(v.numpy(), worker_value(0))
+    assert bool(flag.numpy()) is True
+    assert_copies_equal(v, worker_value(0))
+    assert_copies_equal(flag, True)
+
+
+async def test_chief_initial_value_wins_before_a_write(make_strategy: MakeStrategy) -> None:
+    """A cross-replica assign_add as first use adds to the chief's value on every worker."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(worker_value(RANK).astype(np.float32), name="w")
+    await v.assign_add(np.float32(1.5))
+    assert_copies_equal(v, worker_value(0).astype(np.float32) + np.float32(1.5))
+
+
+async def test_chief_initial_value_from_a_callable(make_strategy: MakeStrategy) -> None:
+    """A callable initial value (called on each worker) also ends as the chief's."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(lambda: np.full((2, 2), RANK + 1, dtype=np.int32), name="counts")
+
+    async def step() -> Array:
+        return np.array(v.value())
+
+    for got in strategy.experimental_local_results(await strategy.run(step)):
+        np.testing.assert_array_equal(got, np.full((2, 2), 1, dtype=np.int32))
+    assert_copies_equal(v, np.full((2, 2), 1, dtype=np.int32))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_mirrored_writes_in_both_contexts(make_strategy: MakeStrategy, local: int) -> None:
+    """Cross-replica writes, and replica writes aggregated SUM / MEAN / ONLY_FIRST_REPLICA over
+    all workers' replicas, leave every copy on every worker bitwise equal."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    data = np.random.default_rng(11).normal(size=(n, 3))
+    with strategy.scope():
+        plain = Variable(np.zeros(3), name="plain")
+        total = Variable(np.zeros(3), name="total", aggregation="sum")
+        mean = Variable(np.zeros(3), name="mean", aggregation="mean")
+        first = Variable(np.zeros(3), name="first", aggregation="only_first_replica")
+
+    await plain.assign(np.full(3, 2.0))
+    await plain.assign_add(np.array([1.0, 2.0, 3.0]))
+    await plain.assign_sub(0.5)
+    assert_copies_equal(plain, np.array([2.5, 3.5, 4.5]))
+
+    async def step() -> None:
+        g = replica_id()
+        await total.assign_add(data[g])
+        await total.assign_add(data[g])
+        await mean.assign(data[g])
+        await first.assign(data[g] + 100.0)
+
+    await strategy.run(step)
+    np.testing.assert_allclose(total.values[0], 2 * data.sum(axis=0), rtol=1e-12)
+    assert_same_on_every_worker(*total.values)
+    np.testing.assert_allclose(mean.values[0], data.mean(axis=0), rtol=1e-12)
+    assert_same_on_every_worker(*mean.values)
+    assert_copies_equal(first, data[0] + 100.0)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("kind", ["sgd", "sgd-momentum", "adam"])
+async def test_optimizer_steps_keep_workers_identical(
+    make_strategy: MakeStrategy, local: int, kind: str
+) -> None:
+    """Steps with per-replica gradients sum them over all workers; every copy of every variable
+    and slot stays bitwise identical across workers, and matches NumPy's update."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    steps = 3
+    rng = np.random.default_rng(12)
+    init = rng.normal(size=(2, 3))
+    grads = rng.normal(size=(steps, n, 2, 3))
+    lr = 0.05
+    with strategy.scope():
+        w = Variable(init + RANK, name="w")  # the chief's init wins
+        bias = Variable(np.zeros(3, dtype=np.float32), name="bias")
+    optimizer: Optimizer = {
+        "sgd": SGD(lr),
+        "sgd-momentum": SGD(lr, momentum=0.9),
+        "adam": Adam(lr),
+    }[kind]
+
+    async def step(i: int) -> int:
+        g = replica_id()
+        bias_grad = np.full(3, g + 1.0, dtype=np.float32)
+        return await optimizer.apply_gradients([(grads[i, g], w), (bias_grad, bias)])
+
+    for i in range(steps):
+        result = await strategy.run(step, args=(i,))
+        assert set(strategy.experimental_local_results(result)) == {i + 1}
+    assert optimizer.iterations == steps
+
+    want = init.copy()
+    m = np.zeros_like(init)
+    v = np.zeros_like(init)
+    for i in range(steps):
+        g = grads[i].sum(axis=0)
+        if kind == "sgd":
+            want = want - lr * g
+        elif kind == "sgd-momentum":
+            m = 0.9 * m - lr * g
+            want = want + m
+        else:
+            t = i + 1
+            alpha = lr * math.sqrt(1.0 - 0.999**t) / (1.0 - 0.9**t)
+            m = m + (g - m) * (1.0 - 0.9)
+            v = v + (g * g - v) * (1.0 - 0.999)
+            want = want - m * alpha / (np.sqrt(v) + 1e-7)
+    np.testing.assert_allclose(w.values[0], want, rtol=1e-10)
+    assert_same_on_every_worker(*w.values)
+    assert_same_on_every_worker(*bias.values)
+    assert bias.values[0].dtype == np.float32
+    for slot in optimizer.variables():
+        assert_same_on_every_worker(*slot.values)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica"])
+async def test_sync_on_read_reads_aggregate_all_workers(
+    make_strategy: MakeStrategy, local: int, aggregation: str
+) -> None:
+    """Each replica accumulates into its own copy; a cross-replica read (made on every worker)
+    aggregates over all workers' replicas; ONLY_FIRST_REPLICA is global replica 0's copy."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    with strategy.scope():
+        seen = Variable(
+            np.zeros(2), name="seen", synchronization="on_read", aggregation=aggregation
+        )
+    assert isinstance(seen, SyncOnReadVariable)
+
+    async def step() -> None:
+        g = replica_id()
+        await seen.assign_add(np.array([g + 1.0, 10.0 * g]))
+        await seen.assign_add(np.array([g + 1.0, 10.0 * g]))
+
+    await strategy.run(step)
+    per_replica = np.array([[2.0 * (g + 1), 20.0 * g] for g in range(n)])
+    # This worker's copies hold its own replicas' sums: nothing was exchanged.
+    for copy, g in zip(seen.values, global_ids(local), strict=True):
+        np.testing.assert_array_equal(copy, per_replica[g])
+    want = {
+        "sum": per_replica.sum(axis=0),
+        "mean": per_replica.mean(axis=0),
+        "only_first_replica": per_replica[0],
+    }[aggregation]
+    np.testing.assert_allclose(seen.numpy(), want, rtol=1e-12)
+    np.testing.assert_allclose(np.asarray(seen.value()), want, rtol=1e-12)
+    if aggregation != "only_first_replica":
+        got = await strategy.reduce(aggregation, seen)
+        np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert_same_on_every_worker(seen.numpy())
+
+
+async def test_sync_on_read_cross_replica_assign_sets_the_global_total(
+    make_strategy: MakeStrategy,
+) -> None:
+    """assign() in cross-replica context on a SUM sync-on-read variable: the global read is
+    the value assigned (split over all replicas of all workers)."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        count = Variable(0, name="count", synchronization="on_read", aggregation="sum")
+    await count.assign(10)
+    assert int(count.numpy()) == 10
+    local_sums = allgather(int(sum(int(c) for c in count.values)))
+    assert sum(local_sums) == 10
+
+
+async def test_variables_in_run_args_and_per_replica_values(make_strategy: MakeStrategy) -> None:
+    """A mirrored variable read inside a step combined with a local PerReplica argument."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        scale = Variable(float(RANK + 2), name="scale")  # chief: 2.0
+    xs = PerReplica([np.full(2, float(g)) for g in global_ids(2)])
+
+    async def step(x: Array) -> Any:
+        ctx = replica_context()
+        return await ctx.all_reduce("sum", x * np.asarray(scale.value()))
+
+    for got in strategy.experimental_local_results(await strategy.run(step, args=(xs,))):
+        np.testing.assert_array_equal(got, np.full(2, 2.0 * sum(range(2 * WORKERS))))

@@ -1,0 +1,121 @@
+"""The multi-worker tests, launched under ``mpiexec -n 2`` from the plain run.
+
+``tests/multiworker/`` holds tests that run in every rank of an MPI job (the plain run does not
+collect it: ``norecursedirs`` in ``pyproject.toml``); ``tests/multiworker/scenarios.py`` holds
+failure scenarios that are MPI jobs of their own. Each launch goes through
+``tests/mpi_jobs.py`` (the venv's own ``mpiexec``, loopback only) and is bounded three ways:
+Hydra's ``MPIEXEC_TIMEOUT``, this process's own timeout (killing every process the job
+started), and a watchdog in every rank.
+
+Two ranks only: the ranks spin while they wait, and CI machines have two cores.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mpi_jobs import Job, mpiexec, run_job
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ROOT / "tests" / "multiworker" / "scenarios.py"
+RANKS = 2
+BACKENDS = ["asyncio", "trio"]
+
+
+def reported(job: Job, rank: int, part: str) -> bool:
+    """Whether ``rank`` printed ``ok PART`` (ranks' lines may interleave mid-line)."""
+    return f"rank {rank}: ok {part} " in job.output
+
+
+def launch(args: list[str], *, timeout: float, mpi4py: bool = True) -> Job:
+    """Run ``python [-m mpi4py] ARGS`` in 2 ranks from the repository root."""
+    command = [*mpiexec(RANKS), sys.executable, *(["-m", "mpi4py"] if mpi4py else []), *args]
+    watchdog = {"AIOREPLICA_MW_WATCHDOG": str(int(timeout) - 5), "AIOREPLICA_MW_KEEP_GOING": ""}
+    return run_job(command, timeout=timeout + 10, cwd=ROOT, env=watchdog, merge_output=True)
+
+
+@pytest.mark.timeout(300)
+def test_multiworker_suite() -> None:
+    """tests/multiworker passes in 2 ranks on asyncio and trio: every test passed on every
+    rank, none skipped or failed."""
+    job = launch(["-m", "pytest", "tests/multiworker", "-p", "no:cacheprovider", "-q"], timeout=240)
+    assert job.returncode == 0, job.log
+    summary = re.search(r"\b(\d+) passed(?: in|,)", job.output)
+    assert summary, job.log
+    for bad in ("failed", "error", "skipped", "xfail", "xpass", "deselected"):
+        assert not re.search(rf"\d+ {bad}", job.output), job.log
+    passed = int(summary.group(1))
+    agreed = re.search(
+        rf"all {RANKS} ranks passed the same {passed} tests \(asyncio: (\d+), trio: (\d+)\)",
+        job.output,
+    )
+    assert agreed, job.log
+    asyncio_tests, trio_tests = int(agreed.group(1)), int(agreed.group(2))
+    assert asyncio_tests == trio_tests > 0, job.log  # every async test ran on both loops
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_failing_worker_fails_every_run(backend: str) -> None:
+    """A replica or merge function failing on worker 1: rank 1's run() raises its own error,
+    rank 0's a ReplicaSyncError naming worker 1, the replica and the error, in seconds; a
+    failure after the last collective too; the strategy then refuses further calls."""
+    job = launch([str(SCENARIOS), "failing", backend], timeout=60)
+    assert job.returncode == 0, job.log
+    for part in ("failure-in-collective", "failure-after-last-collective", "failure-in-merge-fn"):
+        for rank in range(RANKS):
+            assert reported(job, rank, part), job.log
+    assert job.seconds < 20, job.log
+
+
+@pytest.mark.timeout(120)
+def test_an_uncaught_failure_ends_the_job() -> None:
+    """Without ``-m mpi4py``, a failure nobody catches ends the whole job non-zero in seconds
+    (no hang in MPI_Finalize): the strategy's excepthook aborts it."""
+    job = launch([str(SCENARIOS), "uncaught", "asyncio"], timeout=60, mpi4py=False)
+    assert job.returncode != 0, job.log
+    assert "ValueError: bad batch in replica 3" in job.output, job.log
+    assert "the failure was lost" not in job.output, job.log
+    assert job.seconds < 20, job.log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_late_worker_times_out(backend: str) -> None:
+    """sync_timeout=1 with worker 1 five seconds late: rank 0 raises naming worker 1 within
+    1-3 s, rank 1 raises when it arrives; a collective's own timeout_seconds does the same."""
+    job = launch([str(SCENARIOS), "late", backend], timeout=60)
+    assert job.returncode == 0, job.log
+    for part in ("sync-timeout", "collective-timeout"):
+        for rank in range(RANKS):
+            assert reported(job, rank, part), job.log
+    assert job.seconds < 25, job.log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cancelling_one_worker_fails_the_others(backend: str) -> None:
+    """Cancelling run() on worker 1, before or inside the collective, counts as worker 1
+    failing: rank 0 raises naming it; both strategies refuse further calls."""
+    job = launch([str(SCENARIOS), "cancelled", backend], timeout=60)
+    assert job.returncode == 0, job.log
+    for part in ("cancel-before-collective", "cancel-in-collective"):
+        for rank in range(RANKS):
+            assert reported(job, rank, part), job.log
+    assert job.seconds < 20, job.log
+
+
+def test_import_aioreplica_leaves_mpi4py_alone() -> None:
+    """``import aioreplica`` (and naming the strategy class) never imports mpi4py."""
+    code = (
+        "import sys, aioreplica; aioreplica.MultiWorkerMirroredStrategy; "
+        "print('mpi4py' in sys.modules)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert out.stdout.strip() == "False"
