@@ -1,0 +1,211 @@
+"""The multi-worker machinery in one process (a job of one worker), for what needs no peer: the
+collectives' queue, refusals, the failed state, the host-core share, and that one worker
+behaves as ``MirroredStrategy`` does. Two workers: tests/multiworker, under mpiexec."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aioreplica
+from aioreplica import _cluster
+from aioreplica._backends import _numpy
+from aioreplica.testing import replica_context
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class TestTurn:
+    """One communicator's first-come queue."""
+
+    @pytest.mark.anyio
+    async def test_waiters_take_the_turn_in_arrival_order(self) -> None:
+        turn = _cluster._Turn()
+        order: list[str] = []
+        await turn.acquire()  # held by the "first" collective
+
+        async def collective(name: str) -> None:
+            await turn.acquire()
+            order.append(name)
+            await anyio.lowlevel.checkpoint()
+            turn.release()
+
+        async with anyio.create_task_group() as group:
+            for name in ("a", "b", "c"):
+                group.start_soon(collective, name)
+                await anyio.wait_all_tasks_blocked()
+            order.append("first done")
+            turn.release()
+        assert order == ["first done", "a", "b", "c"]
+        assert not turn.busy
+
+    @pytest.mark.anyio
+    async def test_a_cancelled_waiter_leaves_the_queue(self) -> None:
+        turn = _cluster._Turn()
+        await turn.acquire()
+        got: list[str] = []
+
+        async def wait_for_turn(name: str) -> None:
+            await turn.acquire()
+            got.append(name)
+            turn.release()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(wait_for_turn, "never")
+            await anyio.wait_all_tasks_blocked()
+            group.cancel_scope.cancel()  # cancelled while it waits for the turn
+        async with anyio.create_task_group() as group:
+            group.start_soon(wait_for_turn, "next")
+            await anyio.wait_all_tasks_blocked()
+            turn.release()
+        assert got == ["next"]
+        assert not turn.busy
+
+    def test_take_now_only_when_free(self) -> None:
+        turn = _cluster._Turn()
+        assert turn.take_now() is True
+        assert turn.take_now() is False
+        turn.release()
+        assert turn.take_now() is True
+
+
+class TestOneWorker:
+    """A job of one worker (no mpiexec): the strategy behaves as ``MirroredStrategy``."""
+
+    def test_cluster_facts(self) -> None:
+        strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+        assert strategy.cluster == aioreplica.Cluster(worker_index=0, num_workers=1)
+        assert strategy.cluster.is_chief
+        assert strategy.num_replicas_in_sync == 2
+        assert repr(strategy) == (
+            "MultiWorkerMirroredStrategy(devices=['cpu:0', 'cpu:1'], worker 0 of 1)"
+        )
+
+    @pytest.mark.anyio
+    async def test_the_same_results_as_one_process(self) -> None:
+        """Collectives, a dataset pass and a variable give what MirroredStrategy gives."""
+        results = []
+        for strategy in (
+            aioreplica.MirroredStrategy(["cpu:0", "cpu:1"]),
+            aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"]),
+        ):
+            with strategy.scope():
+                w = aioreplica.Variable(np.arange(3.0), name="w", aggregation="mean")
+
+            async def step(batch: Any, w: Any = w) -> Any:
+                ctx = replica_context()
+                total = await ctx.all_reduce("mean", batch.sum(axis=0))
+                gathered = await ctx.all_gather(batch)
+                await w.assign_add(np.full(3, float(ctx.replica_id_in_sync_group)))
+                return total, gathered
+
+            batches = aioreplica.batched(np.arange(21.0).reshape(7, 3), 4)
+            seen = [
+                await strategy.run(step, (batch,))
+                async for batch in strategy.distribute_dataset(batches)
+            ]
+            results.append((seen, w.numpy()))
+        (one_seen, one_w), (multi_seen, multi_w) = results
+        np.testing.assert_array_equal(one_w, multi_w)
+        for a, b in zip(one_seen, multi_seen, strict=True):
+            for x, y in zip(aioreplica.nest.flatten(a), aioreplica.nest.flatten(b), strict=True):
+                np.testing.assert_array_equal(
+                    np.asarray(aioreplica.select_replica(0, x)),
+                    np.asarray(aioreplica.select_replica(0, y)),
+                )
+
+    def test_a_communicator_that_is_not_one(self) -> None:
+        with pytest.raises(TypeError, match="communicator must be an mpi4py intracommunicator"):
+            aioreplica.MultiWorkerMirroredStrategy(["cpu:0"], communicator="world")
+
+    @pytest.mark.anyio
+    async def test_a_global_length_argument_says_arguments_are_local(self) -> None:
+        from mpi4py import MPI
+
+        strategy = aioreplica.MultiWorkerMirroredStrategy(
+            ["cpu:0", "cpu:1"], communicator=MPI.COMM_SELF
+        )
+        with pytest.raises(ValueError, match="run\\(\\) takes this worker's values"):
+            await strategy.run(lambda x: x, (aioreplica.PerReplica([1, 2, 3]),))
+        assert await strategy.run(lambda: 1) == 1  # refused alone: the strategy still works
+
+    @pytest.mark.anyio
+    async def test_a_concurrent_run_is_refused(self) -> None:
+        strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])
+        started = anyio.Event()
+        release = anyio.Event()
+        refused: list[str] = []
+
+        async def slow() -> int:
+            started.set()
+            await release.wait()
+            return 1
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(strategy.run, slow)
+            await started.wait()
+            with pytest.raises(RuntimeError, match="another run\\(\\) is in progress") as info:
+                await strategy.run(lambda: 2)
+            refused.append(str(info.value))
+            release.set()
+        assert len(refused) == 1
+        assert await strategy.run(lambda: 3) == 3
+
+    @pytest.mark.anyio
+    async def test_after_a_failure_every_call_is_refused(self) -> None:
+        strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+
+        async def fails() -> None:
+            if replica_context().replica_id_in_sync_group == 1:
+                raise KeyError("bad row")
+            await replica_context().barrier()
+
+        with pytest.raises(KeyError, match="bad row"):
+            await strategy.run(fails)
+        with pytest.raises(RuntimeError, match="MPI cannot cancel a collective") as refused:
+            await strategy.run(lambda: 1)
+        assert "KeyError: 'bad row' was raised in replica 1" in str(refused.value)
+        with pytest.raises(RuntimeError, match="MPI cannot cancel a collective"):
+            await strategy.reduce("sum", aioreplica.PerReplica([1.0, 2.0]))
+
+    @pytest.mark.anyio
+    async def test_a_cancelled_run_counts_as_a_failure(self) -> None:
+        strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])
+        with anyio.move_on_after(0.05):
+            await strategy.run(anyio.sleep_forever)
+        with pytest.raises(RuntimeError, match="its run\\(\\) was cancelled"):
+            await strategy.run(lambda: 1)
+
+
+def test_host_reductions_split_over_this_workers_share_of_the_cores() -> None:
+    cores = _numpy._cores()
+    try:
+        _numpy.share_cores(2)
+        assert _numpy._cores() == max(1, cores // 2)
+        _numpy.share_cores(10_000)
+        assert _numpy._cores() == 1
+    finally:
+        _numpy.share_cores(1)
+    assert _numpy._cores() == cores
+
+
+def test_without_mpi4py_the_error_says_what_to_install() -> None:
+    """The ImportError names the extra to install (mpi4py hidden from a child interpreter)."""
+    code = (
+        "import sys; sys.modules['mpi4py'] = None\n"
+        "import aioreplica\n"
+        "try:\n"
+        "    aioreplica.MultiWorkerMirroredStrategy(['cpu:0'])\n"
+        "except ImportError as exc:\n"
+        "    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "pip install 'aioreplica[mpi]'" in out.stdout
+    assert "mpiexec -n N" in out.stdout
