@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import math
 import sys
 import time
+import weakref
 from collections import deque
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, Final, final
@@ -173,6 +175,7 @@ class Workers:
                 f"{type(communicator).__name__} {communicator!r}"
             )
         self._comm = communicator.Dup()
+        self._release = weakref.finalize(self, _free, mpi, self._comm)
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
@@ -189,7 +192,7 @@ class Workers:
         if len(set(counts)) > 1:
             shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
             self.close()
-            self._side.comm.Free()
+            self._side.close()
             raise ValueError(
                 f"every worker must run the same number of local replicas, but {shown}; "
                 "give each worker's MultiWorkerMirroredStrategy as many devices"
@@ -486,15 +489,19 @@ class Workers:
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
         twin._comm = self._side.comm.Dup()
+        twin._release = weakref.finalize(twin, _free, self.mpi, twin._comm)
         twin._turn = _Turn()
         twin._primary = False
         twin._sequence = 0
         return twin
 
     def close(self) -> None:
-        """Free this cluster's collectives' communicator (not the shared side channel)."""
-        with contextlib.suppress(Exception):
-            self._comm.Free()
+        """Free this cluster's collectives' communicator now (not the shared side channel).
+
+        Otherwise it is freed once the object is collected: a strategy dropped, with its
+        variables and datasets, gives its communicators back to MPI (which has a few thousand).
+        """
+        self._release()
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -524,20 +531,25 @@ class _SideChannel:
         self.comm = comm
         self.failure: str | None = None  # why the workers fell out of step
         self.notice = bytearray(_NOTICE_BYTES)
-        self.notice_request: Any = comm.Irecv(self.notice, mpi.ANY_SOURCE, _NOTICE)
+        # The posted notice receive (``None`` once a notice came), in a list the finalizer
+        # shares: it is withdrawn before the communicator is freed.
+        self._receive: list[Any] = [comm.Irecv(self.notice, mpi.ANY_SOURCE, _NOTICE)]
         self.sends: list[Any] = []  # sends not yet known to be complete
         self.reached = [0] * workers  # the last collective each peer said it reached
-        # Withdraw the posted receive before MPI finalizes (at exit handlers run last first,
-        # and mpi4py registered its own when it was imported, before this).
-        atexit.register(self.withdraw)
+        #: Frees the communicator once nothing uses this side channel (a strategy, its
+        #: variables and its dataset passes all gone), or at exit, before MPI finalizes.
+        self.close = weakref.finalize(self, _free, mpi, comm, self._receive)
+        _open_channels.add(self)
+        _withdraw_at_exit()
 
-    def withdraw(self) -> None:
-        """Cancel the posted notice receive (nothing more will be heard)."""
-        request, self.notice_request = self.notice_request, None
-        if request is not None and not self.mpi.Is_finalized():
-            with contextlib.suppress(Exception):
-                request.Cancel()
-                request.Wait()
+    @property
+    def notice_request(self) -> Any:
+        """The posted notice receive, or ``None`` once a notice came."""
+        return self._receive[0]
+
+    @notice_request.setter
+    def notice_request(self, request: Any) -> None:
+        self._receive[0] = request
 
     def send_all(self, data: Any, tag: int, me: int) -> None:
         for peer in range(len(self.reached)):
@@ -570,6 +582,31 @@ def _spin(test: Callable[[], bool]) -> bool:
         if test():
             return True
     return False
+
+
+def _free(mpi: Any, comm: Any, receive: list[Any] | None = None) -> None:
+    """Give ``comm`` back to MPI, withdrawing its posted receive first (nothing after MPI
+    finalized). ``MPI_Comm_free`` leaves operations still under way to finish."""
+    if mpi.Is_finalized():
+        return
+    with contextlib.suppress(Exception):
+        if receive and receive[0] is not None:
+            request, receive[0] = receive[0], None
+            request.Cancel()
+            request.Wait()
+        comm.Free()
+
+
+#: The side channels not yet freed, to withdraw at exit.
+_open_channels: weakref.WeakSet[_SideChannel] = weakref.WeakSet()
+
+
+@functools.cache
+def _withdraw_at_exit() -> None:
+    """Once, after mpi4py registered its own exit handler (which finalizes MPI): free every
+    open side channel at exit first (exit handlers run last registered, first), so no posted
+    receive is left when MPI finalizes."""
+    atexit.register(lambda: [channel.close() for channel in list(_open_channels)])
 
 
 def _worker_list(workers: list[int]) -> str:

@@ -253,3 +253,15 @@ async def test_mirrored_keywords_are_accepted(make_strategy: MakeStrategy, inter
     total = float(sum(range(2 * WORKERS)))
     for got in each_replica(strategy, await strategy.run(step)):
         np.testing.assert_array_equal(got, total + np.arange(2 * WORKERS))
+
+
+async def test_dropped_strategies_give_their_communicators_back() -> None:
+    """Each strategy holds two communicators and MPICH has 2048: made and dropped 1,100 times
+    (with a run and a dataset pass each), they are freed, not exhausted."""
+    for _ in range(1100):
+        strategy = MultiWorkerMirroredStrategy(["cpu:0"])
+        batches = [np.arange(4.0)]
+        async for batch in strategy.distribute_dataset(batches):
+            assert await strategy.run(lambda x: float(x.sum()), (batch,)) == float(batch.sum())
+        del strategy
+    assert WORLD.allreduce(1) == WORKERS  # MPI is still fine
