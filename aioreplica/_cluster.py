@@ -167,6 +167,7 @@ class Workers:
     def __init__(self, communicator: Any, local_replicas: int) -> None:
         mpi = import_mpi()
         self.mpi = mpi
+        _free_retired()
         if communicator is None:
             communicator = mpi.COMM_WORLD
         if not isinstance(communicator, mpi.Intracomm) or communicator == mpi.COMM_NULL:
@@ -175,7 +176,7 @@ class Workers:
                 f"{type(communicator).__name__} {communicator!r}"
             )
         self._comm = communicator.Dup()
-        self._release = weakref.finalize(self, _free, mpi, self._comm)
+        self._release = weakref.finalize(self, _retire, mpi, self._comm)
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
@@ -484,22 +485,26 @@ class Workers:
         a wait on it that is cancelled abandons it without failing the workers. ``close()`` it
         after.
         """
+        _free_retired()
         twin = object.__new__(Workers)
         twin.__dict__.update(self.__dict__)
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
         twin._comm = self._side.comm.Dup()
-        twin._release = weakref.finalize(twin, _free, self.mpi, twin._comm)
+        twin._release = weakref.finalize(twin, _retire, self.mpi, twin._comm)
         twin._turn = _Turn()
         twin._primary = False
         twin._sequence = 0
         return twin
 
     def close(self) -> None:
-        """Free this cluster's collectives' communicator now (not the shared side channel).
+        """Give this cluster's collectives' communicator back (not the shared side channel).
 
-        Otherwise it is freed once the object is collected: a strategy dropped, with its
+        Otherwise that happens once the object is collected: a strategy dropped, with its
         variables and datasets, gives its communicators back to MPI (which has a few thousand).
+        Either way they are freed at the next collective point (a new strategy or dataset
+        pass) or at exit, on the event loop's thread: never from a finalizer, which may run
+        on any thread at any moment.
         """
         self._release()
 
@@ -538,7 +543,7 @@ class _SideChannel:
         self.reached = [0] * workers  # the last collective each peer said it reached
         #: Frees the communicator once nothing uses this side channel (a strategy, its
         #: variables and its dataset passes all gone), or at exit, before MPI finalizes.
-        self.close = weakref.finalize(self, _free, mpi, comm, self._receive)
+        self.close = weakref.finalize(self, _retire, mpi, comm, self._receive)
         _open_channels.add(self)
         _withdraw_at_exit()
 
@@ -584,6 +589,22 @@ def _spin(test: Callable[[], bool]) -> bool:
     return False
 
 
+#: Communicators given back and not yet freed: ``(mpi, comm, posted receive)``, appended by
+#: finalizers (any thread: ``list.append`` is atomic), freed by ``_free_retired``.
+_retired: list[tuple[Any, Any, list[Any] | None]] = []
+
+
+def _retire(mpi: Any, comm: Any, receive: list[Any] | None = None) -> None:
+    _retired.append((mpi, comm, receive))
+
+
+def _free_retired() -> None:
+    """Free the communicators given back since the last call (at a collective point: a new
+    strategy, a new dataset pass, the exit)."""
+    while _retired:
+        _free(*_retired.pop())
+
+
 def _free(mpi: Any, comm: Any, receive: list[Any] | None = None) -> None:
     """Give ``comm`` back to MPI, withdrawing its posted receive first (nothing after MPI
     finalized). ``MPI_Comm_free`` leaves operations still under way to finish."""
@@ -606,7 +627,13 @@ def _withdraw_at_exit() -> None:
     """Once, after mpi4py registered its own exit handler (which finalizes MPI): free every
     open side channel at exit first (exit handlers run last registered, first), so no posted
     receive is left when MPI finalizes."""
-    atexit.register(lambda: [channel.close() for channel in list(_open_channels)])
+
+    def withdraw() -> None:
+        for channel in list(_open_channels):
+            channel.close()
+        _free_retired()
+
+    atexit.register(withdraw)
 
 
 def _worker_list(workers: list[int]) -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pytest
+from test_dataset import global_batches, table  # the same tables as one process's tests
 
 from aioreplica import InputContext, batched
 from aioreplica.testing import replica_context
@@ -24,17 +25,6 @@ pytestmark = pytest.mark.anyio
 
 Array = np.ndarray[Any, Any]
 Table = tuple[Array, Array]
-
-
-def table(rows: int, width: int = 3) -> Table:
-    """Features (float32, ``width`` wide) and labels (int64) whose row i holds i."""
-    x = np.repeat(np.arange(rows, dtype=np.float32)[:, None], width, axis=1)
-    return x, np.arange(rows, dtype=np.int64)
-
-
-def global_batches(rows: int, batch_size: int) -> list[Table]:
-    x, y = table(rows)
-    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, rows, batch_size)]
 
 
 def split(batch: Table, replicas: int) -> list[Table]:
