@@ -226,6 +226,18 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         # The steps are one run() of replicas that loop: that run() is the collective step.
         return await MirroredStrategy.run_steps(self, step_fn, iterator, steps)
 
+    def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        local = len(self._device_objects)
+        for leaf in _tree.flatten((args, kwargs))[0]:
+            if isinstance(leaf, DistributedValues) and len(leaf.values) != local:
+                raise ValueError(
+                    f"run() takes this worker's values: a {type(leaf).__name__} of one value "
+                    f"per local replica ({local} on worker {self._cluster.worker_index}), got "
+                    f"{len(leaf.values)} values (num_replicas_in_sync is "
+                    f"{self.num_replicas_in_sync} over all workers); each worker passes its own "
+                    "replicas' values"
+                )
+
     async def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
         """``MirroredStrategy.reduce`` over the replicas of every worker (collective).
 
@@ -240,23 +252,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             >>> float(anyio.run(strategy.reduce, "sum", aioreplica.PerReplica([1.0, 2.0])))
             3.0
         """
-        if self._workers.pending:
-            await self._sync_variables()
+        self._check_cross_replica("reduce")
+        await self._sync_new_variables()
         return await super().reduce(reduce_op, value, axis)
 
-    def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        local = len(self._device_objects)
-        for leaf in _tree.flatten((args, kwargs))[0]:
-            if isinstance(leaf, DistributedValues) and len(leaf.values) != local:
-                raise ValueError(
-                    f"run() takes this worker's values: a {type(leaf).__name__} of one value "
-                    f"per local replica ({local} on worker {self._cluster.worker_index}), got "
-                    f"{len(leaf.values)} values (num_replicas_in_sync is "
-                    f"{self.num_replicas_in_sync} over all workers); each worker passes its own "
-                    "replicas' values"
-                )
-
-    async def _sync_variables(self) -> None:
+    async def _sync_new_variables(self) -> None:
+        if not self._workers.pending:
+            return
         try:
             await sync_variables(self._workers)
         except BaseException as exc:

@@ -136,6 +136,8 @@ class StrategyExtended:
         strategy = self._strategy
         op = ReduceOp.parse(reduce_op)
         strategy._check_cross_replica("batch_reduce_to")
+        if strategy._engine.cluster is not None:
+            await strategy._sync_new_variables()
         pairs = [
             (_variables_as_values(value, op), strategy._destinations(dest))
             for value, dest in value_destination_pairs
@@ -357,6 +359,10 @@ class MirroredStrategy:
     ) -> ReductionEngine:
         """The reduction engine over ``devices`` (a multi-worker strategy adds its workers)."""
         return ReductionEngine(devices, options)
+
+    async def _sync_new_variables(self) -> None:
+        """Before a collective that reads variables: those made since the last one take the
+        chief's values (a multi-worker strategy; nothing to do in one process)."""
 
     # -- facts ----------------------------------------------------------------------------
 

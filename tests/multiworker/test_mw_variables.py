@@ -245,3 +245,19 @@ async def test_variables_in_run_args_and_per_replica_values(make_strategy: MakeS
 
     for got in strategy.experimental_local_results(await strategy.run(step, args=(xs,))):
         np.testing.assert_array_equal(got, np.full(2, 2.0 * sum(range(2 * WORKERS))))
+
+
+async def test_a_new_variable_reduced_across_replicas_holds_the_chiefs_value(
+    make_strategy: MakeStrategy,
+) -> None:
+    """``strategy.reduce`` and ``extended.reduce_to`` of a mirrored variable made just before
+    (each worker passing its own value) read the chief's value, as a run() would."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        first = Variable(np.full(2, 10.0 * (RANK + 1)), name="first")
+    placed = await strategy.extended.reduce_to("mean", first, "cpu:0")
+    with strategy.scope():
+        second = Variable(np.full(2, 10.0 * (RANK + 1)), name="second")
+    reduced = await strategy.reduce("mean", second)
+    np.testing.assert_array_equal(reduced, np.full(2, 10.0))
+    np.testing.assert_array_equal(placed, np.full(2, 10.0))
