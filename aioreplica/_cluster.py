@@ -198,7 +198,6 @@ class Workers:
                 f"every worker must run the same number of local replicas, but {shown}; "
                 "give each worker's MultiWorkerMirroredStrategy as many devices"
             )
-        self.local_replicas = int(local_replicas)
         here = self._side.comm.Split_type(mpi.COMM_TYPE_SHARED)
         #: How many workers run on this machine (they share its cores).
         self.workers_here: int = here.Get_size()

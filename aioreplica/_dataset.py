@@ -934,8 +934,7 @@ def _zero_rows(element: Any) -> Any:
     zeros = []
     for leaf in leaves:
         first = leaf.values[0] if isinstance(leaf, PerReplica) else leaf
-        array = host_array(first)
-        zeros.append(np.empty((0, *array.shape[1:]), array.dtype))
+        zeros.append(_empty_rows(host_array(first)))
     return treedef.unflatten(zeros)
 
 
@@ -954,9 +953,8 @@ def _share(rows: int, parts: int, part: int) -> tuple[int, int]:
 
 
 def distribute_values(
-    value_fn: Callable[[ValueContext], Any], num_replicas: int, first: int = 0, local: int = 0
+    value_fn: Callable[[ValueContext], Any], num_replicas: int, ids: range
 ) -> PerReplica[Any]:
-    """``PerReplica([value_fn(ValueContext(i, n)) for i in ...])`` over this worker's ``local``
-    replicas from global id ``first`` (every replica: ``local`` 0)."""
-    ids = range(first, first + local) if local else range(num_replicas)
+    """``PerReplica([value_fn(ValueContext(i, num_replicas)) for i in ids])``: the values of
+    this worker's replicas, ``ids`` their global ids."""
     return PerReplica([value_fn(ValueContext(i, num_replicas)) for i in ids])

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any, Literal, final
 
 import anyio
 
-from . import _tree
 from ._backends import share_cores
 from ._cluster import ClusterBroken, Workers, install_abort_on_uncaught
 from ._collectives import ReductionEngine
@@ -226,35 +225,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         # The steps are one run() of replicas that loop: that run() is the collective step.
         return await MirroredStrategy.run_steps(self, step_fn, iterator, steps)
 
-    def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
         local = len(self._device_objects)
-        for leaf in _tree.flatten((args, kwargs))[0]:
-            if isinstance(leaf, DistributedValues) and len(leaf.values) != local:
-                raise ValueError(
-                    f"run() takes this worker's values: a {type(leaf).__name__} of one value "
-                    f"per local replica ({local} on worker {self._cluster.worker_index}), got "
-                    f"{len(leaf.values)} values (num_replicas_in_sync is "
-                    f"{self.num_replicas_in_sync} over all workers); each worker passes its own "
-                    "replicas' values"
-                )
-
-    async def reduce(self, reduce_op: Any, value: Any, axis: int | None = None) -> Any:
-        """``MirroredStrategy.reduce`` over the replicas of every worker (collective).
-
-        Raises:
-            RuntimeError: the workers fell out of step earlier; and as
-                ``MirroredStrategy.reduce``.
-            ValueError: as ``MirroredStrategy.reduce``.
-            TypeError: as ``MirroredStrategy.reduce``.
-
-        Example:
-            >>> strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
-            >>> float(anyio.run(strategy.reduce, "sum", aioreplica.PerReplica([1.0, 2.0])))
-            3.0
-        """
-        self._check_cross_replica("reduce")
-        await self._sync_new_variables()
-        return await super().reduce(reduce_op, value, axis)
+        return ValueError(
+            f"run() takes this worker's values: {name} is a {type(leaf).__name__} of "
+            f"{len(leaf.values)} values, but it needs one value per local replica ({local} on "
+            f"worker {self._cluster.worker_index}; num_replicas_in_sync is "
+            f"{self.num_replicas_in_sync} over all workers): each worker passes its own "
+            "replicas' values"
+        )
 
     async def _sync_new_variables(self) -> None:
         if not self._workers.pending:
@@ -283,8 +262,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._running = True
         try:
             try:
-                if workers.pending:
-                    await sync_variables(workers)
+                await self._sync_new_variables()
                 result = await start()
                 await workers.barrier(f"the end of {what}")
             except BaseException as exc:

@@ -433,6 +433,8 @@ class MirroredStrategy:
         """
         op = ReduceOp.parse(reduce_op)
         self._check_cross_replica("reduce")
+        if self._engine.cluster is not None:
+            await self._sync_new_variables()
         return await self._engine.reduce(op, _variables_as_values(value, op), axis)
 
     async def gather(self, value: Any, axis: int = 0) -> Any:
@@ -601,7 +603,8 @@ class MirroredStrategy:
             PerReplica({0: 0, 1: 10})
         """
         engine = self._engine
-        return distribute_values(value_fn, engine.num_replicas, engine.first_replica, engine.size)
+        first = engine.first_replica
+        return distribute_values(value_fn, engine.num_replicas, range(first, first + engine.size))
 
     def _input_context(self) -> InputContext:
         return InputContext(
@@ -1106,10 +1109,14 @@ class MirroredStrategy:
             if isinstance(leaf, DistributedValues) and len(leaf.values) != size:
                 where = _tree.format_path(path)
                 name = "args" + where[3:] if where.startswith("[0]") else "kwargs" + where[3:]
-                raise ValueError(
-                    f"{name} is a {type(leaf).__name__} of {len(leaf.values)} values, but "
-                    f"{self!r} has {size} replicas; give one value per replica"
-                )
+                raise self._wrong_length(name, leaf)
+
+    def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
+        """The error for the argument ``name``, a distributed value of the wrong length."""
+        return ValueError(
+            f"{name} is a {type(leaf).__name__} of {len(leaf.values)} values, but {self!r} has "
+            f"{len(self._device_objects)} replicas; give one value per replica"
+        )
 
 
 def _version() -> str:
