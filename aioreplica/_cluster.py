@@ -37,9 +37,10 @@ import math
 import sys
 import time
 import weakref
+import zlib
 from collections import deque
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 import anyio
 import numpy as np
@@ -49,7 +50,7 @@ from ._errors import ReplicaSyncError
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
 
-__all__ = ["ClusterBroken", "Workers", "collective_timeout", "import_mpi"]
+__all__ = ["ClusterBroken", "Workers", "WorkersDisagree", "collective_timeout", "import_mpi"]
 
 #: Tags of the side channel.
 _NOTICE: Final = 1
@@ -76,6 +77,15 @@ collective_timeout: ContextVar[float | None] = ContextVar(
 
 _REDUCE_OPS: Final = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _BOOL_OPS: Final = {"max": "LOR", "min": "LAND"}
+#: The same ops on numpy, for reductions small enough to travel in their header's message.
+_LOCAL_OPS: Final = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+#: An all-reduce's first message from each worker: a header (a checksum of what it reduces,
+#: then that description in words), and room for the data when it is this small.
+_HEADER_BYTES: Final = 128
+_RECORD_BYTES: Final = 1024
+_INLINE_BYTES: Final = _RECORD_BYTES - _HEADER_BYTES
+#: How many ways of all-reducing (op, dtype, shape) a cluster keeps ready.
+_PLANS: Final = 256
 
 
 def import_mpi() -> Any:
@@ -97,6 +107,14 @@ def import_mpi() -> Any:
 
 class ClusterBroken(RuntimeError):
     """The workers fell out of step (a failure, a timeout, a cancelled wait): no more calls."""
+
+
+class WorkersDisagree(ValueError):
+    """The workers passed different values to one collective (other shapes or dtypes).
+
+    Found from what every worker sent, so raised alike on every worker before any data moved:
+    the workers stay in step, and the strategy remains usable.
+    """
 
 
 @final
@@ -164,6 +182,15 @@ class Workers:
         ValueError: the workers run different numbers of local replicas (on every worker).
     """
 
+    # This worker's all-reduce record, every worker's once gathered, and the ways of reducing
+    # made so far (``_records``).
+    _record: np.ndarray[Any, Any]
+    _record_bytes: memoryview
+    _header_sent: _Header | None
+    _gathered: np.ndarray[Any, Any]
+    _checksums: np.ndarray[Any, Any]
+    _plans: dict[tuple[str, np.dtype[Any], tuple[int, ...], str], _Plan]
+
     def __init__(self, communicator: Any, local_replicas: int) -> None:
         mpi = import_mpi()
         self.mpi = mpi
@@ -180,6 +207,7 @@ class Workers:
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
+        self._records()
         self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers)
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
@@ -370,17 +398,46 @@ class Workers:
 
     # -- collectives ----------------------------------------------------------------------
 
-    async def allreduce(self, op: str, send: Any, out: np.ndarray[Any, Any]) -> None:
+    async def allreduce(
+        self, op: str, send: Any, out: np.ndarray[Any, Any], layout: str = ""
+    ) -> None:
         """Reduce over workers into ``out``; ``send`` is an array, or ``None`` for in place.
 
         ``op``: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"`` (``max``/``min`` of bools are any
-        and all).
+        and all). ``layout`` says what ``out`` holds when its shape alone does not (the leaves
+        packed in it).
+
+        The first message carries every worker's header (op, dtype, shape, layout), compared
+        before any data moves, and the data itself when it is small: such a reduction is made
+        on every worker from the gathered data, in worker order, so the results are the same
+        everywhere. Larger data follows in an ``Iallreduce``.
+
+        Raises:
+            WorkersDisagree: the workers passed different ops, dtypes, shapes or layouts (on
+                every worker alike; nothing was reduced).
         """
-        mpi_op = self._op(op, out.dtype)
+        plan = self._plans.get((op, out.dtype, out.shape, layout))
+        if plan is None:
+            plan = self._plan(op, out, layout)
+        header, parts = plan
         await self._begin("all_reduce")
         try:
+            # The record is this communicator's: filled once the turn is ours.
+            if header is not self._header_sent:  # it keeps a header until another comes
+                self._record[:_HEADER_BYTES] = header.array
+                self._header_sent = header
+            if parts:
+                source = (out if send is None else send).data.cast("B")
+                self._record_bytes[_HEADER_BYTES : _HEADER_BYTES + out.nbytes] = source
+            await self._wait(self._comm.Iallgather(self._record, self._gathered), "all_reduce")
+            if self._checksums.tolist().count(header.checksum) != self.num_workers:
+                raise _disagreement(self._gathered)
+            if parts:
+                flat = out if out.ndim == 1 else out.reshape(-1)
+                _combine(header.ufunc, parts, flat)
+                return
             source = self.mpi.IN_PLACE if send is None else send
-            request = self._comm.Iallreduce(source, out, mpi_op)
+            request = self._comm.Iallreduce(source, out, self._op(op, out.dtype))
             await self._wait(request, "all_reduce", out.nbytes)
         finally:
             self._turn.release()
@@ -423,10 +480,10 @@ class Workers:
             await self._wait(self._comm.Iallgather(header, headers), "broadcast")
             if not (headers == headers[root]).all():
                 bad = [w for w, h in enumerate(headers) if not (h == headers[root]).all()]
-                raise ValueError(
+                raise WorkersDisagree(
                     f"broadcast: {_worker_list(bad)} passed a value of another shape or dtype "
-                    f"than worker {root}'s {value.dtype}{tuple(value.shape)} (every worker must "
-                    "pass the same shape and dtype)"
+                    f"than worker {root}'s {_described(headers[root])} (every worker must pass "
+                    "the same shape and dtype)"
                 )
             out = value.copy() if self.worker_index == root else np.empty_like(value)
             await self._wait(self._comm.Ibcast(out, root), "broadcast", out.nbytes)
@@ -492,6 +549,7 @@ class Workers:
         twin._comm = self._side.comm.Dup()
         twin._release = weakref.finalize(twin, _retire, self.mpi, twin._comm)
         twin._turn = _Turn()
+        twin._records()
         twin._primary = False
         twin._sequence = 0
         return twin
@@ -508,6 +566,29 @@ class Workers:
         self._release()
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _records(self) -> None:
+        """This worker's all-reduce record and the room for every worker's (each pass of a
+        dataset has its own: its collectives run alongside the step's)."""
+        self._record = np.zeros(_RECORD_BYTES, np.uint8)
+        self._record_bytes = self._record.data
+        self._header_sent = None
+        self._gathered = np.zeros((self.num_workers, _RECORD_BYTES), np.uint8)
+        self._checksums = self._gathered.view("<i8")[:, 0]
+        self._plans = {}
+
+    def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
+        """How this worker all-reduces ``out``: its header, and for data small enough to
+        travel with it, every worker's part of the gathered records (flat, of its dtype)."""
+        if len(self._plans) >= _PLANS:
+            self._plans.clear()
+        header = _reduction_header(op, out.dtype.str, out.shape, layout)
+        parts: list[np.ndarray[Any, Any]] = []
+        if out.nbytes <= _INLINE_BYTES:
+            data = self._gathered[:, _HEADER_BYTES : _HEADER_BYTES + out.nbytes]
+            parts = [np.frombuffer(row, out.dtype) for row in data]
+        plan = self._plans[op, out.dtype, out.shape, layout] = _Plan(header, parts)
+        return plan
 
     def _op(self, op: str, dtype: np.dtype[Any]) -> Any:
         name = _BOOL_OPS[op] if dtype.kind == "b" else _REDUCE_OPS[op]
@@ -635,6 +716,57 @@ def _withdraw_at_exit() -> None:
     atexit.register(withdraw)
 
 
+class _Header(NamedTuple):
+    """What an all-reduce reduces, as every worker sends it first."""
+
+    checksum: int  # of ``words``: what the workers compare
+    array: np.ndarray[Any, Any]  # ``_HEADER_BYTES``: the checksum, then ``words`` (cut to fit)
+    ufunc: np.ufunc  # the op, for data small enough to come in the header's message
+
+
+@functools.lru_cache(maxsize=256)
+def _reduction_header(op: str, dtype: str, shape: tuple[int, ...], layout: str) -> _Header:
+    """The header of an all-reduce of ``op`` on an array of ``dtype`` and ``shape`` (holding
+    the packed leaves ``layout`` says, if any)."""
+    ufunc = _LOCAL_OPS[op]
+    if np.dtype(dtype).kind == "b" and op not in _BOOL_OPS:
+        raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
+    words = f"{op} of {np.dtype(dtype).name} {shape}" + (f" ({layout})" if layout else "")
+    text = words.encode()
+    checksum = zlib.crc32(text)
+    header = (checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]).ljust(
+        _HEADER_BYTES, b"\0"
+    )
+    return _Header(checksum, np.frombuffer(header, np.uint8), ufunc)
+
+
+class _Plan(NamedTuple):
+    header: _Header
+    parts: list[np.ndarray[Any, Any]]  # empty: the data goes in an ``Iallreduce`` of its own
+
+
+def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray[Any, Any]) -> None:
+    """``out`` = the parts combined by ``ufunc``, in worker order (the same everywhere)."""
+    if len(parts) == 1:
+        np.copyto(out, parts[0])
+        return
+    ufunc(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        ufunc(out, part, out=out)
+
+
+def _disagreement(gathered: np.ndarray[Any, Any]) -> WorkersDisagree:
+    """The error of an all-reduce whose workers' headers differ, from the gathered records."""
+    said = [
+        bytes(record[8:_HEADER_BYTES]).rstrip(b"\0").decode(errors="replace") for record in gathered
+    ]
+    shown = "; ".join(f"worker {w}: {words}" for w, words in enumerate(said))
+    return WorkersDisagree(
+        f"all_reduce: the workers passed different values ({shown}); every worker must reduce "
+        "the same structure, shapes and dtypes with the same op, in the same order"
+    )
+
+
 def _worker_list(workers: list[int]) -> str:
     if len(workers) == 1:
         return f"worker {workers[0]}"
@@ -652,11 +784,18 @@ def _header(array: np.ndarray[Any, Any], *, skip_first: bool) -> np.ndarray[Any,
     return header
 
 
+def _described(header: np.ndarray[Any, Any]) -> str:
+    """A full-shape ``_header`` in words: dtype and shape."""
+    kinds: dict[int, str] = {np.dtype(c).num: np.dtype(c).name for c in np.typecodes["All"]}
+    shape = tuple(int(d) for d in header[3 : 3 + int(header[1])])
+    return f"{kinds.get(int(header[2]), 'dtype #' + str(header[2]))} {shape}"
+
+
 def _check_headers(what: str, headers: np.ndarray[Any, Any], parts: str) -> None:
     rest = headers[:, 1:]
     if not (rest == rest[0]).all():
         bad = [w for w in range(len(headers)) if not (rest[w] == rest[0]).all()]
-        raise ValueError(
+        raise WorkersDisagree(
             f"{what}: {_worker_list(bad)} passed values whose dtype or {parts} differ from "
             "worker 0's; every worker must pass the same dtype and shape (off the gathered axis)"
         )

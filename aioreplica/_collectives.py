@@ -535,7 +535,8 @@ class ReductionEngine:
         if self.cluster is None:
             return await self.backend.all_reduce_packed(op, leaves, self.devices)
         local = await self.backend.all_reduce_packed(_local_op(op), leaves, self.devices)
-        return await self._across_workers(op, local)
+        layout = "leaves " + ", ".join(str(arrays[0].shape) for arrays in leaves)
+        return await self._across_workers(op, local, layout)
 
     async def _reduce_arrays(self, op: str, inputs: list[Any]) -> list[Any]:
         """Reduce one array per replica on the backend: one result per replica.
@@ -557,9 +558,10 @@ class ReductionEngine:
         local = await self.backend.all_reduce(_local_op(op), inputs, self.devices)
         return await self._across_workers(op, local)
 
-    async def _across_workers(self, op: str, local: list[Any]) -> list[Any]:
+    async def _across_workers(self, op: str, local: list[Any], layout: str = "") -> list[Any]:
         """The cross-worker step: this worker's reduction (``local``, one result per replica,
         summed for ``mean``) combined with every other worker's, one result per replica.
+        ``layout``: the leaves packed in it, which every worker must agree on too.
 
         Host replicas share one output from the pool, published read-only: it is reduced in
         place (``MPI.IN_PLACE``) before anyone else sees it. GPU results go through the host.
@@ -569,14 +571,14 @@ class ReductionEngine:
             out = local[0]
             out.flags.writeable = True  # the pool's fresh output: nobody else holds it yet
             try:
-                await self.cluster.allreduce(_local_op(op), None, out)
+                await self.cluster.allreduce(_local_op(op), None, out, layout)
                 if op == "mean":
                     np.divide(out, self.num_replicas, out=out)
             finally:
                 out.flags.writeable = False
             return local
         staged = await self._staged(local[0])
-        await self.cluster.allreduce(_local_op(op), None, staged)
+        await self.cluster.allreduce(_local_op(op), None, staged, layout)
         if op == "mean":
             np.divide(staged, self.num_replicas, out=staged)
         return await self._placed(staged)

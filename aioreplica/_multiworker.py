@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import anyio
 
 from ._backends import share_cores
-from ._cluster import ClusterBroken, Workers, install_abort_on_uncaught
+from ._cluster import ClusterBroken, Workers, WorkersDisagree, install_abort_on_uncaught
 from ._collectives import ReductionEngine
 from ._dataset import InputContext
 from ._errors import ReplicaSyncError
@@ -275,8 +275,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def _failed(self, exc: BaseException) -> None:
         """Tell the other workers that this one failed (unless a peer's failure it is)."""
         workers = self._workers
-        if workers.broken or isinstance(exc, ClusterBroken):
-            return
+        if workers.broken or isinstance(exc, (ClusterBroken, WorkersDisagree)):
+            return  # a peer's failure, or one raised alike on every worker
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             workers.announce("its run() was cancelled")
             return

@@ -6,6 +6,7 @@ row ``g``, and compares with NumPy over all of it.
 
 from __future__ import annotations
 
+import re
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,8 @@ from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from multiworker.mwtools import MakeStrategy
 
 pytestmark = pytest.mark.anyio
@@ -358,3 +361,116 @@ async def test_collectives_agree_across_ranks_bitwise(make_strategy: MakeStrateg
     mine = [np.asarray(x).tobytes() for x in got]
     assert len(set(mine)) == 1
     assert len({m[0] for m in allgather(mine)}) == 1
+
+
+# Sizes (float32 elements) on either side of the largest all-reduce that travels with the
+# workers' headers (896 bytes), and far above it.
+@pytest.mark.parametrize("size", [1, 224, 225, 40_000])
+@pytest.mark.parametrize("op", ["sum", "max", "min", "prod"])
+async def test_all_reduce_small_and_large_agree_with_numpy(
+    make_strategy: MakeStrategy, size: int, op: str
+) -> None:
+    """Every op, with data in the headers' message and in one of its own, equals NumPy's over
+    the global data, bitwise alike on every worker."""
+    strategy = make_strategy(2)
+    data = np.random.default_rng(size).uniform(0.5, 1.5, size=(2 * WORKERS, size))
+    data = data.astype(np.float32)
+
+    async def step() -> Any:
+        return await replica_context().all_reduce(op, data[replica_id()])
+
+    got = local_results(strategy, await strategy.run(step))
+    for part in got:
+        assert part.dtype == np.float32
+        assert part.shape == (size,)
+        np.testing.assert_allclose(part, NUMPY[op](data.astype(np.float64)), rtol=1e-5)
+    assert len({fp for fps in allgather([np.asarray(x).tobytes() for x in got]) for fp in fps}) == 1
+
+
+async def test_all_reduce_small_bools_and_ints(make_strategy: MakeStrategy) -> None:
+    """max/min of bools are any/all, and int8 sums wrap, as they do in MPI."""
+    strategy = make_strategy(1)
+    flags = np.array([RANK == 0, True, False, RANK == 1])
+    ints = np.array([100, -100], np.int8)
+
+    async def step() -> Any:
+        ctx = replica_context()
+        return (
+            await ctx.all_reduce("max", flags),
+            await ctx.all_reduce("min", flags),
+            await ctx.all_reduce("sum", ints),
+        )
+
+    any_, all_, total = await strategy.run(step)
+    np.testing.assert_array_equal(any_, [True, True, False, WORKERS > 1])
+    np.testing.assert_array_equal(all_, [False, True, False, False])
+    assert total.dtype == np.int8
+    np.testing.assert_array_equal(total, (np.array([100, -100]) * WORKERS).astype(np.int8))
+
+
+DISAGREEMENTS: dict[str, tuple[Callable[[], tuple[str, Any]], str]] = {
+    "shape": (lambda: ("sum", np.ones(2 + RANK, np.float32)), r"float32 \(2,\).*float32 \(3,\)"),
+    "dtype": (lambda: ("sum", np.ones(2, [np.float32, np.float64][RANK % 2])), "float64"),
+    "large shape": (lambda: ("sum", np.ones(1000 + RANK)), r"\(1000,\).*\(1001,\)"),
+    "op": (lambda: (["sum", "max"][RANK % 2], np.ones(2)), r"sum of.*max of"),
+    "packed leaves": (
+        lambda: ("sum", {"a": np.ones(2 + RANK), "b": np.ones(3 - RANK)}),
+        r"leaves \(2,\), \(3,\).*leaves \(3,\), \(2,\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+async def test_all_reduce_workers_disagree(make_strategy: MakeStrategy, case: str) -> None:
+    """Workers all-reducing other shapes, dtypes, ops or packed leaves get the same ValueError
+    on every worker, naming what each passed, before any data moved; the strategy goes on."""
+    strategy = make_strategy(1)
+    make_value, shown = DISAGREEMENTS[case]
+    op, value = make_value()
+    seen: list[Any] = []
+
+    async def step() -> Any:
+        seen.append(value)
+        return await replica_context().all_reduce(op, value)
+
+    with pytest.raises(ValueError, match="the workers passed different values") as caught:
+        await strategy.run(step)
+    message = str(caught.value)
+    assert re.search(shown, message), message
+    assert all(f"worker {w}: " in message for w in range(WORKERS)), message
+    assert len(set(allgather(message))) == 1
+    assert seen == [value]
+
+    async def agreed() -> Any:
+        return await replica_context().all_reduce("sum", np.full(3, RANK + 1.0))
+
+    np.testing.assert_array_equal(
+        await strategy.run(agreed), np.full(3, WORKERS * (WORKERS + 1) / 2)
+    )
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
+async def test_gather_and_broadcast_workers_disagree(
+    make_strategy: MakeStrategy, collective: str
+) -> None:
+    """Other trailing dimensions (all_gather) or shapes (broadcast) on one worker: the same
+    ValueError on every worker, and the strategy goes on."""
+    strategy = make_strategy(1)
+    value = np.zeros((2, 3 + RANK))
+
+    async def step() -> Any:
+        ctx = replica_context()
+        if collective == "all_gather":
+            return await ctx.all_gather(value, axis=0)
+        return await ctx.broadcast(value, source_replica=0)
+
+    with pytest.raises(ValueError, match=r"worker 1\b") as caught:
+        await strategy.run(step)
+    assert len(set(allgather(str(caught.value)))) == 1
+
+    async def agreed() -> Any:
+        return await replica_context().all_gather(np.full((1, 2), RANK), axis=0)
+
+    np.testing.assert_array_equal(
+        await strategy.run(agreed), np.repeat(np.arange(WORKERS), 2).reshape(WORKERS, 2)
+    )
