@@ -4,15 +4,23 @@ One process per worker, under ``mpiexec``. ``Workers`` holds this worker's place
 how many workers there are) and two duplicates of the user's communicator, so the caller's own
 traffic on it is never disturbed:
 
-- **the collectives' communicator.** Every cross-worker collective is a non-blocking MPI call
-  (``Iallreduce``, ``Iallgatherv``, ``Ibcast``, ``Ibarrier``) that the event loop polls with
-  ``Test`` and a zero sleep, so the loop keeps running other tasks; after a short busy phase
-  the poll backs off (up to a few milliseconds between tests) so a worker waiting long for a
-  late peer does not spin a core. MPI requires every worker to issue collectives in the same
-  order: the calls of one communicator go through one first-come queue (``_Turn``), and an
-  operation of two messages (a header, then the data) holds it for both. Independent streams
-  of collectives (a dataset pass agreeing whether any worker still has data) get their own
-  duplicate (``Workers.duplicate``).
+- **the collectives' communicator.** Every cross-worker collective is made of non-blocking
+  MPI calls (``Iallgather``, then ``Iallreduce``, ``Iallgatherv`` or ``Ibcast`` for data that
+  is not small) that the event loop polls with ``Test`` and a zero sleep, so the loop keeps
+  running other tasks; after a short busy phase the poll backs off (up to a few milliseconds
+  between tests) so a worker waiting long for a late peer does not spin a core. MPI requires
+  every worker to issue collectives in the same order: the calls of one communicator go
+  through one first-come queue (``_Turn``), and an operation of two messages holds it for
+  both. Independent streams of collectives (a dataset pass agreeing whether any worker still
+  has data) get their own duplicate (``Workers.duplicate``).
+- **the records.** MPI checks neither that the workers make the same collective nor that
+  their buffers match: two workers reducing other shapes get garbage, and a collective met by
+  another kind of collective may complete on one worker and fail on the other. So every
+  collective starts with each worker's 1 KiB *record*, gathered by all: a header (a checksum
+  of what the collective is, with the dtype and shape it carries, then that in words) and the
+  data itself when it is small. Different headers raise ``WorkersDisagree`` on every worker
+  alike, before any data moves, so the workers stay in step; small reductions and broadcasts
+  are done from the gathered records, in that one message.
 - **the side channel.** A failure is announced to every peer as a small message on its own
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
@@ -79,9 +87,10 @@ _REDUCE_OPS: Final = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _BOOL_OPS: Final = {"max": "LOR", "min": "LAND"}
 #: The same ops on numpy, for reductions small enough to travel in their header's message.
 _LOCAL_OPS: Final = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
-#: An all-reduce's first message from each worker: a header (a checksum of what it reduces,
-#: then that description in words), and room for the data when it is this small.
+#: Every collective's first message from each worker, its record: a header (a checksum of
+#: what the collective is, then that in words), then room for small data.
 _HEADER_BYTES: Final = 128
+_HEADER_WORDS: Final = _HEADER_BYTES // 8
 _RECORD_BYTES: Final = 1024
 _INLINE_BYTES: Final = _RECORD_BYTES - _HEADER_BYTES
 #: How many ways of all-reducing (op, dtype, shape) a cluster keeps ready.
@@ -186,8 +195,10 @@ class Workers:
     # made so far (``_records``).
     _record: np.ndarray[Any, Any]
     _record_bytes: memoryview
+    _record_words: np.ndarray[Any, Any]
     _header_sent: _Header | None
     _gathered: np.ndarray[Any, Any]
+    _gathered_words: np.ndarray[Any, Any]
     _checksums: np.ndarray[Any, Any]
     _plans: dict[tuple[str, np.dtype[Any], tuple[int, ...], str], _Plan]
 
@@ -401,40 +412,30 @@ class Workers:
     async def allreduce(
         self, op: str, send: Any, out: np.ndarray[Any, Any], layout: str = ""
     ) -> None:
-        """Reduce over workers into ``out``; ``send`` is an array, or ``None`` for in place.
+        """Reduce over workers into ``out`` (C-contiguous); ``send`` is an array, or ``None``
+        for in place.
 
         ``op``: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"`` (``max``/``min`` of bools are any
         and all). ``layout`` says what ``out`` holds when its shape alone does not (the leaves
-        packed in it).
-
-        The first message carries every worker's header (op, dtype, shape, layout), compared
-        before any data moves, and the data itself when it is small: such a reduction is made
-        on every worker from the gathered data, in worker order, so the results are the same
-        everywhere. Larger data follows in an ``Iallreduce``.
+        packed in it). Data that fits in the record comes with it and is reduced on every
+        worker from the gathered records, in worker order, so the results are the same
+        everywhere; larger data follows in an ``Iallreduce``.
 
         Raises:
-            WorkersDisagree: the workers passed different ops, dtypes, shapes or layouts (on
-                every worker alike; nothing was reduced).
+            WorkersDisagree: the workers passed different ops, dtypes, shapes or layouts, or
+                made another collective (on every worker alike; nothing was reduced).
         """
         plan = self._plans.get((op, out.dtype, out.shape, layout))
         if plan is None:
             plan = self._plan(op, out, layout)
-        header, parts = plan
         await self._begin("all_reduce")
         try:
-            # The record is this communicator's: filled once the turn is ours.
-            if header is not self._header_sent:  # it keeps a header until another comes
-                self._record[:_HEADER_BYTES] = header.array
-                self._header_sent = header
-            if parts:
+            if plan.parts:
                 source = (out if send is None else send).data.cast("B")
                 self._record_bytes[_HEADER_BYTES : _HEADER_BYTES + out.nbytes] = source
-            await self._wait(self._comm.Iallgather(self._record, self._gathered), "all_reduce")
-            if self._checksums.tolist().count(header.checksum) != self.num_workers:
-                raise _disagreement(self._gathered)
-            if parts:
-                flat = out if out.ndim == 1 else out.reshape(-1)
-                _combine(header.ufunc, parts, flat)
+            await self._exchange("all_reduce", plan.header)
+            if plan.parts:
+                _combine(plan.ufunc, plan.parts, out if out.ndim == 1 else out.reshape(-1))
                 return
             source = self.mpi.IN_PLACE if send is None else send
             request = self._comm.Iallreduce(source, out, self._op(op, out.dtype))
@@ -446,16 +447,16 @@ class Workers:
         """Concatenate the workers' arrays along axis 0, in worker order (uneven rows).
 
         Raises:
-            ValueError: the workers' arrays differ in dtype or in their other dimensions.
+            WorkersDisagree: the workers' arrays differ in dtype or in their other dimensions,
+                or a worker made another collective.
         """
         local = np.asarray(local, order="C")
-        header = _header(local, skip_first=True)
+        header = _header_of(f"all_gather of {local.dtype.name} rows of {local.shape[1:]}")
         await self._begin("all_gather")
         try:
-            headers = np.empty((self.num_workers, header.size), np.int64)
-            await self._wait(self._comm.Iallgather(header, headers), "all_gather")
-            _check_headers("all_gather", headers, "the dimensions after the first")
-            rows = [int(h[0]) for h in headers]
+            self._record_words[_HEADER_WORDS] = local.shape[0]
+            await self._exchange("all_gather", header)
+            rows: list[int] = self._gathered_words[:, _HEADER_WORDS].tolist()
             inner = math.prod(local.shape[1:])
             out = np.empty((sum(rows), *local.shape[1:]), local.dtype)
             counts = [r * inner for r in rows]
@@ -470,21 +471,21 @@ class Workers:
         """Worker ``root``'s ``value`` on every worker (a new array; the root's is copied).
 
         Raises:
-            ValueError: a worker's ``value`` differs from the root's in shape or dtype.
+            WorkersDisagree: a worker's ``value`` differs from the root's in shape or dtype, or
+                a worker made another collective.
         """
         value = np.asarray(value, order="C")
-        header = _header(value, skip_first=False)
+        header = _header_of(f"broadcast from worker {root} of {value.dtype.name} {value.shape}")
+        small = value.nbytes <= _INLINE_BYTES
         await self._begin("broadcast")
         try:
-            headers = np.empty((self.num_workers, header.size), np.int64)
-            await self._wait(self._comm.Iallgather(header, headers), "broadcast")
-            if not (headers == headers[root]).all():
-                bad = [w for w, h in enumerate(headers) if not (h == headers[root]).all()]
-                raise WorkersDisagree(
-                    f"broadcast: {_worker_list(bad)} passed a value of another shape or dtype "
-                    f"than worker {root}'s {_described(headers[root])} (every worker must pass "
-                    "the same shape and dtype)"
-                )
+            if small and self.worker_index == root:
+                end = _HEADER_BYTES + value.nbytes
+                self._record_bytes[_HEADER_BYTES:end] = value.data.cast("B")
+            await self._exchange("broadcast", header)
+            if small:  # it came with the root's record
+                data = self._gathered[root, _HEADER_BYTES : _HEADER_BYTES + value.nbytes]
+                return data.view(value.dtype).reshape(value.shape).copy()
             out = value.copy() if self.worker_index == root else np.empty_like(value)
             await self._wait(self._comm.Ibcast(out, root), "broadcast", out.nbytes)
         finally:
@@ -492,22 +493,40 @@ class Workers:
         return out
 
     async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
-        """Worker ``root``'s ``data`` on every worker (the others pass anything)."""
+        """Worker ``root``'s ``data`` on every worker (the others pass anything).
+
+        Raises:
+            WorkersDisagree: a worker made another collective.
+        """
+        header = _header_of(f"broadcast of bytes from worker {root}")
+        start = _HEADER_BYTES + 8  # after the size
         await self._begin("broadcast")
         try:
-            size = np.array([len(data)], np.int64)
-            await self._wait(self._comm.Ibcast(size, root), "broadcast")
-            buffer = bytearray(data) if self.worker_index == root else bytearray(int(size[0]))
-            await self._wait(self._comm.Ibcast(buffer, root), "broadcast")
+            if self.worker_index == root:
+                self._record_words[_HEADER_WORDS] = len(data)
+                if start + len(data) <= _RECORD_BYTES:
+                    self._record_bytes[start : start + len(data)] = data
+            await self._exchange("broadcast", header)
+            size = int(self._gathered_words[root, _HEADER_WORDS])
+            if start + size <= _RECORD_BYTES:  # it came with the root's record
+                return self._gathered[root, start : start + size].tobytes()
+            buffer = bytearray(data) if self.worker_index == root else bytearray(size)
+            await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
         finally:
             self._turn.release()
         return bytes(buffer)
 
     async def barrier(self, what: str) -> None:
-        """Wait until every worker has reached this point."""
+        """Wait until every worker has reached this point (``what``: its name, the same on
+        every worker).
+
+        Raises:
+            WorkersDisagree: a worker made another collective.
+        """
+        header = _header_of(what)
         await self._begin(what)
         try:
-            await self._wait(self._comm.Ibarrier(), what)
+            await self._exchange(what, header)
         finally:
             self._turn.release()
 
@@ -531,6 +550,10 @@ class Workers:
         if failure is not None:
             raise failure
         self._arrive()
+        header = _header_of(what)
+        self._put_header(header)
+        self._comm.Iallgather(self._record, self._gathered).Wait()
+        self._check_agreed(what, header)
         return fn(self._comm)
 
     def duplicate(self) -> Workers:
@@ -568,26 +591,52 @@ class Workers:
     # -- helpers --------------------------------------------------------------------------
 
     def _records(self) -> None:
-        """This worker's all-reduce record and the room for every worker's (each pass of a
-        dataset has its own: its collectives run alongside the step's)."""
+        """This worker's record and the room for every worker's (each dataset pass has its
+        own: its collectives run alongside the step's)."""
         self._record = np.zeros(_RECORD_BYTES, np.uint8)
         self._record_bytes = self._record.data
+        self._record_words = self._record.view("<i8")
         self._header_sent = None
         self._gathered = np.zeros((self.num_workers, _RECORD_BYTES), np.uint8)
-        self._checksums = self._gathered.view("<i8")[:, 0]
+        self._gathered_words = self._gathered.view("<i8")
+        self._checksums = self._gathered_words[:, 0]
         self._plans = {}
+
+    async def _exchange(self, what: str, header: _Header) -> None:
+        """Send this worker's record (``header``, then what the caller wrote after it) and
+        gather every worker's; the caller holds the turn.
+
+        Raises:
+            WorkersDisagree: the workers' headers differ (found alike on every worker).
+        """
+        self._put_header(header)
+        await self._wait(self._comm.Iallgather(self._record, self._gathered), what)
+        self._check_agreed(what, header)
+
+    def _put_header(self, header: _Header) -> None:
+        if header is not self._header_sent:  # the record keeps a header until another comes
+            self._record[:_HEADER_BYTES] = header.array
+            self._header_sent = header
+
+    def _check_agreed(self, what: str, header: _Header) -> None:
+        if self._checksums.tolist().count(header.checksum) != self.num_workers:
+            raise _disagreement(what, self._gathered)
 
     def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
         """How this worker all-reduces ``out``: its header, and for data small enough to
         travel with it, every worker's part of the gathered records (flat, of its dtype)."""
+        if np.dtype(out.dtype).kind == "b" and op not in _BOOL_OPS:
+            raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
         if len(self._plans) >= _PLANS:
             self._plans.clear()
-        header = _reduction_header(op, out.dtype.str, out.shape, layout)
+        words = f"all_reduce ({op}) of {out.dtype.name} {out.shape}"
+        header = _header_of(words + (f" ({layout})" if layout else ""))
         parts: list[np.ndarray[Any, Any]] = []
         if out.nbytes <= _INLINE_BYTES:
             data = self._gathered[:, _HEADER_BYTES : _HEADER_BYTES + out.nbytes]
             parts = [np.frombuffer(row, out.dtype) for row in data]
-        plan = self._plans[op, out.dtype, out.shape, layout] = _Plan(header, parts)
+        plan = _Plan(header, _LOCAL_OPS[op], parts)
+        self._plans[op, out.dtype, out.shape, layout] = plan
         return plan
 
     def _op(self, op: str, dtype: np.dtype[Any]) -> Any:
@@ -717,31 +766,25 @@ def _withdraw_at_exit() -> None:
 
 
 class _Header(NamedTuple):
-    """What an all-reduce reduces, as every worker sends it first."""
+    """What a collective is, as every worker sends it first."""
 
-    checksum: int  # of ``words``: what the workers compare
-    array: np.ndarray[Any, Any]  # ``_HEADER_BYTES``: the checksum, then ``words`` (cut to fit)
-    ufunc: np.ufunc  # the op, for data small enough to come in the header's message
+    checksum: int  # of the words: what the workers compare
+    array: np.ndarray[Any, Any]  # ``_HEADER_BYTES``: the checksum, then the words (cut to fit)
 
 
-@functools.lru_cache(maxsize=256)
-def _reduction_header(op: str, dtype: str, shape: tuple[int, ...], layout: str) -> _Header:
-    """The header of an all-reduce of ``op`` on an array of ``dtype`` and ``shape`` (holding
-    the packed leaves ``layout`` says, if any)."""
-    ufunc = _LOCAL_OPS[op]
-    if np.dtype(dtype).kind == "b" and op not in _BOOL_OPS:
-        raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
-    words = f"{op} of {np.dtype(dtype).name} {shape}" + (f" ({layout})" if layout else "")
+@functools.lru_cache(maxsize=1024)
+def _header_of(words: str) -> _Header:
+    """The header of the collective that ``words`` describe (its kind, and the dtype and shape
+    of what it carries)."""
     text = words.encode()
     checksum = zlib.crc32(text)
-    header = (checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]).ljust(
-        _HEADER_BYTES, b"\0"
-    )
-    return _Header(checksum, np.frombuffer(header, np.uint8), ufunc)
+    header = checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]
+    return _Header(checksum, np.frombuffer(header.ljust(_HEADER_BYTES, b"\0"), np.uint8))
 
 
 class _Plan(NamedTuple):
     header: _Header
+    ufunc: np.ufunc  # the op, for data that comes with the records
     parts: list[np.ndarray[Any, Any]]  # empty: the data goes in an ``Iallreduce`` of its own
 
 
@@ -755,15 +798,16 @@ def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray
         ufunc(out, part, out=out)
 
 
-def _disagreement(gathered: np.ndarray[Any, Any]) -> WorkersDisagree:
-    """The error of an all-reduce whose workers' headers differ, from the gathered records."""
+def _disagreement(what: str, gathered: np.ndarray[Any, Any]) -> WorkersDisagree:
+    """The error of a collective whose workers' headers differ, from the gathered records."""
     said = [
         bytes(record[8:_HEADER_BYTES]).rstrip(b"\0").decode(errors="replace") for record in gathered
     ]
     shown = "; ".join(f"worker {w}: {words}" for w, words in enumerate(said))
     return WorkersDisagree(
-        f"all_reduce: the workers passed different values ({shown}); every worker must reduce "
-        "the same structure, shapes and dtypes with the same op, in the same order"
+        f"{what}: the workers passed different values or made different collectives "
+        f"({shown}); every worker must make the same collectives in the same order, with the "
+        "same structure, shapes, dtypes and ops"
     )
 
 
@@ -771,34 +815,6 @@ def _worker_list(workers: list[int]) -> str:
     if len(workers) == 1:
         return f"worker {workers[0]}"
     return "workers " + ", ".join(map(str, workers[:-1])) + f" and {workers[-1]}"
-
-
-def _header(array: np.ndarray[Any, Any], *, skip_first: bool) -> np.ndarray[Any, Any]:
-    """Shape and dtype as a fixed-size int64 array, for the workers to compare."""
-    header = np.full(3 + 32, -1, np.int64)
-    header[0] = array.shape[0] if array.ndim else 1
-    header[1] = array.ndim
-    header[2] = array.dtype.num
-    dims = array.shape[1:] if skip_first else array.shape
-    header[3 : 3 + len(dims)] = dims
-    return header
-
-
-def _described(header: np.ndarray[Any, Any]) -> str:
-    """A full-shape ``_header`` in words: dtype and shape."""
-    kinds: dict[int, str] = {np.dtype(c).num: np.dtype(c).name for c in np.typecodes["All"]}
-    shape = tuple(int(d) for d in header[3 : 3 + int(header[1])])
-    return f"{kinds.get(int(header[2]), 'dtype #' + str(header[2]))} {shape}"
-
-
-def _check_headers(what: str, headers: np.ndarray[Any, Any], parts: str) -> None:
-    rest = headers[:, 1:]
-    if not (rest == rest[0]).all():
-        bad = [w for w in range(len(headers)) if not (rest[w] == rest[0]).all()]
-        raise WorkersDisagree(
-            f"{what}: {_worker_list(bad)} passed values whose dtype or {parts} differ from "
-            "worker 0's; every worker must pass the same dtype and shape (off the gathered axis)"
-        )
 
 
 def _mpi_type(mpi: Any, dtype: np.dtype[Any]) -> Any:
