@@ -723,12 +723,14 @@ async def sync_variables(workers: Workers) -> None:
     Every worker makes its variables in the same order, so the ``k``-th pending variable is
     the same on each: broadcast from worker 0 one by one, in creation order.
     """
-    pending, workers.pending = workers.pending, []
-    for variable in pending:
+    pending = workers.pending
+    while pending:
+        variable = pending[0]  # pending until synced: a refused broadcast leaves it to retry
         copy, device = variable._copies[0], variable._devices[0]
         await device.synchronize()
         value = await workers.broadcast(np.asarray(host_array(copy, device), order="C"), 0)
         _start_from(variable, value)
+        pending.remove(variable)
 
 
 async def _sync_first(variable: Variable) -> None:
@@ -756,7 +758,9 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
             comm.Bcast(value, 0)
             _start_from(variable, value)
 
-    workers.blocking(f"the first read of variable {pending[0]._name!r}", broadcast)
+    # What every worker's variables are, so that workers disagreeing refuse before any data.
+    made = ", ".join(f"{v._name!r} {np.dtype(v._dtype).name} {v.shape}" for v in pending)
+    workers.blocking(f"the first read of variables {made}", broadcast)
     workers.pending = []
 
 

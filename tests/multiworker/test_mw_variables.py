@@ -261,3 +261,31 @@ async def test_a_new_variable_reduced_across_replicas_holds_the_chiefs_value(
     reduced = await strategy.reduce("mean", second)
     np.testing.assert_array_equal(reduced, np.full(2, 10.0))
     np.testing.assert_array_equal(placed, np.full(2, 10.0))
+
+
+@pytest.mark.parametrize("first_use", ["run", "read"])
+async def test_variables_of_other_shapes_are_refused_on_every_worker(
+    make_strategy: MakeStrategy, first_use: str
+) -> None:
+    """A variable made with another shape on one worker cannot take the chief's value: its
+    first use raises the same ValueError on every worker, naming both shapes, before any data
+    moved, and it stays unsynced, so every later use raises too."""
+    strategy = make_strategy(1)
+    with strategy.scope():
+        good = Variable(worker_value(RANK), name="good")
+        bad = Variable(np.zeros(2 + RANK), name="bad")
+
+    async def use() -> Any:
+        if first_use == "read":
+            return bad.numpy()
+        return await strategy.run(lambda: np.array(bad.value()))
+
+    for attempt in range(2):
+        with pytest.raises(ValueError, match=r"\(2,\).*\(3,\)") as caught:
+            await use()
+        assert "worker 0" in str(caught.value), (attempt, str(caught.value))
+        assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
+    if first_use == "run":  # synced one by one, in order of making: "good" came first
+        assert_copies_equal(good, worker_value(0))
+    else:  # a synchronous first read syncs every new variable at once: none was
+        np.testing.assert_array_equal(good.values[0], worker_value(RANK))
