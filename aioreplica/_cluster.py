@@ -76,6 +76,8 @@ _SLOW_BYTES_PER_SECOND: Final = 250e6
 #: The first and the longest pause between two tests of a long wait (seconds).
 _FIRST_PAUSE: Final = 5e-5
 _MAX_PAUSE: Final = 0.005
+#: How long a wait still tests its request once a peer said its program ended (seconds).
+_LEFT_GRACE_SECONDS: Final = 0.05
 
 #: The timeout of the collectives being made (seconds, or ``None``): set by the reduction
 #: engine from its options around each call, read by every wait.
@@ -219,7 +221,7 @@ class Workers:
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
         self._records()
-        self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers)
+        self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers, self.worker_index)
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
         self._primary = True
@@ -290,8 +292,9 @@ class Workers:
         notice = {"worker": self.worker_index, "reason": reason, "replicas": list(replicas)}
         side.send_all(json.dumps(notice).encode()[:_NOTICE_BYTES], _NOTICE, self.worker_index)
 
-    def _peer_failure(self) -> ReplicaSyncError | None:
-        """The failure a peer announced, as the error to raise here, or ``None`` (a test)."""
+    def _peer_failure(self, what: str) -> ReplicaSyncError | None:
+        """The failure a peer announced, as the error to raise here in ``what``, or ``None``
+        (a test)."""
         side = self._side
         if side.notice_request is None or not side.notice_request.Test():
             return None
@@ -301,8 +304,22 @@ class Workers:
             notice = json.loads(raw.decode(errors="replace"))
             worker, reason = int(notice["worker"]), str(notice["reason"])
             replicas = tuple(int(r) for r in notice.get("replicas", ()))
-        except (ValueError, KeyError, TypeError):
-            worker, reason, replicas = -1, raw.decode(errors="replace"), ()
+            left = bool(notice.get("left", False))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            worker, reason, replicas, left = -1, raw.decode(errors="replace"), (), False
+        if left:
+            side.peer_left = True
+            if side.failure is None:
+                side.failure = f"worker {worker} ended its program"
+            return ReplicaSyncError(
+                f"worker {worker} ended its program while worker {self.worker_index} waits in "
+                f"{what}, so {what} cannot complete: a collective made on some workers only (a "
+                "strategy.reduce or a save on the chief alone, say) waits for the others "
+                "forever; make every collective on every worker. This "
+                "MultiWorkerMirroredStrategy makes no more cross-worker calls",
+                merge_number=None,
+                workers=(worker,),
+            )
         if side.failure is None:
             side.failure = f"worker {worker} failed: {reason}"
         return ReplicaSyncError(
@@ -343,8 +360,10 @@ class Workers:
                         return
                 polls += 1
                 if polls & 15 == 0 or pause:  # now and then: the side channel, the clock
-                    failure = self._peer_failure()
+                    failure = self._peer_failure(what)
                     if failure is not None:
+                        if self._side.peer_left and await _finishes_soon(test):
+                            return  # its last collective was this one (the notice came first)
                         raise failure
                     waited = time.monotonic() - started
                     if timeout is not None and waited > timeout:
@@ -546,13 +565,19 @@ class Workers:
                 f"{what} needs a collective, but another cross-worker collective is in progress "
                 "on this worker; read it once that has finished (await it first)"
             )
-        failure = self._peer_failure()
+        failure = self._peer_failure(what)
         if failure is not None:
             raise failure
         self._arrive()
         header = _header_of(what)
         self._put_header(header)
-        self._comm.Iallgather(self._record, self._gathered).Wait()
+        test = self._comm.Iallgather(self._record, self._gathered).Test
+        while not _spin(test):  # no event loop to give way to: the caller waits anyway
+            failure = self._peer_failure(what)
+            if failure is not None:
+                if self._side.peer_left and _finishes(test):
+                    break
+                raise failure
         self._check_agreed(what, header)
         return fn(self._comm)
 
@@ -660,10 +685,12 @@ class Workers:
 class _SideChannel:
     """What a cluster and its duplicates share: the failure state and the side channel."""
 
-    def __init__(self, mpi: Any, comm: Any, workers: int) -> None:
+    def __init__(self, mpi: Any, comm: Any, workers: int, me: int) -> None:
         self.mpi = mpi
         self.comm = comm
+        self.me = me
         self.failure: str | None = None  # why the workers fell out of step
+        self.peer_left = False  # a peer's program ended (the failure, unless one came first)
         self.notice = bytearray(_NOTICE_BYTES)
         # The posted notice receive (``None`` once a notice came), in a list the finalizer
         # shares: it is withdrawn before the communicator is freed.
@@ -692,6 +719,17 @@ class _SideChannel:
         if len(self.sends) > 64:
             self.sends = [request for request in self.sends if not request.Test()]
 
+    def leave(self) -> None:
+        """At exit: tell every peer that this worker's program ended (unless the workers fell
+        out of step already), so one still waiting in a collective raises instead of hanging;
+        then see the notices out (for up to a second: MPI must not finalize under them)."""
+        if self.failure is None and self.notice_request is not None:
+            notice = {"worker": self.me, "reason": "its program ended", "left": True}
+            self.send_all(json.dumps(notice).encode(), _NOTICE, self.me)
+        deadline = time.monotonic() + 1.0
+        while self.sends and time.monotonic() < deadline:
+            self.sends = [request for request in self.sends if not request.Test()]
+
     def read_arrivals(self) -> list[int]:
         """Take in every arrival message the peers have sent; the latest each reached."""
         mpi = self.mpi
@@ -715,6 +753,26 @@ def _spin(test: Callable[[], bool]) -> bool:
     while time.perf_counter() < until:
         if test():
             return True
+    return False
+
+
+def _finishes(test: Callable[[], bool]) -> bool:
+    """Whether a request completes within ``_LEFT_GRACE_SECONDS`` (a peer that ended its
+    program made this collective before it left: its data may come after its notice)."""
+    until = time.monotonic() + _LEFT_GRACE_SECONDS
+    while time.monotonic() < until:
+        if test():
+            return True
+    return False
+
+
+async def _finishes_soon(test: Callable[[], bool]) -> bool:
+    """``_finishes``, giving way to the event loop between tests."""
+    until = time.monotonic() + _LEFT_GRACE_SECONDS
+    while time.monotonic() < until:
+        if test():
+            return True
+        await anyio.lowlevel.checkpoint()
     return False
 
 
@@ -758,7 +816,11 @@ def _withdraw_at_exit() -> None:
     receive is left when MPI finalizes."""
 
     def withdraw() -> None:
-        for channel in list(_open_channels):
+        channels = list(_open_channels)
+        for channel in channels:
+            with contextlib.suppress(Exception):
+                channel.leave()
+        for channel in channels:
             channel.close()
         _free_retired()
 

@@ -109,6 +109,18 @@ def test_cancelling_one_worker_fails_the_others(backend: str) -> None:
     assert job.seconds < 20, job.log
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_worker_that_ended_its_program_fails_the_others_waits(backend: str) -> None:
+    """Worker 1 ends its program; worker 0's next collectives, async and blocking, raise a
+    ReplicaSyncError naming it within seconds instead of waiting forever."""
+    job = launch([str(SCENARIOS), "left", backend], timeout=60)
+    assert job.returncode == 0, job.log
+    for rank in range(RANKS):
+        assert reported(job, rank, "left"), job.log
+    assert job.seconds < 20, job.log
+
+
 def test_import_aioreplica_leaves_mpi4py_alone() -> None:
     """``import aioreplica`` (and naming the strategy class) never imports mpi4py."""
     code = (

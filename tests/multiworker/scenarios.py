@@ -16,6 +16,8 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
   same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective.
 - ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
   collective and while waiting in it; rank 0 raises naming worker 1.
+- ``left``: rank 1 ends its program after a step; rank 0's next collectives (a
+  ``strategy.reduce``, a new variable's blocking first read) raise naming worker 1 at once.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import anyio
 import numpy as np
 from mpi4py import MPI
 
-from aioreplica import CommunicationOptions, MultiWorkerMirroredStrategy, ReplicaSyncError
+from aioreplica import CommunicationOptions, MultiWorkerMirroredStrategy, ReplicaSyncError, Variable
 from aioreplica.testing import host_devices, replica_context, replica_id
 
 if TYPE_CHECKING:
@@ -246,7 +248,52 @@ async def cancelled() -> None:
         report(part, seconds)
 
 
-SCENARIOS = {"failing": failing, "uncaught": uncaught, "late": late, "cancelled": cancelled}
+# -- left -------------------------------------------------------------------------------------
+
+
+async def left() -> None:
+    # Rank 1 ends its program after a step; rank 0 then makes a collective alone (a
+    # strategy.reduce, then a new variable's first read, which blocks): each raises naming
+    # worker 1 instead of waiting for it forever.
+    first = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    second = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    assert await first.run(lambda: RANK) == RANK
+    if RANK == 1:
+        report("left", 0.0)
+        raise SystemExit(0)  # exit handlers run: the strategy tells its peers
+    error, seconds = await outcome_alone(lambda: first.reduce("sum", np.ones(2), axis=None))
+    check_sync_error(error, "ended its program", "all_reduce")
+    assert seconds < 5, seconds
+    with second.scope():
+        variable = Variable(np.ones(2))
+
+    async def read() -> None:
+        variable.numpy()
+
+    error, seconds = await outcome_alone(read)
+    check_sync_error(error, "ended its program", "the first read of variables")
+    assert seconds < 5, seconds
+    await assert_refused(first)
+    report("left", seconds)
+
+
+async def outcome_alone(call: Callable[[], Awaitable[Any]]) -> tuple[BaseException | None, float]:
+    """``outcome`` without the starting barrier (the other rank is gone)."""
+    start = time.monotonic()
+    try:
+        await call()
+    except Exception as exc:
+        return exc, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+SCENARIOS = {
+    "failing": failing,
+    "uncaught": uncaught,
+    "late": late,
+    "cancelled": cancelled,
+    "left": left,
+}
 
 
 def main() -> None:
@@ -254,7 +301,8 @@ def main() -> None:
     faulthandler.dump_traceback_later(60, exit=True)
     start = time.monotonic()
     anyio.run(SCENARIOS[name], backend=backend)
-    WORLD.Barrier()
+    if name != "left":  # there, rank 1 is gone
+        WORLD.Barrier()
     print(f"rank {RANK}: scenario {name} on {backend} done in {time.monotonic() - start:.2f}")
 
 
