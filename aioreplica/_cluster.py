@@ -379,6 +379,30 @@ class Workers:
             # peers, leaving at the same point, complete theirs); nothing else is affected.
             raise
 
+    def _wait_here(self, request: Any, what: str) -> None:
+        """``_wait`` on this thread, for a synchronous caller (no event loop to give way to):
+        the side channel, the timeout and the back-off are the same.
+
+        Raises:
+            ReplicaSyncError: a peer failed, or the timeout in force passed.
+        """
+        test = request.Test
+        timeout = collective_timeout.get() or self.default_timeout
+        started = time.monotonic()
+        pause = 0.0
+        while not _spin(test):
+            failure = self._peer_failure(what)
+            if failure is not None:
+                if self._side.peer_left and _finishes(test):
+                    return
+                raise failure
+            waited = time.monotonic() - started
+            if timeout is not None and waited > timeout:
+                raise self._timed_out(what, timeout)
+            if waited > _BUSY_SECONDS:
+                pause = min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+                time.sleep(pause)
+
     def _timed_out(self, what: str, timeout: float) -> ReplicaSyncError:
         reached = self._side.read_arrivals() if self._primary else None
         late = [
@@ -549,11 +573,14 @@ class Workers:
         finally:
             self._turn.release()
 
-    def blocking(self, what: str, fn: Callable[[Any], Any]) -> Any:
-        """Run ``fn(communicator)`` (blocking MPI calls, made on every worker) in turn, now.
+    def blocking(self, what: str, fn: Callable[[Any, Callable[[Any], None]], Any]) -> Any:
+        """Run ``fn(communicator, wait)`` in turn, now, on this thread: it makes the same
+        non-blocking MPI calls on every worker and ``wait``s for each request, which tests the
+        side channel and keeps the timeout as the async collectives do.
 
         For synchronous reads that must be collective (a sync-on-read variable's global value,
-        a new variable's first read).
+        a new variable's first read). ``what`` names the read, with the dtype and shape it
+        moves: the workers compare it first.
 
         Raises:
             RuntimeError: another collective is in progress on this worker (await it first).
@@ -571,15 +598,9 @@ class Workers:
         self._arrive()
         header = _header_of(what)
         self._put_header(header)
-        test = self._comm.Iallgather(self._record, self._gathered).Test
-        while not _spin(test):  # no event loop to give way to: the caller waits anyway
-            failure = self._peer_failure(what)
-            if failure is not None:
-                if self._side.peer_left and _finishes(test):
-                    break
-                raise failure
+        self._wait_here(self._comm.Iallgather(self._record, self._gathered), what)
         self._check_agreed(what, header)
-        return fn(self._comm)
+        return fn(self._comm, lambda request: self._wait_here(request, what))
 
     def duplicate(self) -> Workers:
         """A cluster of the same workers on a new duplicate communicator (collective).

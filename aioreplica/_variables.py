@@ -674,19 +674,20 @@ class SyncOnReadVariable(Variable):
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
             value = np.array(host_array(copies[0], devices[0]), order="C", copy=True)
 
-            def read(comm: Any) -> None:
-                comm.Bcast(value, 0)
+            def read(comm: Any, wait: Callable[[Any], None]) -> None:
+                wait(comm.Ibcast(value, 0))
 
         else:
             local = devices[0].backend.reduce_to_first("sum", copies, devices)
             value = np.array(host_array(local, devices[0]), order="C", copy=True)
 
-            def read(comm: Any) -> None:
-                comm.Allreduce(mpi.IN_PLACE, value, mpi.SUM)
+            def read(comm: Any, wait: Callable[[Any], None]) -> None:
+                wait(comm.Iallreduce(mpi.IN_PLACE, value, mpi.SUM))
                 if self._aggregation is _Agg.MEAN:
                     np.divide(value, self._engine.num_replicas, out=value)  # type: ignore[union-attr]
 
-        workers.blocking(f"reading sync-on-read variable {self._name!r}", read)
+        what = f"reading sync-on-read variable {self._name!r} ({value.dtype.name} {value.shape})"
+        workers.blocking(what, read)
         return frozen(devices[0].asarray(value))
 
     async def _write(self, op: str, value: Any) -> Variable:
@@ -751,11 +752,11 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
         return
     pending = workers.pending
 
-    def broadcast(comm: Any) -> None:
+    def broadcast(comm: Any, wait: Callable[[Any], None]) -> None:
         for variable in pending:
             copy = host_array(variable._copies[0], variable._devices[0])
             value = np.array(copy, order="C", copy=True)
-            comm.Bcast(value, 0)
+            wait(comm.Ibcast(value, 0))
             _start_from(variable, value)
 
     # What every worker's variables are, so that workers disagreeing refuse before any data.

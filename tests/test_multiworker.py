@@ -87,10 +87,11 @@ def test_an_uncaught_failure_ends_the_job() -> None:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_late_worker_times_out(backend: str) -> None:
     """sync_timeout=1 with worker 1 five seconds late: rank 0 raises naming worker 1 within
-    1-3 s, rank 1 raises when it arrives; a collective's own timeout_seconds does the same."""
+    1-3 s, rank 1 raises when it arrives; a collective's own timeout_seconds does the same, and
+    sync_timeout bounds a blocking first read of a variable too."""
     job = launch([str(SCENARIOS), "late", backend], timeout=60)
     assert job.returncode == 0, job.log
-    for part in ("sync-timeout", "collective-timeout"):
+    for part in ("sync-timeout", "collective-timeout", "blocking-read-timeout"):
         for rank in range(RANKS):
             assert reported(job, rank, part), job.log
     assert job.seconds < 25, job.log

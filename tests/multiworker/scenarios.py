@@ -13,7 +13,8 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
   within seconds, without ``-m mpi4py`` (the strategy's ``sys.excepthook`` aborts it).
 - ``late``: ``sync_timeout=1``: rank 1 sleeps 5 s before its collective; rank 0 raises
   ``ReplicaSyncError`` naming worker 1 after about 1 s, rank 1 when it gets there. Then the
-  same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective.
+  same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective, and with a new
+  variable's (blocking) first read.
 - ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
   collective and while waiting in it; rank 0 raises naming worker 1.
 - ``left``: rank 1 ends its program after a step; rank 0's next collectives (a
@@ -213,6 +214,27 @@ async def late() -> None:
         assert 2.0 <= seconds <= 4.5, seconds
     await assert_refused(strategy)
     report("collective-timeout", seconds)
+
+    # 3. sync_timeout bounds a blocking read's wait (a new variable's first read) too.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=1.0)
+    with strategy.scope():
+        variable = Variable(np.full(2, float(RANK)))
+
+    async def read() -> None:
+        if RANK == 1:
+            await anyio.sleep(3.0)
+        variable.numpy()
+
+    error, seconds = await outcome(read)
+    if RANK == 0:
+        check_sync_error(error, "the first read of variables")
+        assert 0.8 <= seconds <= 2.5, seconds
+        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
+    else:
+        assert isinstance(error, ReplicaSyncError), repr(error)
+        assert 3.0 <= seconds <= 5.0, seconds
+    await assert_refused(strategy)
+    report("blocking-read-timeout", seconds)
 
 
 # -- cancelled ------------------------------------------------------------------------------
