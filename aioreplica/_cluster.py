@@ -208,12 +208,20 @@ class Workers:
         mpi = import_mpi()
         self.mpi = mpi
         _free_retired()
-        if communicator is None:
-            communicator = mpi.COMM_WORLD
-        if not isinstance(communicator, mpi.Intracomm) or communicator == mpi.COMM_NULL:
-            raise TypeError(
-                "communicator must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got "
-                f"{type(communicator).__name__} {communicator!r}"
+        try:
+            communicator = _intracomm(mpi, communicator)
+        except TypeError as exc:
+            Workers.refuse(None, exc)  # the others wait on COMM_WORLD, likely
+            raise
+        # First, on the caller's communicator, every worker's count of local replicas (or why
+        # it could not make its strategy: ``refuse``), so that no worker waits for another
+        # that gave up, and nothing is made unless every worker can.
+        counts = _agree_to_start(communicator, local_replicas)
+        if len(set(counts)) > 1:
+            shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
+            raise ValueError(
+                f"every worker must run the same number of local replicas, but {shown}; "
+                "give each worker's MultiWorkerMirroredStrategy as many devices"
             )
         self._comm = communicator.Dup()
         self._release = weakref.finalize(self, _retire, mpi, self._comm)
@@ -230,19 +238,25 @@ class Workers:
         self.default_timeout: float | None = None
         #: Variables made since the last sync, which start from the chief's values.
         self.pending: list[Any] = []
-        counts = self._comm.allgather(int(local_replicas))  # blocking: construction is sync
-        if len(set(counts)) > 1:
-            shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
-            self.close()
-            self._side.close()
-            raise ValueError(
-                f"every worker must run the same number of local replicas, but {shown}; "
-                "give each worker's MultiWorkerMirroredStrategy as many devices"
-            )
         here = self._side.comm.Split_type(mpi.COMM_TYPE_SHARED)
         #: How many workers run on this machine (they share its cores).
         self.workers_here: int = here.Get_size()
         here.Free()
+
+    @staticmethod
+    def refuse(communicator: Any, error: BaseException) -> None:
+        """Take part in the workers' construction as a worker that could not make its
+        strategy (``error``), so that every other worker raises too instead of waiting for it.
+        Nothing to do without mpi4py or when ``error`` came from that agreement itself."""
+        if isinstance(error, (ImportError, _Refused)):
+            return
+        mpi = import_mpi()
+        try:
+            communicator = _intracomm(mpi, communicator)
+        except TypeError:
+            communicator = mpi.COMM_WORLD  # the likeliest communicator of the others
+        text = str(error).splitlines()[0][:500] if str(error) else ""
+        communicator.allgather((-1, f"{type(error).__name__}{': ' + text if text else ''}"))
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -892,6 +906,44 @@ def _disagreement(what: str, gathered: np.ndarray[Any, Any]) -> WorkersDisagree:
         f"({shown}); every worker must make the same collectives in the same order, with the "
         "same structure, shapes, dtypes and ops"
     )
+
+
+class _Refused(ValueError):
+    """Another worker could not make its strategy (raised on every worker that could)."""
+
+
+def _intracomm(mpi: Any, communicator: Any) -> Any:
+    """``communicator`` (default ``COMM_WORLD``), checked.
+
+    Raises:
+        TypeError: it is not an mpi4py intracommunicator.
+    """
+    if communicator is None:
+        return mpi.COMM_WORLD
+    if not isinstance(communicator, mpi.Intracomm) or communicator == mpi.COMM_NULL:
+        raise TypeError(
+            "communicator must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got "
+            f"{type(communicator).__name__} {communicator!r}"
+        )
+    return communicator
+
+
+def _agree_to_start(communicator: Any, local_replicas: int) -> list[int]:
+    """Every worker's count of local replicas (blocking: construction is collective).
+
+    Raises:
+        _Refused: a worker could not make its strategy (``Workers.refuse``).
+    """
+    every: list[tuple[int, str]] = communicator.allgather((int(local_replicas), ""))
+    failed = [(w, why) for w, (count, why) in enumerate(every) if count < 0]
+    if failed:
+        shown = "; ".join(f"worker {w}: {why}" for w, why in failed)
+        raise _Refused(
+            f"{_worker_list([w for w, _ in failed])} could not make its "
+            f"MultiWorkerMirroredStrategy ({shown}), so no worker makes one: every worker "
+            "makes it at the same point of its program, with arguments valid on each"
+        )
+    return [count for count, _ in every]
 
 
 def _worker_list(workers: list[int]) -> str:

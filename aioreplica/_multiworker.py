@@ -126,14 +126,20 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     ) -> None:
         self._communicator = communicator
         self._running = False
-        super().__init__(
-            devices,
-            sync_timeout=sync_timeout,
-            interleave=interleave,
-            seed=seed,
-            communication_options=communication_options,
-            slow_merge_warning=slow_merge_warning,
-        )
+        self._joined = False  # whether this worker reached the workers' first agreement
+        try:
+            super().__init__(
+                devices,
+                sync_timeout=sync_timeout,
+                interleave=interleave,
+                seed=seed,
+                communication_options=communication_options,
+                slow_merge_warning=slow_merge_warning,
+            )
+        except Exception as exc:
+            if not self._joined:  # refused here alone: the other workers must not wait
+                Workers.refuse(communicator, exc)
+            raise
         workers = self._workers
         workers.default_timeout = sync_timeout
         self._cluster = Cluster(workers.worker_index, workers.num_workers)
@@ -144,6 +150,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def _new_engine(
         self, devices: tuple[Device, ...], options: CommunicationOptions
     ) -> ReductionEngine:
+        self._joined = True
         self._workers = Workers(self._communicator, len(devices))
         return ReductionEngine(devices, options, self._workers)
 

@@ -7,6 +7,7 @@ compare ranks through ``COMM_WORLD``.
 from __future__ import annotations
 
 import re
+import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -265,3 +266,35 @@ async def test_dropped_strategies_give_their_communicators_back() -> None:
             assert await strategy.run(lambda x: float(x.sum()), (batch,)) == float(batch.sum())
         del strategy
     assert WORLD.allreduce(1) == WORKERS  # MPI is still fine
+
+
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [
+        ({"sync_timeout": -1.0}, ValueError),
+        ({"communication_options": "fast"}, TypeError),
+        ({"communicator": "COMM_WORLD"}, TypeError),
+        ({"devices": ["cpu:0", "cpu:0"]}, ValueError),
+    ],
+    ids=["sync_timeout", "communication_options", "communicator", "devices"],
+)
+def test_a_worker_refusing_its_arguments_refuses_every_worker(
+    bad: dict[str, Any], error: type[Exception]
+) -> None:
+    """A worker whose arguments are refused raises its own error; every other worker raises a
+    ValueError naming it and that error at once, instead of waiting for it in the first
+    collective; a valid strategy made next on every worker still pairs up."""
+    kwargs = {"devices": host_devices(1), **(bad if RANK == WORKERS - 1 else {})}
+    started = time.monotonic()
+    with pytest.raises(error if RANK == WORKERS - 1 else ValueError) as caught:
+        MultiWorkerMirroredStrategy(**kwargs)
+    assert time.monotonic() - started < 5
+    if RANK != WORKERS - 1:
+        message = str(caught.value)
+        assert f"worker {WORKERS - 1} could not make its" in message, message
+        assert error.__name__ in message, message
+    strategy = MultiWorkerMirroredStrategy(host_devices(1))
+    try:
+        assert strategy.cluster.num_workers == WORKERS
+    finally:
+        strategy.close()
