@@ -56,7 +56,7 @@ import numpy as np
 from ._errors import ReplicaSyncError
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator
+    from collections.abc import Callable, Iterator, Sequence
 
 __all__ = ["ClusterBroken", "Workers", "WorkersDisagree", "collective_timeout", "import_mpi"]
 
@@ -197,6 +197,8 @@ class Workers:
     # made so far (``_records``).
     _record: np.ndarray[Any, Any]
     _record_bytes: memoryview
+    _exchange_request: Any
+    _exchanges: list[Any]
     _record_words: np.ndarray[Any, Any]
     _header_sent: _Header | None
     _gathered: np.ndarray[Any, Any]
@@ -224,11 +226,11 @@ class Workers:
                 "give each worker's MultiWorkerMirroredStrategy as many devices"
             )
         self._comm = communicator.Dup()
-        self._release = weakref.finalize(self, _retire, mpi, self._comm)
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
         self._records()
+        self._release = weakref.finalize(self, _retire, mpi, self._comm, None, self._exchanges)
         self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers, self.worker_index)
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
@@ -612,7 +614,8 @@ class Workers:
         self._arrive()
         header = _header_of(what)
         self._put_header(header)
-        self._wait_here(self._comm.Iallgather(self._record, self._gathered), what)
+        self._exchange_request.Start()
+        self._wait_here(self._exchange_request, what)
         self._check_agreed(what, header)
         return fn(self._comm, lambda request: self._wait_here(request, what))
 
@@ -630,9 +633,9 @@ class Workers:
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
         twin._comm = self._side.comm.Dup()
-        twin._release = weakref.finalize(twin, _retire, self.mpi, twin._comm)
         twin._turn = _Turn()
         twin._records()
+        twin._release = weakref.finalize(twin, _retire, self.mpi, twin._comm, None, twin._exchanges)
         twin._primary = False
         twin._sequence = 0
         return twin
@@ -661,6 +664,10 @@ class Workers:
         self._gathered_words = self._gathered.view("<i8")
         self._checksums = self._gathered_words[:, 0]
         self._plans = {}
+        # The records' exchange, made once (a persistent collective: the buffers never change,
+        # and starting it costs a fraction of posting a new one), freed with the communicator.
+        self._exchange_request = self._comm.Allgather_init(self._record, self._gathered)
+        self._exchanges = [self._exchange_request]
 
     async def _exchange(self, what: str, header: _Header) -> None:
         """Send this worker's record (``header``, then what the caller wrote after it) and
@@ -670,7 +677,9 @@ class Workers:
             WorkersDisagree: the workers' headers differ (found alike on every worker).
         """
         self._put_header(header)
-        await self._wait(self._comm.Iallgather(self._record, self._gathered), what)
+        request = self._exchange_request
+        request.Start()
+        await self._wait(request, what)
         self._check_agreed(what, header)
 
     def _put_header(self, header: _Header) -> None:
@@ -813,11 +822,13 @@ async def _finishes_soon(test: Callable[[], bool]) -> bool:
 
 #: Communicators given back and not yet freed: ``(mpi, comm, posted receive)``, appended by
 #: finalizers (any thread: ``list.append`` is atomic), freed by ``_free_retired``.
-_retired: list[tuple[Any, Any, list[Any] | None]] = []
+_retired: list[tuple[Any, Any, list[Any] | None, list[Any]]] = []
 
 
-def _retire(mpi: Any, comm: Any, receive: list[Any] | None = None) -> None:
-    _retired.append((mpi, comm, receive))
+def _retire(
+    mpi: Any, comm: Any, receive: list[Any] | None = None, persistent: Sequence[Any] = ()
+) -> None:
+    _retired.append((mpi, comm, receive, list(persistent)))
 
 
 def _free_retired() -> None:
@@ -827,9 +838,12 @@ def _free_retired() -> None:
         _free(*_retired.pop())
 
 
-def _free(mpi: Any, comm: Any, receive: list[Any] | None = None) -> None:
-    """Give ``comm`` back to MPI, withdrawing its posted receive first (nothing after MPI
-    finalized). ``MPI_Comm_free`` leaves operations still under way to finish."""
+def _free(
+    mpi: Any, comm: Any, receive: list[Any] | None = None, persistent: Sequence[Any] = ()
+) -> None:
+    """Give ``comm`` back to MPI, withdrawing its posted receive and freeing its persistent
+    requests first (those not under way: an abandoned one is left to MPI), nothing after MPI
+    finalized. ``MPI_Comm_free`` leaves operations still under way to finish."""
     if mpi.Is_finalized():
         return
     with contextlib.suppress(Exception):
@@ -837,6 +851,9 @@ def _free(mpi: Any, comm: Any, receive: list[Any] | None = None) -> None:
             request, receive[0] = receive[0], None
             request.Cancel()
             request.Wait()
+        for request in persistent:
+            if request.Test():  # inactive
+                request.Free()
         comm.Free()
 
 
