@@ -269,7 +269,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self._running = True
         try:
             try:
-                await self._sync_new_variables()
+                if workers.pending:
+                    await self._sync_new_variables()
                 result = await start()
                 await workers.barrier(f"the end of {what}")
             except BaseException as exc:
