@@ -381,11 +381,7 @@ class Workers:
                         if self._side.peer_left and await _finishes_soon(test):
                             return  # its last collective was this one (the notice came first)
                         raise failure
-                    waited = time.monotonic() - started
-                    if timeout is not None and waited > timeout:
-                        raise self._timed_out(what, timeout)
-                    if waited > busy:
-                        pause = min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+                    pause = self._next_pause(what, started, timeout, busy, pause)
         except ReplicaSyncError:
             raise
         except BaseException as exc:  # cancelled (or interrupted) while MPI still waits
@@ -412,12 +408,25 @@ class Workers:
                 if self._side.peer_left and _finishes(test):
                     return
                 raise failure
-            waited = time.monotonic() - started
-            if timeout is not None and waited > timeout:
-                raise self._timed_out(what, timeout)
-            if waited > _BUSY_SECONDS:
-                pause = min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+            pause = self._next_pause(what, started, timeout, _BUSY_SECONDS, pause)
+            if pause:
                 time.sleep(pause)
+
+    def _next_pause(
+        self, what: str, started: float, timeout: float | None, busy: float, pause: float
+    ) -> float:
+        """The pause before a long wait's next test: none while busy (``busy`` seconds),
+        then doubling up to ``_MAX_PAUSE``.
+
+        Raises:
+            ReplicaSyncError: the wait has lasted past ``timeout``.
+        """
+        waited = time.monotonic() - started
+        if timeout is not None and waited > timeout:
+            raise self._timed_out(what, timeout)
+        if waited > busy:
+            return min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+        return pause
 
     def _timed_out(self, what: str, timeout: float) -> ReplicaSyncError:
         reached = self._side.read_arrivals() if self._primary else None
