@@ -76,6 +76,9 @@ _SLOW_BYTES_PER_SECOND: Final = 250e6
 #: The first and the longest pause between two tests of a long wait (seconds).
 _FIRST_PAUSE: Final = 5e-5
 _MAX_PAUSE: Final = 0.005
+#: How long an uncaught exception's traceback has to reach ``mpiexec`` before the job is
+#: aborted (seconds).
+_ABORT_GRACE_SECONDS: Final = 0.5
 #: How long a wait still tests its request once a peer said its program ended (seconds).
 _LEFT_GRACE_SECONDS: Final = 0.05
 
@@ -985,8 +988,9 @@ def _mpi_type(mpi: Any, dtype: np.dtype[Any]) -> Any:
 def install_abort_on_uncaught(comm: Any) -> None:
     """Make an uncaught exception end the whole MPI job (non-zero), not hang it.
 
-    The exception is printed as usual, then ``Abort(1)`` stops every process; otherwise the
-    failed process would wait in ``MPI_Finalize`` and its peers in a collective. Installed
+    The exception is printed as usual, then, half a second later (for ``mpiexec`` to forward
+    it), ``Abort(1)`` stops every process; otherwise the failed process would wait in
+    ``MPI_Finalize`` and its peers in a collective. Installed
     once per process, chained to the hook in place.
     """
     previous = sys.excepthook
@@ -996,7 +1000,12 @@ def install_abort_on_uncaught(comm: Any) -> None:
     def hook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
         previous(kind, value, traceback)
         if not issubclass(kind, SystemExit):
+            sys.stdout.flush()
             sys.stderr.flush()
+            # mpiexec forwards each process's output on its own time, and the abort ends the
+            # job at once: without a moment between them the traceback just printed was, now
+            # and then, lost (there is nothing to wait on for it).
+            time.sleep(_ABORT_GRACE_SECONDS)
             comm.Abort(1)
 
     hook._aioreplica_abort = True  # type: ignore[attr-defined]
