@@ -124,7 +124,8 @@ class ClusterBroken(RuntimeError):
 
 
 class WorkersDisagree(ValueError):
-    """The workers passed different values to one collective (other shapes or dtypes).
+    """The workers made different collectives, or passed one collective values of other
+    shapes, dtypes or ops.
 
     Found from what every worker sent, so raised alike on every worker before any data moved:
     the workers stay in step, and the strategy remains usable.
@@ -193,20 +194,22 @@ class Workers:
     Raises:
         ImportError: mpi4py is not installed.
         TypeError: ``communicator`` is not an mpi4py intracommunicator.
-        ValueError: the workers run different numbers of local replicas (on every worker).
+        ValueError: the workers run different numbers of local replicas, or another worker
+            could not make its strategy (on every worker).
     """
 
-    # This worker's all-reduce record, every worker's once gathered, and the ways of reducing
-    # made so far (``_records``).
+    # This worker's record (every collective's first message) in three views, the header it
+    # holds, every worker's record once gathered, the persistent request that exchanges them
+    # (in a list for the finalizer), and the ways of all-reducing made so far (``_records``).
     _record: np.ndarray[Any, Any]
     _record_bytes: memoryview
-    _exchange_request: Any
-    _exchanges: list[Any]
     _record_words: np.ndarray[Any, Any]
     _header_sent: _Header | None
     _gathered: np.ndarray[Any, Any]
     _gathered_words: np.ndarray[Any, Any]
     _checksums: np.ndarray[Any, Any]
+    _exchange_request: Any
+    _exchanges: list[Any]
     _plans: dict[tuple[str, np.dtype[Any], tuple[int, ...], str], _Plan]
 
     def __init__(self, communicator: Any, local_replicas: int) -> None:
@@ -666,8 +669,10 @@ class Workers:
     # -- helpers --------------------------------------------------------------------------
 
     def _records(self) -> None:
-        """This worker's record and the room for every worker's (each dataset pass has its
-        own: its collectives run alongside the step's)."""
+        """This worker's record, the room for every worker's, and their exchange (each
+        communicator has its own: a dataset pass's collectives run alongside the step's).
+        Made at the same point on every worker: the persistent request's making is ordered
+        as a collective is."""
         self._record = np.zeros(_RECORD_BYTES, np.uint8)
         self._record_bytes = self._record.data
         self._record_words = self._record.view("<i8")
