@@ -780,14 +780,14 @@ class _SideChannel:
         if len(self.sends) > 64:
             self.sends = [request for request in self.sends if not request.Test()]
 
-    def leave(self) -> None:
+    def leave(self, deadline: float) -> None:
         """At exit: tell every peer that this worker's program ended (unless the workers fell
         out of step already), so one still waiting in a collective raises instead of hanging;
-        then see the notices out (for up to a second: MPI must not finalize under them)."""
+        then see the notices out, until ``deadline`` at most (``time.monotonic()``): MPI must
+        not finalize under them."""
         if self.failure is None and self.notice_request is not None:
             notice = {"worker": self.me, "reason": "its program ended", "left": True}
             self.send_all(json.dumps(notice).encode(), _NOTICE, self.me)
-        deadline = time.monotonic() + 1.0
         while self.sends and time.monotonic() < deadline:
             self.sends = [request for request in self.sends if not request.Test()]
 
@@ -886,9 +886,10 @@ def _withdraw_at_exit() -> None:
 
     def withdraw() -> None:
         channels = list(_open_channels)
+        deadline = time.monotonic() + 1.0  # for every channel's notices together
         for channel in channels:
             with contextlib.suppress(Exception):
-                channel.leave()
+                channel.leave(deadline)
         for channel in channels:
             channel.close()
         _free_retired()
