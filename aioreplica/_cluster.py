@@ -58,7 +58,14 @@ from ._errors import ReplicaSyncError
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
 
-__all__ = ["ClusterBroken", "Workers", "WorkersDisagree", "collective_timeout", "import_mpi"]
+__all__ = [
+    "ClusterBroken",
+    "Workers",
+    "WorkersDisagree",
+    "collective_timeout",
+    "error_line",
+    "import_mpi",
+]
 
 #: Tags of the side channel.
 _NOTICE: Final = 1
@@ -100,6 +107,12 @@ _RECORD_BYTES: Final = 1024
 _INLINE_BYTES: Final = _RECORD_BYTES - _HEADER_BYTES
 #: How many ways of all-reducing (op, dtype, shape) a cluster keeps ready.
 _PLANS: Final = 256
+
+
+def error_line(error: BaseException) -> str:
+    """``error`` in one line for a peer: its type, and its message's first line (cut)."""
+    text = str(error).splitlines()[0][:500] if str(error) else ""
+    return f"{type(error).__name__}{': ' + text if text else ''}"
 
 
 def import_mpi() -> Any:
@@ -199,8 +212,8 @@ class Workers:
     """
 
     # This worker's record (every collective's first message) in three views, the header it
-    # holds, every worker's record once gathered, the persistent request that exchanges them
-    # (in a list for the finalizer), and the ways of all-reducing made so far (``_records``).
+    # holds, every worker's record once gathered, the persistent request that exchanges them,
+    # and the ways of all-reducing made so far (``_records``).
     _record: np.ndarray[Any, Any]
     _record_bytes: memoryview
     _record_words: np.ndarray[Any, Any]
@@ -209,7 +222,6 @@ class Workers:
     _gathered_words: np.ndarray[Any, Any]
     _checksums: np.ndarray[Any, Any]
     _exchange_request: Any
-    _exchanges: list[Any]
     _plans: dict[tuple[str, np.dtype[Any], tuple[int, ...], str], _Plan]
 
     def __init__(self, communicator: Any, local_replicas: int) -> None:
@@ -236,7 +248,9 @@ class Workers:
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
         self._records()
-        self._release = weakref.finalize(self, _retire, mpi, self._comm, None, self._exchanges)
+        self._release = weakref.finalize(
+            self, _retire, mpi, self._comm, None, [self._exchange_request]
+        )
         self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers, self.worker_index)
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
@@ -263,8 +277,7 @@ class Workers:
             communicator = _intracomm(mpi, communicator)
         except TypeError:
             communicator = mpi.COMM_WORLD  # the likeliest communicator of the others
-        text = str(error).splitlines()[0][:500] if str(error) else ""
-        communicator.allgather((-1, f"{type(error).__name__}{': ' + text if text else ''}"))
+        communicator.allgather((-1, error_line(error)))
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -312,7 +325,7 @@ class Workers:
             return
         side.failure = f"worker {self.worker_index} failed: {reason}"
         notice = {"worker": self.worker_index, "reason": reason, "replicas": list(replicas)}
-        side.send_all(json.dumps(notice).encode()[:_NOTICE_BYTES], _NOTICE, self.worker_index)
+        side.send_all(json.dumps(notice).encode()[:_NOTICE_BYTES], _NOTICE)
 
     def _peer_failure(self, what: str) -> ReplicaSyncError | None:
         """The failure a peer announced, as the error to raise here in ``what``, or ``None``
@@ -463,7 +476,7 @@ class Workers:
             return
         side = self._side
         side.read_arrivals()  # keeps the peers' messages from piling up
-        side.send_all(np.array([self._sequence], np.int64), _ARRIVAL, self.worker_index)
+        side.send_all(np.array([self._sequence], np.int64), _ARRIVAL)
 
     async def _begin(self, what: str) -> None:
         """Take this communicator's turn for one collective (of one or more messages), and
@@ -650,7 +663,9 @@ class Workers:
         twin._comm = self._side.comm.Dup()
         twin._turn = _Turn()
         twin._records()
-        twin._release = weakref.finalize(twin, _retire, self.mpi, twin._comm, None, twin._exchanges)
+        twin._release = weakref.finalize(
+            twin, _retire, self.mpi, twin._comm, None, [twin._exchange_request]
+        )
         twin._primary = False
         twin._sequence = 0
         return twin
@@ -684,7 +699,6 @@ class Workers:
         # The records' exchange, made once (a persistent collective: the buffers never change,
         # and starting it costs a fraction of posting a new one), freed with the communicator.
         self._exchange_request = self._comm.Allgather_init(self._record, self._gathered)
-        self._exchanges = [self._exchange_request]
 
     async def _exchange(self, what: str, header: _Header) -> None:
         """Send this worker's record (``header``, then what the caller wrote after it) and
@@ -711,7 +725,7 @@ class Workers:
     def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
         """How this worker all-reduces ``out``: its header, and for data small enough to
         travel with it, every worker's part of the gathered records (flat, of its dtype)."""
-        if np.dtype(out.dtype).kind == "b" and op not in _BOOL_OPS:
+        if out.dtype.kind == "b" and op not in _BOOL_OPS:
             raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
         if len(self._plans) >= _PLANS:
             self._plans.clear()
@@ -773,9 +787,9 @@ class _SideChannel:
     def notice_request(self, request: Any) -> None:
         self._receive[0] = request
 
-    def send_all(self, data: Any, tag: int, me: int) -> None:
+    def send_all(self, data: Any, tag: int) -> None:
         for peer in range(len(self.reached)):
-            if peer != me:
+            if peer != self.me:
                 self.sends.append(self.comm.Isend(data, peer, tag))
         if len(self.sends) > 64:
             self.sends = [request for request in self.sends if not request.Test()]
@@ -787,7 +801,7 @@ class _SideChannel:
         not finalize under them."""
         if self.failure is None and self.notice_request is not None:
             notice = {"worker": self.me, "reason": "its program ended", "left": True}
-            self.send_all(json.dumps(notice).encode(), _NOTICE, self.me)
+            self.send_all(json.dumps(notice).encode(), _NOTICE)
         while self.sends and time.monotonic() < deadline:
             self.sends = [request for request in self.sends if not request.Test()]
 

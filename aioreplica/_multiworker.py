@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any, Literal, final
 import anyio
 
 from ._backends import share_cores
-from ._cluster import ClusterBroken, Workers, WorkersDisagree, install_abort_on_uncaught
+from ._cluster import (
+    ClusterBroken,
+    Workers,
+    WorkersDisagree,
+    error_line,
+    install_abort_on_uncaught,
+)
 from ._collectives import ReductionEngine
 from ._dataset import InputContext
 from ._errors import ReplicaSyncError
@@ -296,8 +302,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 replicas = (int(found.group(1)),)
                 place = f" in replica {found.group(1)}"
                 break
-        text = str(exc).splitlines()[0] if str(exc) else ""
-        reason = f"{type(exc).__name__}{': ' + text[:500] if text else ''} was raised{place}"
+        reason = f"{error_line(exc)} was raised{place}"
         if isinstance(exc, ReplicaSyncError) and not place:
             replicas = exc.replicas
         workers.announce(reason, replicas)

@@ -760,7 +760,7 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
             _start_from(variable, value)
 
     # What every worker's variables are, so that workers disagreeing refuse before any data.
-    made = ", ".join(f"{v._name!r} {np.dtype(v._dtype).name} {v.shape}" for v in pending)
+    made = ", ".join(f"{v._name!r} {v._dtype.name} {v.shape}" for v in pending)
     workers.blocking(f"the first read of variables {made}", broadcast)
     workers.pending = []
 
