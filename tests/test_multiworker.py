@@ -38,6 +38,17 @@ def launch(args: list[str], *, timeout: float, mpi4py: bool = True) -> Job:
     return run_job(command, timeout=timeout + 10, cwd=ROOT, env=watchdog, merge_output=True)
 
 
+def assert_scenario(name: str, backend: str, parts: tuple[str, ...], within: float) -> None:
+    """Scenario ``name`` of ``scenarios.py`` ends well on ``backend``: every rank reported
+    each of ``parts``, and the whole job took under ``within`` seconds."""
+    job = launch([str(SCENARIOS), name, backend], timeout=60)
+    assert job.returncode == 0, job.log
+    for part in parts:
+        for rank in range(RANKS):
+            assert reported(job, rank, part), job.log
+    assert job.seconds < within, job.log
+
+
 @pytest.mark.timeout(300)
 def test_multiworker_suite() -> None:
     """tests/multiworker passes in 2 ranks on asyncio and trio: every test passed on every
@@ -64,12 +75,8 @@ def test_a_failing_worker_fails_every_run(backend: str) -> None:
     """A replica or merge function failing on worker 1: rank 1's run() raises its own error,
     rank 0's a ReplicaSyncError naming worker 1, the replica and the error, in seconds; a
     failure after the last collective too; the strategy then refuses further calls."""
-    job = launch([str(SCENARIOS), "failing", backend], timeout=60)
-    assert job.returncode == 0, job.log
-    for part in ("failure-in-collective", "failure-after-last-collective", "failure-in-merge-fn"):
-        for rank in range(RANKS):
-            assert reported(job, rank, part), job.log
-    assert job.seconds < 20, job.log
+    parts = ("failure-in-collective", "failure-after-last-collective", "failure-in-merge-fn")
+    assert_scenario("failing", backend, parts, within=20)
 
 
 @pytest.mark.timeout(120)
@@ -89,12 +96,8 @@ def test_a_late_worker_times_out(backend: str) -> None:
     """sync_timeout=1 with worker 1 five seconds late: rank 0 raises naming worker 1 within
     1-3 s, rank 1 raises when it arrives; a collective's own timeout_seconds does the same, and
     sync_timeout bounds a blocking first read of a variable too."""
-    job = launch([str(SCENARIOS), "late", backend], timeout=60)
-    assert job.returncode == 0, job.log
-    for part in ("sync-timeout", "collective-timeout", "blocking-read-timeout"):
-        for rank in range(RANKS):
-            assert reported(job, rank, part), job.log
-    assert job.seconds < 25, job.log
+    parts = ("sync-timeout", "collective-timeout", "blocking-read-timeout")
+    assert_scenario("late", backend, parts, within=25)
 
 
 @pytest.mark.timeout(120)
@@ -102,12 +105,8 @@ def test_a_late_worker_times_out(backend: str) -> None:
 def test_cancelling_one_worker_fails_the_others(backend: str) -> None:
     """Cancelling run() on worker 1, before or inside the collective, counts as worker 1
     failing: rank 0 raises naming it; both strategies refuse further calls."""
-    job = launch([str(SCENARIOS), "cancelled", backend], timeout=60)
-    assert job.returncode == 0, job.log
-    for part in ("cancel-before-collective", "cancel-in-collective"):
-        for rank in range(RANKS):
-            assert reported(job, rank, part), job.log
-    assert job.seconds < 20, job.log
+    parts = ("cancel-before-collective", "cancel-in-collective")
+    assert_scenario("cancelled", backend, parts, within=20)
 
 
 @pytest.mark.timeout(120)
@@ -115,11 +114,7 @@ def test_cancelling_one_worker_fails_the_others(backend: str) -> None:
 def test_a_worker_that_ended_its_program_fails_the_others_waits(backend: str) -> None:
     """Worker 1 ends its program; worker 0's next collectives, async and blocking, raise a
     ReplicaSyncError naming it within seconds instead of waiting forever."""
-    job = launch([str(SCENARIOS), "left", backend], timeout=60)
-    assert job.returncode == 0, job.log
-    for rank in range(RANKS):
-        assert reported(job, rank, "left"), job.log
-    assert job.seconds < 20, job.log
+    assert_scenario("left", backend, ("left",), within=20)
 
 
 def test_import_aioreplica_leaves_mpi4py_alone() -> None:
