@@ -472,8 +472,10 @@ class Workers:
     def _arrive(self) -> None:
         """Count this collective; with a timeout in force, tell the peers it was reached."""
         self._sequence += 1
-        if not self._primary or (collective_timeout.get() or self.default_timeout) is None:
-            return
+        if self._primary and (collective_timeout.get() or self.default_timeout) is not None:
+            self._tell_arrival()
+
+    def _tell_arrival(self) -> None:
         side = self._side
         side.read_arrivals()  # keeps the peers' messages from piling up
         side.send_all(np.array([self._sequence], np.int64), _ARRIVAL)
@@ -710,7 +712,8 @@ class Workers:
         self._put_header(header)
         request = self._exchange_request
         request.Start()
-        await self._wait(request, what)
+        if not request.Test():  # else every peer's record was in: done at once
+            await self._wait(request, what)
         self._check_agreed(what, header)
 
     def _put_header(self, header: _Header) -> None:

@@ -32,7 +32,7 @@ from ._values import DistributedValues, regroup
 from ._variables import sync_variables
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ._backends import Device
     from ._options import CommunicationOptions
@@ -215,7 +215,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         parts = self._prepare_run(fn, args, kwargs)  # bad arguments fail here, alone
         self._check_usable("run()")
-        return regroup(await self._in_step("run()", lambda: self._scheduler.run(fn, parts)))
+        return regroup(await self._step(fn, parts))
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """``MirroredStrategy.run_steps`` on every worker; they leave it together.
@@ -268,17 +268,18 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "concurrent runs would not keep: await one run() before starting the next"
             )
 
-    async def _in_step(self, what: str, start: Callable[[], Awaitable[Any]]) -> Any:
-        """Run ``start()``, refusing a concurrent one; announce a failure to the other
-        workers; agree with them at the end that every worker's step succeeded."""
+    async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
+        """Run the replicas (``parts``: their arguments), refusing a concurrent ``run()``;
+        announce a failure to the other workers; agree with them at the end that every
+        worker's step succeeded."""
         workers = self._workers
         self._running = True
         try:
             try:
                 if workers.pending:
                     await self._sync_new_variables()
-                result = await start()
-                await workers.barrier(f"the end of {what}")
+                result = await self._scheduler.run(fn, parts)
+                await workers.barrier("the end of run()")
             except BaseException as exc:
                 self._failed(exc)
                 raise
