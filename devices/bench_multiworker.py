@@ -31,6 +31,13 @@ raw-poll      the same MPI work non-blocking, as any event-loop program must dri
 mirrored      (8 B only) the same step on a single-process ``MirroredStrategy(devices)`` with
               the same local devices, on every worker at once: what the step costs without the
               cross-worker stage.
+lockstep      (8 B only; not a bar) the ``mirrored`` step plus two raw exchanges between the
+              workers, where a multi-worker step has them: one in the step, after its local
+              all_reduce, and one after ``run()``. Each is a 1 KiB record from every worker
+              (a persistent ``Allgather``, as aioreplica's collectives begin), tested in a 20 µs
+              spin between event-loop checkpoints. No library code: what agreeing twice per step
+              costs on this machine (the workers wait for the slower one at each), apart from
+              what aioreplica adds to it.
 
 Before timing, every row's result is checked on every worker and local replica against a float64
 sum over all workers and replicas, and each row runs a few untimed calls (the first collective
@@ -47,7 +54,7 @@ the median of per-round ratios. The bar: ratio >= 0.8 at 16 and 64 MiB. Beside i
 throughput and aioreplica's over it (``aio/poll``). Table 2: µs per step of the 8-byte step on
 the multi-worker strategy and on the single-process one, and what the cross-worker stage adds:
 the fastest sample of each subtracted (noise only ever adds time), judged against the bar of
-20 µs, with the median of per-round differences beside it.
+20 µs, with the median of per-round differences beside it, and the same for ``lockstep``.
 
 Rank 0 prints the tables and writes JSON (``--json``, default
 ``bench-results/bench_multiworker.json``: metadata, every raw sample, the tables, the checks).
@@ -92,7 +99,7 @@ from _benchlib import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Awaitable, Callable, Sequence
 
     from mpi4py import MPI
 
@@ -109,9 +116,14 @@ STEP_BYTES = 8
 WARMUP_CALLS = 3
 MAX_REPS = 1_000_000
 VERIFY_TIMEOUT_S = 60.0
-IMPLS = ("raw", "raw-poll", "aioreplica", "mirrored")
+IMPLS = ("raw", "raw-poll", "aioreplica", "mirrored", "lockstep")
+#: The rows of the 8-byte step only.
+STEP_IMPLS = ("mirrored", "lockstep")
 BASELINES = ("raw", "raw-poll")
 RAW_NAMES = {1: "Allreduce(send, recv)", 2: "np.add + Allreduce(IN_PLACE)"}
+#: The ``lockstep`` row's records, and how long it spins before giving way to the loop.
+RECORD_BYTES = 1024
+SPIN_S = 2e-5
 
 
 def size_label(nbytes: int) -> str:
@@ -157,7 +169,7 @@ class Group:
 
 @dataclass
 class Row:
-    impl: str  # raw | aioreplica | mirrored
+    impl: str  # raw | raw-poll | aioreplica | mirrored | lockstep
     local_replicas: int
     nbytes: int
     status: str = "ok"  # ok | skipped | error
@@ -274,8 +286,10 @@ def config_cases(
     aio: Aio,
     driver: Driver,
     rows: dict[str, Row],
+    exchange: Callable[[], Awaitable[None]],
 ) -> list[Case]:
-    """The cases of one (L, size): raw, aioreplica, and at 8 B the single-process step."""
+    """The cases of one (L, size): raw, aioreplica, and at 8 B the single-process step, alone
+    and in lockstep (``exchange``: one raw record exchange between the workers)."""
     n = nbytes // 4
     rng = np.random.default_rng([group.rank, local, nbytes])
     arrays = [rng.random(n, dtype=np.float32) for _ in range(local)]
@@ -338,28 +352,45 @@ def config_cases(
         async def step(x: Any) -> Any:
             return await get_ctx().all_reduce(op, x)
 
-        for impl in ("aioreplica", "mirrored"):
-            strategy = strategies.get(impl)
+        async def step_in_lockstep(x: Any) -> Any:
+            result = await get_ctx().all_reduce(op, x)
+            if get_ctx().replica_id_in_sync_group == 0:
+                await exchange()
+            return result
+
+        def in_lockstep(s: Any) -> Any:
+            async def run(fn: Any, args: tuple[Any, ...]) -> Any:
+                result = await s.run(step_in_lockstep, args=args)
+                await exchange()
+                return result
+
+            return run
+
+        for impl in ("aioreplica", "mirrored", "lockstep"):
+            strategy = strategies.get("mirrored" if impl == "lockstep" else impl)
             if impl not in rows or strategy is None:
                 continue
+            run_step = in_lockstep(strategy) if impl == "lockstep" else strategy.run
 
-            def sample(reps: int, s: Any = strategy) -> int:
+            def sample(reps: int, run_step: Any = run_step) -> int:
                 return driver.run(
-                    lambda: timed_async(lambda: s.run(step, args=(per_replica,)), reps)
+                    lambda: timed_async(lambda: run_step(step, args=(per_replica,)), reps)
                 )
 
-            def verify(s: Any = strategy, impl: str = impl) -> None:
-                out = driver.run(lambda: within(VERIFY_TIMEOUT_S, s.run(step, args=(per_replica,))))
+            def verify(run_step: Any = run_step, s: Any = strategy, impl: str = impl) -> None:
+                out = driver.run(
+                    lambda: within(VERIFY_TIMEOUT_S, run_step(step, args=(per_replica,)))
+                )
                 # run() regroups: one value when every replica returned the same object.
                 results = s.experimental_local_results(out)
                 if len(results) not in (1, local):
                     raise RuntimeError(f"{impl}: {len(results)} local results, not {local}")
                 for j, got in enumerate(results):
-                    if impl == "mirrored":
+                    if impl != "aioreplica":
                         # One process: the sum of this worker's replicas only.
                         local_sum = np.sum(arrays, axis=0, dtype=np.float32)
                         if not np.allclose(got, local_sum, rtol=1e-5, atol=1e-6):
-                            raise RuntimeError(f"mirrored replica {j}: wrong local sum")
+                            raise RuntimeError(f"{impl} replica {j}: wrong local sum")
                     else:
                         check(got, f"aioreplica, local replica {j}")
 
@@ -426,9 +457,13 @@ def added_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
         absent = Row("aioreplica", local, STEP_BYTES, "skipped", f"{STEP_BYTES} B not run")
         mw = by.get(("aioreplica", local, STEP_BYTES), absent)
         one = by.get(("mirrored", local, STEP_BYTES), absent)
-        mw_best, one_best = mw.best_s(), one.best_s()
+        lockstep = by.get(("lockstep", local, STEP_BYTES), absent)
+        mw_best, one_best, lockstep_best = mw.best_s(), one.best_s(), lockstep.best_s()
         diffs = [(a - b) / 1e3 for a, b in zip(mw.per_call_ns, one.per_call_ns, strict=False)]
         added = (mw_best - one_best) * 1e6 if mw_best and one_best else None
+        lockstep_diffs = [
+            (a - b) / 1e3 for a, b in zip(lockstep.per_call_ns, one.per_call_ns, strict=False)
+        ]
         table.append(
             {
                 "local_replicas": local,
@@ -436,6 +471,13 @@ def added_rows(rows: Sequence[Row]) -> list[dict[str, Any]]:
                 "mirrored_us_best": one_best * 1e6 if one_best else None,
                 "added_us": added,
                 "added_us_median_of_rounds": statistics.median(diffs) if diffs else None,
+                "lockstep_us_best": lockstep_best * 1e6 if lockstep_best else None,
+                "lockstep_added_us": (
+                    (lockstep_best - one_best) * 1e6 if lockstep_best and one_best else None
+                ),
+                "lockstep_added_us_median_of_rounds": (
+                    statistics.median(lockstep_diffs) if lockstep_diffs else None
+                ),
                 "bar_us": ADDED_BAR_US,
                 "status": "n/a" if added is None else "PASS" if added <= ADDED_BAR_US else "FAIL",
                 "reasons": [r for r in (mw.reason, one.reason) if r],
@@ -471,18 +513,21 @@ def print_tables(
         )
     print(
         f"\nTable 2: µs per run() of a step doing one {STEP_BYTES}-byte all_reduce, fastest "
-        f"sample: {workers} workers vs one process with the same local replicas"
+        f"sample: {workers} workers vs one process with the same local replicas; lockstep: "
+        "the one-process step with two raw exchanges between the workers, added likewise"
     )
     print(
         f"{'L':>2}{'multi-worker':>14}{'one process':>13}{'added':>8}"
-        f"{'median/round':>14}{'bar':>7}  status"
+        f"{'median/round':>14}{'bar':>7}  {'status':<6}{'lockstep':>10}{'added':>8}"
+        f"{'median/round':>14}"
     )
     for r in t2:
         print(
             f"{r['local_replicas']:>2}{fmt(r['multiworker_us_best'], 14)}"
             f"{fmt(r['mirrored_us_best'], 13)}{fmt(r['added_us'], 8)}"
             f"{fmt(r['added_us_median_of_rounds'], 14)}{'<=' + format(r['bar_us'], 'g'):>7}"
-            f"  {r['status']}"
+            f"  {r['status']:<6}{fmt(r['lockstep_us_best'], 10)}{fmt(r['lockstep_added_us'], 8)}"
+            f"{fmt(r['lockstep_added_us_median_of_rounds'], 14)}"
         )
 
 
@@ -568,6 +613,23 @@ def run(argv: list[str] | None, mpi: Any) -> int:
     world = mpi.COMM_WORLD
     group = Group(world.Dup())
     raw_comm = world.Dup()
+    record = np.zeros(RECORD_BYTES, np.uint8)
+    records = np.zeros((group.size, RECORD_BYTES), np.uint8)
+    record_exchange = raw_comm.Allgather_init(record, records)
+
+    async def exchange() -> None:
+        """One record from every worker (``lockstep``): tested in a spin of ``SPIN_S``,
+        then again after each event-loop checkpoint."""
+        record_exchange.Start()
+        while True:
+            until = time.perf_counter() + SPIN_S
+            while not record_exchange.Test():
+                if time.perf_counter() > until:
+                    break
+            else:
+                return
+            await anyio.lowlevel.checkpoint()
+
     if group.size < 2:
         if group.rank == 0:
             print(
@@ -607,7 +669,7 @@ def run(argv: list[str] | None, mpi: Any) -> int:
                 cfg = {
                     impl: Row(impl, local, nbytes)
                     for impl in IMPLS
-                    if impl != "mirrored" or nbytes == STEP_BYTES
+                    if impl not in STEP_IMPLS or nbytes == STEP_BYTES
                 }
                 for row in cfg.values():
                     if row.impl not in BASELINES and not strategies:
@@ -615,7 +677,7 @@ def run(argv: list[str] | None, mpi: Any) -> int:
                 rows.extend(cfg.values())
                 live = {k: v for k, v in cfg.items() if v.status == "ok"}
                 cases = config_cases(
-                    group, raw_comm, mpi, local, nbytes, strategies, aio, driver, live
+                    group, raw_comm, mpi, local, nbytes, strategies, aio, driver, live, exchange
                 )
                 measure(group, cases, samples, target_ns)
                 del cases
@@ -662,6 +724,7 @@ def run(argv: list[str] | None, mpi: Any) -> int:
             },
         )
     group.comm.Barrier()
+    record_exchange.Free()
     raw_comm.Free()
     group.comm.Free()
     return 1 if errors else 0

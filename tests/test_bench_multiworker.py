@@ -73,13 +73,13 @@ def test_quick_run_reports_every_configuration(tmp_path: Path) -> None:
     assert meta["local_replicas"] == [1, 2]
     assert not meta["aioreplica"].startswith("not measured"), meta["aioreplica"]
     # Every row measured: both baselines and aioreplica at every size, the one-process step
-    # at 8 B.
+    # at 8 B, alone and in lockstep.
     expected = {
         (impl, local, nbytes)
         for local in (1, 2)
         for nbytes in meta["sizes_bytes"]
-        for impl in ("raw", "raw-poll", "aioreplica", "mirrored")
-        if impl != "mirrored" or nbytes == 8
+        for impl in ("raw", "raw-poll", "aioreplica", "mirrored", "lockstep")
+        if impl not in ("mirrored", "lockstep") or nbytes == 8
     }
     assert {(r["impl"], r["local_replicas"], r["nbytes"]) for r in doc["rows"]} == expected
     for r in doc["rows"]:
@@ -94,7 +94,8 @@ def test_quick_run_reports_every_configuration(tmp_path: Path) -> None:
         assert t["status"] in (("info",) if t["bar"] is None else ("PASS", "FAIL")), t
     assert [t["local_replicas"] for t in doc["added_8b"]] == [1, 2]
     for t in doc["added_8b"]:
-        assert min(t["multiworker_us_best"], t["mirrored_us_best"]) > 0, t
+        assert min(t["multiworker_us_best"], t["mirrored_us_best"], t["lockstep_us_best"]) > 0, t
+        assert t["lockstep_added_us"] is not None, t
         assert t["status"] in ("PASS", "FAIL"), t
     statuses = {c["status"] for c in doc["checks"]}
     assert statuses <= {"PASS", "FAIL", "SKIP"}, doc["checks"]
