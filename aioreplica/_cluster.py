@@ -17,8 +17,9 @@ traffic on it is never disturbed:
   their buffers match: two workers reducing other shapes get garbage, and a collective met by
   another kind of collective may complete on one worker and fail on the other. So every
   collective starts with each worker's 1 KiB *record*, gathered by all: a header (a checksum
-  of what the collective is, with the dtype and shape it carries, then that in words) and the
-  data itself when it is small. Different headers raise ``WorkersDisagree`` on every worker
+  of what the collective is, with the dtype and shape it carries and where in a nested value,
+  then that in words) and the data itself when it is small. Different headers raise
+  ``WorkersDisagree`` on every worker
   alike, before any data moves, so the workers stay in step; small reductions and broadcasts
   are done from the gathered records, in that one message.
 - **the side channel.** A failure is announced to every peer as a small message on its own
@@ -506,9 +507,10 @@ class Workers:
 
         ``op``: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"`` (``max``/``min`` of bools are any
         and all). ``layout`` says what ``out`` holds when its shape alone does not (the leaves
-        packed in it). Data that fits in the record comes with it and is reduced on every
-        worker from the gathered records, in worker order, so the results are the same
-        everywhere; larger data follows in an ``Iallreduce``.
+        packed in it, or where it is in the value reduced). Data that fits in the record
+        comes with it and is reduced on every worker from the gathered records, in worker
+        order, so the results are the same everywhere; larger data follows in an
+        ``Iallreduce``.
 
         Raises:
             WorkersDisagree: the workers passed different ops, dtypes, shapes or layouts, or
@@ -532,15 +534,20 @@ class Workers:
         finally:
             self._turn.release()
 
-    async def allgather_rows(self, local: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    async def allgather_rows(
+        self, local: np.ndarray[Any, Any], where: str = ""
+    ) -> np.ndarray[Any, Any]:
         """Concatenate the workers' arrays along axis 0, in worker order (uneven rows).
+        ``where``: where the array is in the value gathered, which the workers compare.
 
         Raises:
             WorkersDisagree: the workers' arrays differ in dtype or in their other dimensions,
                 or a worker made another collective.
         """
         local = np.asarray(local, order="C")
-        header = _header_of(f"all_gather of {local.dtype.name} rows of {local.shape[1:]}")
+        header = _header_of(
+            f"all_gather of {local.dtype.name} rows of {local.shape[1:]}" + _named(where)
+        )
         await self._begin("all_gather")
         try:
             self._record_words[_HEADER_WORDS] = local.shape[0]
@@ -556,15 +563,20 @@ class Workers:
             self._turn.release()
         return out
 
-    async def broadcast(self, value: np.ndarray[Any, Any], root: int) -> np.ndarray[Any, Any]:
+    async def broadcast(
+        self, value: np.ndarray[Any, Any], root: int, where: str = ""
+    ) -> np.ndarray[Any, Any]:
         """Worker ``root``'s ``value`` on every worker (a new array; the root's is copied).
+        ``where``: as for ``allgather_rows``.
 
         Raises:
             WorkersDisagree: a worker's ``value`` differs from the root's in shape or dtype, or
                 a worker made another collective.
         """
         value = np.asarray(value, order="C")
-        header = _header_of(f"broadcast from worker {root} of {value.dtype.name} {value.shape}")
+        header = _header_of(
+            f"broadcast from worker {root} of {value.dtype.name} {value.shape}" + _named(where)
+        )
         small = value.nbytes <= _INLINE_BYTES
         await self._begin("broadcast")
         try:
@@ -732,8 +744,7 @@ class Workers:
             raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
         if len(self._plans) >= _PLANS:
             self._plans.clear()
-        words = f"all_reduce ({op}) of {out.dtype.name} {out.shape}"
-        header = _header_of(words + (f" ({layout})" if layout else ""))
+        header = _header_of(f"all_reduce ({op}) of {out.dtype.name} {out.shape}" + _named(layout))
         parts: list[np.ndarray[Any, Any]] = []
         if out.nbytes <= _INLINE_BYTES:
             data = self._gathered[:, _HEADER_BYTES : _HEADER_BYTES + out.nbytes]
@@ -935,6 +946,11 @@ class _Plan(NamedTuple):
     header: _Header
     ufunc: np.ufunc  # the op, for data that comes with the records
     parts: list[np.ndarray[Any, Any]]  # empty: the data goes in an ``Iallreduce`` of its own
+
+
+def _named(detail: str) -> str:
+    """``detail`` (what the shape alone does not say) as the end of a header's words."""
+    return f" ({detail})" if detail else ""
 
 
 def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray[Any, Any]) -> None:

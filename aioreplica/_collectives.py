@@ -166,18 +166,20 @@ class ReductionEngine:
 
     async def _gather_leaves(self, leaves: list[_LeafArrays], axes: list[int]) -> list[Any]:
         return [
-            await self._gather_arrays(leaf.arrays, axis)
+            await self._gather_arrays(leaf.arrays, axis, leaf.path)
             for leaf, axis in zip(leaves, axes, strict=True)
         ]
 
-    async def _gather_arrays(self, arrays: list[Any], axis: int) -> list[Any]:
+    async def _gather_arrays(
+        self, arrays: list[Any], axis: int, path: _tree.KeyPath = ()
+    ) -> list[Any]:
         """One leaf gathered on the backend, then (several workers) across the workers."""
         local = await self.backend.all_gather(arrays, axis, self.devices)
         cluster = self.cluster
         if cluster is None:
             return local
         staged = np.moveaxis(await self._staged(local[0]), axis, 0)
-        whole = np.moveaxis(await cluster.allgather_rows(staged), 0, axis)
+        whole = np.moveaxis(await cluster.allgather_rows(staged, _where(path)), 0, axis)
         return await self._placed(np.asarray(whole, order="C"))
 
     async def broadcast(self, value: Any, source: int) -> list[Any]:
@@ -211,7 +213,7 @@ class ReductionEngine:
         for leaf in leaves:
             # Every worker passes its own replica's array: the shape the root's must have.
             mine = leaf.arrays[local if self.cluster.worker_index == root else 0]
-            value = await self.cluster.broadcast(await self._staged(mine), root)
+            value = await self.cluster.broadcast(await self._staged(mine), root, _where(leaf.path))
             results.append(await self._placed(value))
         return results
 
@@ -485,7 +487,7 @@ class ReductionEngine:
         for index, leaf in enumerate(leaves):
             first = leaf.arrays[0]
             if first.nbytes >= limit:
-                results[index] = await self._reduce_arrays(op.value, leaf.arrays)
+                results[index] = await self._reduce_arrays(op.value, leaf.arrays, leaf.path)
                 continue
             groups = packs.setdefault(first.dtype, [[]])
             if filled.get(first.dtype, 0) + first.nbytes > limit:
@@ -496,7 +498,8 @@ class ReductionEngine:
         for groups in packs.values():
             for group in groups:
                 if len(group) == 1:
-                    results[group[0]] = await self._reduce_arrays(op.value, leaves[group[0]].arrays)
+                    leaf = leaves[group[0]]
+                    results[group[0]] = await self._reduce_arrays(op.value, leaf.arrays, leaf.path)
                 else:
                     for index, reduced in zip(
                         group, await self._reduce_pack(op, [leaves[i] for i in group]), strict=True
@@ -507,7 +510,9 @@ class ReductionEngine:
 
     async def _reduce_pack(self, op: ReduceOp, group: list[_LeafArrays]) -> list[list[Any]]:
         """Reduce the leaves as one flat array per replica, then view it as the leaves."""
-        reduced = await self._reduce_packed(op.value, [leaf.arrays for leaf in group])
+        reduced = await self._reduce_packed(
+            op.value, [leaf.arrays for leaf in group], [leaf.path for leaf in group]
+        )
         shapes = [leaf.arrays[0].shape for leaf in group]
         offsets = [0]
         for shape in shapes:
@@ -525,7 +530,9 @@ class ReductionEngine:
                 per_leaf[j].append(view)
         return per_leaf
 
-    async def _reduce_packed(self, op: str, leaves: list[list[Any]]) -> list[Any]:
+    async def _reduce_packed(
+        self, op: str, leaves: list[list[Any]], paths: Sequence[_tree.KeyPath] = ()
+    ) -> list[Any]:
         """Reduce small leaves as one: per replica, one flat array of the reduced leaves end
         to end (the backend packs: the host reduces each leaf into its part of one output,
         GPUs join each replica's leaves and make one collective call).
@@ -535,11 +542,16 @@ class ReductionEngine:
         if self.cluster is None:
             return await self.backend.all_reduce_packed(op, leaves, self.devices)
         local = await self.backend.all_reduce_packed(_local_op(op), leaves, self.devices)
-        layout = "leaves " + ", ".join(str(arrays[0].shape) for arrays in leaves)
-        return await self._across_workers(op, local, layout)
+        shapes = [str(arrays[0].shape) for arrays in leaves]
+        if any(paths):  # the workers compare where each leaf is in the value, too
+            shapes = [f"{_where(path)} {shape}" for path, shape in zip(paths, shapes, strict=True)]
+        return await self._across_workers(op, local, "leaves " + ", ".join(shapes))
 
-    async def _reduce_arrays(self, op: str, inputs: list[Any]) -> list[Any]:
-        """Reduce one array per replica on the backend: one result per replica.
+    async def _reduce_arrays(
+        self, op: str, inputs: list[Any], path: _tree.KeyPath = ()
+    ) -> list[Any]:
+        """Reduce one array per replica on the backend: one result per replica (``path``:
+        where the array is in the value reduced, which the workers compare).
 
         The step a strategy spanning several workers extends: local reduction, across
         workers, the local result.
@@ -551,12 +563,12 @@ class ReductionEngine:
             # Allreduce does (a local copy first would read and write it once more).
             first = np.asarray(inputs[0], order="C")
             out = HOST_BACKEND.output(first.shape, first.dtype)
-            await self.cluster.allreduce(_local_op(op), first, out)
+            await self.cluster.allreduce(_local_op(op), first, out, _where(path))
             if op == "mean":
                 np.divide(out, self.num_replicas, out=out)
             return [HOST_BACKEND.publish(out)]
         local = await self.backend.all_reduce(_local_op(op), inputs, self.devices)
-        return await self._across_workers(op, local)
+        return await self._across_workers(op, local, _where(path))
 
     async def _across_workers(self, op: str, local: list[Any], layout: str = "") -> list[Any]:
         """The cross-worker step: this worker's reduction (``local``, one result per replica,
@@ -632,10 +644,16 @@ class ReductionEngine:
             for device, component in zip(self.devices, leaf.arrays, strict=True)
         ]
         # Across replicas through the backend, which orders the devices' streams.
-        result = (await self._reduce_arrays(inner, partials))[0]
+        result = (await self._reduce_arrays(inner, partials, leaf.path))[0]
         if op is ReduceOp.MEAN:
             result = await self.devices[0].compute(result.nbytes, _divide, result, rows)
         return result
+
+
+def _where(path: _tree.KeyPath) -> str:
+    """Where a leaf is in a collective's value, as the workers compare it ("" for the value
+    itself): ``{"a": x}`` on one worker and ``{"b": x}`` on another must not combine."""
+    return f"at {_tree.format_path(path)}" if path else ""
 
 
 def _local_op(op: str) -> str:

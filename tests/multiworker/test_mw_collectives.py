@@ -415,7 +415,17 @@ DISAGREEMENTS: dict[str, tuple[Callable[[], tuple[str, Any]], str]] = {
     "op": (lambda: (["sum", "max"][RANK % 2], np.ones(2)), r"\(sum\).*\(max\)"),
     "packed leaves": (
         lambda: ("sum", {"a": np.ones(2 + RANK), "b": np.ones(3 - RANK)}),
-        r"leaves \(2,\), \(3,\).*leaves \(3,\), \(2,\)",
+        r"leaves at \['a'\] \(2,\), at \['b'\] \(3,\).*leaves at \['a'\] \(3,\)",
+    ),
+    "key": (lambda: ("sum", {"ab"[RANK % 2]: np.ones(2)}), r"\(at \['a'\]\).*\(at \['b'\]\)"),
+    "large key": (lambda: ("sum", {"ab"[RANK % 2]: np.ones(1000)}), r"at \['a'\].*at \['b'\]"),
+    "packed keys": (
+        lambda: ("sum", {"a": np.ones(2), "bc"[RANK % 2]: np.ones(2)}),
+        r"at \['a'\] \(2,\), at \['b'\] \(2,\).*at \['a'\] \(2,\), at \['c'\] \(2,\)",
+    ),
+    "list index": (
+        lambda: ("sum", [np.ones(3)] if RANK % 2 == 0 else [np.ones(0), np.ones(3)]),
+        r"at \[0\].*at \[1\]",
     ),
 }
 
@@ -474,6 +484,45 @@ async def test_gather_and_broadcast_workers_disagree(
     np.testing.assert_array_equal(
         await strategy.run(agreed), np.repeat(np.arange(WORKERS), 2).reshape(WORKERS, 2)
     )
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
+async def test_gather_and_broadcast_of_other_keys_disagree(
+    make_strategy: MakeStrategy, collective: str
+) -> None:
+    """The same array under another key on one worker: the same ValueError on every worker,
+    naming both keys, rather than values from different places combined."""
+    strategy = make_strategy(1)
+    value = {"ab"[RANK % 2]: np.zeros((2, 3))}
+
+    async def step() -> Any:
+        ctx = replica_context()
+        if collective == "all_gather":
+            return await ctx.all_gather(value, axis=0)
+        return await ctx.broadcast(value, source_replica=0)
+
+    with pytest.raises(ValueError, match=r"at \['a'\].*at \['b'\]") as caught:
+        await strategy.run(step)
+    assert len(set(allgather(str(caught.value)))) == 1
+
+
+@pytest.mark.parametrize("size", [2, 1000])
+async def test_mappings_built_in_another_order_agree(
+    make_strategy: MakeStrategy, size: int
+) -> None:
+    """Only the keys count, not the order a dict was built in: every worker gets the sums."""
+    strategy = make_strategy(1)
+    pairs = [("a", np.full(size, RANK + 1.0)), ("b", np.full(3, 10.0 * (RANK + 1)))]
+    value = dict(pairs if RANK % 2 == 0 else reversed(pairs))
+
+    async def step() -> Any:
+        return await replica_context().all_reduce("sum", value)
+
+    result = await strategy.run(step)
+    total = WORKERS * (WORKERS + 1) / 2
+    assert list(result) == list(value)  # each worker's own order
+    np.testing.assert_array_equal(result["a"], np.full(size, total))
+    np.testing.assert_array_equal(result["b"], np.full(3, 10 * total))
 
 
 @pytest.mark.parametrize("size", [3, 5000])
