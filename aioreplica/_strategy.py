@@ -78,6 +78,56 @@ class StrategyExtended:
         """The device objects of the replicas, in replica order."""
         return self._strategy._device_objects
 
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where variables are placed: on every one of this worker's replica devices."""
+        return self._strategy.devices
+
+    @property
+    def experimental_between_graph(self) -> bool:
+        """Whether each worker runs its own copy of the program: across workers (``True``),
+        or one process (``False``).
+
+        Example:
+            >>> MirroredStrategy().extended.experimental_between_graph
+            False
+        """
+        return self._strategy._engine.cluster is not None
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker is the one that writes checkpoints: always with one process;
+        across workers, the chief alone (``save`` is still called on every worker).
+
+        Example:
+            >>> MirroredStrategy().extended.should_checkpoint
+            True
+        """
+        cluster = self._strategy._engine.cluster
+        return cluster is None or cluster.is_chief
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker should write summaries (logs, metrics): as
+        ``should_checkpoint``, so that one worker writes them.
+
+        Example:
+            >>> MirroredStrategy().extended.should_save_summary
+            True
+        """
+        return self.should_checkpoint
+
+    @property
+    def experimental_should_init(self) -> bool:
+        """Whether this worker initialises variables: every worker does (across workers,
+        each then starts from the chief's values).
+
+        Example:
+            >>> MirroredStrategy().extended.experimental_should_init
+            True
+        """
+        return True
+
     async def reduce_to(
         self,
         reduce_op: ReduceOp | str,

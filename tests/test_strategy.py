@@ -29,7 +29,19 @@ class TestConstruction:
         assert strategy.num_replicas_in_sync == 3
         assert strategy.extended.worker_devices == ("cpu:0", "cpu:1", "cpu:2")
         assert [d.name for d in strategy.extended.replica_devices] == list(strategy.devices)
+        assert strategy.extended.parameter_devices == strategy.devices
         assert repr(strategy) == "MirroredStrategy(devices=['cpu:0', 'cpu:1', 'cpu:2'])"
+
+    def test_one_process_is_chief_of_itself(self) -> None:
+        """As TF's MirroredStrategy: one program, which checkpoints, summarises and inits."""
+        extended = MirroredStrategy(["cpu:0", "cpu:1"]).extended
+        roles = (
+            extended.experimental_between_graph,
+            extended.should_checkpoint,
+            extended.should_save_summary,
+            extended.experimental_should_init,
+        )
+        assert roles == (False, True, True, True)
 
     def test_default_is_one_host_device(self) -> None:
         """devices=None means one replica on cpu:0."""

@@ -41,8 +41,19 @@ def test_cluster_facts(make_strategy: MakeStrategy, local: int) -> None:
     assert strategy.cluster.is_chief is (RANK == 0)
     assert strategy.num_replicas_in_sync == WORKERS * local
     assert strategy.extended.worker_devices == tuple(host_devices(local))
+    assert strategy.extended.parameter_devices == tuple(host_devices(local))
     facts = allgather((strategy.cluster.worker_index, strategy.cluster.is_chief))
     assert facts == [(w, w == 0) for w in range(WORKERS)]
+    extended = strategy.extended
+    roles = allgather(
+        (
+            extended.experimental_between_graph,
+            extended.should_checkpoint,
+            extended.should_save_summary,
+            extended.experimental_should_init,
+        )
+    )
+    assert roles == [(True, w == 0, w == 0, True) for w in range(WORKERS)]
 
 
 @pytest.mark.parametrize("local", [1, 2])
