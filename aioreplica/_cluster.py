@@ -730,7 +730,7 @@ class Workers:
 
     def _put_header(self, header: _Header) -> None:
         if header is not self._header_sent:  # the record keeps a header until another comes
-            self._record[:_HEADER_BYTES] = header.array
+            self._record_bytes[:_HEADER_BYTES] = header.data
             self._header_sent = header
 
     def _check_agreed(self, what: str, header: _Header) -> None:
@@ -929,7 +929,7 @@ class _Header(NamedTuple):
     """What a collective is, as every worker sends it first."""
 
     checksum: int  # of the words: what the workers compare
-    array: np.ndarray[Any, Any]  # ``_HEADER_BYTES``: the checksum, then the words (cut to fit)
+    data: bytes  # ``_HEADER_BYTES``: the checksum, then the words (cut to fit)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -939,7 +939,7 @@ def _header_of(words: str) -> _Header:
     text = words.encode()
     checksum = zlib.crc32(text)
     header = checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]
-    return _Header(checksum, np.frombuffer(header.ljust(_HEADER_BYTES, b"\0"), np.uint8))
+    return _Header(checksum, header.ljust(_HEADER_BYTES, b"\0"))
 
 
 class _Plan(NamedTuple):
