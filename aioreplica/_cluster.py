@@ -617,6 +617,24 @@ class Workers:
             self._turn.release()
         return bytes(buffer)
 
+    async def refuse_step(self, what: str, error: BaseException) -> None:
+        """Meet the other workers' next collective with a record saying that this worker's
+        ``what`` refused its arguments (``error``), instead of the collectives it would have
+        made: they raise ``WorkersDisagree`` naming this worker and its error, and every worker
+        has made one collective, so they stay in step. The caller then raises ``error``.
+
+        Raises:
+            ReplicaSyncError: a peer failed, or the timeout in force passed.
+        """
+        header = _header_of(f"{what} refusing its arguments: {error_line(error)}")
+        await self._begin(what)
+        try:
+            await self._exchange(what, header)
+        except WorkersDisagree:
+            pass  # the others raise it; this worker raises its own error
+        finally:
+            self._turn.release()
+
     async def barrier(self, what: str) -> None:
         """Wait until every worker has reached this point (``what``: its name, the same on
         every worker).

@@ -198,11 +198,19 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         it; they leave it together: the end of ``run()`` is a cross-worker agreement, so a
         failure on any worker reaches every worker's ``run()``.
 
+        Arguments refused on one worker (a ``PerReplica`` of the wrong length, say) make
+        ``run()`` raise on every worker: that error on the worker that refused them, a
+        ``ValueError`` naming it on the others, at the first point where they agree; every
+        worker stays in step and the strategy goes on working.
+
         Raises:
             RuntimeError: another ``run()`` of this strategy is in progress on this worker; the
                 workers fell out of step earlier (the strategy makes no more cross-worker
                 calls); and as ``MirroredStrategy.run``.
-            ValueError: a distributed argument does not have one value per local replica.
+            ValueError: a distributed argument does not have one value per local replica; or
+                another worker refused its arguments (``WorkersDisagree``, naming it).
+            TypeError: as ``MirroredStrategy.run`` (on this worker; the others raise
+                ``WorkersDisagree``).
             ReplicaSyncError: another worker failed (naming it, its replica and what it
                 raised), or a worker was late past ``sync_timeout``.
             BaseException: what this worker's replica or ``merge_fn`` raised, as
@@ -213,7 +221,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             >>> anyio.run(strategy.run, lambda: aioreplica.get_replica_context().device.name)
             'cpu:0'
         """
-        parts = self._prepare_run(fn, args, kwargs)  # bad arguments fail here, alone
+        try:
+            parts = self._prepare_run(fn, args, kwargs)
+        except (TypeError, ValueError) as exc:
+            await self._refuse_step(exc)
+            raise
         self._check_usable("run()")
         return regroup(await self._step(fn, parts))
 
@@ -247,6 +259,18 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             f"{self.num_replicas_in_sync} over all workers): each worker passes its own "
             "replicas' values"
         )
+
+    async def _refuse_step(self, error: BaseException) -> None:
+        """Take part in this step's first agreement as a worker whose ``run()`` refused its
+        arguments (``error``), so that the other workers' ``run()`` raises too, naming this
+        worker, rather than waiting for it or pairing with its next step.
+
+        Nothing to agree when this ``run()`` could not have started anyway: the strategy is
+        closed or broken, or called from inside a run (whose collectives this would join).
+        """
+        if self._closed or self._running or self._workers.broken:
+            return
+        await self._workers.refuse_step("run()", error)
 
     async def _sync_new_variables(self) -> None:
         if not self._workers.pending:

@@ -109,6 +109,59 @@ async def test_global_length_per_replica_is_refused(
     assert strategy.experimental_local_results(result) == tuple(global_ids(2))
 
 
+@pytest.mark.parametrize("collective", [True, False], ids=["all_reduce", "none"])
+async def test_arguments_refused_on_one_worker_fail_every_worker(
+    make_strategy: MakeStrategy, collective: bool
+) -> None:
+    """One worker passes a PerReplica of the wrong length: it raises that ValueError, every
+    other worker's run() raises a ValueError naming it (at its first collective, or at the end
+    of run() when the step makes none) instead of waiting for it, and the strategy goes on in
+    step on every worker."""
+    strategy = make_strategy(2)
+    refusing = WORKERS - 1
+    refuses = RANK == WORKERS - 1
+    values = PerReplica([np.full(2, float(RANK))] * (3 if refuses else 2))
+    ran: list[int] = []
+
+    async def step(x: Any) -> Any:
+        ran.append(replica_id())
+        if collective:
+            return await replica_context().all_reduce("sum", x)
+        return x
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"one value per local replica|refusing") as caught:
+        await strategy.run(step, args=(values,))
+    assert time.monotonic() - started < 5
+    message = str(caught.value)
+    if refuses:
+        assert "one value per local replica" in message, message
+        assert ran == []
+    else:
+        assert f"worker {refusing}: run() refusing its arguments: ValueError" in message, message
+        assert sorted(ran) == global_ids(2)
+
+    async def agreed() -> Any:
+        return await replica_context().all_reduce("sum", np.ones(2))
+
+    for value in strategy.experimental_local_results(await strategy.run(agreed)):
+        np.testing.assert_array_equal(value, np.full(2, 2.0 * WORKERS))
+
+
+async def test_arguments_refused_on_every_worker_raise_each_its_own(
+    make_strategy: MakeStrategy,
+) -> None:
+    """Every worker refusing its arguments, each in its own words: each raises its own error."""
+    strategy = make_strategy(1)
+    bad = PerReplica([np.zeros(1)] * (2 + RANK))
+
+    with pytest.raises(ValueError, match=f"PerReplica of {2 + RANK} values"):
+        await strategy.run(lambda x: x, args=(bad,))
+    with pytest.raises(TypeError, match="fn must be callable"):
+        await strategy.run(RANK)  # type: ignore[arg-type]
+    assert strategy.experimental_local_results(await strategy.run(replica_id)) == (RANK,)
+
+
 def test_unequal_local_replica_counts_are_refused_on_every_worker() -> None:
     """Workers with 1 and 2 local replicas: every worker gets a ValueError naming the counts."""
     local = 1 if RANK == 0 else 2
