@@ -459,14 +459,24 @@ async def test_all_reduce_workers_disagree(make_strategy: MakeStrategy, case: st
     )
 
 
+#: What one worker gathers or broadcasts that another does not, and what the error shows.
+GATHER_DISAGREEMENTS: dict[str, tuple[Callable[[], Any], str]] = {
+    "shape": (lambda: np.zeros((2, 3 + RANK)), r"worker 1\b"),
+    "key": (lambda: {"ab"[RANK % 2]: np.zeros((2, 3))}, r"at \['a'\].*at \['b'\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(GATHER_DISAGREEMENTS))
 @pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
 async def test_gather_and_broadcast_workers_disagree(
-    make_strategy: MakeStrategy, collective: str
+    make_strategy: MakeStrategy, collective: str, case: str
 ) -> None:
-    """Other trailing dimensions (all_gather) or shapes (broadcast) on one worker: the same
-    ValueError on every worker, and the strategy goes on."""
+    """Other trailing dimensions (all_gather) or shapes (broadcast) on one worker, or the same
+    array under another key: the same ValueError on every worker, naming what differs, rather
+    than values from different places combined; the strategy goes on."""
     strategy = make_strategy(1)
-    value = np.zeros((2, 3 + RANK))
+    make_value, shown = GATHER_DISAGREEMENTS[case]
+    value = make_value()
 
     async def step() -> Any:
         ctx = replica_context()
@@ -474,7 +484,7 @@ async def test_gather_and_broadcast_workers_disagree(
             return await ctx.all_gather(value, axis=0)
         return await ctx.broadcast(value, source_replica=0)
 
-    with pytest.raises(ValueError, match=r"worker 1\b") as caught:
+    with pytest.raises(ValueError, match=shown) as caught:
         await strategy.run(step)
     assert len(set(allgather(str(caught.value)))) == 1
 
@@ -484,26 +494,6 @@ async def test_gather_and_broadcast_workers_disagree(
     np.testing.assert_array_equal(
         await strategy.run(agreed), np.repeat(np.arange(WORKERS), 2).reshape(WORKERS, 2)
     )
-
-
-@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
-async def test_gather_and_broadcast_of_other_keys_disagree(
-    make_strategy: MakeStrategy, collective: str
-) -> None:
-    """The same array under another key on one worker: the same ValueError on every worker,
-    naming both keys, rather than values from different places combined."""
-    strategy = make_strategy(1)
-    value = {"ab"[RANK % 2]: np.zeros((2, 3))}
-
-    async def step() -> Any:
-        ctx = replica_context()
-        if collective == "all_gather":
-            return await ctx.all_gather(value, axis=0)
-        return await ctx.broadcast(value, source_replica=0)
-
-    with pytest.raises(ValueError, match=r"at \['a'\].*at \['b'\]") as caught:
-        await strategy.run(step)
-    assert len(set(allgather(str(caught.value)))) == 1
 
 
 @pytest.mark.parametrize("size", [2, 1000])
