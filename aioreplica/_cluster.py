@@ -19,9 +19,10 @@ traffic on it is never disturbed:
   collective starts with each worker's 1 KiB *record*, gathered by all: a header (a checksum
   of what the collective is, with the dtype and shape it carries and where in a nested value,
   then that in words) and the data itself when it is small. Different headers raise
-  ``WorkersDisagree`` on every worker
-  alike, before any data moves, so the workers stay in step; small reductions and broadcasts
-  are done from the gathered records, in that one message.
+  ``WorkersDisagree`` on every worker alike, before any data moves, so the workers stay in
+  step; small reductions and broadcasts are done from the gathered records, in that one
+  message. A worker whose ``run()`` refused its arguments sends a record saying so in place of
+  the step's first collective (``refuse_step``).
 - **the side channel.** A failure is announced to every peer as a small message on its own
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
