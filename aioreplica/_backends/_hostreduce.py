@@ -26,6 +26,15 @@ output, so that handing a range to another thread (tens to a hundred microsecond
 buffer made a host all_reduce 1.1x to 9x faster. ``BufferPool`` keeps a few output buffers per
 (shape, dtype) and hands one out again once no caller still holds it.
 
+**Huge pages.** A buffer of ``HUGE_BYTES`` or more gets a private mapping of its own, aligned
+to 2 MiB and advised for transparent huge pages (Linux), rather than ``np.empty``'s memory:
+where ``np.empty`` puts a large array depends on the allocator's history. Once MPI has freed
+buffers of that size, the C allocator serves them from its heap, and there the array ran on
+small pages: a cross-worker reduction of 16 MiB into it took 7.7 ms where one into a huge-page
+buffer took 5.8 ms (two workers on one 2-core virtual machine, where every TLB miss costs a
+nested page walk). The same reductions in one process, whose arrays ``np.empty`` maps afresh,
+ran alike either way.
+
 **The reuse rule.** A pooled buffer is *free* when nothing but the pool refers to it:
 ``sys.getrefcount(buffer)`` equals the count measured, through the same code path, on an array
 that only a list holds (calibrated at import, so it does not depend on the interpreter's
@@ -48,7 +57,9 @@ it to take a new reference.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +74,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCK_BYTES",
+    "HUGE_BYTES",
     "MIN_RANGE_BYTES",
     "BufferPool",
     "PoolStatistics",
+    "empty_buffer",
     "reduce_range",
     "reduce_small",
     "split_ranges",
@@ -300,6 +313,33 @@ def split_ranges(size: int, itemsize: int, parts: int) -> list[tuple[int, int]]:
 
 # -- the pool ------------------------------------------------------------------------------
 
+#: Buffers from this size up are mapped on their own, for huge pages.
+HUGE_BYTES: Final = 4 << 20
+_HUGE_PAGE: Final = 2 << 20
+_HUGE_PAGES: Final = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
+
+
+def empty_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """``np.empty(shape, dtype)``; from ``HUGE_BYTES`` up (on Linux), in a private anonymous
+    mapping of its own, aligned to 2 MiB and advised for transparent huge pages, so that the
+    kernel can back it with them whatever the C allocator did before.
+
+    The array is the owner of its memory as NumPy's views see it (their ``.base`` is the
+    array, as for ``np.empty``), so the pool's reuse rule holds; the mapping goes with it.
+
+    Example:
+        >>> empty_buffer((2, 3), np.dtype("float32")).shape
+        (2, 3)
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_BYTES or not _HUGE_PAGES:
+        return np.empty(shape, dtype)
+    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = -np.frombuffer(mapping, np.uint8, count=1).ctypes.data % _HUGE_PAGE
+    return np.ndarray(shape, dtype, buffer=mapping, offset=start)
+
 
 def _refs(bucket: list[npt.NDArray[Any]], i: int) -> int:
     """Reference count of ``bucket[i]`` as seen from here (the reuse test and its baseline)."""
@@ -425,7 +465,7 @@ class BufferPool:
         nbytes = math.prod(key_shape) * dt.itemsize
         if nbytes < self._min_bytes or nbytes > self._max_bytes:
             self._allocated += 1
-            return np.empty(key_shape, dt)
+            return empty_buffer(key_shape, dt)
         key = (key_shape, dt)
         bucket = self._buckets.pop(key, None)
         if bucket is None:
@@ -438,7 +478,7 @@ class BufferPool:
                 self._reused += 1
                 return buffer
         self._allocated += 1
-        buffer = np.empty(key_shape, dt)
+        buffer = empty_buffer(key_shape, dt)
         if len(bucket) < self._per_key and self._make_room(nbytes, key):
             bucket.append(buffer)
             self._pooled += nbytes

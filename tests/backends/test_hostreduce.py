@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 from aioreplica._backends import _hostreduce
 from aioreplica._backends._hostreduce import (
     BLOCK_BYTES,
+    HUGE_BYTES,
     MIN_RANGE_BYTES,
     BufferPool,
+    empty_buffer,
     reduce_range,
     split_ranges,
 )
@@ -416,6 +418,29 @@ class TestBlockSize:
         assert _hostreduce._l2_share_bytes(tmp_path / "absent") is None
 
 
+class TestEmptyBuffer:
+    def test_small_is_numpys_own(self) -> None:
+        """Below HUGE_BYTES: an ordinary np.empty array, owning its memory."""
+        buf = empty_buffer((3, 5), np.dtype("int32"))
+        assert (buf.shape, buf.dtype, buf.base) == ((3, 5), np.int32, None)
+        assert buf.flags.writeable
+        assert buf.flags.c_contiguous
+
+    @pytest.mark.skipif(not _hostreduce._HUGE_PAGES, reason="huge pages are Linux's")
+    def test_large_is_mapped_on_its_own_for_huge_pages(self) -> None:
+        """From HUGE_BYTES up: writeable, C-contiguous, on a 2 MiB boundary, and the owner of
+        its memory as views see it (their base is the buffer, not the mapping)."""
+        buf = empty_buffer((2, HUGE_BYTES // 8), np.dtype("float32"))
+        assert (buf.shape, buf.dtype) == ((2, HUGE_BYTES // 8), np.float32)
+        assert buf.flags.writeable
+        assert buf.flags.c_contiguous
+        assert buf.ctypes.data % (2 << 20) == 0
+        assert buf[1:].base is buf
+        assert buf.reshape(-1)[::2].base is buf
+        buf[:] = 3.0
+        assert float(buf.sum()) == 3.0 * buf.size
+
+
 def _view_makers() -> list[Any]:
     makers: list[tuple[str, Callable[[npt.NDArray[Any]], object]]] = [
         ("slice", lambda a: a[1:]),
@@ -433,6 +458,7 @@ def _view_makers() -> list[Any]:
 
 class TestBufferPool:
     SHAPE = (64,)
+    HUGE_SHAPE = (HUGE_BYTES // 4,)  # float32
 
     def _pool(self, **kwargs: int) -> BufferPool:
         return BufferPool(min_bytes=0, **kwargs)
@@ -449,13 +475,14 @@ class TestBufferPool:
         """take(7, ...) is take((7,), ...)."""
         assert self._pool().take(7, np.float64).shape == (7,)
 
-    def test_free_buffer_is_reused(self) -> None:
+    @pytest.mark.parametrize("shape", [SHAPE, HUGE_SHAPE], ids=["small", "huge"])
+    def test_free_buffer_is_reused(self, shape: tuple[int, ...]) -> None:
         """Once the result is dropped, the next take of that key returns the same buffer."""
         pool = self._pool()
-        result = pool.publish(pool.take(self.SHAPE, np.float32))
+        result = pool.publish(pool.take(shape, np.float32))
         ref = weakref.ref(result)
         del result
-        again = pool.take(self.SHAPE, np.float32)
+        again = pool.take(shape, np.float32)
         assert again is ref()
         assert pool.statistics().reused == 1
 
@@ -472,26 +499,28 @@ class TestBufferPool:
         second[:] = 2.0
         assert (result == 1.0).all()
 
+    @pytest.mark.parametrize("shape", [SHAPE, HUGE_SHAPE], ids=["small", "huge"])
     @pytest.mark.parametrize("make_view", _view_makers())
     def test_a_view_keeps_the_buffer_busy(
-        self, make_view: Callable[[npt.NDArray[Any]], object]
+        self, make_view: Callable[[npt.NDArray[Any]], object], shape: tuple[int, ...]
     ) -> None:
-        """A view (or container) of a dropped result keeps the buffer from being reused."""
+        """A view (or container) of a dropped result keeps the buffer from being reused,
+        whether ``np.empty`` made it or a mapping of its own (huge)."""
         pool = self._pool()
-        first = pool.take(self.SHAPE, np.float32)
+        first = pool.take(shape, np.float32)
         first[:] = 1.0
         ref = weakref.ref(first)
         view = make_view(pool.publish(first))
         del first
         gc.collect()
-        other = pool.take(self.SHAPE, np.float32)
+        other = pool.take(shape, np.float32)
         assert other is not ref()
         other[:] = 2.0
         kept = ref()
         assert kept is not None
         assert (kept == 1.0).all()
         del view, other, kept
-        assert pool.take(self.SHAPE, np.float32) is ref()
+        assert pool.take(shape, np.float32) is ref()
 
     def test_a_reference_in_another_thread_keeps_the_buffer_busy(self) -> None:
         """A worker thread holding the buffer keeps it busy until it lets go."""
