@@ -523,11 +523,10 @@ class Workers:
         await self._begin("all_reduce")
         try:
             if plan.parts:
-                source = (out if send is None else send).data.cast("B")
-                self._record_bytes[_HEADER_BYTES : _HEADER_BYTES + out.nbytes] = source
+                plan.slot[...] = out if send is None else send
             await self._exchange("all_reduce", plan.header)
             if plan.parts:
-                _combine(plan.ufunc, plan.parts, out if out.ndim == 1 else out.reshape(-1))
+                _combine(plan.ufunc, plan.parts, out)
                 return
             source = self.mpi.IN_PLACE if send is None else send
             request = self._comm.Iallreduce(source, out, self._op(op, out.dtype))
@@ -758,17 +757,21 @@ class Workers:
 
     def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
         """How this worker all-reduces ``out``: its header, and for data small enough to
-        travel with it, every worker's part of the gathered records (flat, of its dtype)."""
+        travel with it, its place in this worker's record and every worker's part of the
+        gathered records (views of ``out``'s dtype and shape)."""
         if out.dtype.kind == "b" and op not in _BOOL_OPS:
             raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
         if len(self._plans) >= _PLANS:
             self._plans.clear()
         header = _header_of(f"all_reduce ({op}) of {out.dtype.name} {out.shape}" + _named(layout))
-        parts: list[np.ndarray[Any, Any]] = []
-        if out.nbytes <= _INLINE_BYTES:
-            data = self._gathered[:, _HEADER_BYTES : _HEADER_BYTES + out.nbytes]
-            parts = [np.frombuffer(row, out.dtype) for row in data]
-        plan = _Plan(header, _LOCAL_OPS[op], parts)
+        if out.nbytes > _INLINE_BYTES:
+            plan = _Plan(header, _LOCAL_OPS[op], self._record[:0], [])
+        else:
+            end = _HEADER_BYTES + out.nbytes
+            slot = self._record[_HEADER_BYTES:end].view(out.dtype).reshape(out.shape)
+            rows = self._gathered[:, _HEADER_BYTES:end]
+            parts = [row.view(out.dtype).reshape(out.shape) for row in rows]
+            plan = _Plan(header, _LOCAL_OPS[op], slot, parts)
         self._plans[op, out.dtype, out.shape, layout] = plan
         return plan
 
@@ -964,6 +967,7 @@ def _header_of(words: str) -> _Header:
 class _Plan(NamedTuple):
     header: _Header
     ufunc: np.ufunc  # the op, for data that comes with the records
+    slot: np.ndarray[Any, Any]  # where this worker's data goes in its record
     parts: list[np.ndarray[Any, Any]]  # empty: the data goes in an ``Iallreduce`` of its own
 
 
