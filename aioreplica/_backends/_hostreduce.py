@@ -327,6 +327,9 @@ def empty_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[An
     The array is the owner of its memory as NumPy's views see it (their ``.base`` is the
     array, as for ``np.empty``), so the pool's reuse rule holds; the mapping goes with it.
 
+    Raises:
+        MemoryError: as ``np.empty``, when no mapping could be made either.
+
     Example:
         >>> empty_buffer((2, 3), np.dtype("float32")).shape
         (2, 3)
@@ -334,7 +337,10 @@ def empty_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[An
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < HUGE_BYTES or not _HUGE_PAGES:
         return np.empty(shape, dtype)
-    mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapping = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:  # out of address space or mappings: NumPy's own (or its MemoryError)
+        return np.empty(shape, dtype)
     with contextlib.suppress(OSError):  # a kernel without transparent huge pages
         mapping.madvise(mmap.MADV_HUGEPAGE)
     start = -np.frombuffer(mapping, np.uint8, count=1).ctypes.data % _HUGE_PAGE
