@@ -440,6 +440,16 @@ class TestEmptyBuffer:
         buf[:] = 3.0
         assert float(buf.sum()) == 3.0 * buf.size
 
+    def test_no_mapping_falls_back_to_numpy(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A mapping that cannot be made (out of address space): np.empty's array instead."""
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise OSError(12, "Cannot allocate memory")
+
+        monkeypatch.setattr(_hostreduce.mmap, "mmap", refuse)
+        buf = empty_buffer((HUGE_BYTES // 4,), np.dtype("float32"))
+        assert (buf.shape, buf.base) == ((HUGE_BYTES // 4,), None)
+
 
 def _view_makers() -> list[Any]:
     makers: list[tuple[str, Callable[[npt.NDArray[Any]], object]]] = [
