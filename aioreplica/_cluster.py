@@ -474,10 +474,8 @@ class Workers:
     def _arrive(self) -> None:
         """Count this collective; with a timeout in force, tell the peers it was reached."""
         self._sequence += 1
-        if self._primary and (collective_timeout.get() or self.default_timeout) is not None:
-            self._tell_arrival()
-
-    def _tell_arrival(self) -> None:
+        if not self._primary or (collective_timeout.get() or self.default_timeout) is None:
+            return
         side = self._side
         side.read_arrivals()  # keeps the peers' messages from piling up
         side.send_all(np.array([self._sequence], np.int64), _ARRIVAL)
@@ -1052,8 +1050,8 @@ def install_abort_on_uncaught(comm: Any) -> None:
 
     The exception is printed as usual, then, half a second later (for ``mpiexec`` to forward
     it), ``Abort(1)`` stops every process; otherwise the failed process would wait in
-    ``MPI_Finalize`` and its peers in a collective. Installed
-    once per process, chained to the hook in place.
+    ``MPI_Finalize`` and its peers in a collective. Installed once per process, chained to the
+    hook in place.
     """
     previous = sys.excepthook
     if getattr(previous, "_aioreplica_abort", False):

@@ -573,7 +573,8 @@ class ReductionEngine:
     async def _across_workers(self, op: str, local: list[Any], layout: str = "") -> list[Any]:
         """The cross-worker step: this worker's reduction (``local``, one result per replica,
         summed for ``mean``) combined with every other worker's, one result per replica.
-        ``layout``: the leaves packed in it, which every worker must agree on too.
+        ``layout``: the leaves packed in it, or where it is in the value reduced, which every
+        worker must agree on too.
 
         Host replicas share one output from the pool, published read-only: it is reduced in
         place (``MPI.IN_PLACE``) before anyone else sees it. GPU results go through the host.

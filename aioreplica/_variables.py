@@ -731,7 +731,7 @@ async def sync_variables(workers: Workers) -> None:
         await device.synchronize()
         value = await workers.broadcast(np.asarray(host_array(copy, device), order="C"), 0)
         _start_from(variable, value)
-        pending.remove(variable)
+        del pending[0]
 
 
 async def _sync_first(variable: Variable) -> None:
