@@ -358,29 +358,32 @@ def config_cases(
                 await exchange()
             return result
 
-        def in_lockstep(s: Any) -> Any:
-            async def run(fn: Any, args: tuple[Any, ...]) -> Any:
-                result = await s.run(step_in_lockstep, args=args)
+        def one_step(impl: str, s: Any) -> Callable[[], Awaitable[Any]]:
+            """One call of the row's step: ``s.run``, or in lockstep the one-process ``run()``
+            with an exchange in the step and one after it."""
+            if impl != "lockstep":
+                return lambda: s.run(step, args=(per_replica,))
+
+            async def in_lockstep() -> Any:
+                result = await s.run(step_in_lockstep, args=(per_replica,))
                 await exchange()
                 return result
 
-            return run
+            return in_lockstep
 
         for impl in ("aioreplica", "mirrored", "lockstep"):
             strategy = strategies.get("mirrored" if impl == "lockstep" else impl)
             if impl not in rows or strategy is None:
                 continue
-            run_step = in_lockstep(strategy) if impl == "lockstep" else strategy.run
+            call = one_step(impl, strategy)
 
-            def sample(reps: int, run_step: Any = run_step) -> int:
-                return driver.run(
-                    lambda: timed_async(lambda: run_step(step, args=(per_replica,)), reps)
-                )
+            def sample(reps: int, call: Callable[[], Awaitable[Any]] = call) -> int:
+                return driver.run(lambda: timed_async(call, reps))
 
-            def verify(run_step: Any = run_step, s: Any = strategy, impl: str = impl) -> None:
-                out = driver.run(
-                    lambda: within(VERIFY_TIMEOUT_S, run_step(step, args=(per_replica,)))
-                )
+            def verify(
+                call: Callable[[], Awaitable[Any]] = call, s: Any = strategy, impl: str = impl
+            ) -> None:
+                out = driver.run(lambda: within(VERIFY_TIMEOUT_S, call()))
                 # run() regroups: one value when every replica returned the same object.
                 results = s.experimental_local_results(out)
                 if len(results) not in (1, local):
