@@ -21,8 +21,9 @@ traffic on it is never disturbed:
   then that in words) and the data itself when it is small. Different headers raise
   ``WorkersDisagree`` on every worker alike, before any data moves, so the workers stay in
   step; small reductions and broadcasts are done from the gathered records, in that one
-  message. A worker whose ``run()`` refused its arguments sends a record saying so in place of
-  the step's first collective (``refuse_step``).
+  message. A worker that refused the arguments of its ``run()`` or of a collective sends a
+  record saying so in place of the collective it would have made next (``refuse_in_step``), so bad
+  input raises on every worker in step and breaks nothing.
 - **the side channel.** A failure is announced to every peer as a small message on its own
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
@@ -262,6 +263,8 @@ class Workers:
         self.default_timeout: float | None = None
         #: Variables made since the last sync, which start from the chief's values.
         self.pending: list[Any] = []
+        #: The error this worker last refused in step with the others (``refuse_in_step``).
+        self.refused: BaseException | None = None
         here = self._side.comm.Split_type(mpi.COMM_TYPE_SHARED)
         #: How many workers run on this machine (they share its cores).
         self.workers_here: int = here.Get_size()
@@ -615,15 +618,28 @@ class Workers:
             self._turn.release()
         return bytes(buffer)
 
-    async def refuse_step(self, what: str, error: BaseException) -> None:
+    async def refuse_in_step(self, what: str, error: BaseException) -> None:
         """Meet the other workers' next collective with a record saying that this worker's
         ``what`` refused its arguments (``error``), instead of the collectives it would have
         made: they raise ``WorkersDisagree`` naming this worker and its error, and every worker
-        has made one collective, so they stay in step. The caller then raises ``error``.
+        has made one collective, so they stay in step. The caller then raises ``error``, which
+        is the cluster's ``refused`` from then on: no failure of this worker, since every
+        worker raises in step (when every worker refused alike, each raises its own error).
+
+        Nothing is sent for an error that refuses no arguments (one that is not a
+        ``TypeError``, ``ValueError`` or ``ReplicaSyncError``), for a ``WorkersDisagree``
+        (raised on every worker in step already), or once the cluster is broken.
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
+            ClusterBroken: the cluster broke while this worker waited for its turn.
         """
+        if (
+            self.broken
+            or isinstance(error, WorkersDisagree)
+            or not isinstance(error, (TypeError, ValueError, ReplicaSyncError))
+        ):
+            return
         header = _header_of(f"{what} refusing its arguments: {error_line(error)}")
         await self._begin(what)
         try:
@@ -632,6 +648,7 @@ class Workers:
             pass  # the others raise it; this worker raises its own error
         finally:
             self._turn.release()
+        self.refused = error
 
     async def barrier(self, what: str) -> None:
         """Wait until every worker has reached this point (``what``: its name, the same on

@@ -259,6 +259,17 @@ class ReductionEngine:
                 f"source_replica must be a replica id from 0 to {last}, got {source!r}"
             )
 
+    async def refuse(self, what: str, error: BaseException) -> None:
+        """Make ``what``'s refusal of its arguments (``error``, which the caller raises next)
+        every worker's: across workers, the others' next collective raises ``WorkersDisagree``
+        naming this worker and its error, in step (``Workers.refuse_in_step``), so bad input breaks
+        nothing. Nothing to do in one process. When a peer fails or the cluster breaks
+        meanwhile, the caller's error is still the one raised (the next call reports the
+        rest)."""
+        if self.cluster is not None:
+            with contextlib.suppress(RuntimeError):  # ReplicaSyncError, ClusterBroken
+                await self.cluster.refuse_in_step(what, error)
+
     async def barrier(self) -> None:
         """Wait until every worker's replicas have reached this barrier (several workers)."""
         if self.cluster is None:

@@ -88,7 +88,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     side channel while they wait. ``sync_timeout`` (and a collective's ``timeout_seconds``)
     bounds every wait for another worker too. MPI cannot cancel a collective, so after such a
     failure the strategy refuses further cross-worker calls. An uncaught exception ends the
-    whole job (``MPI_Abort``) instead of leaving the other workers waiting.
+    whole job (``MPI_Abort``) instead of leaving the other workers waiting. Bad input is no
+    failure: arguments that ``run()`` or a collective refuses on some workers raise there, and
+    a ``ValueError`` naming them on the others, in step; the strategy goes on working.
 
     Args:
         devices: this worker's local devices, as for ``MirroredStrategy``.
@@ -198,10 +200,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         it; they leave it together: the end of ``run()`` is a cross-worker agreement, so a
         failure on any worker reaches every worker's ``run()``.
 
-        Arguments refused on one worker (a ``PerReplica`` of the wrong length, say) make
-        ``run()`` raise on every worker: that error on the worker that refused them, a
-        ``ValueError`` naming it on the others, at the first point where they agree; every
-        worker stays in step and the strategy goes on working.
+        Arguments refused on one worker (a ``PerReplica`` of the wrong length, say, or a
+        collective's: an unknown op, ``MEAN`` of integers) make ``run()`` raise on every
+        worker: that error on the worker that refused them, a ``ValueError`` naming it on the
+        others, at the first point where they agree; every worker stays in step and the
+        strategy goes on working.
 
         Raises:
             RuntimeError: another ``run()`` of this strategy is in progress on this worker; the
@@ -270,7 +273,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         if self._closed or self._running or self._workers.broken:
             return
-        await self._workers.refuse_step("run()", error)
+        await self._workers.refuse_in_step("run()", error)
 
     async def _sync_new_variables(self) -> None:
         if not self._workers.pending:
@@ -298,6 +301,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         worker's step succeeded."""
         workers = self._workers
         self._running = True
+        workers.refused = None
         try:
             try:
                 if workers.pending:
@@ -312,10 +316,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             self._running = False
 
     def _failed(self, exc: BaseException) -> None:
-        """Tell the other workers that this one failed (unless a peer's failure it is)."""
+        """Tell the other workers that this one failed: unless it is a peer's failure, or
+        bad input that every worker raised on in step (refused arguments, ``WorkersDisagree``),
+        which breaks nothing."""
         workers = self._workers
+        if exc is workers.refused:
+            workers.refused = None
+            return
         if workers.broken or isinstance(exc, (ClusterBroken, WorkersDisagree)):
-            return  # a peer's failure, or one raised alike on every worker
+            return
         if isinstance(exc, anyio.get_cancelled_exc_class()):
             workers.announce("its run() was cancelled")
             return

@@ -184,15 +184,20 @@ class StrategyExtended:
             [array(1.5), array(1.5)]
         """
         strategy = self._strategy
-        op = ReduceOp.parse(reduce_op)
-        strategy._check_cross_replica("batch_reduce_to")
-        if strategy._engine.cluster is not None:
-            await strategy._sync_new_variables()
-        pairs = [
-            (_variables_as_values(value, op), strategy._destinations(dest))
-            for value, dest in value_destination_pairs
-        ]
-        results = await strategy._engine.batch_reduce_to(op, pairs, options)
+        engine = strategy._engine
+        try:
+            op = ReduceOp.parse(reduce_op)
+            strategy._check_cross_replica("batch_reduce_to")
+            if engine.cluster is not None:
+                await strategy._sync_new_variables()
+            pairs = [
+                (_variables_as_values(value, op), strategy._destinations(dest))
+                for value, dest in value_destination_pairs
+            ]
+            results = await engine.batch_reduce_to(op, pairs, options)
+        except (TypeError, ValueError) as exc:
+            await engine.refuse("batch_reduce_to", exc)
+            raise
         return [_grouped(per_destination) for per_destination in results]
 
     async def update(
@@ -481,11 +486,16 @@ class MirroredStrategy:
             >>> float(anyio.run(strategy.reduce, "mean", losses, 0))
             2.5
         """
-        op = ReduceOp.parse(reduce_op)
-        self._check_cross_replica("reduce")
-        if self._engine.cluster is not None:
-            await self._sync_new_variables()
-        return await self._engine.reduce(op, _variables_as_values(value, op), axis)
+        engine = self._engine
+        try:
+            op = ReduceOp.parse(reduce_op)
+            self._check_cross_replica("reduce")
+            if engine.cluster is not None:
+                await self._sync_new_variables()
+            return await engine.reduce(op, _variables_as_values(value, op), axis)
+        except (TypeError, ValueError) as exc:
+            await engine.refuse("strategy.reduce", exc)
+            raise
 
     async def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenate a distributed ``value``'s components along ``axis``.
@@ -501,7 +511,11 @@ class MirroredStrategy:
             array([1, 2, 3])
         """
         self._check_cross_replica("gather")
-        return await self._engine.gather(value, axis)
+        try:
+            return await self._engine.gather(value, axis)
+        except (TypeError, ValueError) as exc:
+            await self._engine.refuse("strategy.gather", exc)
+            raise
 
     def _check_cross_replica(self, what: str) -> None:
         replica = context_state.get().replica

@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aioreplica import CommunicationOptions, PerReplica, ReduceOp
+from aioreplica import CommunicationOptions, PerReplica, ReduceOp, ReplicaSyncError
 from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
 
@@ -569,3 +569,138 @@ async def test_workers_making_other_collectives_fail_alike(
     assert ("the end of run()" if extra else other) in message, message
     assert len({m.split(":", 1)[1] for m in allgather(message)}) == 1
     assert await strategy.run(lambda: RANK) == RANK
+
+
+def _in_a_step(call: Callable[[bool], Any]) -> Callable[[Any, bool], Any]:
+    """A bad-input case made in a replica: ``call(bad)`` in every replica of one run()."""
+
+    async def case(strategy: Any, bad: bool) -> Any:
+        return await strategy.run(lambda: call(bad))
+
+    return case
+
+
+_X = np.arange(4.0)
+_INTS = np.arange(4, dtype=np.int32)
+
+#: Bad input to a collective, and the error it raises: ``case(strategy, bad)`` makes the
+#: collective with bad arguments (``bad``) or good ones; its name in the others' message.
+BAD_INPUT: dict[str, tuple[Callable[[Any, bool], Any], type[Exception], str]] = {
+    "MEAN of ints": (
+        _in_a_step(lambda bad: replica_context().all_reduce("mean", _INTS if bad else _X)),
+        TypeError,
+        "all_reduce",
+    ),
+    "a string": (
+        _in_a_step(lambda bad: replica_context().all_reduce("sum", "text" if bad else _X)),
+        TypeError,
+        "all_reduce",
+    ),
+    "unknown op": (
+        _in_a_step(lambda bad: replica_context().all_reduce("bogus" if bad else "sum", _X)),
+        ValueError,
+        "all_reduce",
+    ),
+    "replica shapes": (
+        _in_a_step(
+            lambda bad: replica_context().all_reduce(
+                "sum", np.ones(2 + (replica_id() % 2 if bad else 0))
+            )
+        ),
+        ValueError,
+        "all_reduce",
+    ),
+    "replica ops": (
+        _in_a_step(
+            lambda bad: replica_context().all_reduce(
+                ["sum", "max"][replica_id() % 2] if bad else "sum", _X
+            )
+        ),
+        ReplicaSyncError,
+        "all_reduce",
+    ),
+    "broadcast source": (
+        _in_a_step(lambda bad: replica_context().broadcast(_X, source_replica=99 if bad else 0)),
+        ValueError,
+        "broadcast",
+    ),
+    "all_gather axis": (
+        _in_a_step(lambda bad: replica_context().all_gather(_X, axis=5 if bad else 0)),
+        ValueError,
+        "all_gather",
+    ),
+    "reduce_scatter op": (
+        _in_a_step(lambda bad: replica_context().reduce_scatter("bogus" if bad else "sum", _X)),
+        ValueError,
+        "reduce_scatter",
+    ),
+    "strategy.reduce op": (
+        lambda s, bad: s.reduce("bogus" if bad else "sum", PerReplica([_X, _X])),
+        ValueError,
+        "strategy.reduce",
+    ),
+    "strategy.reduce axis": (
+        lambda s, bad: s.reduce("sum", PerReplica([_X, _X]), axis=5 if bad else 0),
+        ValueError,
+        "strategy.reduce",
+    ),
+    "strategy.gather axis": (
+        lambda s, bad: s.gather(PerReplica([_X, _X]), axis=5 if bad else 0),
+        ValueError,
+        "strategy.gather",
+    ),
+    "reduce_to destination": (
+        lambda s, bad: s.extended.reduce_to(
+            "sum", PerReplica([_X, _X]), "cpu:9" if bad else "cpu:0"
+        ),
+        ValueError,
+        "batch_reduce_to",
+    ),
+}
+
+
+async def _still_in_step(strategy: Any) -> None:
+    """The strategy still reduces across every worker."""
+
+    async def step() -> Any:
+        return await replica_context().all_reduce("sum", np.full(3, RANK + 1.0))
+
+    for value in local_results(strategy, await strategy.run(step)):
+        np.testing.assert_array_equal(value, np.full(3, 2 * WORKERS * (WORKERS + 1) / 2))
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+async def test_bad_input_on_every_worker_breaks_nothing(
+    make_strategy: MakeStrategy, case: str
+) -> None:
+    """Every worker passing a collective the same bad input raises the error it would raise in
+    one process, at once, and the strategy goes on working (nothing moved, no worker failed)."""
+    strategy = make_strategy(2)
+    make, error, _ = BAD_INPUT[case]
+    started = time.monotonic()
+    with pytest.raises(error) as caught:
+        await make(strategy, True)
+    assert time.monotonic() - started < 5
+    assert "worker" not in str(caught.value).split(";")[0], str(caught.value)
+    await _still_in_step(strategy)
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+async def test_bad_input_on_one_worker_raises_on_every_worker(
+    make_strategy: MakeStrategy, case: str
+) -> None:
+    """One worker passing bad input raises its own error; every other worker's collective
+    raises a ValueError naming that worker and its error, in step, and the strategy goes on
+    working on every worker."""
+    strategy = make_strategy(2)
+    make, error, what = BAD_INPUT[case]
+    bad = RANK == WORKERS - 1
+    started = time.monotonic()
+    with pytest.raises(error if bad else ValueError) as caught:
+        await make(strategy, bad)
+    assert time.monotonic() - started < 5
+    if not bad:
+        message = str(caught.value)
+        refusing = f"worker {WORKERS - 1}: {what} refusing its arguments: {error.__name__}"
+        assert refusing in message, message
+    await _still_in_step(strategy)
