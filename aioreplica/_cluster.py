@@ -265,6 +265,9 @@ class Workers:
         self.pending: list[Any] = []
         #: The error this worker last refused in step with the others (``refuse_in_step``).
         self.refused: BaseException | None = None
+        #: Errors raised in this ``run()`` by a replica's check of a collective's arguments,
+        #: with the collective's name: refused in step if the ``run()`` fails with one.
+        self.refusing: list[tuple[str, BaseException]] = []
         here = self._side.comm.Split_type(mpi.COMM_TYPE_SHARED)
         #: How many workers run on this machine (they share its cores).
         self.workers_here: int = here.Get_size()

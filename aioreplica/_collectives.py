@@ -270,6 +270,15 @@ class ReductionEngine:
             with contextlib.suppress(RuntimeError):  # ReplicaSyncError, ClusterBroken
                 await self.cluster.refuse_in_step(what, error)
 
+    def refusing(self, what: str, error: BaseException) -> None:
+        """Note that a replica's own check of ``what``'s arguments raised ``error`` (which the
+        caller raises next): across workers, a ``run()`` failing with it refuses it on every
+        worker in step as it ends, as ``refuse`` does at once for the merge's checks (a
+        replica cannot: its worker's other replicas may not have come that far). Nothing to
+        do in one process."""
+        if self.cluster is not None:
+            self.cluster.refusing.append((what, error))
+
     async def barrier(self) -> None:
         """Wait until every worker's replicas have reached this barrier (several workers)."""
         if self.cluster is None:

@@ -280,7 +280,8 @@ class ReplicaContext:
         try:
             op = ReduceOp.parse(op)
         except ValueError as exc:
-            op = _for_the_merge(engine, exc)  # type: ignore[assignment]
+            engine.refusing("all_reduce", exc)
+            raise
         options = engine.options.override(options)
         return await self._collective(
             _merge_all_reduce, (engine, op, value, options), options.timeout_seconds
@@ -327,13 +328,13 @@ class ReplicaContext:
             array([1., 1.])
         """
         engine = self._engine
-        source: int | Exception = source_replica
         try:
             engine.check_source(source_replica)  # at once, in this replica
         except ValueError as exc:
-            source = _for_the_merge(engine, exc)
+            engine.refusing("broadcast", exc)
+            raise
         timeout = engine.options.override(options).timeout_seconds
-        return await self._collective(_merge_broadcast, (engine, value, source), timeout)
+        return await self._collective(_merge_broadcast, (engine, value, source_replica), timeout)
 
     async def reduce_scatter(
         self,
@@ -362,7 +363,8 @@ class ReplicaContext:
         try:
             op = ReduceOp.parse(op)
         except ValueError as exc:
-            op = _for_the_merge(engine, exc)  # type: ignore[assignment]
+            engine.refusing("reduce_scatter", exc)
+            raise
         options = engine.options.override(options)
         return await self._collective(
             _merge_reduce_scatter, (engine, op, value, axis, options), options.timeout_seconds
@@ -402,7 +404,7 @@ async def _merge_all_reduce(
     strategy: Any, engine: ReductionEngine, op: Any, value: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        op = agreed(_unless_refused(op), "the reduce op of all_reduce")
+        op = agreed(op, "the reduce op of all_reduce")
         options = agreed(options, "the communication options of all_reduce")
         return PerReplica(await engine.all_reduce(op, value, options))
     except _REFUSALS as exc:
@@ -424,7 +426,7 @@ async def _merge_broadcast(
     strategy: Any, engine: ReductionEngine, value: Any, source: Any
 ) -> PerReplica[Any]:
     try:
-        source = agreed(_unless_refused(source), "the source_replica of broadcast")
+        source = agreed(source, "the source_replica of broadcast")
         return PerReplica(await engine.broadcast(value, source))
     except _REFUSALS as exc:
         await engine.refuse("broadcast", exc)
@@ -435,7 +437,7 @@ async def _merge_reduce_scatter(
     strategy: Any, engine: ReductionEngine, op: Any, value: Any, axis: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        op = agreed(_unless_refused(op), "the reduce op of reduce_scatter")
+        op = agreed(op, "the reduce op of reduce_scatter")
         axis = agreed(axis, "the axis of reduce_scatter")
         options = agreed(options, "the communication options of reduce_scatter")
         return PerReplica(await engine.reduce_scatter(op, value, axis, options))
@@ -447,24 +449,6 @@ async def _merge_reduce_scatter(
 #: What a collective's checks raise on bad arguments: across workers, the merge functions
 #: refuse them on every worker in step (``ReductionEngine.refuse``) before raising.
 _REFUSALS = (TypeError, ValueError, ReplicaSyncError)
-
-
-def _unless_refused(value: Any) -> Any:
-    """``value``, a merge argument, unless a replica's check of it failed in the replica: then
-    that error (raised in the merge, where every worker can refuse it in step)."""
-    for component in value.values if isinstance(value, PerReplica) else (value,):
-        if isinstance(component, Exception):
-            raise component
-    return value
-
-
-def _for_the_merge(engine: ReductionEngine, error: Exception) -> Exception:
-    """A replica's check of a collective's argument failed (``error``): raise it here in one
-    process; across workers, hand it to the merge in the argument's place
-    (``_unless_refused``), where every worker refuses it in step."""
-    if engine.cluster is None:
-        raise error
-    return error
 
 
 def _merge_barrier(strategy: Any, engine: ReductionEngine) -> Awaitable[None] | None:

@@ -10,6 +10,7 @@ different workers).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, final
@@ -297,11 +298,14 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
         """Run the replicas (``parts``: their arguments), refusing a concurrent ``run()``;
-        announce a failure to the other workers; agree with them at the end that every
-        worker's step succeeded."""
+        agree with the other workers at the end that every worker's step succeeded. A failure
+        is announced to them, unless it is bad input: arguments a replica's check refused
+        (``ReductionEngine.refusing``) are refused in step here, where the worker's next
+        collective would be."""
         workers = self._workers
         self._running = True
         workers.refused = None
+        workers.refusing.clear()
         try:
             try:
                 if workers.pending:
@@ -309,6 +313,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 result = await self._scheduler.run(fn, parts)
                 await workers.barrier("the end of run()")
             except BaseException as exc:
+                for what, error in workers.refusing:
+                    if error is exc:  # a replica's check of a collective's arguments
+                        with contextlib.suppress(RuntimeError):  # a peer failed meanwhile
+                            await workers.refuse_in_step(what, exc)
+                        break
                 self._failed(exc)
                 raise
             return result

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, final
 import numpy as np
 
 from ._context import default_replica_context, get_replica_context
+from ._errors import ReplicaSyncError
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, slot_variable
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
     from ._backends import Device
     from ._collectives import ReductionEngine
+    from ._context import ReplicaContext
 
 __all__ = [
     "SGD",
@@ -232,6 +234,20 @@ class Optimizer:
                 "apply_gradients() was called in cross-replica context; call it from the "
                 "step function inside strategy.run(), where each replica passes its gradients"
             )
+        try:
+            grads, variables = self._checked_pairs(ctx, grads_and_vars)
+        except (TypeError, ValueError) as exc:
+            ctx._engine.refusing("apply_gradients()", exc)  # on every worker alike
+            raise
+        iterations: int = await ctx.merge_call(
+            self._merge_apply, args=(ctx._engine, grads, variables)
+        )
+        return iterations
+
+    def _checked_pairs(
+        self, ctx: ReplicaContext, grads_and_vars: Iterable[tuple[Any, Variable]]
+    ) -> tuple[list[Any], list[Variable]]:
+        """This replica's gradients (checked, cast, on its device) and their variables."""
         replica_id = ctx.replica_id_in_sync_group
         grads: list[Any] = []
         variables: list[Variable] = []
@@ -256,10 +272,7 @@ class Optimizer:
                 "apply_gradients() got no gradients: every pair's gradient is None (or the "
                 "list is empty)"
             )
-        iterations: int = await ctx.merge_call(
-            self._merge_apply, args=(ctx._engine, grads, variables)
-        )
-        return iterations
+        return grads, variables
 
     async def _merge_apply(
         self,
@@ -274,12 +287,16 @@ class Optimizer:
         every variable lives on the engine's devices (its owner was checked there too), so
         they go straight to the engine's reduction, one array per replica each.
         """
-        variables = [
-            variable
-            if not isinstance(variable, DistributedValues)  # the same on every replica
-            else agreed(variable, f"the variable of pair {i} of apply_gradients()")
-            for i, variable in enumerate(variables)
-        ]
+        try:
+            variables = [
+                variable
+                if not isinstance(variable, DistributedValues)  # the same on every replica
+                else agreed(variable, f"the variable of pair {i} of apply_gradients()")
+                for i, variable in enumerate(variables)
+            ]
+        except ReplicaSyncError as exc:
+            await engine.refuse("apply_gradients()", exc)  # on every worker alike
+            raise
         # Every turn at once, in the global order, so that no two steps or restores can wait
         # for each other; a slot made by a step that ran while this one waited included.
         async with taking_turns(lambda: self._turns(variables)):

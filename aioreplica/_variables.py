@@ -24,6 +24,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
+from ._errors import ReplicaSyncError
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._values import DistributedValues, PerReplica, agreed, select_replica_mirrored
 from ._writes import (
@@ -607,15 +608,19 @@ class MirroredVariable(Variable):
         if replica is None:
             await self._write_copies(op, self._cross_replica_values(value))
             return self
-        replica_id = self._replica_id(replica, op)
-        if self._aggregation is _Agg.NONE:
-            raise ValueError(
-                f"{op}() on MirroredVariable {self._name!r} in replica context needs an "
-                "aggregation to combine the replicas' values, but its aggregation is NONE; "
-                "create it with aggregation='sum', 'mean' or 'only_first_replica', or write "
-                "it in cross-replica context (outside run())"
-            )
-        local = self._checked(value, replica.device, replica_id)
+        self._replica_id(replica, op)
+        try:
+            if self._aggregation is _Agg.NONE:
+                raise ValueError(
+                    f"{op}() on MirroredVariable {self._name!r} in replica context needs an "
+                    "aggregation to combine the replicas' values, but its aggregation is NONE; "
+                    "create it with aggregation='sum', 'mean' or 'only_first_replica', or "
+                    "write it in cross-replica context (outside run())"
+                )
+            local = self._checked(value, replica.device, replica.replica_id_in_sync_group)
+        except (TypeError, ValueError) as exc:
+            replica._engine.refusing(f"{op}() of variable {self._name!r}", exc)
+            raise
         local = replica.device.xp.broadcast_to(local.astype(self._dtype, copy=False), self._shape)
         await replica.merge_call(_merge_write, args=(self, op, local, value))
         return self
@@ -694,7 +699,7 @@ class SyncOnReadVariable(Variable):
         replica = context_state.get().replica
         if replica is not None:
             replica_id = self._replica_id(replica, op)
-            local = self._checked(value, replica.device, replica_id)
+            local = self._checked(value, replica.device, replica.replica_id_in_sync_group)
             async with self._turn:
                 copy = self._copies[replica_id]
                 new = (await compute_copies((replica.device,), writer(op), [[copy], [local]]))[0]
@@ -830,21 +835,26 @@ async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given:
     ``given`` is what each replica passed, before conversion: the very same object from every
     replica is one value, not one per replica, and cannot be summed (as in TF).
     """
-    variable = agreed(variable, "the variable the replicas write")
-    op = agreed(op, "the kind of write (assign, assign_add, assign_sub)")
-    assert isinstance(variable, MirroredVariable)
-    if (
-        variable._aggregation is _Agg.SUM
-        and len(variable._devices) > 1
-        and not isinstance(given, DistributedValues)
-    ):
-        raise ValueError(
-            f"{op}() of MirroredVariable {variable._name!r} (aggregation SUM): every replica "
-            f"passed the same object ({_short(given)}), which is one value, not one per "
-            "replica, so it cannot be reduced with SUM (it would count it once per replica); "
-            "pass a value computed in each replica, use aggregation 'mean' or "
-            "'only_first_replica', or write it in cross-replica context"
-        )
+    engine: ReductionEngine = strategy._engine
+    try:
+        variable = agreed(variable, "the variable the replicas write")
+        op = agreed(op, "the kind of write (assign, assign_add, assign_sub)")
+        assert isinstance(variable, MirroredVariable)
+        if (
+            variable._aggregation is _Agg.SUM
+            and len(variable._devices) > 1
+            and not isinstance(given, DistributedValues)
+        ):
+            raise ValueError(
+                f"{op}() of MirroredVariable {variable._name!r} (aggregation SUM): every "
+                f"replica passed the same object ({_short(given)}), which is one value, not one "
+                "per replica, so it cannot be reduced with SUM (it would count it once per "
+                "replica); pass a value computed in each replica, use aggregation 'mean' or "
+                "'only_first_replica', or write it in cross-replica context"
+            )
+    except (ValueError, ReplicaSyncError) as exc:
+        await engine.refuse("a write of a variable", exc)  # on every worker alike
+        raise
     reduced = await _aggregate(variable, value)
     await variable._write_copies(op, reduced)
 

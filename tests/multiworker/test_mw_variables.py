@@ -289,3 +289,74 @@ async def test_variables_of_other_shapes_are_refused_on_every_worker(
         assert_copies_equal(good, worker_value(0))
     else:  # a synchronous first read syncs every new variable at once: none was
         np.testing.assert_array_equal(good.values[0], worker_value(RANK))
+
+
+#: Bad writes made in a replica, and the error they raise: ``write(v, optimizer, bad)``
+#: writes ``v`` (shape (3,), float32) with bad arguments (``bad``) or good ones; the name of
+#: the write in the others' message.
+BAD_WRITES: dict[str, tuple[Any, type[Exception], str]] = {
+    "assign shape": (
+        lambda v, opt, bad: v.assign(np.ones(4 if bad else 3, np.float32)),
+        ValueError,
+        "assign() of variable 'v'",
+    ),
+    "assign_add dtype": (
+        lambda v, opt, bad: v.assign_add(np.ones(3, np.complex64 if bad else np.float32)),
+        TypeError,
+        "assign_add() of variable 'v'",
+    ),
+    "replica shapes": (
+        lambda v, opt, bad: v.assign(np.ones(4 if bad and replica_id() % 2 else 3)),
+        ValueError,
+        "assign() of variable 'v'",
+    ),
+    "gradient shape": (
+        lambda v, opt, bad: opt.apply_gradients([(np.ones(4 if bad else 3, np.float32), v)]),
+        ValueError,
+        "apply_gradients()",
+    ),
+    "gradient string": (
+        lambda v, opt, bad: opt.apply_gradients([("grad" if bad else np.ones(3, np.float32), v)]),
+        ValueError,  # a string is an array of shape ()
+        "apply_gradients()",
+    ),
+    "no gradients": (
+        lambda v, opt, bad: opt.apply_gradients([(None if bad else np.ones(3, np.float32), v)]),
+        ValueError,
+        "apply_gradients()",
+    ),
+}
+
+
+@pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
+@pytest.mark.parametrize("case", list(BAD_WRITES))
+async def test_bad_writes_change_nothing(
+    make_strategy: MakeStrategy, case: str, everywhere: bool
+) -> None:
+    """A write or optimizer step refused on every worker (or on one: the others raise a
+    ValueError naming it) changes no copy on any worker, and the strategy goes on working."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(np.arange(3, dtype=np.float32) + RANK, name="v", aggregation="mean")
+    optimizer = SGD(0.5)
+    write, error, what = BAD_WRITES[case]
+    bad = everywhere or RANK == WORKERS - 1
+
+    async def step() -> None:
+        await write(v, optimizer, bad)
+
+    with pytest.raises(error if bad else ValueError) as caught:
+        await strategy.run(step)
+    if not bad:
+        message = str(caught.value)
+        assert f"worker {WORKERS - 1}: {what} refusing its arguments" in message, message
+    assert optimizer.iterations == 0
+    for copy in v.values:
+        np.testing.assert_array_equal(copy, np.arange(3, dtype=np.float32))  # the chief's
+
+    async def good() -> None:
+        await optimizer.apply_gradients([(np.full(3, replica_id(), np.float32), v)])
+
+    await strategy.run(good)
+    assert_same_on_every_worker(*v.values)  # the gradients are summed over every replica
+    np.testing.assert_allclose(v.values[0], np.arange(3) - 0.5 * sum(range(2 * WORKERS)))
