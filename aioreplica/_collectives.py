@@ -431,10 +431,16 @@ class ReductionEngine:
         for path, leaf in pairs:
             if isinstance(leaf, DistributedValues):
                 if len(leaf.values) != size:
+                    local = (
+                        f" on this worker ({self.num_replicas} over all workers: a distributed "
+                        "value holds this worker's replicas' values only)"
+                        if self.cluster is not None
+                        else ""
+                    )
                     raise ValueError(
                         f"{what}: the value at {_tree.describe_path(path)} is a "
                         f"{type(leaf).__name__} of {len(leaf.values)} values, but the strategy "
-                        f"has {size} replicas"
+                        f"has {size} replicas{local}"
                     )
                 components = list(leaf.values)
             else:

@@ -704,3 +704,15 @@ async def test_bad_input_on_one_worker_raises_on_every_worker(
         refusing = f"worker {WORKERS - 1}: {what} refusing its arguments: {error.__name__}"
         assert refusing in message, message
     await _still_in_step(strategy)
+
+
+async def test_reduce_of_a_global_length_per_replica_says_values_are_local(
+    make_strategy: MakeStrategy,
+) -> None:
+    """strategy.reduce of a PerReplica with one value per global replica is a ValueError that
+    says distributed values hold this worker's replicas only; the strategy goes on."""
+    strategy = make_strategy(2)
+    with pytest.raises(ValueError, match="this worker's replicas' values only") as caught:
+        await strategy.reduce("sum", PerReplica([_X] * (2 * WORKERS)))
+    assert f"has 2 replicas on this worker ({2 * WORKERS} over all workers" in str(caught.value)
+    await _still_in_step(strategy)
