@@ -23,7 +23,8 @@ from mpi_jobs import Job, mpiexec, run_job
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "tests" / "multiworker" / "scenarios.py"
 RANKS = 2
-BACKENDS = ["asyncio", "trio"]
+#: The event loops of the suite (uvloop has no Windows build).
+BACKENDS = ["asyncio", *(["uvloop"] if sys.platform != "win32" else []), "trio"]
 
 
 def reported(job: Job, rank: int, part: str) -> bool:
@@ -51,7 +52,7 @@ def assert_scenario(name: str, backend: str, parts: tuple[str, ...], within: flo
 
 @pytest.mark.timeout(300)
 def test_multiworker_suite() -> None:
-    """tests/multiworker passes in 2 ranks on asyncio and trio: every test passed on every
+    """tests/multiworker passes in 2 ranks on asyncio, uvloop and trio: every test passed on every
     rank, none skipped or failed."""
     job = launch(["-m", "pytest", "tests/multiworker", "-p", "no:cacheprovider", "-q"], timeout=240)
     assert job.returncode == 0, job.log
@@ -61,12 +62,14 @@ def test_multiworker_suite() -> None:
         assert not re.search(rf"\d+ {bad}", job.output), job.log
     passed = int(summary.group(1))
     agreed = re.search(
-        rf"all {RANKS} ranks passed the same {passed} tests \(asyncio: (\d+), trio: (\d+)\)",
+        rf"all {RANKS} ranks passed the same {passed} tests "
+        r"\(asyncio: (\d+), uvloop: (\d+), trio: (\d+)\)",
         job.output,
     )
     assert agreed, job.log
-    asyncio_tests, trio_tests = int(agreed.group(1)), int(agreed.group(2))
-    assert asyncio_tests == trio_tests > 0, job.log  # every async test ran on both loops
+    asyncio_tests, uvloop_tests, trio_tests = (int(n) for n in agreed.groups())
+    assert asyncio_tests == trio_tests > 0, job.log  # every loop ran them all
+    assert uvloop_tests == (asyncio_tests if "uvloop" in BACKENDS else 0), job.log
 
 
 @pytest.mark.timeout(120)

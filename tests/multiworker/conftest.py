@@ -18,7 +18,7 @@ order, so the collective calls of each test meet their peers on the other rank.
   ``mpiexec`` puts the ranks in sessions of their own, out of the launcher's reach.
 - Each test gets a timeout of ``AIOREPLICA_MW_TEST_TIMEOUT`` seconds (default 20) unless it
   has its own ``timeout`` mark.
-- Async tests run on asyncio and trio (``anyio_backend``).
+- Async tests run on asyncio, uvloop and trio (``anyio_backend``).
 """
 
 from __future__ import annotations
@@ -64,11 +64,16 @@ _failed: list[str] = []
 @pytest.fixture(
     params=[
         pytest.param(("asyncio", {}), id="asyncio"),
+        *(
+            [pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")]
+            if sys.platform != "win32"
+            else []
+        ),
         pytest.param(("trio", {}), id="trio"),
     ]
 )
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
-    """Run each multi-worker test on asyncio and on trio."""
+    """Run each multi-worker test on asyncio, uvloop and trio."""
     backend: tuple[str, dict[str, object]] = request.param
     return backend
 
@@ -126,12 +131,12 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> Generator[
         if len(passed) == 1 and not failed:
             loops = {
                 loop: sum(bool(re.search(rf"[\[-]{loop}[\]-]", p)) for p in outcomes[0][0])
-                for loop in ("asyncio", "trio")
+                for loop in ("asyncio", "uvloop", "trio")
             }
             print(
                 f"\nmultiworker: all {WORLD.Get_size()} ranks passed the same "
                 f"{len(outcomes[0][0])} tests (asyncio: {loops['asyncio']}, "
-                f"trio: {loops['trio']})",
+                f"uvloop: {loops['uvloop']}, trio: {loops['trio']})",
                 file=_err(),
                 flush=True,
             )

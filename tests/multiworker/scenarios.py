@@ -322,7 +322,10 @@ def main() -> None:
     name, backend = sys.argv[1], sys.argv[2]
     faulthandler.dump_traceback_later(60, exit=True)
     start = time.monotonic()
-    anyio.run(SCENARIOS[name], backend=backend)
+    options = {"use_uvloop": True} if backend == "uvloop" else {}
+    anyio.run(
+        SCENARIOS[name], backend="trio" if backend == "trio" else "asyncio", backend_options=options
+    )
     if name != "left":  # there, rank 1 is gone
         WORLD.Barrier()
     print(f"rank {RANK}: scenario {name} on {backend} done in {time.monotonic() - start:.2f}")
