@@ -44,9 +44,11 @@ sum over all workers and replicas, and each row runs a few untimed calls (the fi
 of a run is slow). Each sample: ``gc.collect()``, a barrier, then ``time.perf_counter_ns``
 around ``reps`` calls; a sample's time is the slowest worker's (the time until every worker is
 done). ``reps`` is calibrated, the same on every worker, so that a sample lasts about 0.2 s
-(0.05 s with ``--quick``); 7 samples per row (3 with ``--quick``), taken in rounds that
-alternate the order of the rows (A B C, C B A, ...), because absolute times drift on a shared
-machine while ratios taken moments apart hold.
+(0.05 s with ``--quick``); 7 samples per row (3 with ``--quick``), and three times as many at
+8 bytes, whose rows are cheap and read by their fastest sample: on a noisy machine more samples
+bring it closer to the step's quiet cost. The samples are taken in rounds that alternate the
+order of the rows (A B C, C B A, ...), because absolute times drift on a shared machine while
+ratios taken moments apart hold.
 
 Table 1: per L and size, the per-replica bytes reduced per second (MB/s, 1 MB = 10^6 B) of raw
 and aioreplica from their median samples, and ``ratio``, aioreplica's throughput over raw's:
@@ -113,6 +115,8 @@ RATIO_BAR = 0.8
 #: The most an 8-byte step may cost on the multi-worker strategy over the single-process one.
 ADDED_BAR_US = 20.0
 STEP_BYTES = 8
+#: How many times the usual number of samples the rows at ``STEP_BYTES`` take.
+STEP_SAMPLES_FACTOR = 3
 WARMUP_CALLS = 3
 MAX_REPS = 1_000_000
 VERIFY_TIMEOUT_S = 60.0
@@ -682,7 +686,8 @@ def run(argv: list[str] | None, mpi: Any) -> int:
                 cases = config_cases(
                     group, raw_comm, mpi, local, nbytes, strategies, aio, driver, live, exchange
                 )
-                measure(group, cases, samples, target_ns)
+                factor = STEP_SAMPLES_FACTOR if nbytes == STEP_BYTES else 1
+                measure(group, cases, samples * factor, target_ns)
                 del cases
                 gc.collect()
             for s in strategies.values():
@@ -703,6 +708,7 @@ def run(argv: list[str] | None, mpi: Any) -> int:
             "local_replicas": list(LOCAL_REPLICAS),
             "sizes_bytes": list(sizes),
             "samples": samples,
+            "step_samples": samples * STEP_SAMPLES_FACTOR,
             "sample_target_ns": target_ns,
             "mpi_library": mpi.Get_library_version().strip().splitlines()[0],
             "mpi4py": dist_version("mpi4py"),

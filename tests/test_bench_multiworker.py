@@ -82,10 +82,12 @@ def test_quick_run_reports_every_configuration(tmp_path: Path) -> None:
         if impl not in ("mirrored", "lockstep") or nbytes == 8
     }
     assert {(r["impl"], r["local_replicas"], r["nbytes"]) for r in doc["rows"]} == expected
+    assert (meta["samples"], meta["step_samples"]) == (3, 9), meta
     for r in doc["rows"]:
         assert r["status"] == "ok", r
         assert r["reps"] >= 1, r
-        assert len(r["samples_ns"]) == meta["samples"] == 3, r
+        step = r["nbytes"] == 8
+        assert len(r["samples_ns"]) == meta["step_samples" if step else "samples"], r
         assert all(s > 0 for s in r["samples_ns"]), r
     assert len(doc["throughput"]) == 6
     for t in doc["throughput"]:
