@@ -5,25 +5,26 @@ how many workers there are) and two duplicates of the user's communicator, so th
 traffic on it is never disturbed:
 
 - **the collectives' communicator.** Every cross-worker collective is made of non-blocking
-  MPI calls (``Iallgather``, then ``Iallreduce``, ``Iallgatherv`` or ``Ibcast`` for data that
-  is not small) that the event loop polls with ``Test`` and a zero sleep, so the loop keeps
-  running other tasks; after a short busy phase the poll backs off (up to a few milliseconds
-  between tests) so a worker waiting long for a late peer does not spin a core. MPI requires
-  every worker to issue collectives in the same order: the calls of one communicator go
-  through one first-come queue (``_Turn``), and an operation of two messages holds it for
-  both. Independent streams of collectives (a dataset pass agreeing whether any worker still
-  has data) get their own duplicate (``Workers.duplicate``).
+  MPI calls (the records' exchange, then ``Iallreduce``, ``Iallgatherv`` or ``Ibcast`` for
+  data that is not small) that the event loop polls with ``Test`` and a zero sleep, so the
+  loop keeps running other tasks; after a short busy phase the poll backs off (up to a few
+  milliseconds between tests) so a worker waiting long for a late peer does not spin a core.
+  MPI requires every worker to issue collectives in the same order: the calls of one
+  communicator go through one first-come queue (``_Turn``), and an operation of two messages
+  holds it for both. Independent streams of collectives (a dataset pass agreeing whether any
+  worker still has data) get their own duplicate (``Workers.duplicate``).
 - **the records.** MPI checks neither that the workers make the same collective nor that
   their buffers match: two workers reducing other shapes get garbage, and a collective met by
   another kind of collective may complete on one worker and fail on the other. So every
-  collective starts with each worker's 1 KiB *record*, gathered by all: a header (a checksum
-  of what the collective is, with the dtype and shape it carries and where in a nested value,
-  then that in words) and the data itself when it is small. Different headers raise
-  ``WorkersDisagree`` on every worker alike, before any data moves, so the workers stay in
-  step; small reductions and broadcasts are done from the gathered records, in that one
+  collective starts with each worker's 1 KiB *record*, gathered by all (sent straight to
+  every other worker, or in MPI's ``Allgather`` past ``_DIRECT_WORKERS`` workers): a header
+  (a checksum of what the collective is, with the dtype and shape it carries and where in a
+  nested value, then that in words) and the data itself when it is small. Different headers
+  raise ``WorkersDisagree`` on every worker alike, before any data moves, so the workers stay
+  in step; small reductions and broadcasts are done from the gathered records, in that one
   message. A worker that refused the arguments of its ``run()`` or of a collective sends a
-  record saying so in place of the collective it would have made next (``refuse_in_step``), so bad
-  input raises on every worker in step and breaks nothing.
+  record saying so in place of the collective it would have made next (``refuse_in_step``),
+  so bad input raises on every worker in step and breaks nothing.
 - **the side channel.** A failure is announced to every peer as a small message on its own
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
@@ -110,6 +111,10 @@ _RECORD_BYTES: Final = 1024
 _INLINE_BYTES: Final = _RECORD_BYTES - _HEADER_BYTES
 #: How many ways of all-reducing (op, dtype, shape) a cluster keeps ready.
 _PLANS: Final = 256
+#: Up to how many workers the records go straight from each worker to every other
+#: (``_RecordExchange``), and the tag of those messages on the collectives' communicator.
+_DIRECT_WORKERS = 8
+_RECORD_TAG: Final = 0
 
 
 def error_line(error: BaseException) -> str:
@@ -224,7 +229,7 @@ class Workers:
     _gathered: np.ndarray[Any, Any]
     _gathered_words: np.ndarray[Any, Any]
     _checksums: np.ndarray[Any, Any]
-    _exchange_request: Any
+    _exchange_request: _RecordExchange
     _plans: dict[tuple[str, np.dtype[Any], tuple[int, ...], str], _Plan]
 
     def __init__(self, communicator: Any, local_replicas: int) -> None:
@@ -252,7 +257,7 @@ class Workers:
         self._turn = _Turn()
         self._records()
         self._release = weakref.finalize(
-            self, _retire, mpi, self._comm, None, [self._exchange_request]
+            self, _retire, mpi, self._comm, None, self._exchange_request.requests
         )
         self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers, self.worker_index)
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
@@ -714,7 +719,7 @@ class Workers:
         twin._turn = _Turn()
         twin._records()
         twin._release = weakref.finalize(
-            twin, _retire, self.mpi, twin._comm, None, [twin._exchange_request]
+            twin, _retire, self.mpi, twin._comm, None, twin._exchange_request.requests
         )
         twin._primary = False
         twin._sequence = 0
@@ -738,17 +743,17 @@ class Workers:
         communicator has its own: a dataset pass's collectives run alongside the step's).
         Made at the same point on every worker: the persistent request's making is ordered
         as a collective is."""
-        self._record = np.zeros(_RECORD_BYTES, np.uint8)
-        self._record_bytes = self._record.data
-        self._record_words = self._record.view("<i8")
-        self._header_sent = None
         self._gathered = np.zeros((self.num_workers, _RECORD_BYTES), np.uint8)
         self._gathered_words = self._gathered.view("<i8")
         self._checksums = self._gathered_words[:, 0]
+        self._record = self._gathered[self.worker_index]  # sent from where it is gathered
+        self._record_bytes = self._record.data
+        self._record_words = self._record.view("<i8")
+        self._header_sent = None
         self._plans = {}
-        # The records' exchange, made once (a persistent collective: the buffers never change,
-        # and starting it costs a fraction of posting a new one), freed with the communicator.
-        self._exchange_request = self._comm.Allgather_init(self._record, self._gathered)
+        # The records' exchange, made once (persistent requests: the buffers never change,
+        # and starting them costs a fraction of posting new ones), freed with the communicator.
+        self._exchange_request = _RecordExchange(self.mpi, self._comm, self._gathered)
 
     async def _exchange(self, what: str, header: _Header) -> None:
         """Send this worker's record (``header``, then what the caller wrote after it) and
@@ -869,6 +874,48 @@ class _SideChannel:
             self.comm.Recv(box, source, _ARRIVAL)
             self.reached[source] = max(self.reached[source], int(box[0]))
         return self.reached
+
+
+@final
+class _RecordExchange:
+    """Every worker's record gathered into every worker's rows of ``gathered`` (this worker's
+    row is its record), as one request: started and tested like an MPI request, so the waits
+    take it as they take MPI's.
+
+    Up to ``_DIRECT_WORKERS`` workers, each record goes straight to every other worker: a
+    persistent send to each and a persistent receive from each, all in flight at once. For
+    the worker that arrives last, whose peers' records are there already, that completes
+    sooner than MPI's persistent ``Allgather`` (measured, two workers, inside a step: 2.6-3.3
+    µs against 3.8-4.6). Beyond, the ``Allgather`` (in place), whose rounds send fewer
+    messages.
+    """
+
+    __slots__ = ("_pending", "requests")
+
+    def __init__(self, mpi: Any, comm: Any, gathered: np.ndarray[Any, Any]) -> None:
+        me, workers = comm.Get_rank(), len(gathered)
+        if workers > _DIRECT_WORKERS:
+            self.requests: list[Any] = [comm.Allgather_init(mpi.IN_PLACE, gathered)]
+        else:
+            peers = [w for w in range(workers) if w != me]
+            receives = [comm.Recv_init(gathered[w], w, _RECORD_TAG) for w in peers]
+            sends = [comm.Send_init(gathered[me], w, _RECORD_TAG) for w in peers]
+            self.requests = receives + sends
+        self._pending: list[Any] = []  # started and not yet seen complete
+
+    def Start(self) -> None:
+        for request in self.requests:
+            request.Start()
+        self._pending = self.requests.copy()
+
+    def Test(self) -> bool:
+        """Whether every record has come and this worker's has gone."""
+        pending = self._pending
+        while pending:
+            if not pending[-1].Test():  # sends first: they complete at once
+                return False
+            pending.pop()
+        return True
 
 
 def _spin(test: Callable[[], bool]) -> bool:

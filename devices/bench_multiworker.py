@@ -34,10 +34,10 @@ mirrored      (8 B only) the same step on a single-process ``MirroredStrategy(de
 lockstep      (8 B only; not a bar) the ``mirrored`` step plus two raw exchanges between the
               workers, where a multi-worker step has them: one in the step, after its local
               all_reduce, and one after ``run()``. Each is a 1 KiB record from every worker
-              (a persistent ``Allgather``, as aioreplica's collectives begin), tested in a 20 µs
-              spin between event-loop checkpoints. No library code: what agreeing twice per step
-              costs on this machine (the workers wait for the slower one at each), apart from
-              what aioreplica adds to it.
+              to every other (persistent sends and receives, as aioreplica's collectives
+              begin), tested in a 20 µs spin between event-loop checkpoints. No library
+              code: what agreeing twice per step costs on this machine (the workers wait for
+              the slower one at each), apart from what aioreplica adds to it.
 
 Before timing, every row's result is checked on every worker and local replica against a float64
 sum over all workers and replicas, and each row runs a few untimed calls (the first collective
@@ -620,22 +620,27 @@ def run(argv: list[str] | None, mpi: Any) -> int:
     world = mpi.COMM_WORLD
     group = Group(world.Dup())
     raw_comm = world.Dup()
-    record = np.zeros(RECORD_BYTES, np.uint8)
     records = np.zeros((group.size, RECORD_BYTES), np.uint8)
-    record_exchange = raw_comm.Allgather_init(record, records)
+    me = raw_comm.Get_rank()
+    peers = [w for w in range(group.size) if w != me]
+    record_exchange = [raw_comm.Recv_init(records[w], w, 0) for w in peers] + [
+        raw_comm.Send_init(records[me], w, 0) for w in peers
+    ]
 
     async def exchange() -> None:
-        """One record from every worker (``lockstep``): tested in a spin of ``SPIN_S``,
-        then again after each event-loop checkpoint."""
-        record_exchange.Start()
-        while True:
-            until = time.perf_counter() + SPIN_S
-            while not record_exchange.Test():
-                if time.perf_counter() > until:
+        """One record from every worker to every other (``lockstep``), each request tested in
+        a spin of ``SPIN_S``, then again after each event-loop checkpoint."""
+        for request in record_exchange:
+            request.Start()
+        for request in record_exchange:
+            while True:
+                until = time.perf_counter() + SPIN_S
+                while not request.Test():
+                    if time.perf_counter() > until:
+                        break
+                else:
                     break
-            else:
-                return
-            await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.checkpoint()
 
     if group.size < 2:
         if group.rank == 0:
@@ -733,7 +738,8 @@ def run(argv: list[str] | None, mpi: Any) -> int:
             },
         )
     group.comm.Barrier()
-    record_exchange.Free()
+    for request in record_exchange:
+        request.Free()
     raw_comm.Free()
     group.comm.Free()
     return 1 if errors else 0

@@ -14,7 +14,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aioreplica import CommunicationOptions, PerReplica, ReduceOp, ReplicaSyncError
+from aioreplica import CommunicationOptions, PerReplica, ReduceOp, ReplicaSyncError, _cluster
 from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
 
@@ -715,4 +715,39 @@ async def test_reduce_of_a_global_length_per_replica_says_values_are_local(
     with pytest.raises(ValueError, match="this worker's replicas' values only") as caught:
         await strategy.reduce("sum", PerReplica([_X] * (2 * WORKERS)))
     assert f"has 2 replicas on this worker ({2 * WORKERS} over all workers" in str(caught.value)
+    await _still_in_step(strategy)
+
+
+async def test_records_in_an_allgather_beyond_the_direct_workers(
+    make_strategy: MakeStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past ``_DIRECT_WORKERS`` workers the records travel in MPI's persistent Allgather
+    instead of straight from worker to worker: the collectives give the same results, and
+    workers that disagree still raise alike and stay in step."""
+    monkeypatch.setattr(_cluster, "_DIRECT_WORKERS", WORKERS - 1)
+    strategy = make_strategy(2)
+    assert len(strategy._workers._exchange_request.requests) == 1  # the Allgather
+
+    async def step() -> Any:
+        ctx, g = replica_context(), replica_id()
+        small = await ctx.all_reduce("sum", np.full(3, g + 1.0))
+        large = await ctx.all_reduce("max", np.arange(5000.0) + g)
+        rows = await ctx.all_gather(np.full((g % 3, 2), g), axis=0)
+        source = await ctx.broadcast(np.array([g]), source_replica=2 * WORKERS - 1)
+        await ctx.barrier()
+        return small, large, rows, source
+
+    replicas = range(2 * WORKERS)
+    for small, large, rows, source in local_results(strategy, await strategy.run(step)):
+        np.testing.assert_array_equal(small, np.full(3, sum(g + 1.0 for g in replicas)))
+        np.testing.assert_array_equal(large, np.arange(5000.0) + 2 * WORKERS - 1)
+        expected = np.concatenate([np.full((g % 3, 2), g) for g in replicas])
+        np.testing.assert_array_equal(rows, expected)
+        np.testing.assert_array_equal(source, [2 * WORKERS - 1])
+
+    async def disagree() -> Any:
+        return await replica_context().all_reduce("sum", np.ones(2 + RANK))
+
+    with pytest.raises(ValueError, match="the workers passed different values"):
+        await strategy.run(disagree)
     await _still_in_step(strategy)
