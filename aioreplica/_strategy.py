@@ -186,10 +186,7 @@ class StrategyExtended:
         strategy = self._strategy
         engine = strategy._engine
         try:
-            op = ReduceOp.parse(reduce_op)
-            strategy._check_cross_replica("batch_reduce_to")
-            if engine.cluster is not None:
-                await strategy._sync_new_variables()
+            op = await strategy._begin_reduction("batch_reduce_to", reduce_op)
             pairs = [
                 (_variables_as_values(value, op), strategy._destinations(dest))
                 for value, dest in value_destination_pairs
@@ -488,10 +485,7 @@ class MirroredStrategy:
         """
         engine = self._engine
         try:
-            op = ReduceOp.parse(reduce_op)
-            self._check_cross_replica("reduce")
-            if engine.cluster is not None:
-                await self._sync_new_variables()
+            op = await self._begin_reduction("reduce", reduce_op)
             return await engine.reduce(op, _variables_as_values(value, op), axis)
         except (TypeError, ValueError) as exc:
             await engine.refuse("strategy.reduce", exc)
@@ -516,6 +510,15 @@ class MirroredStrategy:
         except (TypeError, ValueError) as exc:
             await self._engine.refuse("strategy.gather", exc)
             raise
+
+    async def _begin_reduction(self, what: str, reduce_op: ReduceOp | str) -> ReduceOp:
+        """The op of a cross-replica reduction ``what``, once it may start: called outside a
+        replica, and (across workers) the variables made since the last sync synced."""
+        op = ReduceOp.parse(reduce_op)
+        self._check_cross_replica(what)
+        if self._engine.cluster is not None:
+            await self._sync_new_variables()
+        return op
 
     def _check_cross_replica(self, what: str) -> None:
         replica = context_state.get().replica
