@@ -10,7 +10,6 @@ different workers).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, final
@@ -315,8 +314,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             except BaseException as exc:
                 for what, error in workers.refusing:
                     if error is exc:  # a replica's check of a collective's arguments
-                        with contextlib.suppress(RuntimeError):  # a peer failed meanwhile
-                            await workers.refuse_in_step(what, exc)
+                        await self._engine.refuse(what, exc)
                         break
                 self._failed(exc)
                 raise

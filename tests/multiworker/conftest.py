@@ -18,7 +18,7 @@ order, so the collective calls of each test meet their peers on the other rank.
   ``mpiexec`` puts the ranks in sessions of their own, out of the launcher's reach.
 - Each test gets a timeout of ``AIOREPLICA_MW_TEST_TIMEOUT`` seconds (default 20) unless it
   has its own ``timeout`` mark.
-- Async tests run on asyncio, uvloop and trio (``anyio_backend``).
+- Async tests run on asyncio, uvloop and trio (the root ``conftest.py``'s ``anyio_backend``).
 """
 
 from __future__ import annotations
@@ -59,23 +59,6 @@ TEST_TIMEOUT = float(os.environ.get("AIOREPLICA_MW_TEST_TIMEOUT", "20"))
 _stderr: IO[str] | None = None
 _passed: list[str] = []
 _failed: list[str] = []
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(("asyncio", {}), id="asyncio"),
-        *(
-            [pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop")]
-            if sys.platform != "win32"
-            else []
-        ),
-        pytest.param(("trio", {}), id="trio"),
-    ]
-)
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
-    """Run each multi-worker test on asyncio, uvloop and trio."""
-    backend: tuple[str, dict[str, object]] = request.param
-    return backend
 
 
 def _err() -> IO[str]:
