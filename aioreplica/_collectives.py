@@ -46,7 +46,7 @@ from . import _trace, _tree
 from ._backends import HOST_BACKEND, array_kind, host_array
 from ._errors import replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
-from ._values import DistributedValues
+from ._values import DistributedValues, regroup
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Iterator, Sequence
@@ -423,6 +423,10 @@ class ReductionEngine:
         """Split a (regrouped) value into leaves with one array per replica, on its device."""
         size = len(self.devices)
         pairs: list[tuple[_tree.KeyPath, Any]]
+        if isinstance(value, DistributedValues) and not _tree.is_leaf(value.values[0]):
+            # One structure per replica (``experimental_distribute_values_from_function``
+            # returning a dict, say): the structure of per-replica values it stands for.
+            value = _regrouped(what, value)
         if isinstance(value, DistributedValues) or _tree.is_leaf(value):
             pairs, treedef = [((), value)], _LEAF  # the common case: one array per replica
         else:
@@ -675,6 +679,20 @@ class ReductionEngine:
         if op is ReduceOp.MEAN:
             result = await self.devices[0].compute(result.nbytes, _divide, result, rows)
         return result
+
+
+def _regrouped(what: str, value: DistributedValues[Any]) -> Any:
+    """A distributed value whose components are structures, as the structure of per-replica
+    values it stands for (identical leaves stay as they are).
+
+    Raises:
+        ValueError: the replicas' structures differ (naming both and where).
+        TypeError: containers of different types at the same place.
+    """
+    try:
+        return regroup(value.values)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{what}: {exc}") from None
 
 
 def _where(path: _tree.KeyPath) -> str:

@@ -659,6 +659,10 @@ class MirroredStrategy:
     ) -> PerReplica[Any]:
         """A ``PerReplica`` of ``value_fn(ValueContext(i, n))`` for every replica ``i``.
 
+        ``value_fn`` may return a structure (a dict, a tuple): ``run()`` passes each replica
+        its own, and ``reduce``, ``gather`` and the other collectives take the ``PerReplica``
+        of structures as the structure of per-replica values, leaf by leaf.
+
         Raises:
             Exception: whatever ``value_fn`` raises.
 

@@ -23,6 +23,7 @@ from aioreplica import (
     InputContext,
     MirroredStrategy,
     PerReplica,
+    ReduceOp,
     ValueContext,
     batched,
 )
@@ -678,6 +679,37 @@ class TestDistributeValuesFromFunction:
 
         result = await strategy.run(step, args=(values,))
         assert result.values == ("REPLICA 0", "REPLICA 1")
+
+    async def test_structures_reduce_and_gather_leaf_by_leaf(self) -> None:
+        """A value_fn returning a structure: reduce, gather and a step's all_reduce take the
+        PerReplica of structures as the structure of per-replica values, leaf by leaf."""
+        strategy = MirroredStrategy(host_devices(2))
+        values = strategy.experimental_distribute_values_from_function(
+            lambda context: {
+                "id": np.array([float(context.replica_id_in_sync_group)]),
+                "rows": (np.full((context.replica_id_in_sync_group + 1, 2), 2.0),),
+            }
+        )
+        total = await strategy.reduce(ReduceOp.SUM, values, axis=0)
+        assert total["id"].tolist() == 1.0
+        assert total["rows"][0].tolist() == [6.0, 6.0]
+        gathered = await strategy.gather(values, axis=0)
+        assert gathered["id"].tolist() == [0.0, 1.0]
+        assert gathered["rows"][0].tolist() == [[2.0, 2.0]] * 3
+
+        async def step(value: dict[str, Any]) -> Any:
+            return await aioreplica.get_replica_context().all_reduce(ReduceOp.MAX, value["id"])
+
+        results = strategy.experimental_local_results(await strategy.run(step, args=(values,)))
+        assert [r.tolist() for r in results] in ([[1.0]], [[1.0]] * 2)  # one when shared
+
+    async def test_structures_that_differ_are_refused(self) -> None:
+        """Replicas whose structures differ: a ValueError naming the collective, both
+        replicas and the keys."""
+        strategy = MirroredStrategy(host_devices(2))
+        values = PerReplica([{"a": np.ones(1)}, {"b": np.ones(1)}])
+        with pytest.raises(ValueError, match=mentions("reduce", "replica 1", "'a'", "'b'")):
+            await strategy.reduce(ReduceOp.SUM, values, axis=None)
 
     def test_value_context_fields(self) -> None:
         """ValueContext holds the replica id and the replica count."""

@@ -239,6 +239,23 @@ async def test_distribute_values_from_function_has_global_ids(
     assert each_replica(strategy, await strategy.run(step, args=(value,))) == [True, True]
 
 
+async def test_structures_from_a_value_function_reduce_over_every_worker(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A value_fn returning a structure: reduce and gather take it leaf by leaf, over every
+    worker's replicas, in global replica order."""
+    strategy = make_strategy(2)
+    value = strategy.experimental_distribute_values_from_function(
+        lambda ctx: {"id": np.array([float(ctx.replica_id_in_sync_group)]), "one": (np.ones(1),)}
+    )
+    total = await strategy.reduce(aioreplica.ReduceOp.SUM, value, axis=None)
+    replicas = 2 * WORKERS
+    assert total["id"].tolist() == [float(sum(range(replicas)))]
+    assert total["one"][0].tolist() == [float(replicas)]
+    gathered = await strategy.gather(value, axis=0)
+    assert gathered["id"].tolist() == [float(g) for g in range(replicas)]
+
+
 async def test_concurrent_run_is_refused(
     make_strategy: MakeStrategy,
 ) -> None:
