@@ -255,10 +255,12 @@ class Workers:
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
+        # A duplicate's ``Idup`` until it completes, and the wait's name (``duplicate``).
+        self._joining: Any = None
+        self._joining_what = ""
+        self._persistent: list[Any] = []  # the records' requests, freed with the communicator
         self._records()
-        self._release = weakref.finalize(
-            self, _retire, mpi, self._comm, None, self._exchange_request.requests
-        )
+        self._release = weakref.finalize(self, _retire, mpi, self._comm, None, self._persistent)
         self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers, self.worker_index)
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
@@ -505,6 +507,12 @@ class Workers:
             if self._side.failure is not None:
                 self._turn.release()
                 self.check(what)
+        if self._joining is not None:
+            try:
+                await self._join()
+            except BaseException:
+                self._turn.release()
+                raise
         self._arrive()
 
     # -- collectives ----------------------------------------------------------------------
@@ -694,6 +702,9 @@ class Workers:
         failure = self._peer_failure(what)
         if failure is not None:
             raise failure
+        if self._joining is not None:
+            self._wait_here(self._joining, self._joining_what)
+            self._joined()
         self._arrive()
         header = _header_of(what)
         self._put_header(header)
@@ -702,28 +713,48 @@ class Workers:
         self._check_agreed(what, header)
         return fn(self._comm, lambda request: self._wait_here(request, what))
 
-    def duplicate(self) -> Workers:
-        """A cluster of the same workers on a new duplicate communicator (collective).
+    def duplicate(self, name: str) -> Workers:
+        """A cluster of the same workers on a new duplicate communicator, for an independent
+        stream of collectives (``name``: what it is for, such as ``"a dataset pass"``).
 
-        Its collectives are ordered among themselves only: for an independent stream of them,
-        such as a dataset pass. It shares this cluster's failure state (and side channel);
-        a wait on it that is cancelled abandons it without failing the workers. ``close()`` it
-        after.
+        Its collectives are ordered among themselves only. It shares this cluster's failure
+        state (and side channel); a wait on it that is cancelled abandons it without failing
+        the workers. ``close()`` it after.
+
+        Collective, without blocking: the duplicate is made by a non-blocking ``Idup``, which
+        its first collective waits for as it waits for any, testing the side channel and
+        keeping the timeout. So a worker that never starts the stream (a loop over a dataset
+        on the chief only, say) leaves the others waiting in that first collective, where a
+        failure or ``sync_timeout`` ends the wait, not in MPI.
         """
         _free_retired()
         twin = object.__new__(Workers)
         twin.__dict__.update(self.__dict__)
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
-        twin._comm = self._side.comm.Dup()
+        twin._comm, twin._joining = self._side.comm.Idup()
+        twin._joining_what = f"the start of {name} (every worker must start it)"
         twin._turn = _Turn()
-        twin._records()
+        twin._persistent = []
         twin._release = weakref.finalize(
-            twin, _retire, self.mpi, twin._comm, None, twin._exchange_request.requests
+            twin, _retire, self.mpi, twin._comm, None, twin._persistent, twin._joining
         )
         twin._primary = False
         twin._sequence = 0
         return twin
+
+    async def _join(self) -> None:
+        """Wait until this duplicate's communicator exists on every worker (``duplicate``).
+
+        Raises:
+            ReplicaSyncError: a peer failed, or the timeout in force passed.
+        """
+        await self._wait(self._joining, self._joining_what)
+        self._joined()
+
+    def _joined(self) -> None:
+        self._joining = None
+        self._records()
 
     def close(self) -> None:
         """Give this cluster's collectives' communicator back (not the shared side channel).
@@ -754,6 +785,7 @@ class Workers:
         # The records' exchange, made once (persistent requests: the buffers never change,
         # and starting them costs a fraction of posting new ones), freed with the communicator.
         self._exchange_request = _RecordExchange(self.mpi, self._comm, self._gathered)
+        self._persistent.extend(self._exchange_request.requests)
 
     async def _exchange(self, what: str, header: _Header) -> None:
         """Send this worker's record (``header``, then what the caller wrote after it) and
@@ -952,15 +984,19 @@ async def _finishes_soon(test: Callable[[], bool]) -> bool:
     return False
 
 
-#: Communicators given back and not yet freed: ``(mpi, comm, posted receive)``, appended by
+#: Communicators given back and not yet freed: ``_free``'s arguments, appended by
 #: finalizers (any thread: ``list.append`` is atomic), freed by ``_free_retired``.
-_retired: list[tuple[Any, Any, list[Any] | None, list[Any]]] = []
+_retired: list[tuple[Any, Any, list[Any] | None, list[Any], Any]] = []
 
 
 def _retire(
-    mpi: Any, comm: Any, receive: list[Any] | None = None, persistent: Sequence[Any] = ()
+    mpi: Any,
+    comm: Any,
+    receive: list[Any] | None = None,
+    persistent: Sequence[Any] = (),
+    made: Any = None,
 ) -> None:
-    _retired.append((mpi, comm, receive, list(persistent)))
+    _retired.append((mpi, comm, receive, list(persistent), made))
 
 
 def _free_retired() -> None:
@@ -971,14 +1007,22 @@ def _free_retired() -> None:
 
 
 def _free(
-    mpi: Any, comm: Any, receive: list[Any] | None = None, persistent: Sequence[Any] = ()
+    mpi: Any,
+    comm: Any,
+    receive: list[Any] | None = None,
+    persistent: Sequence[Any] = (),
+    made: Any = None,
 ) -> None:
     """Give ``comm`` back to MPI, withdrawing its posted receive and freeing its persistent
     requests first (those not under way: an abandoned one is left to MPI), nothing after MPI
-    finalized. ``MPI_Comm_free`` leaves operations still under way to finish."""
+    finalized. ``MPI_Comm_free`` leaves operations still under way to finish. A communicator
+    whose making (``made``, its ``Idup``) has not completed, because a worker never made it,
+    is left to MPI too: it cannot be freed before it exists."""
     if mpi.Is_finalized():
         return
     with contextlib.suppress(Exception):
+        if made is not None and not made.Test():
+            return
         if receive and receive[0] is not None:
             request, receive[0] = receive[0], None
             request.Cancel()

@@ -242,7 +242,9 @@ class DistributedDataset:
             loader=self._loader,
             # A pass's agreements get their own communicator: the prefetch task's never
             # interleave with the step's collectives.
-            workers=self._workers.duplicate() if self._workers is not None else None,
+            workers=(
+                self._workers.duplicate("a dataset pass") if self._workers is not None else None
+            ),
             first_replica=self._first_replica,
         )
         return DistributedIterator(puller, self._prefetch)

@@ -27,7 +27,7 @@ from aioreplica import (
     ValueContext,
     batched,
 )
-from aioreplica.testing import host_devices
+from aioreplica.testing import host_devices, replica_context
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -698,7 +698,7 @@ class TestDistributeValuesFromFunction:
         assert gathered["rows"][0].tolist() == [[2.0, 2.0]] * 3
 
         async def step(value: dict[str, Any]) -> Any:
-            return await aioreplica.get_replica_context().all_reduce(ReduceOp.MAX, value["id"])
+            return await replica_context().all_reduce(ReduceOp.MAX, value["id"])
 
         results = strategy.experimental_local_results(await strategy.run(step, args=(values,)))
         assert [r.tolist() for r in results] in ([[1.0]], [[1.0]] * 2)  # one when shared

@@ -13,8 +13,9 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
   within seconds, without ``-m mpi4py`` (the strategy's ``sys.excepthook`` aborts it).
 - ``late``: ``sync_timeout=1``: rank 1 sleeps 5 s before its collective; rank 0 raises
   ``ReplicaSyncError`` naming worker 1 after about 1 s, rank 1 when it gets there. Then the
-  same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective, and with a new
-  variable's (blocking) first read.
+  same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective, with a new
+  variable's (blocking) first read, and with a dataset pass that only rank 0 starts (both
+  raise after about 1 s).
 - ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
   collective and while waiting in it; rank 0 raises naming worker 1.
 - ``left``: rank 1 ends its program after a step; rank 0's next collectives (a
@@ -32,7 +33,13 @@ import anyio
 import numpy as np
 from mpi4py import MPI
 
-from aioreplica import CommunicationOptions, MultiWorkerMirroredStrategy, ReplicaSyncError, Variable
+from aioreplica import (
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+    ReplicaSyncError,
+    Variable,
+    batched,
+)
 from aioreplica.testing import host_devices, replica_context, replica_id
 
 if TYPE_CHECKING:
@@ -235,6 +242,31 @@ async def late() -> None:
         assert 3.0 <= seconds <= 5.0, seconds
     await assert_refused(strategy)
     report("blocking-read-timeout", seconds)
+
+    # 4. A dataset pass that only the chief starts: its first agreement waits for a pass no
+    # other worker begins, and sync_timeout ends that wait too (not a hang in MPI). Rank 1,
+    # waiting longer, learns of rank 0's failure.
+    timeout = 1.0 if RANK == 0 else 10.0
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=timeout)
+    dataset = strategy.distribute_dataset(batched(np.arange(8.0), 4))
+
+    async def chief_only_loop() -> None:
+        if RANK == 0:
+            async for batch in dataset:
+                await strategy.run(lambda x: x, args=(batch,))
+        await strategy.run(lambda: None)
+
+    error, seconds = await outcome(chief_only_loop)
+    assert isinstance(error, ReplicaSyncError), repr(error)
+    assert 0.8 <= seconds <= 3.0, seconds
+    if RANK == 0:
+        assert "waited 1 s in the start of a dataset pass" in str(error), str(error)
+        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
+    else:
+        assert error.workers == (0,), error.workers
+        assert "the start of a dataset pass" in str(error), str(error)
+    await assert_refused(strategy)
+    report("dataset-pass-timeout", seconds)
 
 
 # -- cancelled ------------------------------------------------------------------------------
