@@ -115,6 +115,9 @@ _PLANS: Final = 256
 #: (``_RecordExchange``), and the tag of those messages on the collectives' communicator.
 _DIRECT_WORKERS = 8
 _RECORD_TAG: Final = 0
+#: Each worker's message in the agreement to start: its count of local replicas, then why it
+#: could not make its strategy (UTF-8, cut to fit), if it could not.
+_START_BYTES: Final = 512
 
 
 def error_line(error: BaseException) -> str:
@@ -292,7 +295,8 @@ class Workers:
             communicator = _intracomm(mpi, communicator)
         except TypeError:
             communicator = mpi.COMM_WORLD  # the likeliest communicator of the others
-        communicator.allgather((-1, error_line(error)))
+        with contextlib.suppress(_Refused):
+            _agree_to_start(communicator, -1, error_line(error))
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -1128,14 +1132,36 @@ def _intracomm(mpi: Any, communicator: Any) -> Any:
     return communicator
 
 
-def _agree_to_start(communicator: Any, local_replicas: int) -> list[int]:
-    """Every worker's count of local replicas (blocking: construction is collective).
+def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -> list[int]:
+    """Every worker's count of local replicas (``-1`` and ``refusal``, why, from a worker that
+    could not make its strategy), gathered on the caller's communicator.
+
+    Construction is collective, so this waits for every worker, however late: a non-blocking
+    ``Iallgather`` tested on this thread, as a collective's wait does (busy at first, then with
+    pauses that double up to ``_MAX_PAUSE``), rather than MPI's blocking gather, which spins a
+    core all along (a peer still loading its data would share it) and ignores Ctrl-C.
 
     Raises:
         _Refused: a worker could not make its strategy (``Workers.refuse``).
     """
-    every: list[tuple[int, str]] = communicator.allgather((int(local_replicas), ""))
-    failed = [(w, why) for w, (count, why) in enumerate(every) if count < 0]
+    mine = np.zeros(_START_BYTES, np.uint8)
+    mine[:8].view("<i8")[0] = local_replicas
+    why = refusal.encode()[: _START_BYTES - 8]
+    mine[8 : 8 + len(why)] = np.frombuffer(why, np.uint8)
+    every = np.zeros((communicator.Get_size(), _START_BYTES), np.uint8)
+    request = communicator.Iallgather(mine, every)
+    started = time.monotonic()
+    pause = 0.0
+    while not _spin(request.Test):
+        if time.monotonic() - started > _BUSY_SECONDS:
+            pause = min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+            time.sleep(pause)
+    counts = [int(row[:8].view("<i8")[0]) for row in every]
+    failed = [
+        (w, bytes(row[8:]).rstrip(b"\0").decode(errors="replace"))
+        for w, (count, row) in enumerate(zip(counts, every, strict=True))
+        if count < 0
+    ]
     if failed:
         shown = "; ".join(f"worker {w}: {why}" for w, why in failed)
         raise _Refused(
@@ -1143,7 +1169,7 @@ def _agree_to_start(communicator: Any, local_replicas: int) -> list[int]:
             f"MultiWorkerMirroredStrategy ({shown}), so no worker makes one: every worker "
             "makes it at the same point of its program, with arguments valid on each"
         )
-    return [count for count, _ in every]
+    return counts
 
 
 def _worker_list(workers: list[int]) -> str:

@@ -99,8 +99,14 @@ def test_a_late_worker_times_out(backend: str) -> None:
     """sync_timeout=1 with worker 1 five seconds late: rank 0 raises naming worker 1 within
     1-3 s, rank 1 raises when it arrives; a collective's own timeout_seconds does the same, and
     sync_timeout bounds a blocking first read of a variable, and the start of a dataset pass
-    that only the chief begins."""
-    parts = ("sync-timeout", "collective-timeout", "blocking-read-timeout", "dataset-pass-timeout")
+    that only the chief begins; the making of a strategy waits for a late worker, idle."""
+    parts = (
+        "sync-timeout",
+        "collective-timeout",
+        "blocking-read-timeout",
+        "dataset-pass-timeout",
+        "late-construction",
+    )
     assert_scenario("late", backend, parts, within=25)
 
 

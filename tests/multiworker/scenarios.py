@@ -15,7 +15,8 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
   ``ReplicaSyncError`` naming worker 1 after about 1 s, rank 1 when it gets there. Then the
   same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective, with a new
   variable's (blocking) first read, and with a dataset pass that only rank 0 starts (both
-  raise after about 1 s).
+  raise after about 1 s). Last, rank 1 makes a strategy 2 s late: rank 0 waits for it
+  (no timeout bounds the making), without spinning a core.
 - ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
   collective and while waiting in it; rank 0 raises naming worker 1.
 - ``left``: rank 1 ends its program after a step; rank 0's next collectives (a
@@ -267,6 +268,20 @@ async def late() -> None:
         assert "the start of a dataset pass" in str(error), str(error)
     await assert_refused(strategy)
     report("dataset-pass-timeout", seconds)
+
+    # 5. No timeout bounds making the strategy: rank 0 waits for rank 1, 2 s late, without
+    # spinning a core meanwhile.
+    async def make_late() -> None:
+        if RANK == 1:
+            await anyio.sleep(2.0)
+        MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=0.5).close()
+
+    error, seconds = await outcome(make_late)
+    assert error is None, repr(error)
+    if RANK == 0:
+        assert 2.0 <= seconds <= 4.0, seconds
+        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
+    report("late-construction", seconds)
 
 
 # -- cancelled ------------------------------------------------------------------------------
