@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
 
 import anyio
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from ._options import CommunicationOptions
 
 __all__ = ["Cluster", "MultiWorkerMirroredStrategy"]
+
+_T = TypeVar("_T")
 
 
 @final
@@ -227,7 +229,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         try:
             parts = self._prepare_run(fn, args, kwargs)
         except (TypeError, ValueError) as exc:
-            await self._refuse_step(exc)
+            await self._refuse_step(exc, "run()")
             raise
         self._check_usable("run()")
         return regroup(await self._step(fn, parts))
@@ -235,8 +237,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """``MirroredStrategy.run_steps`` on every worker; they leave it together.
 
+        The workers first agree that every one of them accepted its arguments: arguments
+        refused on one worker (``steps=-1``, say) make ``run_steps()`` raise on every worker,
+        as ``run()`` does, before any step or any pull from the iterator.
+
         Raises:
             RuntimeError: as ``run()``.
+            ValueError: another worker refused its arguments (``WorkersDisagree``, naming it).
             ReplicaSyncError: as ``run()``.
             BaseException: as ``MirroredStrategy.run_steps``.
 
@@ -249,9 +256,29 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             >>> anyio.run(loop)
             PerReplica({0: 9.0, 1: 13.0})
         """
-        self._check_usable("run_steps()")
         # The steps are one run() of replicas that loop: that run() is the collective step.
         return await MirroredStrategy.run_steps(self, step_fn, iterator, steps)
+
+    async def _accepted(self, what: str, check: Callable[[], _T]) -> _T:
+        """``check()``, once every worker's check of its arguments to ``what`` passed: an
+        agreement, or (refused here) a refusal in its place, so that every worker raises in
+        step. Else a worker alone would raise, and the others would wait for it in the
+        first pull from their iterators, which is not on the strategy's communicator.
+
+        Raises:
+            TypeError: as ``check()`` (the other workers raise ``WorkersDisagree``).
+            ValueError: as ``check()``; another worker refused (``WorkersDisagree``).
+            RuntimeError: as ``run()``.
+            ReplicaSyncError: another worker failed, or was late past ``sync_timeout``.
+        """
+        self._check_usable(what)
+        try:
+            accepted = check()
+        except (TypeError, ValueError) as exc:
+            await self._refuse_step(exc, what)
+            raise
+        await self._workers.barrier(f"the start of {what}")
+        return accepted
 
     def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
         local = len(self._device_objects)
@@ -263,17 +290,17 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             "replicas' values"
         )
 
-    async def _refuse_step(self, error: BaseException) -> None:
-        """Take part in this step's first agreement as a worker whose ``run()`` refused its
-        arguments (``error``), so that the other workers' ``run()`` raises too, naming this
-        worker, rather than waiting for it or pairing with its next step.
+    async def _refuse_step(self, error: BaseException, what: str) -> None:
+        """Take part in this step's first agreement as a worker whose ``run()`` (or other
+        ``what``) refused its arguments (``error``), so that the other workers' call raises
+        too, naming this worker, rather than waiting for it or pairing with its next step.
 
         Nothing to agree when this ``run()`` could not have started anyway: the strategy is
         closed or broken, or called from inside a run (whose collectives this would join).
         """
         if self._closed or self._running or self._workers.broken:
             return
-        await self._workers.refuse_in_step("run()", error)
+        await self._workers.refuse_in_step(what, error)
 
     async def _sync_new_variables(self) -> None:
         if not self._workers.pending:

@@ -84,9 +84,13 @@ class _Feed:
 
 async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
     """``strategy.run_steps``: see its docstring."""
-    if not callable(step_fn):
-        raise TypeError(f"run_steps() needs a callable step_fn, got {type(step_fn).__name__}")
-    feed = _Feed(_check_iterator(iterator, "run_steps()"), _check_steps(steps, "steps"))
+
+    def checked() -> _Feed:
+        if not callable(step_fn):
+            raise TypeError(f"run_steps() needs a callable step_fn, got {type(step_fn).__name__}")
+        return _Feed(_check_iterator(iterator, "run_steps()"), _check_steps(steps, "steps"))
+
+    feed = await strategy._accepted("run_steps()", checked)
 
     async def replica_loop() -> Any:
         context = get_replica_context()
@@ -226,12 +230,14 @@ async def run_steps_on_iterator(
     initial_loop_values: Mapping[str, Any] | None,
 ) -> MultiStepContext:
     """``extended.experimental_run_steps_on_iterator``: see its docstring."""
-    if not callable(fn):
-        raise TypeError(
-            f"experimental_run_steps_on_iterator() needs a callable fn, got {type(fn).__name__}"
-        )
-    feed = _check_iterator(iterator, "experimental_run_steps_on_iterator()")
-    count = _check_steps(iterations, "iterations")
+    what = "experimental_run_steps_on_iterator()"
+
+    def checked() -> tuple[AsyncIterator[Any], int]:
+        if not callable(fn):
+            raise TypeError(f"{what} needs a callable fn, got {type(fn).__name__}")
+        return _check_iterator(iterator, what), _check_steps(iterations, "iterations")
+
+    feed, count = await strategy._accepted(what, checked)
     context = MultiStepContext()
     context._last_step_outputs.update(initial_loop_values or {})
     for _ in range(count):

@@ -17,7 +17,7 @@ import random
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, final
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
 
 import anyio
 import numpy as np
@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
 
 _INTERLEAVES = ("ordered", "random")
+_T = TypeVar("_T")
 
 
 @final
@@ -1112,6 +1113,11 @@ class MirroredStrategy:
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
         return self._per_replica_arguments(tuple(args), dict(kwargs) if kwargs else {})
+
+    async def _accepted(self, what: str, check: Callable[[], _T]) -> _T:
+        """``check()``: the arguments of ``what`` (``run_steps()``, say) checked before it
+        starts. A strategy spanning several workers checks them on every worker together."""
+        return check()
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """Run ``step_fn`` on the next ``steps`` elements of ``iterator``, starting the replicas

@@ -15,7 +15,7 @@ from test_dataset import global_batches, table  # the same tables as one process
 
 from aioreplica import InputContext, batched
 from aioreplica.testing import replica_context
-from multiworker.mwtools import RANK, WORKERS, allgather, global_ids
+from multiworker.mwtools import RANK, WORKERS, allgather, each_replica, global_ids
 
 if TYPE_CHECKING:
     from aioreplica import MultiWorkerMirroredStrategy
@@ -205,3 +205,88 @@ async def test_distribute_datasets_from_function(make_strategy: MakeStrategy, lo
     assert len(got) == 4
     flat = np.concatenate([part for round_ in got for part in round_])
     np.testing.assert_array_equal(flat, np.arange(4 * local * 2) + 1000 * RANK)
+
+
+async def test_run_steps_over_every_worker(make_strategy: MakeStrategy) -> None:
+    """run_steps across workers: every worker's replicas get their slices of the same global
+    batches, the step's collectives span every worker, and the workers stop together when the
+    data ends (a partial last batch: 20 rows in batches of 8), short of ``steps``."""
+    strategy = make_strategy(2)
+    iterator = aiter(strategy.distribute_dataset(global_batches(20, 8)))
+    totals: list[tuple[int, float]] = []
+
+    async def step(element: Table) -> float:
+        labels = element[1]
+        total = await replica_context().all_reduce("sum", np.array([float(labels.sum())]))
+        totals.append((int(labels.size), float(total[0])))
+        return float(total[0])
+
+    result = await strategy.run_steps(step, iterator, 10)
+    replicas = 2 * WORKERS
+    expected = [
+        (len(rows), float(sum(range(start, min(start + 8, 20)))))
+        for start in range(0, 20, 8)
+        for rows in np.array_split(np.arange(start, min(start + 8, 20)), replicas)[
+            RANK * 2 : RANK * 2 + 2
+        ]
+    ]
+    assert sorted(totals) == sorted(expected)
+    assert each_replica(strategy, result) == [70.0, 70.0]  # rows 16 to 19
+
+
+async def test_run_steps_on_iterator_over_every_worker(make_strategy: MakeStrategy) -> None:
+    """experimental_run_steps_on_iterator across workers: fn runs once per step on every
+    worker, its run() spans every worker, and a reduced output is the global one."""
+    strategy = make_strategy(2)
+    iterator = aiter(strategy.distribute_dataset(global_batches(16, 8)))
+
+    async def fn(context: Any, inputs: Table) -> None:
+        sums = await strategy.run(lambda element: float(element[1].sum()), args=(inputs,))
+        await context.set_last_step_output("total", sums, reduce_op="sum")
+
+    context = await strategy.extended.experimental_run_steps_on_iterator(fn, iterator, 5)
+    assert float(context.last_step_outputs["total"]) == float(sum(range(8, 16)))
+
+
+#: Arguments that ``run_steps`` (or the older loop) refuses: how to make the call, given the
+#: strategy, an iterator and whether this worker passes them; and the error.
+BAD_STEPS: dict[str, tuple[Any, type[Exception]]] = {
+    "run_steps steps": (
+        lambda s, it, bad: s.run_steps(lambda x: None, it, -1 if bad else 1),
+        ValueError,
+    ),
+    "run_steps step_fn": (
+        lambda s, it, bad: s.run_steps(None if bad else (lambda x: None), it, 1),
+        TypeError,
+    ),
+    "run_steps iterator": (
+        lambda s, it, bad: s.run_steps(lambda x: None, [1, 2] if bad else it, 1),
+        TypeError,
+    ),
+    "run_steps_on_iterator iterations": (
+        lambda s, it, bad: s.extended.experimental_run_steps_on_iterator(
+            lambda context, x: None, it, "one" if bad else 1
+        ),
+        TypeError,
+    ),
+}
+
+
+@pytest.mark.parametrize("every", [True, False], ids=["every worker", "one worker"])
+@pytest.mark.parametrize("case", list(BAD_STEPS))
+async def test_bad_run_steps_arguments_raise_on_every_worker(
+    make_strategy: MakeStrategy, case: str, every: bool
+) -> None:
+    """Arguments that run_steps refuses, on every worker or on one: the workers raise in step
+    (the refusing ones their own error, the others a ValueError naming the last worker) before
+    any pull from the iterator, and the strategy and the iterator go on working."""
+    strategy = make_strategy(2)
+    iterator = aiter(strategy.distribute_dataset(global_batches(8, 8)))
+    call, error = BAD_STEPS[case]
+    bad = every or RANK == WORKERS - 1
+    with pytest.raises(error if bad else ValueError) as caught:
+        await call(strategy, iterator, bad)
+    if not bad:
+        assert f"worker {WORKERS - 1}: " in str(caught.value), str(caught.value)
+    rows = await strategy.run_steps(lambda element: int(element[1].size), iterator, 1)
+    assert each_replica(strategy, rows) == [2, 2]
