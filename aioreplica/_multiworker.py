@@ -277,7 +277,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         except (TypeError, ValueError) as exc:
             await self._refuse_step(exc, what)
             raise
-        await self._workers.barrier(f"the start of {what}")
+        self._running = True  # no concurrent run() while the workers agree
+        try:
+            await self._workers.barrier(f"the start of {what}")
+        finally:
+            self._running = False
         return accepted
 
     def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
@@ -300,7 +304,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         if self._closed or self._running or self._workers.broken:
             return
-        await self._workers.refuse_in_step(what, error)
+        self._running = True  # no concurrent run() while the workers agree
+        try:
+            await self._workers.refuse_in_step(what, error)
+        finally:
+            self._running = False
 
     async def _sync_new_variables(self) -> None:
         if not self._workers.pending:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 import pytest
 from test_dataset import global_batches, table  # the same tables as one process's tests
 
 from aioreplica import InputContext, batched
 from aioreplica.testing import replica_context
-from multiworker.mwtools import RANK, WORKERS, allgather, each_replica, global_ids
+from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
 
 if TYPE_CHECKING:
     from aioreplica import MultiWorkerMirroredStrategy
@@ -290,3 +291,35 @@ async def test_bad_run_steps_arguments_raise_on_every_worker(
         assert f"worker {WORKERS - 1}: " in str(caught.value), str(caught.value)
     rows = await strategy.run_steps(lambda element: int(element[1].size), iterator, 1)
     assert each_replica(strategy, rows) == [2, 2]
+
+
+async def test_run_during_the_agreement_to_start_run_steps_is_refused(
+    make_strategy: MakeStrategy,
+) -> None:
+    """While a worker's run_steps waits for the others to agree that they accepted their
+    arguments, a run() started beside it is refused (its collectives could reach MPI before
+    the agreement's on one worker and after it on another); the run_steps then completes."""
+    strategy = make_strategy(2)
+    iterator = aiter(strategy.distribute_dataset(global_batches(8, 8)))
+    go = WORLD.Dup()  # rank 0 tells the others when to start their run_steps
+    refused: list[str] = []
+    results: list[Any] = []
+
+    async def loop() -> None:
+        results.append(await strategy.run_steps(lambda b: int(b[1].size), iterator, 1))
+
+    async with anyio.create_task_group() as tg:
+        if RANK == 0:
+            tg.start_soon(loop)
+            await anyio.wait_all_tasks_blocked()  # the loop waits for the others
+            with pytest.raises(RuntimeError, match="another run"):
+                await strategy.run(lambda: None)
+            refused.append("run()")
+            for peer in range(1, WORKERS):
+                go.send(None, dest=peer)
+        else:
+            await anyio.to_thread.run_sync(go.recv, None, 0)
+            tg.start_soon(loop)
+    go.Free()
+    assert refused == (["run()"] if RANK == 0 else [])
+    assert each_replica(strategy, results[0]) == [2, 2]
