@@ -259,8 +259,8 @@ class Workers:
         self.num_workers: int = self._comm.Get_size()
         self._turn = _Turn()
         # A duplicate's ``Idup`` until it completes, and the wait's name (``duplicate``).
-        self._joining: Any = None
-        self._joining_what = ""
+        self._idup: Any = None
+        self._idup_what = ""
         self._persistent: list[Any] = []  # the records' requests, freed with the communicator
         self._records()
         self._release = weakref.finalize(self, _retire, mpi, self._comm, None, self._persistent)
@@ -511,9 +511,9 @@ class Workers:
             if self._side.failure is not None:
                 self._turn.release()
                 self.check(what)
-        if self._joining is not None:
+        if self._idup is not None:
             try:
-                await self._join()
+                await self._await_idup()
             except BaseException:
                 self._turn.release()
                 raise
@@ -706,9 +706,9 @@ class Workers:
         failure = self._peer_failure(what)
         if failure is not None:
             raise failure
-        if self._joining is not None:
-            self._wait_here(self._joining, self._joining_what)
-            self._joined()
+        if self._idup is not None:
+            self._wait_here(self._idup, self._idup_what)
+            self._idup_done()
         self._arrive()
         header = _header_of(what)
         self._put_header(header)
@@ -736,28 +736,28 @@ class Workers:
         twin.__dict__.update(self.__dict__)
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
-        twin._comm, twin._joining = self._side.comm.Idup()
-        twin._joining_what = f"the start of {name} (every worker must start it)"
+        twin._comm, twin._idup = self._side.comm.Idup()
+        twin._idup_what = f"the start of {name} (every worker must start it)"
         twin._turn = _Turn()
         twin._persistent = []
         twin._release = weakref.finalize(
-            twin, _retire, self.mpi, twin._comm, None, twin._persistent, twin._joining
+            twin, _retire, self.mpi, twin._comm, None, twin._persistent, twin._idup
         )
         twin._primary = False
         twin._sequence = 0
         return twin
 
-    async def _join(self) -> None:
+    async def _await_idup(self) -> None:
         """Wait until this duplicate's communicator exists on every worker (``duplicate``).
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
         """
-        await self._wait(self._joining, self._joining_what)
-        self._joined()
+        await self._wait(self._idup, self._idup_what)
+        self._idup_done()
 
-    def _joined(self) -> None:
-        self._joining = None
+    def _idup_done(self) -> None:
+        self._idup = None
         self._records()
 
     def close(self) -> None:
