@@ -29,8 +29,9 @@ traffic on it is never disturbed:
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
   naming the failing worker. With a timeout in force, each worker also tells its peers which
-  collective it has reached (one eight-byte send per peer), so a worker that gives up waiting
-  can name exactly the late workers; without a timeout nothing more is sent.
+  collective it has reached, on which communicator (one 16-byte send per peer; a dataset
+  pass's duplicate counts its start as collective 0), so a worker that gives up waiting can
+  name exactly the late workers; without a timeout nothing more is sent.
 
 MPI cannot cancel a collective: after any cross-worker failure (a peer's, a timeout, a
 cancelled wait) the collectives' communicator may hold a request that will never complete, so
@@ -269,6 +270,7 @@ class Workers:
         # its collectives reached, and an interrupted wait on it is this worker's failure.
         self._primary = True
         self._sequence = 0  # collectives started on this communicator
+        self._stream = 0  # which of the side channel's communicators this is (0: the first)
         #: The timeout of a wait when the call sets none (the strategy's ``sync_timeout``).
         self.default_timeout: float | None = None
         #: Variables made since the last sync, which start from the chief's values.
@@ -467,11 +469,11 @@ class Workers:
         return pause
 
     def _timed_out(self, what: str, timeout: float) -> ReplicaSyncError:
-        reached = self._side.read_arrivals() if self._primary else None
+        reached = self._side.read_arrivals(self._stream)
         late = [
             w
             for w in range(self.num_workers)
-            if w != self.worker_index and reached is not None and reached[w] < self._sequence
+            if w != self.worker_index and reached[w] < self._sequence
         ]
         named = _worker_list(late) if late else "a worker"
         reason = (
@@ -491,11 +493,13 @@ class Workers:
     def _arrive(self) -> None:
         """Count this collective; with a timeout in force, tell the peers it was reached."""
         self._sequence += 1
-        if not self._primary or (collective_timeout.get() or self.default_timeout) is None:
-            return
+        if (collective_timeout.get() or self.default_timeout) is not None:
+            self._tell_arrival()
+
+    def _tell_arrival(self) -> None:
         side = self._side
-        side.read_arrivals()  # keeps the peers' messages from piling up
-        side.send_all(np.array([self._sequence], np.int64), _ARRIVAL)
+        side.read_arrivals(self._stream)  # keeps the peers' messages from piling up
+        side.send_all(np.array([self._stream, self._sequence], np.int64), _ARRIVAL)
 
     async def _begin(self, what: str) -> None:
         """Take this communicator's turn for one collective (of one or more messages), and
@@ -745,6 +749,10 @@ class Workers:
         )
         twin._primary = False
         twin._sequence = 0
+        self._side.streams += 1
+        twin._stream = self._side.streams  # the same on every worker: made in the same order
+        if (collective_timeout.get() or self.default_timeout) is not None:
+            twin._tell_arrival()  # collective 0: its start, which its first collective awaits
         return twin
 
     async def _await_idup(self) -> None:
@@ -770,6 +778,8 @@ class Workers:
         on any thread at any moment.
         """
         self._release()
+        if not self._primary:
+            self._side.reached.pop(self._stream, None)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -866,7 +876,12 @@ class _SideChannel:
         # shares: it is withdrawn before the communicator is freed.
         self._receive: list[Any] = [comm.Irecv(self.notice, mpi.ANY_SOURCE, _NOTICE)]
         self.sends: list[Any] = []  # sends not yet known to be complete
-        self.reached = [0] * workers  # the last collective each peer said it reached
+        self.workers = workers
+        #: Per communicator (0: the strategy's, then its duplicates in the order they were
+        #: made), the last collective each peer said it reached: -1 before the peer said
+        #: anything of a duplicate, 0 when it started it.
+        self.reached: dict[int, list[int]] = {0: [0] * workers}
+        self.streams = 0  # duplicates made
         #: Frees the communicator once nothing uses this side channel (a strategy, its
         #: variables and its dataset passes all gone), or at exit, before MPI finalizes.
         self.close = weakref.finalize(self, _retire, mpi, comm, self._receive)
@@ -883,7 +898,7 @@ class _SideChannel:
         self._receive[0] = request
 
     def send_all(self, data: Any, tag: int) -> None:
-        for peer in range(len(self.reached)):
+        for peer in range(self.workers):
             if peer != self.me:
                 self.sends.append(self.comm.Isend(data, peer, tag))
         if len(self.sends) > 64:
@@ -900,16 +915,18 @@ class _SideChannel:
         while self.sends and time.monotonic() < deadline:
             self.sends = [request for request in self.sends if not request.Test()]
 
-    def read_arrivals(self) -> list[int]:
-        """Take in every arrival message the peers have sent; the latest each reached."""
+    def read_arrivals(self, stream: int) -> list[int]:
+        """Take in every arrival message the peers have sent; the latest collective each
+        reached on communicator ``stream``."""
         mpi = self.mpi
         status = mpi.Status()
-        box = np.zeros(1, np.int64)
+        box = np.zeros(2, np.int64)
         while self.comm.Iprobe(mpi.ANY_SOURCE, _ARRIVAL, status):
             source = status.Get_source()
             self.comm.Recv(box, source, _ARRIVAL)
-            self.reached[source] = max(self.reached[source], int(box[0]))
-        return self.reached
+            reached = self.reached.setdefault(int(box[0]), [-1] * self.workers)
+            reached[source] = max(reached[source], int(box[1]))
+        return self.reached.get(stream, [-1] * self.workers)
 
 
 @final

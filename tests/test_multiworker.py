@@ -98,13 +98,15 @@ def test_an_uncaught_failure_ends_the_job() -> None:
 def test_a_late_worker_times_out(backend: str) -> None:
     """sync_timeout=1 with worker 1 five seconds late: rank 0 raises naming worker 1 within
     1-3 s, rank 1 raises when it arrives; a collective's own timeout_seconds does the same, and
-    sync_timeout bounds a blocking first read of a variable, and the start of a dataset pass
-    that only the chief begins; the making of a strategy waits for a late worker, idle."""
+    sync_timeout bounds a blocking first read of a variable, the start of a dataset pass that
+    only the chief begins, and a pass's wait for a worker whose data is late (naming it); the
+    making of a strategy waits for a late worker, idle."""
     parts = (
         "sync-timeout",
         "collective-timeout",
         "blocking-read-timeout",
         "dataset-pass-timeout",
+        "dataset-late-worker",
         "late-construction",
     )
     assert_scenario("late", backend, parts, within=25)

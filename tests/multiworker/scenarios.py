@@ -14,8 +14,9 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
 - ``late``: ``sync_timeout=1``: rank 1 sleeps 5 s before its collective; rank 0 raises
   ``ReplicaSyncError`` naming worker 1 after about 1 s, rank 1 when it gets there. Then the
   same with ``CommunicationOptions(timeout_seconds=0.5)`` on one collective, with a new
-  variable's (blocking) first read, and with a dataset pass that only rank 0 starts (both
-  raise after about 1 s). Last, rank 1 makes a strategy 2 s late: rank 0 waits for it
+  variable's (blocking) first read, and with a dataset pass that only rank 0 starts (rank 0
+  raises naming worker 1 after about 1 s, rank 1 naming worker 0), and with rank 1's data
+  3 s late in a pass. Last, rank 1 makes a strategy 2 s late: rank 0 waits for it
   (no timeout bounds the making), without spinning a core.
 - ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
   collective and while waiting in it; rank 0 raises naming worker 1.
@@ -261,7 +262,7 @@ async def late() -> None:
     assert isinstance(error, ReplicaSyncError), repr(error)
     assert 0.8 <= seconds <= 3.0, seconds
     if RANK == 0:
-        assert "waited 1 s in the start of a dataset pass" in str(error), str(error)
+        check_sync_error(error, "waited 1 s in the start of a dataset pass")
         assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
     else:
         assert error.workers == (0,), error.workers
@@ -269,7 +270,31 @@ async def late() -> None:
     await assert_refused(strategy)
     report("dataset-pass-timeout", seconds)
 
-    # 5. No timeout bounds making the strategy: rank 0 waits for rank 1, 2 s late, without
+    # 5. A worker whose data comes late in a pass: sync_timeout ends the others' wait in the
+    # pass's agreement on the next batch, naming it.
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=1.0)
+
+    def batches() -> Any:
+        for start in (0, 4):
+            if RANK == 1 and start:
+                time.sleep(3.0)  # a slow read, on the pass's loader thread
+            yield np.arange(start, start + 4.0)
+
+    async def slow_data() -> None:
+        async for batch in strategy.distribute_dataset(batches()):
+            await strategy.run(lambda x: x, args=(batch,))
+
+    error, seconds = await outcome(slow_data)
+    if RANK == 0:
+        check_sync_error(error)
+        assert 0.8 <= seconds <= 2.5, seconds
+    else:
+        assert isinstance(error, ReplicaSyncError), repr(error)
+        assert 3.0 <= seconds <= 5.0, seconds
+    await assert_refused(strategy)
+    report("dataset-late-worker", seconds)
+
+    # 6. No timeout bounds making the strategy: rank 0 waits for rank 1, 2 s late, without
     # spinning a core meanwhile.
     async def make_late() -> None:
         if RANK == 1:
