@@ -741,7 +741,7 @@ class Workers:
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
         twin._comm, twin._idup = self._side.comm.Idup()
-        twin._idup_what = f"the start of {name} (every worker must start it)"
+        twin._idup_what = f"the start of {name}"
         twin._turn = _Turn()
         twin._persistent = []
         twin._release = weakref.finalize(
