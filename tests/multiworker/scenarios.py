@@ -182,6 +182,31 @@ async def uncaught() -> None:
 # -- late ----------------------------------------------------------------------------------
 
 
+async def check_late(
+    strategy: MirroredStrategy,
+    part: str,
+    error: BaseException | None,
+    seconds: float,
+    waited: tuple[float, float],
+    arrived: tuple[float, float],
+    late_error: type[BaseException],
+    *texts: str,
+) -> None:
+    """Rank 0 gave up waiting for rank 1 after ``waited`` seconds (between), raising a
+    ReplicaSyncError naming worker 1 and every text, without spinning a core all along; rank 1
+    raised ``late_error`` when it arrived, after ``arrived`` seconds; the strategy refuses
+    further calls on both."""
+    if RANK == 0:
+        check_sync_error(error, *texts)
+        assert waited[0] <= seconds <= waited[1], seconds
+        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
+    else:
+        assert isinstance(error, late_error), repr(error)
+        assert arrived[0] <= seconds <= arrived[1], seconds
+    await assert_refused(strategy)
+    report(part, seconds)
+
+
 async def late() -> None:
     # 1. sync_timeout bounds every cross-worker wait.
     strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=1.0)
@@ -192,16 +217,7 @@ async def late() -> None:
         return await replica_context().all_reduce("sum", np.ones(3))
 
     error, seconds = await outcome(lambda: strategy.run(step))
-    if RANK == 0:
-        check_sync_error(error)
-        assert 0.8 <= seconds <= 3.0, seconds
-        # Waiting for the late peer backs off instead of spinning a core all along.
-        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
-    else:
-        assert isinstance(error, RuntimeError), repr(error)
-        assert 5.0 <= seconds <= 8.0, seconds
-    await assert_refused(strategy)
-    report("sync-timeout", seconds)
+    await check_late(strategy, "sync-timeout", error, seconds, (0.8, 3.0), (5.0, 8.0), RuntimeError)
 
     # 2. CommunicationOptions(timeout_seconds) bounds one collective.
     strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
@@ -215,14 +231,9 @@ async def late() -> None:
         return await ctx.all_reduce("sum", np.ones(3), options)
 
     error, seconds = await outcome(lambda: strategy.run(bounded))
-    if RANK == 0:
-        check_sync_error(error)
-        assert 0.4 <= seconds <= 2.0, seconds
-    else:
-        assert isinstance(error, RuntimeError), repr(error)
-        assert 2.0 <= seconds <= 4.5, seconds
-    await assert_refused(strategy)
-    report("collective-timeout", seconds)
+    await check_late(
+        strategy, "collective-timeout", error, seconds, (0.4, 2.0), (2.0, 4.5), RuntimeError
+    )
 
     # 3. sync_timeout bounds a blocking read's wait (a new variable's first read) too.
     strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL), sync_timeout=1.0)
@@ -235,15 +246,16 @@ async def late() -> None:
         variable.numpy()
 
     error, seconds = await outcome(read)
-    if RANK == 0:
-        check_sync_error(error, "the first read of variables")
-        assert 0.8 <= seconds <= 2.5, seconds
-        assert cpu_seconds < 0.5 * seconds, (cpu_seconds, seconds)
-    else:
-        assert isinstance(error, ReplicaSyncError), repr(error)
-        assert 3.0 <= seconds <= 5.0, seconds
-    await assert_refused(strategy)
-    report("blocking-read-timeout", seconds)
+    await check_late(
+        strategy,
+        "blocking-read-timeout",
+        error,
+        seconds,
+        (0.8, 2.5),
+        (3.0, 5.0),
+        ReplicaSyncError,
+        "the first read of variables",
+    )
 
     # 4. A dataset pass that only the chief starts: its first agreement waits for a pass no
     # other worker begins, and sync_timeout ends that wait too (not a hang in MPI). Rank 1,
@@ -285,14 +297,9 @@ async def late() -> None:
             await strategy.run(lambda x: x, args=(batch,))
 
     error, seconds = await outcome(slow_data)
-    if RANK == 0:
-        check_sync_error(error)
-        assert 0.8 <= seconds <= 2.5, seconds
-    else:
-        assert isinstance(error, ReplicaSyncError), repr(error)
-        assert 3.0 <= seconds <= 5.0, seconds
-    await assert_refused(strategy)
-    report("dataset-late-worker", seconds)
+    await check_late(
+        strategy, "dataset-late-worker", error, seconds, (0.8, 2.5), (3.0, 5.0), ReplicaSyncError
+    )
 
     # 6. No timeout bounds making the strategy: rank 0 waits for rank 1, 2 s late, without
     # spinning a core meanwhile.
