@@ -10,6 +10,7 @@ different workers).
 
 from __future__ import annotations
 
+import contextlib
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
@@ -32,7 +33,7 @@ from ._values import DistributedValues, regroup
 from ._variables import sync_variables
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from ._backends import Device
     from ._options import CommunicationOptions
@@ -277,11 +278,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         except (TypeError, ValueError) as exc:
             await self._refuse_step(exc, what)
             raise
-        self._running = True  # no concurrent run() while the workers agree
-        try:
+        with self._in_progress():
             await self._workers.barrier(f"the start of {what}")
-        finally:
-            self._running = False
         return accepted
 
     def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
@@ -304,11 +302,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         if self._closed or self._running or self._workers.broken:
             return
-        self._running = True  # no concurrent run() while the workers agree
-        try:
+        with self._in_progress():
             await self._workers.refuse_in_step(what, error)
-        finally:
-            self._running = False
 
     async def _sync_new_variables(self) -> None:
         if not self._workers.pending:
@@ -330,6 +325,17 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "concurrent runs would not keep: await one run() before starting the next"
             )
 
+    @contextlib.contextmanager
+    def _in_progress(self) -> Iterator[None]:
+        """Mark a ``run()`` in progress, or an agreement that stands in for one, for the block:
+        ``_check_usable`` refuses another ``run()`` meanwhile, whose collectives could reach
+        MPI in another order on another worker."""
+        self._running = True
+        try:
+            yield
+        finally:
+            self._running = False
+
     async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
         """Run the replicas (``parts``: their arguments), refusing a concurrent ``run()``;
         agree with the other workers at the end that every worker's step succeeded. A failure
@@ -337,10 +343,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         (``ReductionEngine.refusing``) are refused in step here, where the worker's next
         collective would be."""
         workers = self._workers
-        self._running = True
         workers.refused = None
         workers.refusing.clear()
-        try:
+        with self._in_progress():
             try:
                 if workers.pending:
                     await self._sync_new_variables()
@@ -354,8 +359,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 self._failed(exc)
                 raise
             return result
-        finally:
-            self._running = False
 
     def _failed(self, exc: BaseException) -> None:
         """Tell the other workers that this one failed: unless it is a peer's failure, or
