@@ -464,9 +464,7 @@ class Workers:
         waited = time.monotonic() - started
         if timeout is not None and waited > timeout:
             raise self._timed_out(what, timeout)
-        if waited > busy:
-            return min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
-        return pause
+        return _backed_off(waited, busy, pause)
 
     def _timed_out(self, what: str, timeout: float) -> ReplicaSyncError:
         reached = self._side.read_arrivals(self._stream)
@@ -985,6 +983,14 @@ def _spin(test: Callable[[], bool]) -> bool:
     return False
 
 
+def _backed_off(waited: float, busy: float, pause: float) -> float:
+    """The pause before a long wait's next test, ``waited`` seconds in, after ``pause``: none
+    while busy (``busy`` seconds), then doubling from ``_FIRST_PAUSE`` up to ``_MAX_PAUSE``."""
+    if waited > busy:
+        return min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+    return pause
+
+
 def _finishes(test: Callable[[], bool]) -> bool:
     """Whether a request completes within ``_LEFT_GRACE_SECONDS`` (a peer that ended its
     program made this collective before it left: its data may come after its notice)."""
@@ -1170,8 +1176,8 @@ def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -
     started = time.monotonic()
     pause = 0.0
     while not _spin(request.Test):
-        if time.monotonic() - started > _BUSY_SECONDS:
-            pause = min(_MAX_PAUSE, max(pause * 2, _FIRST_PAUSE))
+        pause = _backed_off(time.monotonic() - started, _BUSY_SECONDS, pause)
+        if pause:
             time.sleep(pause)
     counts = [int(row[:8].view("<i8")[0]) for row in every]
     failed = [
