@@ -282,14 +282,14 @@ async def test_bad_run_steps_arguments_raise_on_every_worker(
     (the refusing ones their own error, the others a ValueError naming the last worker) before
     any pull from the iterator, and the strategy and the iterator go on working."""
     strategy = make_strategy(2)
-    iterator = aiter(strategy.distribute_dataset(global_batches(8, 8)))
     call, error = BAD_STEPS[case]
     bad = every or RANK == WORKERS - 1
-    with pytest.raises(error if bad else ValueError) as caught:
-        await call(strategy, iterator, bad)
-    if not bad:
-        assert f"worker {WORKERS - 1}: " in str(caught.value), str(caught.value)
-    rows = await strategy.run_steps(lambda element: int(element[1].size), iterator, 1)
+    async with aiter(strategy.distribute_dataset(global_batches(8, 8))) as iterator:
+        with pytest.raises(error if bad else ValueError) as caught:
+            await call(strategy, iterator, bad)
+        if not bad:
+            assert f"worker {WORKERS - 1}: " in str(caught.value), str(caught.value)
+        rows = await strategy.run_steps(lambda element: int(element[1].size), iterator, 1)
     assert each_replica(strategy, rows) == [2, 2]
 
 
@@ -300,7 +300,6 @@ async def test_run_during_the_agreement_to_start_run_steps_is_refused(
     arguments, a run() started beside it is refused (its collectives could reach MPI before
     the agreement's on one worker and after it on another); the run_steps then completes."""
     strategy = make_strategy(2)
-    iterator = aiter(strategy.distribute_dataset(global_batches(8, 8)))
     go = WORLD.Dup()  # rank 0 tells the others when to start their run_steps
     refused: list[str] = []
     results: list[Any] = []
@@ -308,7 +307,10 @@ async def test_run_during_the_agreement_to_start_run_steps_is_refused(
     async def loop() -> None:
         results.append(await strategy.run_steps(lambda b: int(b[1].size), iterator, 1))
 
-    async with anyio.create_task_group() as tg:
+    async with (
+        aiter(strategy.distribute_dataset(global_batches(8, 8))) as iterator,
+        anyio.create_task_group() as tg,
+    ):
         if RANK == 0:
             tg.start_soon(loop)
             await anyio.wait_all_tasks_blocked()  # the loop waits for the others
