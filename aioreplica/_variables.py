@@ -727,14 +727,19 @@ async def sync_variables(workers: Workers) -> None:
     """Give the variables made since the last call the chief's values (collective).
 
     Every worker makes its variables in the same order, so the ``k``-th pending variable is
-    the same on each: broadcast from worker 0 one by one, in creation order.
+    the same on each: broadcast from worker 0 one by one, in creation order. The workers
+    compare each one's name, dtype and shape first, so variables made in another order (or
+    one made on some workers only) raise ``WorkersDisagree`` instead of taking the chief's
+    value of another variable.
     """
     pending = workers.pending
     while pending:
         variable = pending[0]  # pending until synced: a refused broadcast leaves it to retry
         copy, device = variable._copies[0], variable._devices[0]
         await device.synchronize()
-        value = await workers.broadcast(np.asarray(host_array(copy, device), order="C"), 0)
+        value = await workers.broadcast(
+            np.asarray(host_array(copy, device), order="C"), 0, f"variable {variable._name!r}"
+        )
         _start_from(variable, value)
         del pending[0]
 

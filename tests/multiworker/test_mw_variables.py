@@ -291,6 +291,35 @@ async def test_variables_of_other_shapes_are_refused_on_every_worker(
         np.testing.assert_array_equal(good.values[0], worker_value(RANK))
 
 
+@pytest.mark.parametrize("first_use", ["run", "read"])
+async def test_variables_made_in_another_order_are_refused_on_every_worker(
+    make_strategy: MakeStrategy, first_use: str
+) -> None:
+    """Variables of the same shape made in another order on worker 1 would each take the
+    chief's value of the other: their first use raises the same ValueError on every worker,
+    naming what each made, and no copy changed."""
+    strategy = make_strategy(1)
+    with strategy.scope():
+        if RANK == 1:
+            b = Variable(worker_value(RANK) + 1, name="b")
+        a = Variable(worker_value(RANK), name="a")
+        if RANK != 1:
+            b = Variable(worker_value(RANK) + 1, name="b")
+
+    async def use() -> Any:
+        if first_use == "read":
+            return a.numpy()
+        return await strategy.run(lambda: np.array(a.value()))
+
+    with pytest.raises(ValueError, match=r"'a'.*'b'|'b'.*'a'") as caught:
+        await use()
+    assert "worker 1" in str(caught.value)
+    # The same after the what (each worker's own list of variables, in a first read):
+    assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
+    np.testing.assert_array_equal(a.values[0], worker_value(RANK))
+    np.testing.assert_array_equal(b.values[0], worker_value(RANK) + 1)
+
+
 #: Bad writes made in a replica, and the error they raise: ``write(v, optimizer, bad)``
 #: writes ``v`` (shape (3,), float32) with bad arguments (``bad``) or good ones; the name of
 #: the write in the others' message.
