@@ -23,7 +23,13 @@ import anyio
 import numpy as np
 
 from . import _loops, _trace, _tree
-from ._backends import Device, HostDevice, canonical_device_name, resolve_devices
+from ._backends import (
+    Device,
+    HostDevice,
+    array_kind,
+    canonical_device_name,
+    resolve_devices,
+)
 from ._collectives import ReductionEngine
 from ._context import (
     ContextState,
@@ -144,7 +150,9 @@ class StrategyExtended:
                 sync-on-read variable's copies are reduced; a mirrored variable holds one
                 value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is.
             destinations: a device name, a list of names, a distributed value or a variable
-                (its devices: the strategy's own).
+                (its devices: the strategy's own), or an array (its device: a CuPy array's
+                GPU; for a NumPy array or a scalar, the host: the strategy's first host
+                device).
 
         Returns:
             The reduced value on the one destination device, or a ``Mirrored`` over several
@@ -532,8 +540,10 @@ class MirroredStrategy:
             )
 
     def _destinations(self, destinations: Any) -> tuple[Device, ...]:
-        """TF's destinations as device objects: a device name or object, a list of them, or a
-        distributed value or variable (meaning its devices: the strategy's own)."""
+        """TF's destinations as device objects: a device name or object, a list of them, a
+        distributed value or variable (meaning its devices: the strategy's own), or an array
+        (meaning its device: a CuPy array's GPU; for a NumPy array or a scalar, the host, which
+        is the strategy's first host device)."""
         if destinations is None or isinstance(destinations, DistributedValues):
             return self._device_objects
         if isinstance(destinations, Variable):
@@ -544,18 +554,30 @@ class MirroredStrategy:
         for item in items:
             if isinstance(item, str):  # the strategy's own names as they are, else any spelling
                 name = item if item in by_name else canonical_device_name(item)
+                shown = repr(item)
             elif isinstance(item, Device):  # a Protocol check: slow, so strings go first
-                name = item.name
+                name, shown = item.name, repr(item.name)
+            elif (kind := array_kind(item)) in ("numpy", "scalar", "cupy"):
+                name = self._array_device_name(item, kind)
+                shown = f"{'a CuPy array' if kind == 'cupy' else 'a host value'} (on {name!r})"
             else:
                 name = canonical_device_name(item)
+                shown = repr(item)
             if name not in by_name:
                 raise ValueError(
-                    f"destination {item!r} is not one of this strategy's devices {list(by_name)}"
+                    f"destination {shown} is not one of this strategy's devices {list(by_name)}"
                 )
             devices.append(by_name[name])
         if not devices:
             raise ValueError("destinations must name at least one device")
         return tuple(devices)
+
+    def _array_device_name(self, array: Any, kind: str) -> str:
+        """The device an array as a destination means: a CuPy array's GPU; for host data, the
+        strategy's first host device (``"cpu:0"`` when it has none, which it then refuses)."""
+        if kind == "cupy":
+            return f"gpu:{array.device.id}"
+        return next((d.name for d in self._device_objects if d.name.startswith("cpu:")), "cpu:0")
 
     # -- input --------------------------------------------------------------------------
 

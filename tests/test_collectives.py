@@ -452,6 +452,24 @@ class TestCrossReplica:
         with pytest.raises(ValueError, match="destination 'cpu:7' is not one of"):
             await strategy.extended.reduce_to("sum", value, "cpu:7")
 
+    @pytest.mark.parametrize("destination", [np.zeros(1), np.float32(0.0), 0.0])
+    async def test_reduce_to_a_host_array_means_the_first_host_device(
+        self, destination: Any
+    ) -> None:
+        """TF's ``reduce_to(op, value, destinations=tensor)`` reduces to the tensor's device: a
+        host array or scalar means the host, the strategy's first device, so one value comes
+        back (as for ``"cpu:1"`` here), not a Mirrored."""
+        strategy = MirroredStrategy(["cpu:1", "cpu:2"])
+        value = PerReplica([np.array([1.0]), np.array([2.0])])
+        one = await strategy.extended.reduce_to("sum", value, destination)
+        assert type(one) is np.ndarray
+        np.testing.assert_array_equal(one, [3.0])
+        pairs = [(value, destination), (value, [destination, "cpu:2"])]
+        single, both = await strategy.extended.batch_reduce_to("max", pairs)
+        np.testing.assert_array_equal(single, [2.0])
+        assert isinstance(both, Mirrored)
+        assert len(both.values) == 2
+
     async def test_batch_reduce_to_nested_values(self) -> None:
         """batch_reduce_to keeps each value's structure, each leaf on its destinations."""
         strategy = MirroredStrategy(host_devices(3))

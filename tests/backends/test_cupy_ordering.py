@@ -315,3 +315,24 @@ async def test_all_reduce_on_one_gpu_reads_each_input_once(cp: Any, cb: Any) -> 
     assert [r.get().tolist() for r in results] == [[6.0] * 5] * 4
     del results
     gc.collect()
+
+
+async def test_reduce_to_an_array_means_its_device(cp: Any) -> None:
+    """``reduce_to(op, value, destinations=array)``: a CuPy array's GPU; a host array means
+    the host, which a GPU strategy does not hold: refused, saying so."""
+    strategy = aioreplica.MirroredStrategy(["gpu:0", "gpu:1"])
+
+    async def step() -> Any:
+        ctx = aioreplica.get_replica_context()
+        assert ctx is not None
+        return ctx.device.asarray(np.full(2, 1.0 + ctx.replica_id_in_sync_group))
+
+    value = await strategy.run(step)
+    with cp.cuda.Device(1):
+        on_gpu1 = cp.zeros(2)
+    reduced = await strategy.extended.reduce_to("sum", value, on_gpu1)
+    assert isinstance(reduced, cp.ndarray)
+    assert reduced.device.id == 1
+    np.testing.assert_array_equal(cp.asnumpy(reduced), [3.0, 3.0])
+    with pytest.raises(ValueError, match=r"a host value \(on 'cpu:0'\) is not one of"):
+        await strategy.extended.reduce_to("sum", value, np.zeros(2))

@@ -349,6 +349,22 @@ async def test_batch_reduce_to_and_reduce_to(make_strategy: MakeStrategy, local:
     np.testing.assert_allclose(mean, a.mean(axis=0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("where", ["host value", "run() result"])
+async def test_reduce_to_its_own_value(make_strategy: MakeStrategy, where: str) -> None:
+    """TF's all-reduce idiom ``reduce_to(SUM, value, value)`` (and ``batch_reduce_to``, and
+    ``strategy.reduce``) on one replica per worker: a host value, or a step's result, which
+    ``run()`` gives back as the value itself; the destination is its device, the host."""
+    strategy = make_strategy(1)
+    value = np.float32(1.0)
+    if where == "run() result":
+        value = await strategy.run(lambda: np.float32(1.0))
+    assert float(await strategy.reduce(ReduceOp.SUM, value, axis=None)) == WORKERS
+    assert float(await strategy.extended.reduce_to(ReduceOp.SUM, value, value)) == WORKERS
+    pairs = [(value, value), (value, value)]
+    got = await strategy.extended.batch_reduce_to(ReduceOp.SUM, pairs)
+    assert [float(x) for x in got] == [WORKERS, WORKERS]
+
+
 async def test_collectives_agree_across_ranks_bitwise(make_strategy: MakeStrategy) -> None:
     """Every worker gets the very same bits from a float32 all_reduce."""
     strategy = make_strategy(2)
