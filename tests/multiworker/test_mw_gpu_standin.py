@@ -106,3 +106,53 @@ async def test_a_checkpoint_of_gpu_variables_holds_the_global_values(cp: Any) ->
     assert sum(range(GLOBAL)) in [int(v) for v in values if v.ndim == 0]
     np.testing.assert_array_equal(w.numpy(), np.arange(3.0))
     assert int(count.numpy()) == sum(range(GLOBAL))
+
+
+async def test_cross_replica_reductions_of_gpu_values(cp: Any) -> None:
+    """``strategy.reduce`` (with and without an axis), ``gather``, ``reduce_to`` and
+    ``batch_reduce_to`` of GPU results combine every worker's, through the host."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    rows = _rows()
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        return ctx.device.asarray(rows[g][: g + 1])  # uneven: replica g holds g + 1 values
+
+    parts = await strategy.run(step)
+    flat = np.concatenate([rows[g][: g + 1] for g in range(GLOBAL)])
+    total = await strategy.reduce("sum", parts, axis=0)
+    mean = await strategy.reduce("mean", parts, axis=0)
+    gathered = await strategy.gather(parts)
+    np.testing.assert_allclose(cp.asnumpy(total), flat.sum(), rtol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(mean), flat.mean(), rtol=1e-5)  # by real rows
+    np.testing.assert_array_equal(cp.asnumpy(gathered), flat)
+
+    whole = await strategy.run(lambda: replica_context().device.asarray(rows[RANK]))
+    reduced = await strategy.extended.reduce_to("max", whole, "gpu:1")
+    assert reduced.device.id == 1
+    np.testing.assert_array_equal(cp.asnumpy(reduced), rows[:WORKERS].max(axis=0))
+    pairs = [(whole, whole), (whole, "gpu:0")]
+    both, one = await strategy.extended.batch_reduce_to("sum", pairs)
+    for part in each_replica(strategy, both):
+        np.testing.assert_allclose(cp.asnumpy(part), LOCAL * rows[:WORKERS].sum(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(cp.asnumpy(one), LOCAL * rows[:WORKERS].sum(axis=0), rtol=1e-5)
+
+
+async def test_a_dataset_pass_places_every_workers_slices_on_its_gpus(cp: Any) -> None:
+    """Each worker's slices of every global batch land on its own GPUs; in the partial last
+    batch, replicas without rows get zero-row GPU arrays of the right dtype."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    data = np.arange(2 * GLOBAL + 1, dtype=np.float32).reshape(-1, 1)
+    batches = [data[: 2 * GLOBAL], data[2 * GLOBAL :]]  # the last: one row, for replica 0
+    seen = []
+    async for batch in strategy.distribute_dataset(batches):
+        for local, part in enumerate(strategy.experimental_local_results(batch)):
+            assert isinstance(part, cp.ndarray)
+            assert part.device.id == local
+            assert part.dtype == np.float32
+            seen.append(cp.asnumpy(part).ravel().tolist())
+    g0 = RANK * LOCAL
+    first = [[2.0 * (g0 + j), 2.0 * (g0 + j) + 1] for j in range(LOCAL)]
+    last = [[2.0 * GLOBAL] if g0 + j == 0 else [] for j in range(LOCAL)]
+    assert seen == first + last
