@@ -10,7 +10,6 @@ different workers).
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
@@ -33,7 +32,7 @@ from ._values import DistributedValues, regroup
 from ._variables import sync_variables
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterator, Mapping, Sequence
+    from collections.abc import Callable, Mapping, Sequence
 
     from ._backends import Device
     from ._options import CommunicationOptions
@@ -325,16 +324,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "concurrent runs would not keep: await one run() before starting the next"
             )
 
-    @contextlib.contextmanager
-    def _in_progress(self) -> Iterator[None]:
+    def _in_progress(self) -> _InProgress:
         """Mark a ``run()`` in progress, or an agreement that stands in for one, for the block:
         ``_check_usable`` refuses another ``run()`` meanwhile, whose collectives could reach
         MPI in another order on another worker."""
-        self._running = True
-        try:
-            yield
-        finally:
-            self._running = False
+        return _InProgress(self)
 
     async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
         """Run the replicas (``parts``: their arguments), refusing a concurrent ``run()``;
@@ -385,6 +379,22 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         if isinstance(exc, ReplicaSyncError) and not place:
             replicas = exc.replicas
         workers.announce(reason, replicas)
+
+
+class _InProgress:
+    """``MultiWorkerMirroredStrategy._in_progress``: a class, as every ``run()`` enters one
+    (one made by ``contextlib.contextmanager`` costs about five times as much)."""
+
+    __slots__ = ("_strategy",)
+
+    def __init__(self, strategy: MultiWorkerMirroredStrategy) -> None:
+        self._strategy = strategy
+
+    def __enter__(self) -> None:
+        self._strategy._running = True
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._strategy._running = False
 
 
 _REPLICA_NOTE = re.compile(r"raised in replica (\d+) of")
