@@ -28,7 +28,7 @@ from ._collectives import ReductionEngine
 from ._dataset import InputContext
 from ._errors import ReplicaSyncError
 from ._strategy import MirroredStrategy
-from ._values import DistributedValues, regroup
+from ._values import DistributedValues, PerReplica, regroup
 from ._variables import sync_variables
 
 if TYPE_CHECKING:
@@ -170,6 +170,33 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     def cluster(self) -> Cluster:
         """This worker's index, the number of workers, and whether this is the chief."""
         return self._cluster
+
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """Return this worker's components of ``value``, one per local replica, as in TF.
+
+        As ``MirroredStrategy.experimental_local_results``: a distributed value holds this
+        worker's replicas' values only, so a ``PerReplica`` with another number of values (the
+        global number, say) is refused.
+
+        Raises:
+            ValueError: ``value`` is a ``PerReplica`` that does not hold one value per local
+                replica.
+
+        Example:
+            >>> strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.experimental_local_results(aioreplica.PerReplica([1, 2]))
+            (1, 2)
+        """
+        results = super().experimental_local_results(value)
+        if isinstance(value, PerReplica) and len(results) != len(self._device_objects):
+            raise ValueError(
+                f"experimental_local_results takes this worker's values: a PerReplica of "
+                f"{len(results)} values, but worker {self._cluster.worker_index} has "
+                f"{len(self._device_objects)} local replicas (num_replicas_in_sync is "
+                f"{self.num_replicas_in_sync} over all workers): a distributed value holds "
+                "this worker's replicas' values only"
+            )
+        return results
 
     def _input_context(self) -> InputContext:
         return InputContext(

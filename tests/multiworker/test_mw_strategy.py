@@ -107,6 +107,8 @@ async def test_global_length_per_replica_is_refused(
     # The strategy still works (both workers refused before any collective).
     result = await strategy.run(lambda: replica_id())
     assert strategy.experimental_local_results(result) == tuple(global_ids(2))
+    with pytest.raises(ValueError, match=rf"{2 * WORKERS} values, but worker {RANK} has 2 local"):
+        strategy.experimental_local_results(global_arg)
 
 
 @pytest.mark.parametrize("collective", [True, False], ids=["all_reduce", "none"])
