@@ -65,6 +65,18 @@ class Cluster:
         """Whether this is worker 0, which writes checkpoints and numbers them."""
         return self.worker_index == 0
 
+    @property
+    def task_type(self) -> str:
+        """``"worker"``: TF's name for this process's job in a cluster without a ``"chief"``
+        job, where worker 0 is the chief (for code written against TF's
+        ``strategy.cluster_resolver``)."""
+        return "worker"
+
+    @property
+    def task_id(self) -> int:
+        """``worker_index``, under TF's name."""
+        return self.worker_index
+
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
     """``MirroredStrategy`` over the replicas of several processes (workers), under MPI.
@@ -169,6 +181,13 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     @property
     def cluster(self) -> Cluster:
         """This worker's index, the number of workers, and whether this is the chief."""
+        return self._cluster
+
+    @property
+    def cluster_resolver(self) -> Cluster:
+        """``cluster``, under TF's name: ``strategy.cluster_resolver.task_type`` and
+        ``.task_id`` work as in TF's multi-worker programs (``None`` in one process, as TF's
+        ``MirroredStrategy`` has none)."""
         return self._cluster
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:

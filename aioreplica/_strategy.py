@@ -428,6 +428,12 @@ class MirroredStrategy:
     # -- facts ----------------------------------------------------------------------------
 
     @property
+    def cluster_resolver(self) -> Any:
+        """``None``, as in TF: one process has no cluster (``MultiWorkerMirroredStrategy``'s is
+        its ``cluster``)."""
+        return None
+
+    @property
     def num_replicas_in_sync(self) -> int:
         """The number of replicas, one per device (of every worker)."""
         return self._engine.num_replicas

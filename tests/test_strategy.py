@@ -42,6 +42,7 @@ class TestConstruction:
             extended.experimental_should_init,
         )
         assert roles == (False, True, True, True)
+        assert MirroredStrategy(["cpu:0"]).cluster_resolver is None  # TF's: no cluster
 
     def test_default_is_one_host_device(self) -> None:
         """devices=None means one replica on cpu:0."""

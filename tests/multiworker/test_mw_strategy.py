@@ -44,6 +44,9 @@ def test_cluster_facts(make_strategy: MakeStrategy, local: int) -> None:
     assert strategy.extended.parameter_devices == tuple(host_devices(local))
     facts = allgather((strategy.cluster.worker_index, strategy.cluster.is_chief))
     assert facts == [(w, w == 0) for w in range(WORKERS)]
+    # TF's names, as its multi-worker programs pick a chief-only write path with them:
+    resolver = strategy.cluster_resolver
+    assert (resolver.task_type, resolver.task_id) == ("worker", RANK)
     extended = strategy.extended
     roles = allgather(
         (
