@@ -191,3 +191,33 @@ async def test_manager_restore_latest_on_every_worker(make_strategy: MakeStrateg
             np.testing.assert_array_equal(copy, saved)
         assert_same_on_every_worker(*model.state())
         WORLD.Barrier()
+
+
+async def test_a_manager_made_with_a_workers_own_directory_names_the_chiefs_files(
+    make_strategy: MakeStrategy,
+) -> None:
+    """TF's multi-worker programs give the other workers' managers a temporary directory of
+    their own: only the chief writes, and after a save every worker's ``latest`` and
+    ``checkpoints`` name the chief's files, the ones ``save()`` returned; the other workers'
+    directories stay unmade, and restoring ``latest`` works everywhere."""
+    strategy = make_strategy(1)
+    model = Model(strategy)
+    with shared_directory() as directory:
+        task_id = strategy.cluster_resolver.task_id
+        own = directory if task_id == 0 else os.path.join(directory, f"workertemp_{task_id}")
+        manager = CheckpointManager(model.checkpoint(), own, max_to_keep=1)
+        for scale in (1.0, 2.0):
+            await model.train(scale)
+            path = await manager.save()
+            assert allgather(path) == [path] * WORKERS
+            assert manager.latest_checkpoint == path
+            assert manager.checkpoints == [path]
+            assert manager.directory == directory
+            assert os.path.basename(path) in os.listdir(directory)
+        assert [f for f in os.listdir(directory) if f.startswith("workertemp")] == []
+        saved = np.array(model.w.values[0])
+        await model.train(5.0)
+        await model.checkpoint().restore(path)  # manager.latest_checkpoint, as checked
+        np.testing.assert_array_equal(model.w.values[0], saved)
+        assert_same_on_every_worker(*model.state())
+        WORLD.Barrier()
