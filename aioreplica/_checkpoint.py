@@ -96,6 +96,7 @@ import numpy as np
 
 from . import _trace, _tree
 from ._batched import BatchedIterator, ResumableInput, batched
+from ._cluster import WorkersDisagree, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
 from ._errors import CheckpointError
@@ -293,6 +294,11 @@ class Checkpoint:
         optimizer steps of the objects it restores: those under way finish first, those
         called afterwards apply to the restored values.
 
+        With variables of a ``MultiWorkerMirroredStrategy`` it is collective, as ``save`` is:
+        every worker calls it, and before any value changes the workers agree that each one
+        read and checked the same file. If one could not, or read another file, every worker
+        raises and none restores anything.
+
         Args:
             path: a file written by ``save`` or ``CheckpointManager.save``.
             partial: restore what fits and report the rest, instead of refusing it all.
@@ -309,6 +315,10 @@ class Checkpoint:
             FileNotFoundError: there is no such file.
             TypeError: ``partial`` is not a bool.
             RuntimeError: called inside a replica.
+            ValueError: (several workers) another worker could not read or check its file,
+                or read another checkpoint (``WorkersDisagree``, naming it). Nothing changed.
+            ReplicaSyncError: (several workers) a worker failed, or was late past the
+                strategy's ``sync_timeout``.
 
         Example:
             >>> ckpt = Checkpoint(step=3)
@@ -334,11 +344,22 @@ class Checkpoint:
         return report
 
     async def _restore(self, path: str, partial: bool) -> RestoreReport:
-        manifest, arrays = await anyio.to_thread.run_sync(_read, path)
-        plan = _Plan(path, manifest, arrays, partial=partial)
-        for obj_path, obj in self._leaves():
-            plan.expect(obj_path, obj, self._leaves)
-        plan.finish()
+        workers = self._workers()
+        if workers is not None and workers.broken:
+            workers = None  # no more agreements after a failure: this worker's restore alone
+        try:
+            manifest, arrays, fingerprint = await anyio.to_thread.run_sync(_read, path)
+            plan = _Plan(path, manifest, arrays, partial=partial)
+            for obj_path, obj in self._leaves():
+                plan.expect(obj_path, obj, self._leaves)
+            plan.finish()
+        except BaseException as exc:
+            if workers is not None:
+                await _refuse_restore(workers, exc)
+            raise
+        if workers is not None:  # every worker restores the same file, or none does
+            name = os.path.basename(path)
+            await workers.barrier(f"Checkpoint.restore of a file {fingerprint:08x} ({name})")
         # Everything fits. Take the write turns of everything restored (an optimizer's new
         # slots included), so that no write or step interleaves with this one. ``build`` may
         # still give an optimizer slots while the copies are computed: then commit is refused
@@ -635,6 +656,18 @@ class CheckpointManager:
         return f"CheckpointManager({self._directory!r}, latest={self.latest!r})"
 
 
+async def _refuse_restore(workers: Workers, error: BaseException) -> None:
+    """Meet the other workers' agreement to restore with this worker's ``error`` (it could not
+    read or check the file), so that they raise ``WorkersDisagree`` naming it and nobody
+    restores; the caller raises ``error``. A restore cancelled (or interrupted) here counts as
+    this worker failing, as a cancelled ``run()`` does: MPI cannot take back the agreement."""
+    if not isinstance(error, Exception):
+        workers.announce(f"its Checkpoint.restore was stopped by {type(error).__name__}")
+        return
+    with contextlib.suppress(WorkersDisagree):  # raised on the others: this one raises error
+        await workers.barrier(f"Checkpoint.restore refusing the file: {error_line(error)}")
+
+
 # -- saving ---------------------------------------------------------------------------------
 
 
@@ -873,14 +906,18 @@ def _remove(paths: list[str]) -> None:
 # -- restoring ------------------------------------------------------------------------------
 
 
-def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
-    """The manifest and every array of a checkpoint file, read whole and checked."""
+def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]], int]:
+    """The manifest and every array of a checkpoint file, read whole and checked, and the
+    file's fingerprint: a CRC-32 of its members' names, sizes and CRC-32s (which the zip
+    holds), so that workers can tell whether they read the same checkpoint."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
     member = _MANIFEST
     try:
         # Our own file object: np.load leaves the file it opens open when ZipFile refuses it.
         with open(path, "rb") as file, np.load(file, allow_pickle=False) as npz:
+            members = sorted((i.filename, i.file_size, i.CRC) for i in npz.zip.infolist())
+            fingerprint = zlib.crc32(repr(members).encode())
             raw = npz[_MANIFEST]
             if not isinstance(raw, bytes):
                 raise ValueError("the manifest is not a JSON document")
@@ -911,7 +948,7 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]]]:
                 "not an aioreplica checkpoint"
             ],
         ) from exc
-    return manifest, arrays
+    return manifest, arrays, fingerprint
 
 
 def _members(manifest: dict[str, Any]) -> list[str]:

@@ -12,6 +12,7 @@ import re
 import shutil
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -219,5 +220,49 @@ async def test_a_manager_made_with_a_workers_own_directory_names_the_chiefs_file
         await model.train(5.0)
         await model.checkpoint().restore(path)  # manager.latest_checkpoint, as checked
         np.testing.assert_array_equal(model.w.values[0], saved)
+        assert_same_on_every_worker(*model.state())
+        WORLD.Barrier()
+
+
+@pytest.mark.parametrize("case", ["other file", "missing file", "corrupted file"])
+async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
+    make_strategy: MakeStrategy, case: str
+) -> None:
+    """Worker 1 restores another checkpoint, or one it cannot read: every worker raises (worker
+    1 its own error, the others a ValueError naming it and what it met), no worker restored
+    anything, so the copies stay identical, and then the same file restores everywhere."""
+    strategy = make_strategy(2)
+    model = Model(strategy)
+    with shared_directory() as directory:
+        first = await model.checkpoint().save(os.path.join(directory, "first.npz"))
+        await model.train(1.0)
+        second = await model.checkpoint().save(os.path.join(directory, "second.npz"))
+        await model.train(2.0)
+        before = [np.array(copy) for copy in model.w.values]
+        path = second
+        if RANK == 1 and case == "other file":
+            path = first
+        elif RANK == 1 and case == "missing file":
+            path = os.path.join(directory, "missing.npz")
+        elif RANK == 1:
+            path = os.path.join(directory, "corrupted.npz")
+            await anyio.Path(path).write_bytes(b"not a checkpoint")
+        own = {"other file": ValueError, "missing file": FileNotFoundError}
+        expected = own.get(case, ValueError) if RANK == 1 else ValueError
+        with pytest.raises(expected) as caught:
+            await model.checkpoint().restore(path)
+        if RANK != 1:
+            message = str(caught.value)
+            assert "worker 1" in message
+            if case != "other file":
+                assert "Checkpoint.restore refusing the file" in message
+                assert ("FileNotFoundError" if case == "missing file" else "CheckpointError") in (
+                    message
+                )
+        for copy, kept in zip(model.w.values, before, strict=True):
+            np.testing.assert_array_equal(copy, kept)
+        assert_same_on_every_worker(*model.state())
+        await model.checkpoint().restore(second)
+        await model.train(3.0)  # the strategy goes on working
         assert_same_on_every_worker(*model.state())
         WORLD.Barrier()
