@@ -551,9 +551,15 @@ class Workers:
             if plan.parts:
                 _combine(plan.ufunc, plan.parts, out)
                 return
-            source = self.mpi.IN_PLACE if send is None else send
-            request = self._comm.Iallreduce(source, out, self._op(op, out.dtype))
-            await self._wait(request, "all_reduce", out.nbytes)
+            if out.dtype.isnative:
+                source = self.mpi.IN_PLACE if send is None else send
+                request = self._comm.Iallreduce(source, out, self._op(op, out.dtype))
+                await self._wait(request, "all_reduce", out.nbytes)
+            else:  # MPI reduces numbers in this machine's byte order: a copy in it
+                work = _in_native_order(out if send is None else send)
+                request = self._comm.Iallreduce(self.mpi.IN_PLACE, work, self._op(op, work.dtype))
+                await self._wait(request, "all_reduce", out.nbytes)
+                out[...] = work
         finally:
             self._turn.release()
 
@@ -567,7 +573,8 @@ class Workers:
             WorkersDisagree: the workers' arrays differ in dtype or in their other dimensions,
                 or a worker made another collective.
         """
-        local = np.asarray(local, order="C")
+        dtype = local.dtype
+        local = _in_native_order(local)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
             f"all_gather of {local.dtype.name} rows of {local.shape[1:]}" + _named(where)
         )
@@ -584,7 +591,7 @@ class Workers:
             await self._wait(self._comm.Iallgatherv(local, recv), "all_gather", out.nbytes)
         finally:
             self._turn.release()
-        return out
+        return out.astype(dtype, copy=False)
 
     async def broadcast(
         self, value: np.ndarray[Any, Any], root: int, where: str = ""
@@ -596,7 +603,8 @@ class Workers:
             WorkersDisagree: a worker's ``value`` differs from the root's in shape or dtype, or
                 a worker made another collective.
         """
-        value = np.asarray(value, order="C")
+        dtype = value.dtype
+        value = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
             f"broadcast from worker {root} of {value.dtype.name} {value.shape}" + _named(where)
         )
@@ -609,12 +617,13 @@ class Workers:
             await self._exchange("broadcast", header)
             if small:  # it came with the root's record
                 data = self._gathered[root, _HEADER_BYTES : _HEADER_BYTES + value.nbytes]
-                return data.view(value.dtype).reshape(value.shape).copy()
+                view: np.ndarray[Any, Any] = data.view(value.dtype).reshape(value.shape)
+                return view.astype(dtype)  # a copy, in the caller's byte order
             out = value.copy() if self.worker_index == root else np.empty_like(value)
             await self._wait(self._comm.Ibcast(out, root), "broadcast", out.nbytes)
         finally:
             self._turn.release()
-        return out
+        return out.astype(dtype, copy=False)
 
     async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
         """Worker ``root``'s ``data`` on every worker (the others pass anything).
@@ -825,7 +834,8 @@ class Workers:
     def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
         """How this worker all-reduces ``out``: its header, and for data small enough to
         travel with it, its place in this worker's record and every worker's part of the
-        gathered records (views of ``out``'s dtype and shape)."""
+        gathered records (views of ``out``'s dtype, in this machine's byte order, and
+        shape)."""
         if out.dtype.kind == "b" and op not in _BOOL_OPS:
             raise ValueError(f"all_reduce: {op} is not defined on bool arrays across workers")
         if len(self._plans) >= _PLANS:
@@ -833,11 +843,12 @@ class Workers:
         header = _header_of(f"all_reduce ({op}) of {out.dtype.name} {out.shape}" + _named(layout))
         if out.nbytes > _INLINE_BYTES:
             plan = _Plan(header, _LOCAL_OPS[op], self._record[:0], [])
-        else:
+        else:  # in the records, in this machine's byte order whatever ``out``'s
             end = _HEADER_BYTES + out.nbytes
-            slot = self._record[_HEADER_BYTES:end].view(out.dtype).reshape(out.shape)
+            native = _native_order(out.dtype)
+            slot = self._record[_HEADER_BYTES:end].view(native).reshape(out.shape)
             rows = self._gathered[:, _HEADER_BYTES:end]
-            parts = [row.view(out.dtype).reshape(out.shape) for row in rows]
+            parts = [row.view(native).reshape(out.shape) for row in rows]
             plan = _Plan(header, _LOCAL_OPS[op], slot, parts)
         self._plans[op, out.dtype, out.shape, layout] = plan
         return plan
@@ -1199,6 +1210,17 @@ def _worker_list(workers: list[int]) -> str:
     if len(workers) == 1:
         return f"worker {workers[0]}"
     return "workers " + ", ".join(map(str, workers[:-1])) + f" and {workers[-1]}"
+
+
+def _native_order(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """``dtype`` in this machine's byte order, the one MPI's types stand for (a NumPy array
+    may hold numbers in either)."""
+    return dtype.newbyteorder("=")
+
+
+def _in_native_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``array``, C-contiguous, in this machine's byte order: itself when it is so already."""
+    return np.asarray(array, dtype=_native_order(array.dtype), order="C")
 
 
 def _mpi_type(mpi: Any, dtype: np.dtype[Any]) -> Any:

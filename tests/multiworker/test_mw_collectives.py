@@ -102,6 +102,50 @@ async def test_all_reduce_keeps_dtypes(make_strategy: MakeStrategy, local: int) 
         np.testing.assert_array_equal(got["bool-min"], flags.all(axis=0))
 
 
+@pytest.mark.parametrize("size", [3, 50_000], ids=["in the records", "in MPI"])
+@pytest.mark.parametrize("local", [1, 2])
+async def test_byte_orders_of_every_worker(
+    make_strategy: MakeStrategy, local: int, size: int
+) -> None:
+    """Arrays in the other byte order (``>f8`` on a little-endian machine) on some workers and
+    not others: every collective gives the right numbers, in each worker's own dtype, as in
+    one process (MPI itself takes numbers in the machine's order only)."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    data = np.random.default_rng(4).normal(size=(n, size))
+    order = ">" if RANK % 2 == 0 else "<"
+    dtype = np.dtype(f"{order}f8")
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        x = data[g].astype(dtype)
+        return {
+            "sum": await ctx.all_reduce("sum", x),
+            "max": await ctx.all_reduce("max", x),
+            "gathered": await ctx.all_gather(x[: g + 1]),
+            "sent": await ctx.broadcast(x, source_replica=n - 1),
+            "row": x,
+        }
+
+    result = await strategy.run(step)
+    gathered = np.concatenate([data[g][: g + 1] for g in range(n)])
+    for got in local_results(strategy, result):
+        for key, want in [
+            ("sum", data.sum(axis=0)),
+            ("max", data.max(axis=0)),
+            ("gathered", gathered),
+            ("sent", data[n - 1]),
+        ]:
+            assert got[key].dtype == dtype, key
+            np.testing.assert_allclose(got[key], want, rtol=1e-12, atol=1e-12, err_msg=key)
+    total = await strategy.reduce("sum", result["row"])
+    rows = await strategy.gather(result["row"])
+    assert total.dtype == rows.dtype == dtype
+    np.testing.assert_allclose(total, data.sum(axis=0), rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(rows, data.reshape(-1))
+
+
 @pytest.mark.parametrize("local", [1, 2])
 async def test_all_reduce_nested_structures(make_strategy: MakeStrategy, local: int) -> None:
     """Dicts and lists reduce leaf by leaf, each leaf keeping its dtype; scalars too."""
