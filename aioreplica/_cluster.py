@@ -576,19 +576,20 @@ class Workers:
         dtype = local.dtype
         local = _in_native_order(local)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
-            f"all_gather of {local.dtype.name} rows of {local.shape[1:]}" + _named(where)
+            f"all_gather of {local.dtype} rows of {local.shape[1:]}" + _named(where)
         )
         await self._begin("all_gather")
         try:
             self._record_words[_HEADER_WORDS] = local.shape[0]
             await self._exchange("all_gather", header)
             rows: list[int] = self._gathered_words[:, _HEADER_WORDS].tolist()
-            inner = math.prod(local.shape[1:])
+            row_bytes = math.prod(local.shape[1:]) * local.itemsize
             out = np.empty((sum(rows), *local.shape[1:]), local.dtype)
-            counts = [r * inner for r in rows]
+            counts = [r * row_bytes for r in rows]
             displacements = [sum(counts[:w]) for w in range(self.num_workers)]
-            recv = [out, (counts, displacements), _mpi_type(self.mpi, local.dtype)]
-            await self._wait(self._comm.Iallgatherv(local, recv), "all_gather", out.nbytes)
+            recv = [_bytes_of(out), (counts, displacements), self.mpi.BYTE]
+            request = self._comm.Iallgatherv([_bytes_of(local), self.mpi.BYTE], recv)
+            await self._wait(request, "all_gather", out.nbytes)
         finally:
             self._turn.release()
         return out.astype(dtype, copy=False)
@@ -606,21 +607,21 @@ class Workers:
         dtype = value.dtype
         value = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
-            f"broadcast from worker {root} of {value.dtype.name} {value.shape}" + _named(where)
+            f"broadcast from worker {root} of {value.dtype} {value.shape}" + _named(where)
         )
         small = value.nbytes <= _INLINE_BYTES
         await self._begin("broadcast")
         try:
             if small and self.worker_index == root:
-                end = _HEADER_BYTES + value.nbytes
-                self._record_bytes[_HEADER_BYTES:end] = value.data.cast("B")
+                self._record[_HEADER_BYTES : _HEADER_BYTES + value.nbytes] = _bytes_of(value)
             await self._exchange("broadcast", header)
             if small:  # it came with the root's record
                 data = self._gathered[root, _HEADER_BYTES : _HEADER_BYTES + value.nbytes]
                 view: np.ndarray[Any, Any] = data.view(value.dtype).reshape(value.shape)
                 return view.astype(dtype)  # a copy, in the caller's byte order
             out = value.copy() if self.worker_index == root else np.empty_like(value)
-            await self._wait(self._comm.Ibcast(out, root), "broadcast", out.nbytes)
+            request = self._comm.Ibcast([_bytes_of(out), self.mpi.BYTE], root)
+            await self._wait(request, "broadcast", out.nbytes)
         finally:
             self._turn.release()
         return out.astype(dtype, copy=False)
@@ -1223,8 +1224,11 @@ def _in_native_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.asarray(array, dtype=_native_order(array.dtype), order="C")
 
 
-def _mpi_type(mpi: Any, dtype: np.dtype[Any]) -> Any:
-    return mpi._typedict[dtype.char]
+def _bytes_of(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The bytes of a C-contiguous ``array``, as a flat ``uint8`` view: what MPI moves for the
+    collectives that only move data, which so take any dtype (dates, fixed-width strings,
+    records) but Python objects."""
+    return array.reshape(-1).view(np.uint8)
 
 
 def install_abort_on_uncaught(comm: Any) -> None:

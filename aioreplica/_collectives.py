@@ -159,12 +159,16 @@ class ReductionEngine:
         """
         leaves, treedef = self._leaves("all_gather", value)
         axes = [self._check_gather_shapes("all_gather", leaf, axis) for leaf in leaves]
-        gathering = self._gather_leaves(leaves, axes)
+        gathering = self._gather_leaves("all_gather", leaves, axes)
         if _trace.recorder is not None:
             gathering = self._traced(gathering, "all_gather", None, leaves)
         return self._per_replica(treedef, await gathering)
 
-    async def _gather_leaves(self, leaves: list[_LeafArrays], axes: list[int]) -> list[Any]:
+    async def _gather_leaves(
+        self, what: str, leaves: list[_LeafArrays], axes: list[int]
+    ) -> list[Any]:
+        if self.cluster is not None:
+            _check_crossing(what, leaves)
         return [
             await self._gather_arrays(leaf.arrays, axis, leaf.path)
             for leaf, axis in zip(leaves, axes, strict=True)
@@ -208,6 +212,7 @@ class ReductionEngine:
     async def _broadcast_across(self, leaves: list[_LeafArrays], source: int) -> list[list[Any]]:
         """Global replica ``source``'s leaves from its worker to every worker's replicas."""
         assert self.cluster is not None
+        _check_crossing("broadcast", leaves)
         root, local = divmod(source, self.size)
         results = []
         for leaf in leaves:
@@ -329,7 +334,7 @@ class ReductionEngine:
         """
         leaves, treedef = self._leaves("gather", value)
         axes = [self._check_gather_shapes("gather", leaf, axis) for leaf in leaves]
-        gathering = self._gather_leaves(leaves, axes)
+        gathering = self._gather_leaves("gather", leaves, axes)
         if _trace.recorder is not None:
             gathering = self._traced(gathering, "gather", None, leaves)
         return treedef.unflatten([whole[0] for whole in await gathering])
@@ -705,6 +710,24 @@ def _local_op(op: str) -> str:
     """The op of the local step before the cross-worker one: a mean is summed, then divided
     by the replicas of every worker."""
     return "sum" if op == "mean" else op
+
+
+def _check_crossing(what: str, leaves: list[_LeafArrays]) -> None:
+    """Across workers, data travels as bytes: any dtype but Python objects, whose arrays hold
+    references into this process.
+
+    Raises:
+        TypeError: a leaf holds Python objects (dtype ``object``).
+    """
+    for leaf in leaves:
+        dtype = getattr(leaf.arrays[0], "dtype", None)
+        if dtype is not None and dtype.hasobject:
+            at = f" at {_tree.describe_path(leaf.path)}" if leaf.path else ""
+            raise TypeError(
+                f"{what}{at}: arrays of Python objects (dtype {dtype}) cannot go from one "
+                "worker to another, which holds only bytes; pass numbers, or strings as a "
+                "fixed-width dtype (np.array(values, dtype=str))"
+            )
 
 
 def _refuse_components(

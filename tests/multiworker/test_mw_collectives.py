@@ -146,6 +146,103 @@ async def test_byte_orders_of_every_worker(
     np.testing.assert_array_equal(rows, data.reshape(-1))
 
 
+#: Arrays that collectives move but do not reduce: dates, fixed-width strings, records.
+DATA_ONLY: dict[str, Callable[[int, int], Array]] = {
+    "datetime64": lambda g, n: np.arange(n).astype("datetime64[D]") + g,
+    "str": lambda g, n: np.array([f"r{g}-{i}" for i in range(n)]),
+    "record": lambda g, n: np.array(
+        [(g + 0.5, i) for i in range(n)], dtype=[("x", "<f4"), ("i", "<i8")]
+    ),
+}
+
+
+@pytest.mark.parametrize("n", [2, 20_000], ids=["in the records", "in MPI"])
+@pytest.mark.parametrize("kind", list(DATA_ONLY))
+async def test_gather_and_broadcast_move_any_fixed_size_dtype(
+    make_strategy: MakeStrategy, kind: str, n: int
+) -> None:
+    """all_gather, broadcast and strategy.gather move dates, strings and records between
+    workers as one process moves them between replicas: bytes, in global replica order."""
+    strategy = make_strategy(2)
+    total = WORKERS * 2
+    make = DATA_ONLY[kind]
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        mine = make(g, n)
+        return {
+            "gathered": await ctx.all_gather(mine[: g + 1]),
+            "sent": await ctx.broadcast(mine, source_replica=total - 1),
+            "mine": mine,
+        }
+
+    result = await strategy.run(step)
+    gathered = np.concatenate([make(g, n)[: g + 1] for g in range(total)])
+    for got in local_results(strategy, result):
+        assert got["gathered"].dtype == gathered.dtype
+        np.testing.assert_array_equal(got["gathered"], gathered)
+        np.testing.assert_array_equal(got["sent"], make(total - 1, n))
+    whole = await strategy.gather(result["mine"])
+    np.testing.assert_array_equal(whole, np.concatenate([make(g, n) for g in range(total)]))
+
+
+@pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast", "gather"])
+async def test_arrays_of_python_objects_are_refused_across_workers(
+    make_strategy: MakeStrategy, collective: str, everywhere: bool
+) -> None:
+    """Arrays of Python objects cannot travel between processes: a TypeError saying so on the
+    workers that passed them (the others raise a ValueError naming them), nothing moved, and
+    the strategy goes on working."""
+    strategy = make_strategy(2)
+    objects = everywhere or RANK == WORKERS - 1
+    value = np.array([1, "x"], dtype=object if objects else "<U1")
+
+    async def step() -> Any:
+        ctx = replica_context()
+        if collective == "all_gather":
+            return await ctx.all_gather(value)
+        return await ctx.broadcast(value)
+
+    async def use() -> Any:
+        if collective == "gather":
+            return await strategy.gather(PerReplica([value, value]))
+        return await strategy.run(step)
+
+    with pytest.raises((TypeError, ValueError)) as caught:
+        await use()
+    if objects:
+        assert caught.type is TypeError
+        assert "Python objects (dtype object)" in str(caught.value)
+    else:
+        assert f"worker {WORKERS - 1}" in str(caught.value)
+        assert "Python objects" in str(caught.value)
+    after = await strategy.run(lambda: replica_id())
+    assert strategy.experimental_local_results(after) == tuple(global_ids(2))
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
+async def test_records_of_other_fields_disagree(
+    make_strategy: MakeStrategy, collective: str
+) -> None:
+    """Records of the same size but other fields on one worker are not mixed up: the same
+    ValueError on every worker, naming both dtypes."""
+    strategy = make_strategy(1)
+    fields = [("x", "<f4"), ("i", "<i4")] if RANK == 0 else [("i", "<i4"), ("x", "<f4")]
+    value = np.zeros(3, dtype=fields)
+
+    async def step() -> Any:
+        ctx = replica_context()
+        if collective == "all_gather":
+            return await ctx.all_gather(value)
+        return await ctx.broadcast(value)
+
+    with pytest.raises(ValueError, match=r"\('x', '<f4'\), \('i', '<i4'\)") as caught:
+        await strategy.run(step)
+    assert "('i', '<i4'), ('x', '<f4')" in str(caught.value)
+
+
 @pytest.mark.parametrize("local", [1, 2])
 async def test_all_reduce_nested_structures(make_strategy: MakeStrategy, local: int) -> None:
     """Dicts and lists reduce leaf by leaf, each leaf keeping its dtype; scalars too."""
