@@ -68,6 +68,7 @@ __all__ = [
     "Workers",
     "WorkersDisagree",
     "collective_timeout",
+    "current_step",
     "error_line",
     "import_mpi",
 ]
@@ -99,6 +100,10 @@ _LEFT_GRACE_SECONDS: Final = 0.05
 collective_timeout: ContextVar[float | None] = ContextVar(
     "aioreplica.collective_timeout", default=None
 )
+
+#: The step (a ``run()``, or an agreement standing in for one) that the running task belongs
+#: to: set in ``run()``, so its replicas and merges (tasks it starts) inherit it.
+current_step: ContextVar[object | None] = ContextVar("aioreplica.current_step", default=None)
 
 _REDUCE_OPS: Final = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _BOOL_OPS: Final = {"max": "LOR", "min": "LAND"}
@@ -275,6 +280,9 @@ class Workers:
         self.default_timeout: float | None = None
         #: Variables made since the last sync, which start from the chief's values.
         self.pending: list[Any] = []
+        #: The step in progress on this communicator (``current_step``'s value in its tasks),
+        #: or None: meanwhile only its own tasks make collectives here.
+        self.step: object | None = None
         #: The error this worker last refused in step with the others (``refuse_in_step``).
         self.refused: BaseException | None = None
         #: Errors raised in this ``run()`` by a replica's check of a collective's arguments,
@@ -507,6 +515,8 @@ class Workers:
         takes a peer's early data in as unexpected messages (measured: a 64 MiB reduction ran
         1.4x slower). A failure announced meanwhile is found by the wait.
         """
+        if self.step is not None and current_step.get() is not self.step:
+            raise self._beside_the_step(what)
         if self._side.failure is not None or not self._turn.take_now():
             self.check(what)
             await self._turn.acquire()
@@ -520,6 +530,14 @@ class Workers:
                 self._turn.release()
                 raise
         self._arrive()
+
+    def _beside_the_step(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"{what} was called on worker {self.worker_index} from another task while a run() "
+            "is in progress there; every worker must make its collectives in the same order, "
+            "which a collective beside a run() would not keep (it could pair with one of the "
+            "run()'s on another worker): await the run() first"
+        )
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -706,10 +724,13 @@ class Workers:
         moves: the workers compare it first.
 
         Raises:
-            RuntimeError: another collective is in progress on this worker (await it first).
+            RuntimeError: another collective is in progress on this worker, or a ``run()``
+                in another task (await it first).
             ClusterBroken: the cluster is broken.
         """
         self.check(what)
+        if self.step is not None and current_step.get() is not self.step:
+            raise self._beside_the_step(what)
         if self._turn.busy:
             raise RuntimeError(
                 f"{what} needs a collective, but another cross-worker collective is in progress "
@@ -756,6 +777,7 @@ class Workers:
             twin, _retire, self.mpi, twin._comm, None, twin._persistent, twin._idup
         )
         twin._primary = False
+        twin.step = None  # its collectives are ordered among themselves, beside any step
         twin._sequence = 0
         self._side.streams += 1
         twin._stream = self._side.streams  # the same on every worker: made in the same order

@@ -21,6 +21,7 @@ from ._cluster import (
     ClusterBroken,
     Workers,
     WorkersDisagree,
+    current_step,
     error_line,
     install_abort_on_uncaught,
 )
@@ -33,6 +34,7 @@ from ._variables import sync_variables
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping, Sequence
+    from contextvars import Token
 
     from ._backends import Device
     from ._options import CommunicationOptions
@@ -147,7 +149,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         slow_merge_warning: float | None = 60.0,
     ) -> None:
         self._communicator = communicator
-        self._running = False
         self._joined = False  # whether this worker reached the workers' first agreement
         try:
             super().__init__(
@@ -370,11 +371,16 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                 "concurrent runs would not keep: await one run() before starting the next"
             )
 
+    @property
+    def _running(self) -> bool:
+        """Whether a ``run()``, or an agreement that stands in for one, is in progress."""
+        return self._workers.step is not None
+
     def _in_progress(self) -> _InProgress:
         """Mark a ``run()`` in progress, or an agreement that stands in for one, for the block:
         ``_check_usable`` refuses another ``run()`` meanwhile, whose collectives could reach
         MPI in another order on another worker."""
-        return _InProgress(self)
+        return _InProgress(self._workers)
 
     async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
         """Run the replicas (``parts``: their arguments), refusing a concurrent ``run()``;
@@ -429,18 +435,26 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
 class _InProgress:
     """``MultiWorkerMirroredStrategy._in_progress``: a class, as every ``run()`` enters one
-    (one made by ``contextlib.contextmanager`` costs about five times as much)."""
+    (one made by ``contextlib.contextmanager`` costs about five times as much).
 
-    __slots__ = ("_strategy",)
+    The step is a token: the communicator's ``step`` while it runs, and ``current_step`` in
+    its task, which the replicas' and merges' tasks inherit; a collective made from another
+    task meanwhile is refused (``Workers._begin``)."""
 
-    def __init__(self, strategy: MultiWorkerMirroredStrategy) -> None:
-        self._strategy = strategy
+    __slots__ = ("_reset", "_workers")
+
+    def __init__(self, workers: Workers) -> None:
+        self._workers = workers
+        self._reset: Token[object | None] | None = None
 
     def __enter__(self) -> None:
-        self._strategy._running = True
+        step = self._workers.step = object()
+        self._reset = current_step.set(step)
 
     def __exit__(self, *exc_info: object) -> None:
-        self._strategy._running = False
+        if self._reset is not None:
+            current_step.reset(self._reset)
+        self._workers.step = None
 
 
 _REPLICA_NOTE = re.compile(r"raised in replica (\d+) of")

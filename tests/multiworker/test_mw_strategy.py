@@ -20,11 +20,14 @@ from aioreplica import (
     MultiWorkerMirroredStrategy,
     PerReplica,
     ReduceOp,
+    Variable,
 )
 from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from multiworker.mwtools import MakeStrategy
 
 pytestmark = pytest.mark.anyio
@@ -286,6 +289,61 @@ async def test_concurrent_run_is_refused(
         go_on.set()
     for value in strategy.experimental_local_results(results[0]):
         np.testing.assert_array_equal(value, np.full(2, 2.0 * WORKERS))
+
+
+async def _first_read(strategy: Any) -> Any:
+    """A variable made now, read at once: its first read syncs it (a blocking collective)."""
+    with strategy.scope():
+        fresh = Variable(np.full(3, float(RANK)), name="fresh")
+    return fresh.numpy()
+
+
+#: Cross-worker calls another task may try while a run() is in progress, with their names.
+BESIDE_A_RUN: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
+    "reduce": (lambda s, c: s.reduce("sum", PerReplica([np.ones(3)] * 2)), "all_reduce"),
+    "gather": (lambda s, c: s.gather(PerReplica([np.ones(3)] * 2)), "all_gather"),
+    "reduce_to": (
+        lambda s, c: s.extended.reduce_to("sum", PerReplica([np.ones(3)] * 2), "cpu:0"),
+        "all_reduce",
+    ),
+    "save": (lambda s, c: c.save(f"/nonexistent/beside-{RANK}.npz"), "Checkpoint.save"),
+    "first read": (lambda s, c: _first_read(s), "the first read"),
+}
+
+
+@pytest.mark.parametrize("call", list(BESIDE_A_RUN))
+async def test_a_collective_beside_a_run_is_refused(make_strategy: MakeStrategy, call: str) -> None:
+    """Another task's cross-worker call while a run() is in progress could pair with one of
+    the run()'s collectives on another worker (an all_reduce of the same shape, silently): it
+    raises a RuntimeError before any collective, the run() completes on every worker, and the
+    call works once the run() is over."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(np.full(3, float(RANK)), name="v")
+    checkpoint = aioreplica.Checkpoint(v=v)
+    make_call, what = BESIDE_A_RUN[call]
+    started, go_on = anyio.Event(), anyio.Event()
+    results: list[Any] = []
+
+    async def step() -> Any:
+        started.set()
+        await go_on.wait()
+        return await replica_context().all_reduce("sum", np.ones(3))
+
+    async def first() -> None:
+        results.append(await strategy.run(step))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(first)
+        await started.wait()
+        with pytest.raises(RuntimeError, match=rf"{what}.* from another task while a run\(\)"):
+            await make_call(strategy, checkpoint)
+        go_on.set()
+    for value in strategy.experimental_local_results(results[0]):
+        np.testing.assert_array_equal(value, np.full(3, 2.0 * WORKERS))
+    if call != "save":  # (the path is unwritable: only the refusal counted there)
+        await make_call(strategy, checkpoint)
+    np.testing.assert_array_equal(v.numpy(), np.zeros(3))  # the chief's, synced once
 
 
 @pytest.mark.parametrize("own_communicator", [False, True], ids=["world", "dup"])
