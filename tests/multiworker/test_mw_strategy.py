@@ -264,33 +264,6 @@ async def test_structures_from_a_value_function_reduce_over_every_worker(
     assert gathered["id"].tolist() == [float(g) for g in range(replicas)]
 
 
-async def test_concurrent_run_is_refused(
-    make_strategy: MakeStrategy,
-) -> None:
-    """A second run() while one is in progress raises RuntimeError; the first completes."""
-    strategy = make_strategy(2)
-    started = anyio.Event()
-    go_on = anyio.Event()
-    results: list[Any] = []
-
-    async def step() -> Any:
-        started.set()
-        await go_on.wait()
-        return await replica_context().all_reduce("sum", np.ones(2))
-
-    async def first() -> None:
-        results.append(await strategy.run(step))
-
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(first)
-        await started.wait()
-        with pytest.raises(RuntimeError, match=r"(?i)concurrent|in progress|already"):
-            await strategy.run(lambda: 1)
-        go_on.set()
-    for value in strategy.experimental_local_results(results[0]):
-        np.testing.assert_array_equal(value, np.full(2, 2.0 * WORKERS))
-
-
 async def _first_read(strategy: Any) -> Any:
     """A variable made now, read at once: its first read syncs it (a blocking collective)."""
     with strategy.scope():
@@ -298,8 +271,9 @@ async def _first_read(strategy: Any) -> Any:
     return fresh.numpy()
 
 
-#: Cross-worker calls another task may try while a run() is in progress, with their names.
+#: Cross-worker calls another task may try while a run() is in progress, and their errors.
 BESIDE_A_RUN: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
+    "run": (lambda s, c: s.run(lambda: 1), r"run\(\) was called .* while another run\(\)"),
     "reduce": (lambda s, c: s.reduce("sum", PerReplica([np.ones(3)] * 2)), "all_reduce"),
     "gather": (lambda s, c: s.gather(PerReplica([np.ones(3)] * 2)), "all_gather"),
     "reduce_to": (
@@ -309,19 +283,22 @@ BESIDE_A_RUN: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
     "save": (lambda s, c: c.save(f"/nonexistent/beside-{RANK}.npz"), "Checkpoint.save"),
     "first read": (lambda s, c: _first_read(s), "the first read"),
 }
+BESIDE = r".* from another task while a run\(\)"
 
 
 @pytest.mark.parametrize("call", list(BESIDE_A_RUN))
 async def test_a_collective_beside_a_run_is_refused(make_strategy: MakeStrategy, call: str) -> None:
     """Another task's cross-worker call while a run() is in progress could pair with one of
-    the run()'s collectives on another worker (an all_reduce of the same shape, silently): it
-    raises a RuntimeError before any collective, the run() completes on every worker, and the
-    call works once the run() is over."""
+    the run()'s collectives on another worker (an all_reduce of the same shape, silently), as
+    a second run() could: it raises a RuntimeError before any collective, the run() completes
+    on every worker, and the call works once the run() is over."""
     strategy = make_strategy(2)
     with strategy.scope():
         v = Variable(np.full(3, float(RANK)), name="v")
     checkpoint = aioreplica.Checkpoint(v=v)
-    make_call, what = BESIDE_A_RUN[call]
+    make_call, error = BESIDE_A_RUN[call]
+    if call != "run":
+        error += BESIDE
     started, go_on = anyio.Event(), anyio.Event()
     results: list[Any] = []
 
@@ -336,7 +313,7 @@ async def test_a_collective_beside_a_run_is_refused(make_strategy: MakeStrategy,
     async with anyio.create_task_group() as tg:
         tg.start_soon(first)
         await started.wait()
-        with pytest.raises(RuntimeError, match=rf"{what}.* from another task while a run\(\)"):
+        with pytest.raises(RuntimeError, match=error):
             await make_call(strategy, checkpoint)
         go_on.set()
     for value in strategy.experimental_local_results(results[0]):
