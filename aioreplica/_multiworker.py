@@ -378,8 +378,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     def _in_progress(self) -> _InProgress:
         """Mark a ``run()`` in progress, or an agreement that stands in for one, for the block:
-        ``_check_usable`` refuses another ``run()`` meanwhile, whose collectives could reach
-        MPI in another order on another worker."""
+        ``_check_usable`` refuses another ``run()`` meanwhile, and the communicator any
+        collective from another task, since they could reach MPI in another order on another
+        worker."""
         return _InProgress(self._workers)
 
     async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
