@@ -227,8 +227,12 @@ class Checkpoint:
         workers = self._workers()
         if workers is None:
             return await self._snapshot().write(os.fspath(path))
+        try:
+            target = os.fspath(path)
+        except TypeError as exc:  # refused on every worker, in step
+            await workers.refuse_in_step("Checkpoint.save", exc)
+            raise
         snap = await self._collective_snapshot(workers)
-        target = os.fspath(path)
         return await _chief_writes(workers, lambda: snap.write(target), None)
 
     def _workers(self) -> Workers | None:
@@ -336,18 +340,19 @@ class Checkpoint:
             (('step',), ('head',), 3)
         """
         _check_not_in_replica("Checkpoint.restore")
-        if not isinstance(partial, bool):
-            raise TypeError(f"partial must be True or False, got {partial!r}")
-        path = os.fspath(path)
         restoring = self._restore(path, partial)
-        report: RestoreReport = await _trace.traced(restoring, "checkpoint restore", {"path": path})
+        args = {"path": str(path)}
+        report: RestoreReport = await _trace.traced(restoring, "checkpoint restore", args)
         return report
 
-    async def _restore(self, path: str, partial: bool) -> RestoreReport:
+    async def _restore(self, where: str | os.PathLike[str], partial: bool) -> RestoreReport:
         workers = self._workers()
         if workers is not None and workers.broken:
             workers = None  # no more agreements after a failure: this worker's restore alone
         try:
+            if not isinstance(partial, bool):
+                raise TypeError(f"partial must be True or False, got {partial!r}")
+            path = os.fspath(where)
             manifest, arrays, fingerprint = await anyio.to_thread.run_sync(_read, path)
             plan = _Plan(path, manifest, arrays, partial=partial)
             for obj_path, obj in self._leaves():
@@ -563,14 +568,17 @@ class CheckpointManager:
             >>> os.path.basename(anyio.run(manager.save, 7))
             'ckpt-7.npz'
         """
+        _check_not_in_replica("CheckpointManager.save")
+        workers = self._checkpoint._workers()
         if checkpoint_number is not None and (
             isinstance(checkpoint_number, bool)
             or not isinstance(checkpoint_number, int)
             or checkpoint_number < 0
         ):
-            raise ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
-        _check_not_in_replica("CheckpointManager.save")
-        workers = self._checkpoint._workers()
+            error = ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
+            if workers is not None:  # refused on every worker, in step
+                await workers.refuse_in_step("CheckpointManager.save", error)
+            raise error
         if workers is not None:
             return await self._save_on_workers(workers, checkpoint_number)
         values = self._checkpoint._snapshot()  # references only: copies never change in place

@@ -29,6 +29,8 @@ from multiworker.mwtools import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from aioreplica import MultiWorkerMirroredStrategy
     from multiworker.mwtools import MakeStrategy
 
@@ -264,5 +266,45 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         assert_same_on_every_worker(*model.state())
         await model.checkpoint().restore(second)
         await model.train(3.0)  # the strategy goes on working
+        assert_same_on_every_worker(*model.state())
+        WORLD.Barrier()
+
+
+#: Bad arguments to a save or a restore, by the call they go to.
+BAD_CHECKPOINT_CALLS: dict[str, tuple[Callable[[Any, Any, str, bool], Awaitable[Any]], type]] = {
+    "save path": (lambda ckpt, manager, path, bad: ckpt.save(7 if bad else path), TypeError),
+    "manager number": (lambda ckpt, manager, path, bad: manager.save(-1 if bad else 3), ValueError),
+    "restore partial": (
+        lambda ckpt, manager, path, bad: ckpt.restore(path, partial="yes" if bad else False),
+        TypeError,
+    ),
+}
+
+
+@pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
+@pytest.mark.parametrize("case", list(BAD_CHECKPOINT_CALLS))
+async def test_bad_checkpoint_arguments_refused_in_step(
+    make_strategy: MakeStrategy, case: str, everywhere: bool
+) -> None:
+    """A save or restore whose arguments one worker refuses raises on every worker (that error
+    there, a ValueError naming it on the others) instead of leaving them waiting for it;
+    nothing is written, and the workers stay in step."""
+    strategy = make_strategy(1)
+    model = Model(strategy)
+    call, own = BAD_CHECKPOINT_CALLS[case]
+    bad = everywhere or RANK == WORKERS - 1
+    with shared_directory() as directory:
+        path = await model.checkpoint().save(os.path.join(directory, "good.npz"))
+        manager = CheckpointManager(model.checkpoint(), os.path.join(directory, "run"))
+        before = sorted(os.listdir(directory))
+        with pytest.raises((TypeError, ValueError)) as caught:
+            await call(model.checkpoint(), manager, path, bad)
+        if bad:
+            assert caught.type is own
+        else:
+            assert f"worker {WORKERS - 1}" in str(caught.value)
+            assert own.__name__ in str(caught.value)
+        assert sorted(os.listdir(directory)) == before
+        await model.train(1.0)  # in step
         assert_same_on_every_worker(*model.state())
         WORLD.Barrier()
