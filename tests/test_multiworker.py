@@ -117,7 +117,7 @@ def test_a_late_worker_times_out(backend: str) -> None:
 def test_cancelling_one_worker_fails_the_others(backend: str) -> None:
     """Cancelling run() on worker 1, before or inside the collective, counts as worker 1
     failing: rank 0 raises naming it; both strategies refuse further calls."""
-    parts = ("cancel-before-collective", "cancel-in-collective")
+    parts = ("cancel-before-collective", "cancel-in-collective", "cancel-in-restore")
     assert_scenario("cancelled", backend, parts, within=20)
 
 

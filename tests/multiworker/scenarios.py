@@ -19,7 +19,8 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
   3 s late in a pass. Last, rank 1 makes a strategy 2 s late: rank 0 waits for it
   (no timeout bounds the making), without spinning a core.
 - ``cancelled``: rank 1 cancels its ``run()`` (``anyio.move_on_after``), before reaching the
-  collective and while waiting in it; rank 0 raises naming worker 1.
+  collective and while waiting in it, then a restore while it waits in the restore's agreement;
+  rank 0 raises naming worker 1.
 - ``left``: rank 1 ends its program after a step; rank 0's next collectives (a
   ``strategy.reduce``, a new variable's blocking first read) raise naming worker 1 at once.
 """
@@ -27,6 +28,7 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any
@@ -36,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 from aioreplica import (
+    Checkpoint,
     CommunicationOptions,
     MultiWorkerMirroredStrategy,
     ReplicaSyncError,
@@ -347,6 +350,43 @@ async def cancelled() -> None:
             assert seconds < 2, seconds
         await assert_refused(strategy)
         report(part, seconds)
+    await cancel_in_restore()
+
+
+async def cancel_in_restore() -> None:
+    """Rank 1's restore is cancelled while it waits for rank 0 (late) in the restore's agreement:
+    that counts as rank 1 failing. Rank 1 restored nothing; rank 0 raises naming it, in the
+    restore or, when rank 1's part of the agreement had already reached it, at its next call."""
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    with strategy.scope():
+        weights = Variable(np.ones(3), name="w")
+    checkpoint = Checkpoint(w=weights)
+    path = await checkpoint.save(f"/tmp/aioreplica-scenario-{WORLD.bcast(time.time_ns())}.npz")
+    await weights.assign(np.zeros(3))
+
+    async def restore() -> None:
+        if RANK != 1:
+            await anyio.sleep(1.0)  # late: rank 1 waits for it in the agreement
+            await checkpoint.restore(path)
+            await strategy.run(lambda: None)  # the next call, if the restore passed
+            return
+        with anyio.move_on_after(0.3) as scope:
+            await checkpoint.restore(path)
+        assert scope.cancelled_caught, "rank 1's restore was not cancelled"
+
+    error, seconds = await outcome(restore)
+    if RANK == 0:
+        check_sync_error(error, "Checkpoint.restore", "interrupted by")
+        assert seconds < 5, seconds
+    else:
+        assert error is None, repr(error)
+        assert seconds < 2, seconds
+        assert weights.numpy().tolist() == [0.0, 0.0, 0.0]  # not restored
+    await assert_refused(strategy)
+    WORLD.Barrier()
+    if RANK == 0:
+        os.remove(path)
+    report("cancel-in-restore", seconds)
 
 
 # -- left -------------------------------------------------------------------------------------
