@@ -407,7 +407,7 @@ class Workers:
         test = request.Test
         if _spin(test):
             return
-        timeout = collective_timeout.get() or self.default_timeout
+        timeout = self._timeout()
         started = time.monotonic()
         busy = _BUSY_SECONDS + nbytes / _SLOW_BYTES_PER_SECOND
         polls = 0
@@ -447,7 +447,7 @@ class Workers:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
         """
         test = request.Test
-        timeout = collective_timeout.get() or self.default_timeout
+        timeout = self._timeout()
         started = time.monotonic()
         pause = 0.0
         while not _spin(test):
@@ -499,7 +499,7 @@ class Workers:
     def _arrive(self) -> None:
         """Count this collective; with a timeout in force, tell the peers it was reached."""
         self._sequence += 1
-        if (collective_timeout.get() or self.default_timeout) is not None:
+        if self._timeout() is not None:
             self._tell_arrival()
 
     def _tell_arrival(self) -> None:
@@ -515,8 +515,7 @@ class Workers:
         takes a peer's early data in as unexpected messages (measured: a 64 MiB reduction ran
         1.4x slower). A failure announced meanwhile is found by the wait.
         """
-        if self.step is not None and current_step.get() is not self.step:
-            raise self._beside_the_step(what)
+        self._check_in_step(what)
         if self._side.failure is not None or not self._turn.take_now():
             self.check(what)
             await self._turn.acquire()
@@ -531,13 +530,23 @@ class Workers:
                 raise
         self._arrive()
 
-    def _beside_the_step(self, what: str) -> RuntimeError:
-        return RuntimeError(
-            f"{what} was called on worker {self.worker_index} from another task while a run() "
-            "is in progress there; every worker must make its collectives in the same order, "
-            "which a collective beside a run() would not keep (it could pair with one of the "
-            "run()'s on another worker): await the run() first"
-        )
+    def _check_in_step(self, what: str) -> None:
+        """Refuse a collective from outside the step in progress (``step``), if any.
+
+        Raises:
+            RuntimeError: another task's ``run()`` is in progress on this worker.
+        """
+        if self.step is not None and current_step.get() is not self.step:
+            raise RuntimeError(
+                f"{what} was called on worker {self.worker_index} from another task while a "
+                "run() is in progress there; every worker must make its collectives in the "
+                "same order, which a collective beside a run() would not keep (it could pair "
+                "with one of the run()'s on another worker): await the run() first"
+            )
+
+    def _timeout(self) -> float | None:
+        """The timeout in force for a wait: the call's, else the strategy's ``sync_timeout``."""
+        return collective_timeout.get() or self.default_timeout
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -729,8 +738,7 @@ class Workers:
             ClusterBroken: the cluster is broken.
         """
         self.check(what)
-        if self.step is not None and current_step.get() is not self.step:
-            raise self._beside_the_step(what)
+        self._check_in_step(what)
         if self._turn.busy:
             raise RuntimeError(
                 f"{what} needs a collective, but another cross-worker collective is in progress "
@@ -781,7 +789,7 @@ class Workers:
         twin._sequence = 0
         self._side.streams += 1
         twin._stream = self._side.streams  # the same on every worker: made in the same order
-        if (collective_timeout.get() or self.default_timeout) is not None:
+        if self._timeout() is not None:
             twin._tell_arrival()  # collective 0: its start, which its first collective awaits
         return twin
 

@@ -17,7 +17,7 @@ import random
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, final
 
 import anyio
 import numpy as np
@@ -64,6 +64,9 @@ __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy
 
 _INTERLEAVES = ("ordered", "random")
 _T = TypeVar("_T")
+
+#: What ``array_kind`` calls the values that stand for their device as a destination.
+_ARRAY_KINDS: Final = ("numpy", "scalar", "cupy")
 
 
 @final
@@ -560,18 +563,16 @@ class MirroredStrategy:
         for item in items:
             if isinstance(item, str):  # the strategy's own names as they are, else any spelling
                 name = item if item in by_name else canonical_device_name(item)
-                shown = repr(item)
             elif isinstance(item, Device):  # a Protocol check: slow, so strings go first
-                name, shown = item.name, repr(item.name)
-            elif (kind := array_kind(item)) in ("numpy", "scalar", "cupy"):
+                name = item.name
+            elif (kind := array_kind(item)) in _ARRAY_KINDS:
                 name = self._array_device_name(item, kind)
-                shown = f"{'a CuPy array' if kind == 'cupy' else 'a host value'} (on {name!r})"
             else:
                 name = canonical_device_name(item)
-                shown = repr(item)
             if name not in by_name:
                 raise ValueError(
-                    f"destination {shown} is not one of this strategy's devices {list(by_name)}"
+                    f"destination {_shown_destination(item, name)} is not one of this "
+                    f"strategy's devices {list(by_name)}"
                 )
             devices.append(by_name[name])
         if not devices:
@@ -1344,3 +1345,12 @@ def _grouped(per_destination: list[Any]) -> Any:
     leaves, treedef = _tree.flatten(per_destination[0])
     columns = [leaves] + [_tree.flatten(other)[0] for other in per_destination[1:]]
     return treedef.unflatten([Mirrored(list(column)) for column in zip(*columns, strict=True)])
+
+
+def _shown_destination(item: Any, name: str) -> str:
+    """A destination that is not one of the strategy's devices, as its error names it
+    (``name``: the device it means)."""
+    kind = array_kind(item)
+    if kind in _ARRAY_KINDS:
+        return f"{'a CuPy array' if kind == 'cupy' else 'a host value'} (on {name!r})"
+    return repr(name) if isinstance(item, Device) else repr(item)

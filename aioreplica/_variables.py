@@ -737,9 +737,7 @@ async def sync_variables(workers: Workers) -> None:
         variable = pending[0]  # pending until synced: a refused broadcast leaves it to retry
         copy, device = variable._copies[0], variable._devices[0]
         await device.synchronize()
-        value = await workers.broadcast(
-            np.asarray(host_array(copy, device), order="C"), 0, f"variable {variable._name!r}"
-        )
+        value = await workers.broadcast(host_array(copy, device), 0, f"variable {variable._name!r}")
         _start_from(variable, value)
         del pending[0]
 
