@@ -138,6 +138,86 @@ class StrategyExtended:
         """
         return True
 
+    @property
+    def experimental_require_static_shapes(self) -> bool:
+        """Whether values must keep their shapes from step to step: never (``False``, as on
+        TF's mirrored strategies); a replica's batch may be shorter, or empty.
+
+        Example:
+            >>> MirroredStrategy().extended.experimental_require_static_shapes
+            False
+        """
+        return False
+
+    def variable_created_in_scope(self, v: Any) -> bool:
+        """Whether ``v`` is a variable made in this strategy's ``scope()``: one this strategy
+        owns, whose copies live on its devices.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     owned = aioreplica.Variable(0.0)
+            >>> strategy.extended.variable_created_in_scope(owned)
+            True
+            >>> strategy.extended.variable_created_in_scope(aioreplica.Variable(0.0))
+            False
+        """
+        return isinstance(v, Variable) and v.distribute_strategy is self._strategy
+
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable: Variable) -> Iterator[None]:
+        """Make the variables created in the block where ``colocate_with_variable`` is.
+
+        Every variable of a mirrored strategy has a copy on each of its devices, so they are
+        all colocated already: the block checks its argument, as TF's mirrored strategies do,
+        and changes nothing else.
+
+        Raises:
+            RuntimeError: called outside this strategy's ``scope()`` (or its replicas).
+            ValueError: ``colocate_with_variable`` is not a variable made in this strategy's
+                scope.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     kernel = aioreplica.Variable(np.ones(2))
+            ...     with strategy.extended.colocate_vars_with(kernel):
+            ...         bias = aioreplica.Variable(0.0)
+            >>> bias.devices == kernel.devices
+            True
+        """
+        strategy = self._strategy
+        if get_strategy() is not strategy:
+            raise RuntimeError(
+                f"colocate_vars_with() needs the scope of {strategy!r}: call it inside "
+                "`with strategy.scope():`, where the colocated variables are made"
+            )
+        if not self.variable_created_in_scope(colocate_with_variable):
+            raise ValueError(
+                "colocate_vars_with() takes a variable made in the scope of "
+                f"{strategy!r}, not {colocate_with_variable!r}"
+            )
+        yield
+
+    def value_container(self, value: Any) -> Any:
+        """The container that ``value`` belongs to: a variable or a distributed value is its
+        own; any other value (such as one replica's copy, a plain array) is returned as it
+        is, so ``value in experimental_local_results(value_container(value))`` holds for
+        values that are not containers.
+
+        Raises:
+            RuntimeError: called inside a replica.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     v = aioreplica.Variable(1.0)
+            >>> strategy.extended.value_container(v) is v
+            True
+        """
+        self._strategy._check_cross_replica("extended.value_container")
+        return value
+
     async def reduce_to(
         self,
         reduce_op: ReduceOp | str,

@@ -451,6 +451,87 @@ class TestAsInTF:
             10.0
         ]
 
+    async def test_variable_created_in_scope(self) -> None:
+        """TF's ``extended.variable_created_in_scope``: the strategy's own variables only."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        other = MirroredStrategy(["cpu:0"])
+        with strategy.scope():
+            mirrored = aioreplica.Variable(1.0)
+            metric = aioreplica.Variable(0.0, synchronization="on_read", aggregation="sum")
+        with other.scope():
+            others = aioreplica.Variable(1.0)
+        created = strategy.extended.variable_created_in_scope
+        plain = aioreplica.Variable(1.0)
+        assert [created(v) for v in (mirrored, metric, others, plain, np.ones(1))] == [
+            True,
+            True,
+            False,
+            False,
+            False,
+        ]
+        assert other.extended.variable_created_in_scope(others)
+
+    async def test_colocate_vars_with(self) -> None:
+        """Variables made in the block are where the given one is (on a mirrored strategy,
+        on every device, as all its variables are); its argument is checked as in TF."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            kernel = aioreplica.Variable(np.ones(2), name="kernel")
+            with strategy.extended.colocate_vars_with(kernel):
+                bias = aioreplica.Variable(0.0, name="bias")
+        assert type(bias) is aioreplica.MirroredVariable
+        assert bias.devices == kernel.devices == ("cpu:0", "cpu:1")
+        assert strategy.extended.variable_created_in_scope(bias)
+
+        async def step() -> Any:
+            with strategy.extended.colocate_vars_with(kernel):  # in a replica: its scope
+                return replica_id()
+
+        assert (await strategy.run(step)).values == (0, 1)
+
+    async def test_colocate_vars_with_refuses_what_tf_refuses(self) -> None:
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            kernel = aioreplica.Variable(np.ones(2), name="kernel")
+        with (
+            pytest.raises(RuntimeError, match=r"colocate_vars_with\(\) needs the scope of"),
+            strategy.extended.colocate_vars_with(kernel),
+        ):
+            pass
+        other = MirroredStrategy(["cpu:0"])
+        with other.scope():
+            others = aioreplica.Variable(1.0, name="others")
+        plain = aioreplica.Variable(1.0, name="plain")
+        with strategy.scope():
+            wrong: Any
+            for wrong in (others, plain, np.ones(2)):
+                with (
+                    pytest.raises(ValueError, match="takes a variable made in the scope of"),
+                    strategy.extended.colocate_vars_with(wrong),
+                ):
+                    pass
+
+    async def test_value_container(self) -> None:
+        """A variable and a distributed value are their own containers; any other value is
+        returned as it is, so it is among its container's local results (TF's invariant)."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            v = aioreplica.Variable(np.ones(2))
+        per_replica = PerReplica([np.zeros(1), np.ones(1)])
+        component = per_replica.values[1]
+        container = strategy.extended.value_container
+        assert container(v) is v
+        assert container(per_replica) is per_replica
+        assert container(component) is component
+        assert any(c is component for c in strategy.experimental_local_results(component))
+        assert not strategy.extended.experimental_require_static_shapes
+
+        async def step() -> None:
+            strategy.extended.value_container(v)
+
+        with pytest.raises(RuntimeError, match=r"value_container\(\) was called inside replica"):
+            await strategy.run(step)
+
     @pytest.mark.parametrize("op", ["sum", "prod"])
     async def test_a_mirrored_variable_cannot_be_summed(self, op: str) -> None:
         """It holds one value on every replica: summing it would count it once per replica
