@@ -530,6 +530,12 @@ class Workers:
                 raise
         self._arrive()
 
+    @property
+    def in_step(self) -> bool:
+        """Whether the calling task belongs to the step in progress (a ``run()``'s replicas,
+        its ``merge_fn``s and the tasks they start)."""
+        return self.step is not None and current_step.get() is self.step
+
     def _check_in_step(self, what: str) -> None:
         """Refuse a collective from outside the step in progress (``step``), if any.
 

@@ -186,8 +186,9 @@ class ReductionEngine:
         whole = np.moveaxis(await cluster.allgather_rows(staged, _where(path)), 0, axis)
         return await self._placed(np.asarray(whole, order="C"))
 
-    async def broadcast(self, value: Any, source: int) -> list[Any]:
+    async def broadcast(self, value: Any, source: int, what: str = "") -> list[Any]:
         """Replica ``source``'s component of ``value``, once per replica on its device.
+        ``what``: what the value is, which the workers compare too (a variable's write).
 
         Raises:
             ValueError: ``source`` is not a replica id.
@@ -197,7 +198,7 @@ class ReductionEngine:
         self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
         if self.cluster is not None:
-            sending = self._broadcast_across(leaves, source)
+            sending = self._broadcast_across(leaves, source, what)
         else:
             sending = self._broadcast_leaves([leaf.arrays[source] for leaf in leaves], self.devices)
         if _trace.recorder is not None:
@@ -209,7 +210,9 @@ class ReductionEngine:
     ) -> list[list[Any]]:
         return [await self.backend.broadcast(array, destinations) for array in arrays]
 
-    async def _broadcast_across(self, leaves: list[_LeafArrays], source: int) -> list[list[Any]]:
+    async def _broadcast_across(
+        self, leaves: list[_LeafArrays], source: int, what: str
+    ) -> list[list[Any]]:
         """Global replica ``source``'s leaves from its worker to every worker's replicas."""
         assert self.cluster is not None
         _check_crossing("broadcast", leaves)
@@ -218,7 +221,8 @@ class ReductionEngine:
         for leaf in leaves:
             # Every worker passes its own replica's array: the shape the root's must have.
             mine = leaf.arrays[local if self.cluster.worker_index == root else 0]
-            value = await self.cluster.broadcast(await self._staged(mine), root, _where(leaf.path))
+            where = " ".join(filter(None, (what, _where(leaf.path))))
+            value = await self.cluster.broadcast(await self._staged(mine), root, where)
             results.append(await self._placed(value))
         return results
 

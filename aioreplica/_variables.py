@@ -456,7 +456,9 @@ class Variable(NDArrayOperatorsMixin):
 
         In replica context a ``MirroredVariable`` aggregates what every replica passes (one
         merge round) and writes every copy; a ``SyncOnReadVariable`` writes this replica's
-        copy. In cross-replica context every copy is written (see the subclasses).
+        copy. In cross-replica context every copy is written (see the subclasses); across
+        workers, outside a ``run()``, every worker makes the write and writes the chief's
+        value.
 
         Args:
             value: an array-like, or in cross-replica context a ``Mirrored`` value.
@@ -466,9 +468,13 @@ class Variable(NDArrayOperatorsMixin):
 
         Raises:
             ValueError: ``value`` does not broadcast to the variable's shape; a
-                ``MirroredVariable`` with aggregation ``NONE`` written in replica context.
+                ``MirroredVariable`` with aggregation ``NONE`` written in replica context;
+                across workers, another worker refused its write (``WorkersDisagree``).
             TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``).
-            RuntimeError: written inside a replica of another strategy.
+            RuntimeError: written inside a replica of another strategy; across workers,
+                written outside a ``run()`` from another task while one is in progress.
+            ReplicaSyncError: across workers, outside a ``run()``: a worker failed, or was
+                late past ``sync_timeout``.
 
         Example:
             >>> v = Variable(np.zeros(2))
@@ -548,8 +554,43 @@ class Variable(NDArrayOperatorsMixin):
             )
         return device.asarray(array)
 
-    def _cross_replica_values(self, value: Any) -> list[Any]:
-        """One checked value per copy from a cross-replica write's argument."""
+    async def _written_values(self, op: str, value: Any) -> list[Any]:
+        """One checked value per copy for a write in cross-replica context (``op``: assign,
+        assign_add or assign_sub).
+
+        Across workers, outside a ``run()``, it is the chief's value, as a new variable's
+        initial value is: every worker makes the write, and the chief's value (after its own
+        checks) is broadcast to the others first, so the copies stay identical whatever each
+        worker passed. A write in a ``merge_fn`` takes its value as it is, as in TF, without
+        a collective: the value every worker passes there is the same (a reduced one).
+
+        Raises:
+            TypeError, ValueError: as ``_cross_replica_values`` (across workers, refused on
+                every worker in step: the others raise ``WorkersDisagree`` naming this one).
+            RuntimeError: across workers, called from another task while a ``run()`` is in
+                progress on this worker.
+        """
+        engine = self._engine
+        workers = engine.cluster if engine is not None else None
+        if workers is None or workers.broken or workers.in_step:
+            return self._cross_replica_values(op, value)
+        assert engine is not None
+        what = f"{op}() of variable {self._name!r}"
+        try:
+            values = self._cross_replica_values(op, value)
+        except (TypeError, ValueError) as exc:
+            await engine.refuse(what, exc)
+            raise
+        # In the variable's dtype and shape, which every worker's broadcast agrees on.
+        mine = [
+            device.xp.broadcast_to(copy.astype(self._dtype, copy=False), self._shape)
+            for copy, device in zip(values, self._devices, strict=True)
+        ]
+        return await engine.broadcast(PerReplica(mine), 0, what)
+
+    def _cross_replica_values(self, op: str, value: Any) -> list[Any]:
+        """One checked value per copy from the argument of a write (``op``) in cross-replica
+        context."""
         if isinstance(value, PerReplica):
             raise TypeError(
                 f"variable {self._name!r} was written in cross-replica context with a "
@@ -606,7 +647,7 @@ class MirroredVariable(Variable):
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
         if replica is None:
-            await self._write_copies(op, self._cross_replica_values(value))
+            await self._write_copies(op, await self._written_values(op, value))
             return self
         self._replica_id(replica, op)
         try:
@@ -707,17 +748,20 @@ class SyncOnReadVariable(Variable):
                 copies[replica_id] = new
                 commit([(self, copies)])
             return self
+        values = await self._written_values(op, value)
+        if op == ASSIGN and self._aggregation is _Agg.SUM:
+            values = split_sum(values, self._dtype, self._devices, *_global_copies(self))
+        await self._write_copies(op, values)
+        return self
+
+    def _cross_replica_values(self, op: str, value: Any) -> list[Any]:
         if op != ASSIGN and self._aggregation is _Agg.SUM:
             raise ValueError(
                 f"{op}() on SyncOnReadVariable {self._name!r} in cross-replica context is not "
                 "supported with aggregation SUM (it would change the sum by num_replicas "
                 "times the value); call it in replica context, or assign() the new total"
             )
-        values = self._cross_replica_values(value)
-        if op == ASSIGN and self._aggregation is _Agg.SUM:
-            values = split_sum(values, self._dtype, self._devices, *_global_copies(self))
-        await self._write_copies(op, values)
-        return self
+        return super()._cross_replica_values(op, value)
 
 
 # -- several workers: every variable starts from the chief's value -----------------------

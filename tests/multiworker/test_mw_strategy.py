@@ -282,6 +282,7 @@ BESIDE_A_RUN: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
     ),
     "save": (lambda s, c: c.save(f"/nonexistent/beside-{RANK}.npz"), "Checkpoint.save"),
     "first read": (lambda s, c: _first_read(s), "the first read"),
+    "assign": (lambda s, c: c.v.assign(np.zeros(3)), "broadcast"),
 }
 BESIDE = r".* from another task while a run\(\)"
 

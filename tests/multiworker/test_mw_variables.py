@@ -123,6 +123,104 @@ async def test_mirrored_writes_in_both_contexts(make_strategy: MakeStrategy, loc
     assert_copies_equal(first, data[0] + 100.0)
 
 
+#: Writes in cross-replica context, each worker passing its own ``value`` (``rank``'s),
+#: and what the variable holds after on every worker: ``after(start, chief's value)``.
+CROSS_REPLICA_WRITES: dict[str, tuple[str, str, Any]] = {
+    "mirrored assign": ("mean", "assign", lambda start, chiefs: chiefs),
+    "mirrored assign_add": ("mean", "assign_add", lambda start, chiefs: start + chiefs),
+    "mirrored assign_sub": ("mean", "assign_sub", lambda start, chiefs: start - chiefs),
+    "sync-on-read SUM assign": ("sum", "assign", lambda start, chiefs: chiefs),
+    "sync-on-read MEAN assign_add": ("mean", "assign_add", lambda start, chiefs: start + chiefs),
+}
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("case", list(CROSS_REPLICA_WRITES))
+async def test_a_cross_replica_write_takes_the_chiefs_value(
+    make_strategy: MakeStrategy, local: int, case: str
+) -> None:
+    """A write outside run() made with a different value on every worker (a random
+    re-initialisation, say) writes the chief's on every worker, as a new variable starts from
+    the chief's initial value: the copies stay identical."""
+    strategy = make_strategy(local)
+    aggregation, op, after = CROSS_REPLICA_WRITES[case]
+    start = np.array([1.0, 2.0, 3.0], np.float32)
+    with strategy.scope():
+        if case.startswith("mirrored"):
+            v = Variable(start, name="v", aggregation=aggregation)
+        else:
+            v = Variable(start, name="v", synchronization="on_read", aggregation=aggregation)
+    await strategy.run(lambda: None)  # synced: the write alone decides
+    mine = (np.arange(3) + 10.0 * (RANK + 1)).astype(np.float32)
+    await getattr(v, op)(mine)
+    chiefs = (np.arange(3) + 10.0).astype(np.float32)
+    np.testing.assert_array_equal(v.numpy(), after(start, chiefs))  # the global read
+    assert_same_on_every_worker(*v.values)
+
+
+#: Cross-replica writes with bad arguments (``bad``), and their errors.
+BAD_CROSS_REPLICA_WRITES: dict[str, tuple[Any, type[Exception]]] = {
+    "shape": (lambda v, m, bad: v.assign(np.ones(4 if bad else 3)), ValueError),
+    "dtype": (
+        lambda v, m, bad: v.assign_add(np.ones(3, np.complex64 if bad else np.float32)),
+        TypeError,
+    ),
+    "PerReplica": (
+        lambda v, m, bad: v.assign(PerReplica([np.ones(3)] * 2) if bad else np.ones(3)),
+        TypeError,
+    ),
+    "SUM assign_add": (lambda v, m, bad: m.assign_add(1.0) if bad else m.assign(1.0), ValueError),
+}
+
+
+@pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
+@pytest.mark.parametrize("case", list(BAD_CROSS_REPLICA_WRITES))
+async def test_a_bad_cross_replica_write_is_refused_everywhere(
+    make_strategy: MakeStrategy, case: str, everywhere: bool
+) -> None:
+    """A cross-replica write refused on one worker raises on every worker (the others a
+    ValueError naming it), instead of leaving them waiting for the chief's value; nothing is
+    written anywhere, and the next write and run() work."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(np.zeros(3, np.float32), name="v")
+        m = Variable(np.zeros(3), name="m", synchronization="on_read", aggregation="sum")
+    await strategy.run(lambda: None)
+    write, error = BAD_CROSS_REPLICA_WRITES[case]
+    bad = everywhere or RANK == WORKERS - 1
+    with pytest.raises(error if bad else ValueError) as caught:
+        await write(v, m, bad)
+    if not bad:
+        assert f"worker {WORKERS - 1}: " in str(caught.value)
+        assert "refusing its arguments" in str(caught.value)
+    assert_copies_equal(v, np.zeros(3))
+    for copy in m.values:
+        np.testing.assert_array_equal(copy, np.zeros(3))
+    await v.assign(np.full(3, float(RANK)))
+    assert_copies_equal(v, np.zeros(3))  # the chief's
+    await strategy.run(lambda: None)
+
+
+async def test_a_write_in_a_merge_fn_is_no_collective(make_strategy: MakeStrategy) -> None:
+    """In a merge_fn, a write takes its value as it is (one every worker has there, such as a
+    reduced one), with no collective of its own, as in TF."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(np.zeros(3), name="v")
+
+    async def merge(s: Any, grads: Any) -> None:
+        total = await s.reduce("sum", grads)
+        before = s._workers._sequence
+        await v.assign(total)
+        assert s._workers._sequence == before  # no cross-worker collective
+
+    async def step() -> None:
+        await replica_context().merge_call(merge, args=(np.full(3, float(replica_id())),))
+
+    await strategy.run(step)
+    assert_copies_equal(v, np.full(3, float(sum(range(2 * WORKERS)))))
+
+
 @pytest.mark.parametrize("local", [1, 2])
 @pytest.mark.parametrize("kind", ["sgd", "sgd-momentum", "adam"])
 async def test_optimizer_steps_keep_workers_identical(
