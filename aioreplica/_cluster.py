@@ -71,6 +71,7 @@ __all__ = [
     "current_step",
     "error_line",
     "import_mpi",
+    "worker_list",
 ]
 
 #: Tags of the side channel.
@@ -481,7 +482,7 @@ class Workers:
             for w in range(self.num_workers)
             if w != self.worker_index and reached[w] < self._sequence
         ]
-        named = _worker_list(late) if late else "a worker"
+        named = worker_list(late) if late else "a worker"
         reason = (
             f"it waited {timeout:g} s in {what} (cross-worker collective #{self._sequence}) "
             f"for {named}, which did not arrive"
@@ -1236,14 +1237,15 @@ def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -
     if failed:
         shown = "; ".join(f"worker {w}: {why}" for w, why in failed)
         raise _Refused(
-            f"{_worker_list([w for w, _ in failed])} could not make its "
+            f"{worker_list([w for w, _ in failed])} could not make its "
             f"MultiWorkerMirroredStrategy ({shown}), so no worker makes one: every worker "
             "makes it at the same point of its program, with arguments valid on each"
         )
     return counts
 
 
-def _worker_list(workers: list[int]) -> str:
+def worker_list(workers: list[int]) -> str:
+    """``workers`` in words: "worker 1", "workers 0, 2 and 3"."""
     if len(workers) == 1:
         return f"worker {workers[0]}"
     return "workers " + ", ".join(map(str, workers[:-1])) + f" and {workers[-1]}"

@@ -45,6 +45,7 @@ import pickle
 import queue
 import threading
 import weakref
+import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ import numpy as np
 from . import _loops, _trace, _tree
 from ._backends import host_array
 from ._batched import BatchedIterator, batch_rows, batched
+from ._cluster import WorkersDisagree, worker_list
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -78,6 +80,10 @@ __all__ = [
 T = TypeVar("T")
 
 _END: Final = object()
+#: How many rows of each leaf of a global batch, and how many values of each, its fingerprint
+#: takes (``_fingerprint``).
+_SAMPLED_ROWS: Final = 16
+_SAMPLED_VALUES: Final = 8
 
 
 # -- contexts ----------------------------------------------------------------------------
@@ -609,6 +615,10 @@ class _Puller:
         self._round: list[Any] = []  # a round of per-replica batches begun by a given-up wait
         self._last: Any = None  # the last per-replica batch seen, for its shape
         self._exhausted = False
+        #: The global batches split so far, and the last one's fingerprint (``_fingerprint``),
+        #: which the workers compare: each takes its slices of its own copy of the batch.
+        self._batches = 0
+        self._fingerprint = 0
         #: What the dataset raised, for the consumer to raise (with prefetching).
         self.error: BaseException | None = None
 
@@ -641,9 +651,13 @@ class _Puller:
             return await self._next_local()
         element = await self._next_local()
         workers = self._workers
-        have = await workers.allgather_rows(np.array([element is not _END], np.int64))
+        mark = np.array([[element is not _END, self._fingerprint]], np.int64)
+        marks = await workers.allgather_rows(mark)
+        have = marks[:, 0].astype(bool)
         if not have.any():
             return _END
+        if not self._per_replica:
+            self._check_same_batch(marks[have, 1], np.flatnonzero(have))
         if have.all():
             return element
         root = int(np.flatnonzero(have)[0])
@@ -652,6 +666,26 @@ class _Puller:
         if element is not _END:
             return element
         return self._placed_zero_rows(pickle.loads(spec))
+
+    def _check_same_batch(self, fingerprints: np.ndarray[Any, Any], holders: Any) -> None:
+        """Refuse a global batch that differs between the workers that have one.
+
+        Raises:
+            WorkersDisagree: the fingerprints differ (alike on every worker).
+        """
+        if (fingerprints == fingerprints[0]).all():
+            return
+        others = [
+            int(w) for w, f in zip(holders, fingerprints, strict=True) if f != fingerprints[0]
+        ]
+        raise WorkersDisagree(
+            f"distribute_dataset: global batch {self._batches - 1} (from 0) of this pass is not "
+            f"the same on every worker (it differs on {worker_list(others)} from worker "
+            f"{int(holders[0])}'s). Every worker must iterate the same global batches (made the "
+            "same way, shuffled with the same seed), since each takes its own replicas' slices "
+            "of its own copy; for input that differs per worker, use "
+            "distribute_datasets_from_function"
+        )
 
     def _placed_zero_rows(self, spec: Any) -> Any:
         """An element of zero-row slices shaped as ``spec`` (one host array per leaf)."""
@@ -696,6 +730,9 @@ class _Puller:
             return None
         leaves, treedef = _tree.flatten(batch)
         rows = batch_rows(leaves, treedef, "distribute_dataset")
+        self._batches += 1
+        if self._workers is not None:
+            self._fingerprint = _fingerprint(leaves, treedef)
         if self._first_rows is None:
             self._first_rows = rows
         elif self._drop_remainder and rows < self._first_rows:
@@ -924,6 +961,21 @@ def _close(iterator: Iterator[Any]) -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+
+def _fingerprint(leaves: list[Any], treedef: _tree.TreeDef) -> int:
+    """A CRC-32 of a global batch's structure, shapes and dtypes, and of a sample of its
+    values: the first elements of up to ``_SAMPLED_ROWS`` evenly spaced rows of each host
+    leaf. Cheap at any batch size, and unlike between batches made otherwise (another
+    shuffle, other data) on different workers."""
+    crc = zlib.crc32(repr(treedef).encode())
+    for leaf in leaves:
+        crc = zlib.crc32(f"{leaf.shape} {leaf.dtype}".encode(), crc)
+        if isinstance(leaf, np.ndarray) and leaf.size:
+            rows = np.linspace(0, len(leaf) - 1, min(len(leaf), _SAMPLED_ROWS)).astype(np.intp)
+            sample = leaf[rows].reshape(len(rows), -1)[:, :_SAMPLED_VALUES]
+            crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)
+    return crc
 
 
 def _empty_rows(leaf: Any) -> Any:

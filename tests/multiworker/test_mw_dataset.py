@@ -153,6 +153,62 @@ async def test_a_worker_with_no_data(make_strategy: MakeStrategy, local: int) ->
     assert allgather(steps) == [len(batches)] * WORKERS
 
 
+def _other_on_the_last_worker(batches: list[Table], first_differing: int, how: str) -> Any:
+    """``batches``, changed on the last worker from batch ``first_differing`` on (``how``)."""
+    if RANK != WORKERS - 1:
+        return batches
+    changed = batches[first_differing:]
+    if how == "values":
+        changed = [(x + 1, y) for x, y in changed]
+    elif how == "row order":
+        changed = [(x[::-1], y[::-1]) for x, y in changed]
+    elif how == "structure":
+        changed = [{"x": x, "y": y} for x, y in changed]  # type: ignore[misc]
+    return batches[:first_differing] + changed
+
+
+@pytest.mark.parametrize("first_differing", [0, 2])
+@pytest.mark.parametrize("how", ["values", "row order", "structure"])
+async def test_global_batches_that_differ_between_workers_raise(
+    make_strategy: MakeStrategy, how: str, first_differing: int
+) -> None:
+    """Each worker takes its slices of its own copy of a global batch: copies that differ
+    (another shuffle, other data) would train on some rows twice and never on others. The
+    workers compare the batches at every step: the first that differs raises the same
+    ValueError on every worker, naming it, and the strategy goes on working."""
+    strategy = make_strategy(2)
+    batches = global_batches(8 * 2 * WORKERS, 2 * 2 * WORKERS)
+    steps: list[int] = []
+
+    async def train() -> None:
+        dataset = strategy.distribute_dataset(
+            _other_on_the_last_worker(batches, first_differing, how)
+        )
+        async for element in dataset:
+            await strategy.run(lambda *x: None, args=element)
+            steps.append(len(steps))
+
+    with pytest.raises(ValueError, match="is not the same on every worker") as caught:
+        await train()
+    assert steps == list(range(first_differing))
+    assert f"global batch {first_differing} (from 0)" in str(caught.value)
+    assert f"it differs on worker {WORKERS - 1} from worker 0's" in str(caught.value)
+    assert len(set(allgather(str(caught.value)))) == 1
+    assert each_replica(strategy, await strategy.run(lambda: 1)) == [1, 1]
+
+
+async def test_an_unseeded_shuffle_on_each_worker_raises(make_strategy: MakeStrategy) -> None:
+    """``batched(..., shuffle=True)`` with no seed shuffles otherwise on every worker: refused
+    at the first batch. With one seed everywhere the pass runs."""
+    strategy = make_strategy(1)
+    x = np.arange(64.0).reshape(32, 2)
+    seeded = [e async for e in strategy.distribute_dataset(batched(x, 8, shuffle=True, seed=5))]
+    assert len(seeded) == 4
+    with pytest.raises(ValueError, match="shuffled with the same seed"):
+        async for _ in strategy.distribute_dataset(batched(x, 8, shuffle=True)):
+            pass
+
+
 async def test_no_worker_has_data(make_strategy: MakeStrategy) -> None:
     """Empty everywhere: the pass ends at once on every worker."""
     strategy = make_strategy(2)
