@@ -84,6 +84,8 @@ _END: Final = object()
 #: takes (``_fingerprint``).
 _SAMPLED_ROWS: Final = 16
 _SAMPLED_VALUES: Final = 8
+#: The dtype kinds whose bytes the fingerprint takes: numbers, dates, fixed-width strings.
+_SAMPLED_KINDS: Final = "biufcmMSU"
 
 
 # -- contexts ----------------------------------------------------------------------------
@@ -966,12 +968,13 @@ def _close(iterator: Iterator[Any]) -> None:
 def _fingerprint(leaves: list[Any], treedef: _tree.TreeDef) -> int:
     """A CRC-32 of a global batch's structure, shapes and dtypes, and of a sample of its
     values: the first elements of up to ``_SAMPLED_ROWS`` evenly spaced rows of each host
-    leaf. Cheap at any batch size, and unlike between batches made otherwise (another
+    leaf whose bytes are its values (not Python objects, not records, whose padding may hold
+    anything). Cheap at any batch size, and unlike between batches made otherwise (another
     shuffle, other data) on different workers."""
     crc = zlib.crc32(repr(treedef).encode())
     for leaf in leaves:
         crc = zlib.crc32(f"{leaf.shape} {leaf.dtype}".encode(), crc)
-        if isinstance(leaf, np.ndarray) and leaf.size:
+        if isinstance(leaf, np.ndarray) and leaf.size and leaf.dtype.kind in _SAMPLED_KINDS:
             rows = np.linspace(0, len(leaf) - 1, min(len(leaf), _SAMPLED_ROWS)).astype(np.intp)
             sample = leaf[rows].reshape(len(rows), -1)[:, :_SAMPLED_VALUES]
             crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)

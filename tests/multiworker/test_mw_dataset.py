@@ -209,6 +209,19 @@ async def test_an_unseeded_shuffle_on_each_worker_raises(make_strategy: MakeStra
             pass
 
 
+async def test_the_same_batches_of_any_dtype_pass(make_strategy: MakeStrategy) -> None:
+    """The comparison takes values only where bytes are values: Python objects (whose bytes
+    are addresses, other in every process) and aligned records (whose padding may hold
+    anything) compare by structure, shape and dtype, so the same batches pass."""
+    strategy = make_strategy(1)
+    names = np.array(["a", "bb", "c", "d"] * 2, dtype=object)
+    records = np.zeros(8, np.dtype([("a", "i1"), ("b", "f8")], align=True))
+    records["b"] = np.arange(8)
+    batch = {"names": names, "records": records, "text": names.astype(str), "x": np.arange(8)}
+    rows = [len(e["names"]) async for e in strategy.distribute_dataset([batch, batch])]
+    assert rows == [8 // WORKERS] * 2
+
+
 async def test_no_worker_has_data(make_strategy: MakeStrategy) -> None:
     """Empty everywhere: the pass ends at once on every worker."""
     strategy = make_strategy(2)
