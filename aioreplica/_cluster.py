@@ -560,8 +560,9 @@ class Workers:
     async def allreduce(
         self, op: str, send: Any, out: np.ndarray[Any, Any], layout: str = ""
     ) -> None:
-        """Reduce over workers into ``out`` (C-contiguous); ``send`` is an array, or ``None``
-        for in place.
+        """Reduce over workers into ``out`` (C-contiguous); ``send`` is an array, a list of
+        this worker's parts (its replicas' arrays, combined here first, on the loop's thread:
+        for small data), or ``None`` for in place.
 
         ``op``: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"`` (``max``/``min`` of bools are any
         and all). ``layout`` says what ``out`` holds when its shape alone does not (the leaves
@@ -579,7 +580,10 @@ class Workers:
             plan = self._plan(op, out, layout)
         await self._begin("all_reduce")
         try:
-            if plan.parts:
+            if isinstance(send, list):  # straight into the record, or into ``out``
+                _combine(plan.ufunc, send, plan.slot if plan.parts else out)
+                send = None
+            elif plan.parts:
                 plan.slot[...] = out if send is None else send
             await self._exchange("all_reduce", plan.header)
             if plan.parts:
@@ -1162,7 +1166,8 @@ def _named(detail: str) -> str:
 
 
 def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray[Any, Any]) -> None:
-    """``out`` = the parts combined by ``ufunc``, in worker order (the same everywhere)."""
+    """``out`` = the parts combined by ``ufunc`` in their order (workers', or a worker's
+    replicas': the same everywhere, and as the host backend reduces)."""
     if len(parts) == 1:
         np.copyto(out, parts[0])
         return

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, TypeVar
 import numpy as np
 
 from . import _trace, _tree
-from ._backends import HOST_BACKEND, array_kind, host_array
+from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
 from ._errors import replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, regroup
@@ -597,15 +597,19 @@ class ReductionEngine:
         """
         if self.cluster is None:
             return await self.backend.all_reduce(op, inputs, self.devices)
-        if len(inputs) == 1 and self.backend is HOST_BACKEND:
-            # One host replica: from its array straight into the output, as a separate-buffer
-            # Allreduce does (a local copy first would read and write it once more).
+        if self.backend is HOST_BACKEND:
             first = np.asarray(inputs[0], order="C")
-            out = HOST_BACKEND.output(first.shape, first.dtype)
-            await self.cluster.allreduce(_local_op(op), first, out, _where(path))
-            if op == "mean":
-                np.divide(out, self.num_replicas, out=out)
-            return [HOST_BACKEND.publish(out)]
+            if len(inputs) == 1 or first.nbytes * len(inputs) < HOST_INLINE_BYTES:
+                # From the replicas' arrays straight into the output: one host replica's, as
+                # a separate-buffer Allreduce does (a local copy first would read and write it
+                # once more); several, reduced where the cluster sends them from, on the loop's
+                # thread as the backend reduces so few bytes (no output of their own first).
+                out = HOST_BACKEND.output(first.shape, first.dtype)
+                send = first if len(inputs) == 1 else [np.asarray(x) for x in inputs]
+                await self.cluster.allreduce(_local_op(op), send, out, _where(path))
+                if op == "mean":
+                    np.divide(out, self.num_replicas, out=out)
+                return [HOST_BACKEND.publish(out)] * self.size
         local = await self.backend.all_reduce(_local_op(op), inputs, self.devices)
         return await self._across_workers(op, local, _where(path))
 

@@ -14,10 +14,12 @@ from collections.abc import Iterable, Mapping
 
 from ._arrays import array_kind, array_module, host_array, is_array, is_cupy_array
 from ._numpy import HOST_BACKEND, HostBackend, HostDevice, host_device, share_cores
+from ._numpy import INLINE_BYTES as HOST_INLINE_BYTES
 from ._protocol import ArrayBackend, Device
 
 __all__ = [
     "HOST_BACKEND",
+    "HOST_INLINE_BYTES",
     "ArrayBackend",
     "Device",
     "HostBackend",
