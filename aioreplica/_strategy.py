@@ -304,7 +304,8 @@ class StrategyExtended:
         returns the copy's new value (unlike TF, where ``fn`` assigns to a component
         variable), so that no copy changes unless every one was computed. Copies that host
         replicas share are computed once. In replica context every replica must call it; it
-        then takes one merge round.
+        then takes one merge round. Across workers, outside a ``run()``, every worker calls it,
+        and a mirrored variable takes the chief's new value on every worker.
 
         Args:
             var: a variable of this strategy (or an ordinary variable).

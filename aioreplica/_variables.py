@@ -976,15 +976,59 @@ async def _update(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> tuple[Any, ...]:
+    """``update`` in cross-replica context: every copy computed, then all committed.
+
+    Across workers, outside a ``run()``, a mirrored variable takes the chief's new value on
+    every worker, as a write does: ``fn``'s results are broadcast from the chief before any
+    copy changes, and arguments refused on one worker are refused on every worker.
+    """
+    engine = variable._engine
+    workers = engine.cluster if engine is not None else None
+    as_the_chief = (
+        isinstance(variable, MirroredVariable)
+        and workers is not None
+        and not (workers.broken or workers.in_step)
+    )
+    what = f"update() of variable {variable._name!r}"
+
+    def apply(copy: Any, selected: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
+        result = fn(copy, *selected[0], **selected[1])
+        return _as_copy(variable, result, copy)
+
+    async with variable._turn:
+        try:
+            per_copy_args = _update_arguments(strategy, variable, args, kwargs)
+            new = await compute_update(variable, apply, per_copy_args)
+        except (TypeError, ValueError) as exc:
+            if as_the_chief:
+                assert engine is not None
+                await engine.refuse(what, exc)
+            raise
+        if as_the_chief:
+            assert engine is not None
+            chief = await engine.broadcast(PerReplica(list(new)), 0, what)
+            new = await compute_update(variable, writer(ASSIGN), chief)
+        commit([(variable, new)])
+    return new
+
+
+def _update_arguments(
+    strategy: Any, variable: Variable, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
+    """``update``'s arguments for each copy of ``variable``.
+
+    Raises:
+        ValueError: ``variable`` belongs to another strategy.
+        TypeError: an argument is a ``PerReplica``.
+    """
     owner = variable._strategy
     if owner is not None and owner is not strategy:
         raise ValueError(
             f"update() of {strategy!r} was given variable {variable._name!r}, which belongs "
             f"to {owner!r}; update it through its own strategy"
         )
-    devices = variable._devices
     per_copy_args = []
-    for i in range(len(devices)):
+    for i in range(len(variable._devices)):
         try:
             per_copy_args.append(select_replica_mirrored(i, (args, kwargs)))
         except TypeError as exc:
@@ -993,15 +1037,7 @@ async def _update(
                 "same on every replica (Mirrored or plain values): reduce PerReplica values "
                 "first"
             ) from None
-
-    def apply(copy: Any, selected: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-        result = fn(copy, *selected[0], **selected[1])
-        return _as_copy(variable, result, copy)
-
-    async with variable._turn:
-        new = await compute_update(variable, apply, per_copy_args)
-        commit([(variable, new)])
-    return new
+    return per_copy_args
 
 
 def _as_copy(variable: Variable, result: Any, like: Any) -> Any:

@@ -201,6 +201,33 @@ async def test_a_bad_cross_replica_write_is_refused_everywhere(
     await strategy.run(lambda: None)
 
 
+@pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
+async def test_an_update_outside_run_takes_the_chiefs_value(
+    make_strategy: MakeStrategy, everywhere: bool
+) -> None:
+    """``extended.update`` outside run() with a different argument on every worker gives every
+    worker the chief's new value, as a write does; one refused on one worker (a PerReplica
+    argument) raises on every worker, the others a ValueError naming it, and changes nothing."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(np.zeros(3), name="v")
+    await strategy.run(lambda: None)
+    new = await strategy.extended.update(v, lambda copy, x: copy + x, args=(RANK + 1.0,))
+    np.testing.assert_array_equal(new, np.ones(3))  # host replicas share one array
+    assert_copies_equal(v, np.ones(3))
+
+    bad = everywhere or RANK == WORKERS - 1
+    per_replica = PerReplica([np.ones(3), np.ones(3)])
+    with pytest.raises(TypeError if bad else ValueError) as caught:
+        await strategy.extended.update(
+            v, lambda copy, x: copy + x, args=(per_replica if bad else 1.0,)
+        )
+    if not bad:
+        assert f"worker {WORKERS - 1}: update() of variable 'v' refusing" in str(caught.value)
+    assert_copies_equal(v, np.ones(3))
+    await strategy.run(lambda: None)
+
+
 async def test_a_write_in_a_merge_fn_is_no_collective(make_strategy: MakeStrategy) -> None:
     """In a merge_fn, a write takes its value as it is (one every worker has there, such as a
     reduced one), with no collective of its own, as in TF."""
