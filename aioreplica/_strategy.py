@@ -322,7 +322,8 @@ class StrategyExtended:
             TypeError: ``var`` is not a variable, ``fn`` is not callable, or an argument is a
                 ``PerReplica``.
             ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
-                shape or dtype; nothing has changed.
+                shape or dtype; across workers, another worker refused its update
+                (``WorkersDisagree``); nothing has changed.
             Exception: whatever ``fn`` raises; nothing has changed.
 
         Example:
