@@ -156,3 +156,20 @@ async def test_a_dataset_pass_places_every_workers_slices_on_its_gpus(cp: Any) -
     first = [[2.0 * (g0 + j), 2.0 * (g0 + j) + 1] for j in range(LOCAL)]
     last = [[2.0 * GLOBAL] if g0 + j == 0 else [] for j in range(LOCAL)]
     assert seen == first + last
+
+
+async def test_writes_outside_run_take_the_chiefs_value_on_gpus(cp: Any) -> None:
+    """A write and an update outside run(), each worker passing its own value: every copy on
+    every GPU of every worker holds the chief's (staged through the host like a broadcast)."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    with strategy.scope():
+        w = aioreplica.Variable(np.zeros(3, np.float32), name="w")
+    await w.assign(np.full(3, RANK + 1.0, np.float32))
+    await strategy.extended.update(w, lambda copy, x: copy * x, args=(RANK + 2.0,))
+    copies = [cp.asnumpy(copy) for copy in w.values]
+    for copy in copies:
+        np.testing.assert_array_equal(copy, np.full(3, 2.0, np.float32))  # the chief's: 1 * 2
+    assert (
+        allgather([c.tobytes() for c in copies])
+        == [[np.full(3, 2.0, np.float32).tobytes()] * LOCAL] * WORKERS
+    )
