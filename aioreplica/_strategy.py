@@ -193,9 +193,12 @@ class StrategyExtended:
                 "`with strategy.scope():`, where the colocated variables are made"
             )
         if not self.variable_created_in_scope(colocate_with_variable):
+            given = type(colocate_with_variable).__name__
+            if isinstance(colocate_with_variable, Variable):  # its name (a repr would read it)
+                given += f" {colocate_with_variable.name!r}"
             raise ValueError(
-                "colocate_vars_with() takes a variable made in the scope of "
-                f"{strategy!r}, not {colocate_with_variable!r}"
+                f"colocate_vars_with() takes a variable made in the scope of {strategy!r}, "
+                f"not a {given}"
             )
         yield
 

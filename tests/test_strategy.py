@@ -504,9 +504,16 @@ class TestAsInTF:
         plain = aioreplica.Variable(1.0, name="plain")
         with strategy.scope():
             wrong: Any
-            for wrong in (others, plain, np.ones(2)):
+            for wrong, shown in (
+                (others, "MirroredVariable 'others'"),
+                (plain, "Variable 'plain'"),
+                (np.ones(2), "ndarray"),
+            ):
                 with (
-                    pytest.raises(ValueError, match="takes a variable made in the scope of"),
+                    pytest.raises(
+                        ValueError,
+                        match=f"takes a variable made in the scope of .*, not a {shown}$",
+                    ),
                     strategy.extended.colocate_vars_with(wrong),
                 ):
                     pass
