@@ -57,7 +57,8 @@ import numpy as np
 from . import _loops, _trace, _tree
 from ._backends import host_array
 from ._batched import BatchedIterator, batch_rows, batched
-from ._cluster import WorkersDisagree, worker_list
+from ._cluster import WorkersDisagree, error_line, worker_list
+from ._errors import ReplicaSyncError
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ __all__ = [
 T = TypeVar("T")
 
 _END: Final = object()
+#: A worker's mark in a pass's agreement when its dataset raised.
+_RAISED: Final = -1
 #: How many rows of each leaf of a global batch, and how many values of each, its fingerprint
 #: takes (``_fingerprint``).
 _SAMPLED_ROWS: Final = 16
@@ -648,13 +651,26 @@ class _Puller:
     async def next_element(self) -> Any:
         """The next element (replicas' slices, regrouped), or ``_END``; with several workers,
         once they agree that any of them still has data (zero-row slices where this one has
-        none)."""
+        none), and that none of their datasets raised.
+
+        Raises:
+            ReplicaSyncError: another worker's dataset raised (this pass ends on every worker;
+                that worker raises its dataset's exception).
+            WorkersDisagree: the workers' global batches differ.
+        """
         if self._workers is None:
             return await self._next_local()
-        element = await self._next_local()
         workers = self._workers
+        try:
+            element = await self._next_local()
+        except Exception as exc:  # told in this step's agreement: the others must not wait
+            with contextlib.suppress(RuntimeError):  # a peer failed, or the cluster is broken:
+                await self._agree_on_a_failure(exc)  # this worker's error is still the one
+            raise
         mark = np.array([[element is not _END, self._fingerprint]], np.int64)
         marks = await workers.allgather_rows(mark)
+        if (marks[:, 0] == _RAISED).any():
+            await self._agree_on_a_failure(None, marks)
         have = marks[:, 0].astype(bool)
         if not have.any():
             return _END
@@ -668,6 +684,33 @@ class _Puller:
         if element is not _END:
             return element
         return self._placed_zero_rows(pickle.loads(spec))
+
+    async def _agree_on_a_failure(
+        self, error: Exception | None, marks: np.ndarray[Any, Any] | None = None
+    ) -> None:
+        """This step's agreement when a worker's dataset raised: ``error`` here (then this
+        worker's mark says so), or on the workers whose ``marks`` say so. The first of them
+        tells what its dataset raised; the others raise ``ReplicaSyncError`` naming it, and the
+        workers that raised go on to raise their own exceptions.
+
+        Raises:
+            ReplicaSyncError: another worker's dataset raised.
+        """
+        workers = self._workers
+        assert workers is not None
+        if marks is None:
+            marks = await workers.allgather_rows(np.array([[_RAISED, 0]], np.int64))
+        raised = [int(w) for w in np.flatnonzero(marks[:, 0] == _RAISED)]
+        said = error_line(error).encode() if error is not None else b""
+        said = await workers.broadcast_bytes(said, raised[0])
+        if error is None:
+            raise ReplicaSyncError(
+                f"the dataset of {worker_list(raised)} raised {said.decode(errors='replace')}; "
+                f"this pass over the dataset ends on every worker (worker "
+                f"{workers.worker_index}'s included), and the strategy goes on working",
+                merge_number=None,
+                workers=raised,
+            )
 
     def _check_same_batch(self, fingerprints: np.ndarray[Any, Any], holders: Any) -> None:
         """Refuse a global batch that differs between the workers that have one.

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_dataset import global_batches, table  # the same tables as one process's tests
 
+import aioreplica
 from aioreplica import InputContext, batched
 from aioreplica.testing import replica_context
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
@@ -207,6 +208,55 @@ async def test_an_unseeded_shuffle_on_each_worker_raises(make_strategy: MakeStra
     with pytest.raises(ValueError, match="shuffled with the same seed"):
         async for _ in strategy.distribute_dataset(batched(x, 8, shuffle=True)):
             pass
+
+
+class BadShard(Exception):
+    """What the last worker's dataset raises (a corrupt record, say)."""
+
+
+def _raising_on_the_last_worker(batches: list[Table], at: int) -> Any:
+    """``batches``, but the last worker's generator raises ``BadShard`` instead of batch ``at``."""
+    for index, batch in enumerate(batches):
+        if index == at and RANK == WORKERS - 1:
+            raise BadShard(f"record {index} is corrupt")
+        yield batch
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("at", [0, 2])
+@pytest.mark.parametrize("source", ["distribute_dataset", "distribute_datasets_from_function"])
+async def test_a_dataset_that_raises_on_one_worker_ends_the_pass_everywhere(
+    make_strategy: MakeStrategy, source: str, at: int, prefetch: int
+) -> None:
+    """The last worker's dataset raises before batch ``at``: it raises that exception, and
+    every other worker a ReplicaSyncError naming it and what it raised, after the same steps,
+    instead of waiting for it in the next agreement while it goes on (a hang). The strategy
+    goes on working."""
+    strategy = make_strategy(2)
+    batches = global_batches(16 * 2 * WORKERS, 2 * 2 * WORKERS)  # 8: 4 rounds of 2 replicas
+    if source == "distribute_dataset":
+        dataset = strategy.distribute_dataset(
+            _raising_on_the_last_worker(batches, at), prefetch=prefetch
+        )
+    else:
+        dataset = strategy.distribute_datasets_from_function(
+            lambda context: _raising_on_the_last_worker(batches, 2 * at), prefetch=prefetch
+        )
+    steps: list[int] = []
+
+    async def train() -> None:
+        async for element in dataset:
+            await strategy.run(lambda *x: None, args=element)
+            steps.append(len(steps))
+
+    raising = RANK == WORKERS - 1
+    with pytest.raises(BadShard if raising else aioreplica.ReplicaSyncError) as caught:
+        await train()
+    assert steps == list(range(at))
+    if not raising:
+        assert caught.value.workers == (WORKERS - 1,)  # type: ignore[attr-defined]
+        assert f"the dataset of worker {WORKERS - 1} raised BadShard: record" in str(caught.value)
+    assert each_replica(strategy, await strategy.run(lambda: 1)) == [1, 1]
 
 
 async def test_the_same_batches_of_any_dtype_pass(make_strategy: MakeStrategy) -> None:
