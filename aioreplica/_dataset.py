@@ -603,12 +603,20 @@ class _Puller:
         self._sync: Iterator[Any] | None = None  # in-memory data, pulled inline
         self._async: AsyncIterator[Any] | None = None
         self._loader: _LoaderThread | None = None  # anything else synchronous
-        if hasattr(dataset, "__aiter__"):
-            self._async = aiter(dataset)
-        elif not _pulled_on_a_thread(dataset):
-            self._sync = iter(dataset)
-        else:
-            self._loader = loader if loader is not None else _LoaderThread(iter(dataset))
+        #: Across workers, what starting this pass over the dataset raised: raised by the
+        #: first pull instead, in the pass's first agreement, so the others' pass ends too.
+        self._failed: Exception | None = None
+        try:
+            if hasattr(dataset, "__aiter__"):
+                self._async = aiter(dataset)
+            elif not _pulled_on_a_thread(dataset):
+                self._sync = iter(dataset)
+            else:
+                self._loader = loader if loader is not None else _LoaderThread(iter(dataset))
+        except Exception as exc:
+            if workers is None:
+                raise
+            self._failed = exc
         #: A ``batched`` epoch, whose position a checkpoint can save; None for other sources.
         self.source = self._sync if isinstance(self._sync, BatchedIterator) else None
         self.source_kind = type(dataset).__name__
@@ -629,6 +637,10 @@ class _Puller:
 
     async def _pull(self) -> Any:
         """The next item of the underlying dataset, or ``_END``; a blocking one on its thread."""
+        if self._failed is not None:
+            self._exhausted = True
+            failed, self._failed = self._failed, None
+            raise failed
         if self._exhausted:
             return _END
         if self._async is not None:

@@ -259,6 +259,56 @@ async def test_a_dataset_that_raises_on_one_worker_ends_the_pass_everywhere(
     assert each_replica(strategy, await strategy.run(lambda: 1)) == [1, 1]
 
 
+class Shards:
+    """A dataset whose iterator cannot start on the last worker (a shard it cannot open)."""
+
+    def __init__(self, batches: list[Table]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Any:
+        if RANK == WORKERS - 1:
+            raise BadShard("cannot open the shard")
+        return iter(self.batches)
+
+
+class AsyncShards(Shards):
+    """``Shards`` as an async iterable."""
+
+    def __aiter__(self) -> Any:
+        batches = iter(self)  # raises on the last worker
+
+        async def each() -> Any:
+            for batch in batches:
+                yield batch
+
+        return each()
+
+
+@pytest.mark.parametrize("kind", [Shards, AsyncShards])
+async def test_a_dataset_that_cannot_start_on_one_worker_ends_the_pass_everywhere(
+    make_strategy: MakeStrategy, kind: type[Shards]
+) -> None:
+    """``iter()`` (or ``aiter()``) of the dataset raises on the last worker as the pass starts:
+    its ``async for`` raises that, and every other worker's a ReplicaSyncError naming it, with
+    no step taken; the strategy goes on working."""
+    strategy = make_strategy(2)
+    source = kind(global_batches(8 * WORKERS, 4 * WORKERS))
+    steps: list[int] = []
+
+    async def train() -> None:
+        async for element in strategy.distribute_dataset(source):
+            await strategy.run(lambda *x: None, args=element)
+            steps.append(len(steps))
+
+    raising = RANK == WORKERS - 1
+    with pytest.raises(BadShard if raising else aioreplica.ReplicaSyncError) as caught:
+        await train()
+    assert steps == []
+    if not raising:
+        assert f"worker {WORKERS - 1} raised BadShard: cannot open the shard" in str(caught.value)
+    assert each_replica(strategy, await strategy.run(lambda: 1)) == [1, 1]
+
+
 async def test_the_same_batches_of_any_dtype_pass(make_strategy: MakeStrategy) -> None:
     """The comparison takes values only where bytes are values: Python objects (whose bytes
     are addresses, other in every process) and aligned records (whose padding may hold
