@@ -719,7 +719,7 @@ class _Puller:
             raise ReplicaSyncError(
                 f"the dataset of {worker_list(raised)} raised {said.decode(errors='replace')}; "
                 f"this pass over the dataset ends on every worker (worker "
-                f"{workers.worker_index}'s included), and the strategy goes on working",
+                f"{workers.worker_index}'s included)",
                 merge_number=None,
                 workers=raised,
             )
