@@ -77,8 +77,14 @@ def test_multiworker_suite() -> None:
 def test_a_failing_worker_fails_every_run(backend: str) -> None:
     """A replica or merge function failing on worker 1: rank 1's run() raises its own error,
     rank 0's a ReplicaSyncError naming worker 1, the replica and the error, in seconds; a
-    failure after the last collective too; the strategy then refuses further calls."""
-    parts = ("failure-in-collective", "failure-after-last-collective", "failure-in-merge-fn")
+    failure after the last collective, and a dataset raising inside run_steps, too; the
+    strategy then refuses further calls."""
+    parts = (
+        "failure-in-collective",
+        "failure-after-last-collective",
+        "failure-in-merge-fn",
+        "failure-in-dataset",
+    )
     assert_scenario("failing", backend, parts, within=20)
 
 

@@ -174,6 +174,28 @@ async def failing() -> None:
     await assert_refused(strategy)
     report("failure-in-merge-fn", seconds)
 
+    # 4. Worker 1's dataset raises in run_steps, which pulls it in a merge of its run().
+    strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+
+    def batches() -> Any:
+        for index in range(6):
+            if RANK == 1 and index == 2:
+                raise OSError("shard 2 is unreadable")
+            yield np.arange(4.0 * LOCAL) + index
+
+    async def steps() -> Any:
+        iterator = aiter(strategy.distribute_dataset(batches()))
+        return await strategy.run_steps(lambda x: float(x.sum()), iterator, 5)
+
+    error, seconds = await outcome(steps)
+    if RANK == 1:
+        assert isinstance(error, OSError), repr(error)
+    else:
+        check_sync_error(error, "dataset", "OSError", "shard 2 is unreadable")
+    assert seconds < 5, seconds
+    await assert_refused(strategy)
+    report("failure-in-dataset", seconds)
+
 
 async def uncaught() -> None:
     strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
