@@ -677,12 +677,13 @@ class _Puller:
             element = await self._next_local()
         except Exception as exc:  # told in this step's agreement: the others must not wait
             with contextlib.suppress(RuntimeError):  # a peer failed, or the cluster is broken:
-                await self._agree_on_a_failure(exc)  # this worker's error is still the one
+                marks = await workers.allgather_rows(np.array([[_RAISED, 0]], np.int64))
+                await self._end_for_a_failure(marks, exc)  # this worker's error is still the one
             raise
         mark = np.array([[element is not _END, self._fingerprint]], np.int64)
         marks = await workers.allgather_rows(mark)
         if (marks[:, 0] == _RAISED).any():
-            await self._agree_on_a_failure(None, marks)
+            await self._end_for_a_failure(marks, None)
         have = marks[:, 0].astype(bool)
         if not have.any():
             return _END
@@ -697,21 +698,19 @@ class _Puller:
             return element
         return self._placed_zero_rows(pickle.loads(spec))
 
-    async def _agree_on_a_failure(
-        self, error: Exception | None, marks: np.ndarray[Any, Any] | None = None
+    async def _end_for_a_failure(
+        self, marks: np.ndarray[Any, Any], error: Exception | None
     ) -> None:
-        """This step's agreement when a worker's dataset raised: ``error`` here (then this
-        worker's mark says so), or on the workers whose ``marks`` say so. The first of them
-        tells what its dataset raised; the others raise ``ReplicaSyncError`` naming it, and the
-        workers that raised go on to raise their own exceptions.
+        """The end of this pass when the step's ``marks`` say that a worker's dataset raised
+        (``error``, when it was this worker's): the first of those workers tells what its
+        dataset raised; the others raise ``ReplicaSyncError`` naming them, and they go on to
+        raise their own exceptions.
 
         Raises:
             ReplicaSyncError: another worker's dataset raised.
         """
         workers = self._workers
         assert workers is not None
-        if marks is None:
-            marks = await workers.allgather_rows(np.array([[_RAISED, 0]], np.int64))
         raised = [int(w) for w in np.flatnonzero(marks[:, 0] == _RAISED)]
         said = error_line(error).encode() if error is not None else b""
         said = await workers.broadcast_bytes(said, raised[0])
