@@ -278,7 +278,7 @@ class Checkpoint:
         return snap
 
     async def restore(
-        self, path: str | os.PathLike[str], *, partial: bool = False
+        self, path: str | os.PathLike[str] | None, *, partial: bool = False
     ) -> RestoreReport:
         """Set every object to its value in the checkpoint at ``path``, or change nothing.
 
@@ -298,18 +298,23 @@ class Checkpoint:
         optimizer steps of the objects it restores: those under way finish first, those
         called afterwards apply to the restored values.
 
+        ``path=None`` means there is no checkpoint yet (``manager.latest`` before the first
+        save): nothing changes, as in TF, so ``await ckpt.restore(manager.latest)`` starts
+        a new run or resumes one. The report says so: its ``path`` is ``None`` and every
+        object is in ``only_in_program``.
+
         With variables of a ``MultiWorkerMirroredStrategy`` it is collective, as ``save`` is:
         every worker calls it, and before any value changes the workers agree that each one
         read and checked the same file. If one could not, or read another file, every worker
         raises and none restores anything.
 
         Args:
-            path: a file written by ``save`` or ``CheckpointManager.save``.
+            path: a file written by ``save`` or ``CheckpointManager.save``, or ``None``.
             partial: restore what fits and report the rest, instead of refusing it all.
 
         Returns:
             A ``RestoreReport``: what was restored and, for a partial restore, what was
-            skipped (a strict restore that returns has skipped nothing).
+            skipped (a strict restore of a file that returns has skipped nothing).
 
         Raises:
             CheckpointError: the file is truncated, corrupted or not a checkpoint; an
@@ -320,7 +325,8 @@ class Checkpoint:
             TypeError: ``partial`` is not a bool.
             RuntimeError: called inside a replica.
             ValueError: (several workers) another worker could not read or check its file,
-                or read another checkpoint (``WorkersDisagree``, naming it). Nothing changed.
+                or read another checkpoint, or had none (``WorkersDisagree``, naming it).
+                Nothing changed.
             ReplicaSyncError: (several workers) a worker failed, or was late past the
                 strategy's ``sync_timeout``.
 
@@ -338,6 +344,11 @@ class Checkpoint:
             >>> report = anyio.run(lambda: ckpt.restore(path, partial=True))
             >>> report.restored, report.only_in_program, ckpt.step
             (('step',), ('head',), 3)
+
+            No checkpoint yet, nothing restored:
+
+            >>> print(anyio.run(ckpt.restore, None))
+            no checkpoint to restore (path None): every object kept its value
         """
         _check_not_in_replica("Checkpoint.restore")
         restoring = self._restore(path, partial)
@@ -345,10 +356,12 @@ class Checkpoint:
         report: RestoreReport = await _trace.traced(restoring, "checkpoint restore", args)
         return report
 
-    async def _restore(self, where: str | os.PathLike[str], partial: bool) -> RestoreReport:
+    async def _restore(self, where: str | os.PathLike[str] | None, partial: bool) -> RestoreReport:
         workers = self._workers()
         if workers is not None and workers.broken:
             workers = None  # no more agreements after a failure: this worker's restore alone
+        if where is None and isinstance(partial, bool):
+            return await self._restore_nothing(workers)
         try:
             if not isinstance(partial, bool):
                 raise TypeError(f"partial must be True or False, got {partial!r}")
@@ -374,6 +387,15 @@ class Checkpoint:
                 if await plan.commit(self._set_number):
                     return plan.report()
 
+    async def _restore_nothing(self, workers: Workers | None) -> RestoreReport:
+        """``restore(None)``: there is no checkpoint (``manager.latest`` before the first
+        save), so every object keeps its value, as in TF. Across workers every worker must have
+        none: one that restores a file meanwhile makes every worker raise."""
+        if workers is not None:
+            await workers.barrier("Checkpoint.restore of no checkpoint (path None)")
+        kept = tuple(sorted(_show(path) for path, _ in self._leaves()))
+        return RestoreReport(None, only_in_program=kept)
+
     def _leaves(self) -> Iterator[tuple[Path, Any]]:
         pairs, _ = _tree.flatten_with_path(self._objects)
         for key_path, leaf in pairs:
@@ -393,7 +415,7 @@ class RestoreReport:
     its value.
 
     Attributes:
-        path: the checkpoint file.
+        path: the checkpoint file (``None``: there was none, and nothing was restored).
         restored: the objects restored (an optimizer with its step count and the slots of
             the variables restored).
         only_in_file: what the file holds but this checkpoint does not: objects, and the
@@ -419,7 +441,7 @@ class RestoreReport:
             head/b: shape (10,) in the checkpoint, (3,) here
     """
 
-    path: str
+    path: str | None
     restored: tuple[str, ...] = ()
     only_in_file: tuple[str, ...] = ()
     only_in_program: tuple[str, ...] = ()
@@ -437,6 +459,8 @@ class RestoreReport:
         return not (self.only_in_file or self.only_in_program or self.mismatched)
 
     def __str__(self) -> str:
+        if self.path is None:
+            return "no checkpoint to restore (path None): every object kept its value"
         restored = ", ".join(self.restored) or "nothing"
         if self.complete:
             return f"restored every object of checkpoint {self.path!r}: {restored}"

@@ -1018,6 +1018,41 @@ class TestCheckpointManager:
         await manager.save()
         assert os.listdir(directory) == ["ckpt-1.npz"]
 
+    @pytest.mark.parametrize("partial", [False, True])
+    async def test_restoring_none_is_a_new_run(self, tmp_path: Path, partial: bool) -> None:
+        """TF's resume idiom, ``restore(manager.latest)``, before any save: ``latest`` is None,
+        and restoring None changes nothing (variables, optimizer, numbers, an iterator that
+        has pulled) and reports every object as kept; after a save the same line resumes."""
+        saved = await saved_then_changed(tmp_path)
+        assert saved.model.strategy is not None
+        batches = aioreplica.batched(np.arange(8), 2)
+        data = aiter(saved.model.strategy.distribute_dataset(batches, prefetch=0))
+        first = await anext(data)
+        saved.ckpt.data = data
+        manager = CheckpointManager(saved.ckpt, tmp_path / "run")
+        before = saved.state()
+
+        report = await saved.ckpt.restore(manager.latest, partial=partial)
+
+        assert manager.latest is None
+        assert saved.state() == before
+        assert report.path is None
+        assert report.restored == ()
+        kept = ("data", "epoch", "history/0", "model/b", "model/w", "optimizer")
+        assert report.only_in_program == kept
+        assert not report.complete
+        assert str(report) == "no checkpoint to restore (path None): every object kept its value"
+        assert (await anext(data)).values[0].tolist() != first.values[0].tolist()
+
+        await manager.save()
+        await saved.ckpt.restore(manager.latest)  # the same line, once there is one
+        assert saved.state() == before
+
+    async def test_restoring_none_still_checks_partial(self, tmp_path: Path) -> None:
+        ckpt = Checkpoint(step=Variable(1.0))
+        with pytest.raises(TypeError, match="partial must be True or False, got 'yes'"):
+            await ckpt.restore(None, partial="yes")  # type: ignore[arg-type]
+
     async def test_new_manager_finds_existing(self, tmp_path: Path) -> None:
         """A new manager over the same directory resumes from the newest file."""
         step = Variable(np.zeros(()), name="step")

@@ -226,13 +226,41 @@ async def test_a_manager_made_with_a_workers_own_directory_names_the_chiefs_file
         WORLD.Barrier()
 
 
-@pytest.mark.parametrize("case", ["other file", "missing file", "corrupted file"])
+async def test_restoring_no_checkpoint_on_every_worker_is_a_new_run(
+    make_strategy: MakeStrategy,
+) -> None:
+    """TF's resume idiom on a first run: every worker's manager finds no file, and
+    ``restore(manager.latest)`` (None) changes nothing anywhere; after a save the same line
+    restores the chief's file on every worker."""
+    strategy = make_strategy(2)
+    model = Model(strategy)
+    with shared_directory() as directory:
+        manager = CheckpointManager(model.checkpoint(), os.path.join(directory, "run"))
+        await model.train(1.0)
+        before = model.state()
+        report = await model.checkpoint().restore(manager.latest)
+        assert (manager.latest, report.path, report.restored) == (None, None, ())
+        assert not report.complete
+        assert_same_on_every_worker(*model.state())
+        for now, then in zip(model.state(), before, strict=True):
+            np.testing.assert_array_equal(now, then)
+        await manager.save()
+        await model.train(2.0)
+        await model.checkpoint().restore(manager.latest)
+        for now, then in zip(model.state(), before, strict=True):
+            np.testing.assert_array_equal(now, then)
+        assert_same_on_every_worker(*model.state())
+        WORLD.Barrier()
+
+
+@pytest.mark.parametrize("case", ["other file", "missing file", "corrupted file", "no checkpoint"])
 async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
     make_strategy: MakeStrategy, case: str
 ) -> None:
-    """Worker 1 restores another checkpoint, or one it cannot read: every worker raises (worker
-    1 its own error, the others a ValueError naming it and what it met), no worker restored
-    anything, so the copies stay identical, and then the same file restores everywhere."""
+    """Worker 1 restores another checkpoint, or one it cannot read, or none (``None``, as the
+    ``latest`` of a manager that found no file): every worker raises (worker 1 its own error,
+    the others a ValueError naming it and what it met), no worker restored anything, so the
+    copies stay identical, and then the same file restores everywhere."""
     strategy = make_strategy(2)
     model = Model(strategy)
     with shared_directory() as directory:
@@ -241,9 +269,11 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         second = await model.checkpoint().save(os.path.join(directory, "second.npz"))
         await model.train(2.0)
         before = [np.array(copy) for copy in model.w.values]
-        path = second
+        path: str | None = second
         if RANK == 1 and case == "other file":
             path = first
+        elif RANK == 1 and case == "no checkpoint":
+            path = None
         elif RANK == 1 and case == "missing file":
             path = os.path.join(directory, "missing.npz")
         elif RANK == 1:
@@ -256,7 +286,9 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         if RANK != 1:
             message = str(caught.value)
             assert "worker 1" in message
-            if case != "other file":
+            if case == "no checkpoint":
+                assert "worker 1: Checkpoint.restore of no checkpoint (path None)" in message
+            elif case != "other file":
                 assert "Checkpoint.restore refusing the file" in message
                 assert ("FileNotFoundError" if case == "missing file" else "CheckpointError") in (
                     message
