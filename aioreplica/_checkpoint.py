@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import inspect
 import json
 import os
 import re
@@ -485,16 +486,19 @@ class CheckpointManager:
 
     Files are named ``<checkpoint_name>-<number>.npz``. Existing ones in ``directory`` are
     found when the manager is made, so a restarted program resumes from ``latest`` (also
-    ``latest_checkpoint``, TF's name).
+    ``latest_checkpoint``, TF's name; ``None`` before the first save):
+    ``restore_or_initialize()`` restores it, or calls ``init_fn`` when there is none.
 
     Args:
         checkpoint: the ``Checkpoint`` to save.
         directory: where the files go (created on the first save).
         max_to_keep: how many to keep, oldest deleted first; ``None`` keeps all.
         checkpoint_name: the file name prefix.
+        init_fn: what ``restore_or_initialize`` calls when there is no checkpoint yet (to
+            start from pretrained weights, say): a function of no arguments, plain or async.
 
     Raises:
-        TypeError: ``checkpoint`` is not a ``Checkpoint``.
+        TypeError: ``checkpoint`` is not a ``Checkpoint``; ``init_fn`` is not callable.
         ValueError: ``max_to_keep`` is not a positive int or None; ``checkpoint_name`` is
             empty or holds a path separator.
 
@@ -515,9 +519,12 @@ class CheckpointManager:
         max_to_keep: int | None = 5,
         *,
         checkpoint_name: str = "ckpt",
+        init_fn: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
             raise TypeError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
+        if init_fn is not None and not callable(init_fn):
+            raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
         if max_to_keep is not None and (
             isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
         ):
@@ -530,6 +537,7 @@ class CheckpointManager:
         self._directory = os.fspath(directory)
         self._max_to_keep = max_to_keep
         self._name = checkpoint_name
+        self._init_fn = init_fn
         self._numbers = sorted(self._existing())
         # Saves take it in turn: number, write, bookkeeping and deletions, one save at a time.
         self._turn = Turn()
@@ -566,6 +574,44 @@ class CheckpointManager:
             True
         """
         return self.latest
+
+    async def restore_or_initialize(self) -> str | None:
+        """Restore ``latest``; if there is none yet, call ``init_fn`` (if given) instead.
+
+        As TF's: the program's first line either resumes a run or starts one. It restores
+        as ``Checkpoint.restore`` does (everything checked first; across workers collective,
+        every worker finding the same newest checkpoint, or none).
+
+        Returns:
+            The path restored, or ``None`` when there was no checkpoint.
+
+        Raises:
+            CheckpointError: as ``Checkpoint.restore``; nothing changed.
+            ValueError: (several workers) as ``Checkpoint.restore``: another worker found
+                another checkpoint, or none (``WorkersDisagree``, naming it).
+            RuntimeError: called inside a replica.
+            Exception: whatever ``init_fn`` raises.
+
+        Example:
+            >>> w = aioreplica.Variable(0.0)
+            >>> async def pretrained():
+            ...     await w.assign(5.0)
+            >>> manager = CheckpointManager(Checkpoint(w=w), tmp / "resume", init_fn=pretrained)
+            >>> anyio.run(manager.restore_or_initialize), float(w)  # a new run
+            (None, 5.0)
+            >>> path = anyio.run(manager.save)
+            >>> _ = anyio.run(w.assign, 7.0)
+            >>> anyio.run(manager.restore_or_initialize) == path, float(w)  # resumed
+            (True, 5.0)
+        """
+        _check_not_in_replica("CheckpointManager.restore_or_initialize")
+        latest = self.latest
+        await self._checkpoint.restore(latest)
+        if latest is None and self._init_fn is not None:
+            started = self._init_fn()
+            if inspect.isawaitable(started):
+                await started
+        return latest
 
     async def save(self, checkpoint_number: int | None = None) -> str:
         """Save the checkpoint as the next number (or ``checkpoint_number``); prune old ones.

@@ -1053,6 +1053,79 @@ class TestCheckpointManager:
         with pytest.raises(TypeError, match="partial must be True or False, got 'yes'"):
             await ckpt.restore(None, partial="yes")  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize("kind", ["plain", "async"])
+    async def test_restore_or_initialize(self, tmp_path: Path, kind: str) -> None:
+        """TF's: no checkpoint yet, ``init_fn`` runs (once, awaited when async) and None comes
+        back; once there is one, it is restored, its path returned, and ``init_fn`` not
+        called."""
+        w = Variable(np.zeros(2), name="w")
+        calls: list[str] = []
+
+        def plain() -> None:
+            calls.append("plain")
+
+        async def pretrained() -> None:
+            calls.append("async start")
+            await w.assign([4.0, 5.0])
+            calls.append("async end")
+
+        init_fn = plain if kind == "plain" else pretrained
+        manager = CheckpointManager(Checkpoint(w=w), tmp_path, init_fn=init_fn)
+
+        assert await manager.restore_or_initialize() is None
+        assert calls == (["plain"] if kind == "plain" else ["async start", "async end"])
+        calls.clear()
+        await w.assign([1.0, 2.0])
+        path = await manager.save()
+        await w.assign([7.0, 7.0])
+
+        again = CheckpointManager(Checkpoint(w=w), tmp_path, init_fn=init_fn)
+        assert await again.restore_or_initialize() == path
+        assert w.numpy().tolist() == [1.0, 2.0]
+        assert calls == []
+
+    async def test_restore_or_initialize_without_init_fn(self, tmp_path: Path) -> None:
+        w = Variable(np.ones(2), name="w")
+        manager = CheckpointManager(Checkpoint(w=w), tmp_path)
+        assert await manager.restore_or_initialize() is None
+        assert w.numpy().tolist() == [1.0, 1.0]
+
+    async def test_restore_or_initialize_raises_what_init_fn_raises(self, tmp_path: Path) -> None:
+        def broken() -> None:
+            raise OSError("no pretrained weights")
+
+        manager = CheckpointManager(Checkpoint(step=1), tmp_path, init_fn=broken)
+        with pytest.raises(OSError, match="no pretrained weights"):
+            await manager.restore_or_initialize()
+
+    async def test_restore_or_initialize_refuses_a_corrupted_latest(self, tmp_path: Path) -> None:
+        """The newest file cannot be read: CheckpointError, nothing changed, and ``init_fn``
+        is not called (there is a checkpoint, a broken one)."""
+        w = Variable(np.ones(2), name="w")
+        calls: list[str] = []
+        (tmp_path / "ckpt-3.npz").write_bytes(b"not a checkpoint")
+        manager = CheckpointManager(Checkpoint(w=w), tmp_path, init_fn=lambda: calls.append("init"))
+        with pytest.raises(CheckpointError, match=r"ckpt-3\.npz"):
+            await manager.restore_or_initialize()
+        assert w.numpy().tolist() == [1.0, 1.0]
+        assert calls == []
+
+    async def test_restore_or_initialize_inside_a_replica(self, tmp_path: Path) -> None:
+        calls: list[str] = []
+        manager = CheckpointManager(
+            Checkpoint(step=1), tmp_path, init_fn=lambda: calls.append("init")
+        )
+        with pytest.raises(
+            RuntimeError,
+            match=r"CheckpointManager\.restore_or_initialize\(\) was called inside replica 0",
+        ):
+            await MirroredStrategy(host_devices(2)).run(manager.restore_or_initialize)
+        assert calls == []
+
+    def test_init_fn_must_be_callable(self, tmp_path: Path) -> None:
+        with pytest.raises(TypeError, match="init_fn must be callable or None, got int"):
+            CheckpointManager(Checkpoint(step=1), tmp_path, init_fn=3)  # type: ignore[arg-type]
+
     async def test_new_manager_finds_existing(self, tmp_path: Path) -> None:
         """A new manager over the same directory resumes from the newest file."""
         step = Variable(np.zeros(()), name="step")

@@ -253,6 +253,45 @@ async def test_restoring_no_checkpoint_on_every_worker_is_a_new_run(
         WORLD.Barrier()
 
 
+async def test_restore_or_initialize_on_every_worker(make_strategy: MakeStrategy) -> None:
+    """A first run: every worker finds no checkpoint and calls ``init_fn`` (a write outside
+    run(), so the chief's value everywhere); after a save and a restart, every worker restores
+    the chief's file and calls nothing; a worker whose manager looks elsewhere makes every
+    worker raise, naming it, with nothing restored and ``init_fn`` not called."""
+    strategy = make_strategy(2)
+    model = Model(strategy)
+    calls: list[str] = []
+
+    async def pretrained() -> None:
+        calls.append("init")
+        await model.w.assign(np.full((2, 3), 10.0 * (RANK + 1)))
+
+    with shared_directory() as directory:
+        manager = CheckpointManager(model.checkpoint(), directory, init_fn=pretrained)
+        assert await manager.restore_or_initialize() is None
+        assert calls == ["init"]
+        np.testing.assert_array_equal(model.w.values[0], np.full((2, 3), 10.0))
+        await model.train(1.0)
+        path = await manager.save()
+        saved = model.state()
+        await model.train(2.0)
+        restarted = CheckpointManager(model.checkpoint(), directory, init_fn=pretrained)
+        assert await restarted.restore_or_initialize() == path
+        for now, then in zip(model.state(), saved, strict=True):
+            np.testing.assert_array_equal(now, then)
+        assert calls == ["init"]
+        assert_same_on_every_worker(*model.state())
+
+        own = directory if RANK == 0 else os.path.join(directory, f"elsewhere_{RANK}")
+        astray = CheckpointManager(model.checkpoint(), own, init_fn=pretrained)
+        with pytest.raises(ValueError, match=r"worker 1: Checkpoint\.restore of no checkpoint"):
+            await astray.restore_or_initialize()
+        assert calls == ["init"]
+        for now, then in zip(model.state(), saved, strict=True):
+            np.testing.assert_array_equal(now, then)
+        WORLD.Barrier()
+
+
 @pytest.mark.parametrize("case", ["other file", "missing file", "corrupted file", "no checkpoint"])
 async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
     make_strategy: MakeStrategy, case: str
