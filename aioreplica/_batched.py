@@ -59,7 +59,7 @@ class batched:
     def __init__(
         self, arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int | None = None
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self._leaves, self._treedef = _tree.flatten(arrays)
         self._rows = batch_rows(self._leaves, self._treedef, "batched")

@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, TypeVar
+import operator
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, SupportsIndex, TypeVar
 
 import numpy as np
 
@@ -149,7 +150,7 @@ class ReductionEngine:
             )
         return await self._reduce_leaves(op, leaves, options)
 
-    async def all_gather(self, value: Any, axis: int) -> list[Any]:
+    async def all_gather(self, value: Any, axis: SupportsIndex) -> list[Any]:
         """Concatenate every replica's ``value`` along ``axis``; once per replica.
 
         Raises:
@@ -227,7 +228,11 @@ class ReductionEngine:
         return results
 
     async def reduce_scatter(
-        self, op: ReduceOp, value: Any, axis: int, options: CommunicationOptions | None = None
+        self,
+        op: ReduceOp,
+        value: Any,
+        axis: SupportsIndex,
+        options: CommunicationOptions | None = None,
     ) -> list[Any]:
         """Reduce across replicas; replica ``i`` gets the ``i``-th ``array_split`` chunk.
 
@@ -300,7 +305,7 @@ class ReductionEngine:
 
     # -- one result per destination ---------------------------------------------------
 
-    async def reduce(self, op: ReduceOp, value: Any, axis: int | None) -> Any:
+    async def reduce(self, op: ReduceOp, value: Any, axis: SupportsIndex | None) -> Any:
         """Reduce ``value`` across replicas (and along ``axis``), on the first device.
 
         With ``axis``, each component is reduced along it first; ``MEAN`` divides the total by
@@ -325,11 +330,11 @@ class ReductionEngine:
         return treedef.unflatten(await along)
 
     async def _reduce_leaves_along(
-        self, op: ReduceOp, leaves: list[_LeafArrays], axis: int
+        self, op: ReduceOp, leaves: list[_LeafArrays], axis: SupportsIndex
     ) -> list[Any]:
         return [await self._reduce_along(op, leaf, axis) for leaf in leaves]
 
-    async def gather(self, value: Any, axis: int) -> Any:
+    async def gather(self, value: Any, axis: SupportsIndex) -> Any:
         """Concatenate ``value``'s components along ``axis``, on the first device.
 
         Raises:
@@ -486,7 +491,7 @@ class ReductionEngine:
                         "must pass the same shape and dtype"
                     )
 
-    def _check_gather_shapes(self, what: str, leaf: _LeafArrays, axis: int) -> int:
+    def _check_gather_shapes(self, what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
         first = leaf.arrays[0]
         axis_ = _check_axis(what, leaf, axis)
         for replica, other in enumerate(leaf.arrays[1:], start=1):
@@ -663,7 +668,7 @@ class ReductionEngine:
         with self.cluster.timeout(options.timeout_seconds):
             yield
 
-    async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: int) -> Any:
+    async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: SupportsIndex) -> Any:
         """``strategy.reduce`` with ``axis``: within each replica, then across replicas.
 
         ``MEAN`` divides the total by the number of elements along ``axis`` over all replicas,
@@ -806,15 +811,29 @@ def _divide(value: Any, by: int) -> Any:
     return value / by
 
 
-def _check_axis(what: str, leaf: _LeafArrays, axis: int) -> int:
-    ndim = leaf.arrays[0].ndim
-    if not isinstance(axis, int) or not -ndim <= axis < ndim:
+def _check_axis(what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
+    """``axis`` as a non-negative axis of the leaf's components (any integer: NumPy's too).
+
+    Raises:
+        TypeError: ``axis`` is not an integer (a bool is not one, as for NumPy).
+        ValueError: ``axis`` is out of range.
+    """
+    try:
+        if isinstance(axis, bool):
+            raise TypeError
+        index = operator.index(axis)
+    except TypeError:
+        raise TypeError(
+            f"{what}: axis must be an integer, got {type(axis).__name__} {axis!r}"
+        ) from None
+    ndim: int = leaf.arrays[0].ndim
+    if not -ndim <= index < ndim:
         raise ValueError(
             f"{what}: axis {axis!r} is out of range for the value at "
             f"{_tree.describe_path(leaf.path)}, which has {ndim} dimension"
             f"{'' if ndim == 1 else 's'}"
         )
-    return int(axis % ndim)
+    return index % ndim
 
 
 #: The structure of a single leaf: what ``_leaves`` gives a value that is one leaf.

@@ -32,7 +32,7 @@ import types
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, SupportsIndex, final
 
 from . import _trace
 from ._errors import ReplicaSyncError
@@ -288,7 +288,7 @@ class ReplicaContext:
         )
 
     async def all_gather(
-        self, value: Any, axis: int = 0, options: CommunicationOptions | None = None
+        self, value: Any, axis: SupportsIndex = 0, options: CommunicationOptions | None = None
     ) -> Any:
         """Concatenate every replica's ``value`` along ``axis``; every replica gets the whole.
 
@@ -296,7 +296,7 @@ class ReplicaContext:
 
         Raises:
             ValueError: structures, dtypes or shapes off ``axis`` differ; ``axis`` out of range.
-            TypeError: NumPy and CuPy arrays mixed.
+            TypeError: NumPy and CuPy arrays mixed; ``axis`` is not an integer.
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -340,7 +340,7 @@ class ReplicaContext:
         self,
         op: ReduceOp | str,
         value: Any,
-        axis: int = 0,
+        axis: SupportsIndex = 0,
         options: CommunicationOptions | None = None,
     ) -> Any:
         """Reduce across replicas, then give replica ``i`` the ``i``-th chunk along ``axis``.
@@ -349,7 +349,7 @@ class ReplicaContext:
 
         Raises:
             ValueError: as ``all_reduce``, or ``axis`` out of range.
-            TypeError: as ``all_reduce``.
+            TypeError: as ``all_reduce``, or ``axis`` is not an integer.
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])

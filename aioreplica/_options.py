@@ -85,13 +85,17 @@ class CommunicationOptions:
     timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.bytes_per_pack, int) or self.bytes_per_pack < 0:
+        packing = self.bytes_per_pack
+        if isinstance(packing, bool) or not isinstance(packing, int) or packing < 0:
             raise ValueError(
                 f"bytes_per_pack must be an int >= 0 (0: automatic), got {self.bytes_per_pack!r}"
             )
         timeout = self.timeout_seconds
         if timeout is not None and not (
-            isinstance(timeout, int | float) and timeout > 0 and not math.isnan(timeout)
+            isinstance(timeout, int | float)
+            and not isinstance(timeout, bool)
+            and timeout > 0
+            and not math.isnan(timeout)
         ):
             raise ValueError(f"timeout_seconds must be positive or None, got {timeout!r}")
 

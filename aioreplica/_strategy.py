@@ -17,7 +17,7 @@ import random
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, TypeVar, final
 
 import anyio
 import numpy as np
@@ -436,7 +436,8 @@ class MirroredStrategy:
             positive and finite; ``seed`` is given with ``interleave="ordered"``.
         TypeError: ``devices`` is not a list of devices (a number of replicas, a string, one
             device, a set), the message showing the list to write; or it holds something
-            that is not a device; ``slow_merge_warning`` is not a number or None.
+            that is not a device; ``slow_merge_warning`` is not a number or None; ``seed``
+            is not an int or None.
 
     Example:
         >>> import anyio, aioreplica
@@ -471,12 +472,15 @@ class MirroredStrategy:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
         if sync_timeout is not None and not (
             isinstance(sync_timeout, int | float)
+            and not isinstance(sync_timeout, bool)
             and sync_timeout > 0
             and not math.isnan(sync_timeout)
         ):
             raise ValueError(
                 f"sync_timeout must be a positive number of seconds or None, got {sync_timeout!r}"
             )
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         if seed is not None and interleave != "random":
             raise ValueError(
                 "seed only applies to interleave='random'; pass interleave='random' with it"
@@ -487,7 +491,7 @@ class MirroredStrategy:
         self._seed: int | None = None
         rng: random.Random | None = None
         if interleave == "random":
-            self._seed = seed if seed is not None else random.randrange(2**32)
+            self._seed = int(seed) if seed is not None else random.randrange(2**32)
             rng = random.Random(self._seed)
         self._scheduler = Scheduler(
             self,
@@ -556,7 +560,9 @@ class MirroredStrategy:
         """The seed of ``interleave="random"`` (drawn when not given: print it to replay)."""
         return self._seed
 
-    async def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+    async def reduce(
+        self, reduce_op: ReduceOp | str, value: Any, axis: SupportsIndex | None = None
+    ) -> Any:
         """Reduce a distributed ``value`` across replicas, in cross-replica context.
 
         With ``axis``, each replica's component is reduced along ``axis`` first; ``MEAN`` then
@@ -578,7 +584,8 @@ class MirroredStrategy:
             RuntimeError: called inside a replica (use ``ctx.all_reduce`` there).
             ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range; a
                 mirrored variable reduced with ``SUM`` or ``PROD``.
-            TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed.
+            TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed; ``axis`` is
+                not an integer.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -594,12 +601,13 @@ class MirroredStrategy:
             await engine.refuse("strategy.reduce", exc)
             raise
 
-    async def gather(self, value: Any, axis: int = 0) -> Any:
+    async def gather(self, value: Any, axis: SupportsIndex = 0) -> Any:
         """Concatenate a distributed ``value``'s components along ``axis``.
 
         Raises:
             RuntimeError: called inside a replica (use ``ctx.all_gather`` there).
             ValueError: dtypes or shapes off ``axis`` differ; ``axis`` out of range.
+            TypeError: ``axis`` is not an integer.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])

@@ -60,6 +60,14 @@ class TestCommunicationOptions:
         with pytest.raises(ValueError, match="timeout_seconds must be positive or None"):
             CommunicationOptions(timeout_seconds=0)
 
+    def test_bools_are_no_numbers(self) -> None:
+        """True is an int to Python, not a pack size or a timeout."""
+        packing = r"bytes_per_pack must be an int >= 0 \(0: automatic\), got True"
+        with pytest.raises(ValueError, match=packing):
+            CommunicationOptions(bytes_per_pack=True)
+        with pytest.raises(ValueError, match="timeout_seconds must be positive or None, got True"):
+            CommunicationOptions(timeout_seconds=True)
+
     def test_call_options_override_strategy_options(self) -> None:
         """Fields a call sets win; the others keep the strategy's."""
         base = CommunicationOptions(bytes_per_pack=64, timeout_seconds=9.0)
@@ -346,6 +354,49 @@ class TestOtherReplicaCollectives:
 
         with pytest.raises(ValueError, match=r"axis 2 is out of range .* 1 dimension"):
             await strategy.run(step)
+
+    @pytest.mark.parametrize("axis", [True, "0", 0.0, None])
+    async def test_axis_must_be_an_integer(self, axis: Any) -> None:
+        """As for NumPy, an axis that is not an integer (a bool included) is a TypeError, in
+        every collective that takes one."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.zeros((2, 2)), np.ones((2, 2))])
+        shown = f"got {type(axis).__name__} {axis!r}"
+
+        async def all_gather() -> Any:
+            return await replica_context().all_gather(np.zeros((2, 2)), axis=axis)
+
+        async def reduce_scatter() -> Any:
+            return await replica_context().reduce_scatter("sum", np.zeros((2, 2)), axis=axis)
+
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "all_gather": lambda: strategy.run(all_gather),
+            "reduce_scatter": lambda: strategy.run(reduce_scatter),
+            "gather": lambda: strategy.gather(value, axis),
+        }
+        if axis is not None:  # (reduce's default: no axis)
+            calls["reduce"] = lambda: strategy.reduce("sum", value, axis)
+        for what, call in calls.items():
+            with pytest.raises(TypeError, match=f"{what}: axis must be an integer, {shown}"):
+                await call()
+
+    async def test_numpy_integer_axes(self) -> None:
+        """An axis computed with NumPy (``np.int64``) is an axis like any int."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.zeros((2, 1)), np.ones((2, 1))])
+        one = np.int64(1)
+
+        async def step() -> Any:
+            mine = np.full((2, 1), float(replica_id()))
+            gathered = await replica_context().all_gather(mine, axis=one)
+            scattered = await replica_context().reduce_scatter("sum", np.ones((1, 2)), axis=one)
+            return gathered, scattered
+
+        gathered, scattered = await strategy.run(step)
+        np.testing.assert_array_equal(gathered, [[0.0, 1.0], [0.0, 1.0]])
+        assert [s.tolist() for s in scattered.values] == [[[2.0]], [[2.0]]]
+        np.testing.assert_array_equal(await strategy.gather(value, one), [[0.0, 1.0], [0.0, 1.0]])
+        np.testing.assert_array_equal(await strategy.reduce("sum", value, np.int64(0)), [2.0])
 
     async def test_broadcast(self) -> None:
         """Every replica gets the source replica's value; the others' are ignored."""

@@ -776,10 +776,10 @@ class TestBatched:
         rows = [row for b in batched(np.arange(9), 4, shuffle=True) for row in b.tolist()]
         assert sorted(rows) == list(range(9))
 
-    @pytest.mark.parametrize("batch_size", [0, -1])
+    @pytest.mark.parametrize("batch_size", [0, -1, True])
     def test_batch_size_below_one(self, batch_size: int) -> None:
-        """batch_size below 1 is a ValueError."""
-        with pytest.raises(ValueError, match="batch_size"):
+        """batch_size below 1, or a bool (an int to Python), is a ValueError."""
+        with pytest.raises(ValueError, match=f"batch_size must be an int >= 1, got {batch_size}"):
             list(batched(np.arange(4), batch_size))
 
     def test_leading_sizes_differ(self) -> None:

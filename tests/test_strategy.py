@@ -58,7 +58,7 @@ class TestConstruction:
         with pytest.raises(ValueError, match=r"'cpu:1' appears twice \(positions 1 and 2\)"):
             MirroredStrategy(["cpu:0", "cpu:1", "/device:CPU:1"])
 
-    @pytest.mark.parametrize("timeout", [0, -1, math.nan, "5"])
+    @pytest.mark.parametrize("timeout", [0, -1, math.nan, "5", True])
     def test_bad_sync_timeout(self, timeout: Any) -> None:
         """sync_timeout must be a positive number of seconds."""
         with pytest.raises(ValueError, match="sync_timeout must be a positive number"):
@@ -68,6 +68,19 @@ class TestConstruction:
         """interleave must be 'ordered' or 'random'."""
         with pytest.raises(ValueError, match=r"interleave must be one of \('ordered', 'random'\)"):
             MirroredStrategy(["cpu:0"], interleave="sorted")  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("seed", [True, "7", 1.5])
+    def test_seed_must_be_an_int(self, seed: Any) -> None:
+        """A seed that is no int (a bool, a string) is refused, not hashed into one."""
+        shown = re.escape(f"got {type(seed).__name__} {seed!r}")
+        with pytest.raises(TypeError, match=f"seed must be an int or None, {shown}"):
+            MirroredStrategy(["cpu:0"], interleave="random", seed=seed)
+
+    def test_a_numpy_integer_seed_is_an_int(self) -> None:
+        seed = np.int64(7)  # from NumPy: an int at run time, though not to the type checker
+        strategy = MirroredStrategy(["cpu:0"], interleave="random", seed=seed)  # type: ignore[arg-type]
+        assert strategy.seed == 7
+        assert type(strategy.seed) is int
 
     def test_seed_needs_random_interleave(self) -> None:
         """A seed with interleave='ordered' is refused rather than ignored."""
