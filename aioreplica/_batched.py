@@ -18,11 +18,12 @@ Resumable input
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Final, Protocol, final
+from typing import TYPE_CHECKING, Any, Final, Protocol, SupportsIndex, final
 
 import numpy as np
 
 from . import _tree
+from ._errors import as_integer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -57,13 +58,19 @@ class batched:
     """
 
     def __init__(
-        self, arrays: Any, batch_size: int, *, shuffle: bool = False, seed: int | None = None
+        self,
+        arrays: Any,
+        batch_size: SupportsIndex,
+        *,
+        shuffle: bool = False,
+        seed: int | None = None,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        size = as_integer(batch_size)
+        if size is None or size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
         self._leaves, self._treedef = _tree.flatten(arrays)
         self._rows = batch_rows(self._leaves, self._treedef, "batched")
-        self._batch_size = batch_size
+        self._batch_size = size
         self._rng = np.random.default_rng(seed) if shuffle else None
         self._epochs = 0  # iterators made so far: the epoch of the next one
 

@@ -90,7 +90,7 @@ import time
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, final
+from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, final
 
 import anyio
 import numpy as np
@@ -100,7 +100,7 @@ from ._batched import BatchedIterator, ResumableInput, batched
 from ._cluster import WorkersDisagree, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
-from ._errors import CheckpointError
+from ._errors import CheckpointError, as_integer
 from ._optimizers import Optimizer, restore_state, slot_table, slots_to_restore
 from ._variables import Variable, new_copies, snapshot, sync_variables
 from ._writes import Turn, commit, taking_turns, to_host
@@ -516,7 +516,7 @@ class CheckpointManager:
         self,
         checkpoint: Checkpoint,
         directory: str | os.PathLike[str],
-        max_to_keep: int | None = 5,
+        max_to_keep: SupportsIndex | None = 5,
         *,
         checkpoint_name: str = "ckpt",
         init_fn: Callable[[], Any] | None = None,
@@ -525,9 +525,8 @@ class CheckpointManager:
             raise TypeError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
-        if max_to_keep is not None and (
-            isinstance(max_to_keep, bool) or not isinstance(max_to_keep, int) or max_to_keep < 1
-        ):
+        keep = None if max_to_keep is None else as_integer(max_to_keep)
+        if max_to_keep is not None and (keep is None or keep < 1):
             raise ValueError(f"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}")
         if not checkpoint_name or os.sep in checkpoint_name or "/" in checkpoint_name:
             raise ValueError(
@@ -535,7 +534,7 @@ class CheckpointManager:
             )
         self._checkpoint = checkpoint
         self._directory = os.fspath(directory)
-        self._max_to_keep = max_to_keep
+        self._max_to_keep = keep
         self._name = checkpoint_name
         self._init_fn = init_fn
         self._numbers = sorted(self._existing())
@@ -613,7 +612,7 @@ class CheckpointManager:
                 await started
         return latest
 
-    async def save(self, checkpoint_number: int | None = None) -> str:
+    async def save(self, checkpoint_number: SupportsIndex | None = None) -> str:
         """Save the checkpoint as the next number (or ``checkpoint_number``); prune old ones.
 
         The values saved are those at the moment of the call. Saves of one manager run one
@@ -640,20 +639,17 @@ class CheckpointManager:
         """
         _check_not_in_replica("CheckpointManager.save")
         workers = self._checkpoint._workers()
-        if checkpoint_number is not None and (
-            isinstance(checkpoint_number, bool)
-            or not isinstance(checkpoint_number, int)
-            or checkpoint_number < 0
-        ):
+        number = None if checkpoint_number is None else as_integer(checkpoint_number)
+        if checkpoint_number is not None and (number is None or number < 0):
             error = ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
             if workers is not None:  # refused on every worker, in step
                 await workers.refuse_in_step("CheckpointManager.save", error)
             raise error
         if workers is not None:
-            return await self._save_on_workers(workers, checkpoint_number)
+            return await self._save_on_workers(workers, number)
         values = self._checkpoint._snapshot()  # references only: copies never change in place
         async with self._turn:
-            return await self._save(values, checkpoint_number)
+            return await self._save(values, number)
 
     async def _save_on_workers(self, workers: Workers, checkpoint_number: int | None) -> str:
         """A collective save: the chief numbers, writes and prunes; the others take its list

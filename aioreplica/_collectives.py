@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, SupportsIndex, TypeVar
 
 import numpy as np
 
 from . import _trace, _tree
 from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
-from ._errors import replica_list
+from ._errors import as_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, regroup
 
@@ -196,7 +195,7 @@ class ReductionEngine:
             TypeError: a leaf that is no number or array (``None``, a string); arrays of another
                 backend.
         """
-        self.check_source(source)
+        source = self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
         if self.cluster is not None:
             sending = self._broadcast_across(leaves, source, what)
@@ -261,17 +260,19 @@ class ReductionEngine:
         ]
         return self._per_replica(treedef, scattered)
 
-    def check_source(self, source: object) -> None:
-        """Refuse a ``source_replica`` that is not a replica id.
+    def check_source(self, source: object) -> int:
+        """``source`` as a replica id (a Python int), or refused.
 
         Raises:
-            ValueError: ``source`` is not an int from 0 to ``size - 1``.
+            ValueError: ``source`` is not an integer from 0 to ``size - 1``.
         """
         last = self.num_replicas - 1
-        if isinstance(source, bool) or not isinstance(source, int) or not 0 <= source <= last:
+        replica = as_integer(source)
+        if replica is None or not 0 <= replica <= last:
             raise ValueError(
                 f"source_replica must be a replica id from 0 to {last}, got {source!r}"
             )
+        return replica
 
     async def refuse(self, what: str, error: BaseException) -> None:
         """Make ``what``'s refusal of its arguments (``error``, which the caller raises next)
@@ -818,14 +819,9 @@ def _check_axis(what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
         TypeError: ``axis`` is not an integer (a bool is not one, as for NumPy).
         ValueError: ``axis`` is out of range.
     """
-    try:
-        if isinstance(axis, bool):
-            raise TypeError
-        index = operator.index(axis)
-    except TypeError:
-        raise TypeError(
-            f"{what}: axis must be an integer, got {type(axis).__name__} {axis!r}"
-        ) from None
+    index = as_integer(axis)
+    if index is None:
+        raise TypeError(f"{what}: axis must be an integer, got {type(axis).__name__} {axis!r}")
     ndim: int = leaf.arrays[0].ndim
     if not -ndim <= index < ndim:
         raise ValueError(

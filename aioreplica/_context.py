@@ -311,7 +311,10 @@ class ReplicaContext:
         return await self._collective(_merge_all_gather, (engine, value, axis), timeout)
 
     async def broadcast(
-        self, value: Any, source_replica: int = 0, options: CommunicationOptions | None = None
+        self,
+        value: Any,
+        source_replica: SupportsIndex = 0,
+        options: CommunicationOptions | None = None,
     ) -> Any:
         """Give every replica ``source_replica``'s ``value`` (the others' are ignored).
 
@@ -329,7 +332,7 @@ class ReplicaContext:
         """
         engine = self._engine
         try:
-            engine.check_source(source_replica)  # at once, in this replica
+            source_replica = engine.check_source(source_replica)  # at once, in this replica
         except ValueError as exc:
             engine.refusing("broadcast", exc)
             raise

@@ -49,7 +49,7 @@ import zlib
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, SupportsIndex, TypeVar, final
 
 import anyio
 import numpy as np
@@ -58,7 +58,7 @@ from . import _loops, _trace, _tree
 from ._backends import host_array
 from ._batched import BatchedIterator, batch_rows, batched
 from ._cluster import WorkersDisagree, error_line, worker_list
-from ._errors import ReplicaSyncError
+from ._errors import ReplicaSyncError, as_integer
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -218,12 +218,13 @@ class DistributedDataset:
         *,
         per_replica_source: bool,
         drop_remainder: bool,
-        prefetch: int,
+        prefetch: SupportsIndex,
         input_context: InputContext,
         workers: Workers | None = None,
         first_replica: int = 0,
     ) -> None:
-        if not isinstance(prefetch, int) or prefetch < 0:
+        count = as_integer(prefetch)
+        if count is None or count < 0:
             raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
         if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
             raise TypeError(
@@ -234,7 +235,7 @@ class DistributedDataset:
         self._devices = tuple(devices)
         self._per_replica_source = per_replica_source
         self._drop_remainder = drop_remainder
-        self._prefetch = prefetch
+        self._prefetch = count
         self._input_context = input_context
         self._workers = workers
         self._first_replica = first_replica

@@ -6,12 +6,34 @@ working, and builds its message from fields that tests and callers can read.
 
 from __future__ import annotations
 
+import operator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
 
-__all__ = ["AioreplicaInternalError", "CheckpointError", "ReplicaSyncError", "replica_list"]
+__all__ = [
+    "AioreplicaInternalError",
+    "CheckpointError",
+    "ReplicaSyncError",
+    "as_integer",
+    "replica_list",
+]
+
+
+def as_integer(value: object) -> int | None:
+    """``value`` as a Python int if it is an integer, else ``None``: for the checks of integer
+    arguments, which take NumPy's integers as NumPy does, and refuse a bool as one.
+
+    >>> as_integer(3), as_integer(np.int64(3)), as_integer(True), as_integer(3.0)
+    (3, 3, None, None)
+    """
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
 
 
 def replica_list(ids: Sequence[int]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, final
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TypeVar, final
 
 import anyio
 
@@ -145,7 +145,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         communication_options: CommunicationOptions | None = None,
         sync_timeout: float | None = None,
         interleave: Literal["ordered", "random"] = "ordered",
-        seed: int | None = None,
+        seed: SupportsIndex | None = None,
         slow_merge_warning: float | None = 60.0,
     ) -> None:
         self._communicator = communicator

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, final
 import numpy as np
 
 from ._context import default_replica_context, get_replica_context
-from ._errors import ReplicaSyncError
+from ._errors import ReplicaSyncError, as_integer
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, slot_variable
@@ -129,9 +129,10 @@ class Optimizer:
 
     @iterations.setter
     def iterations(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        count = as_integer(value)
+        if count is None or count < 0:
             raise ValueError(f"iterations must be an int >= 0, got {value!r}")
-        self._iterations = int(value)
+        self._iterations = count
 
     def build(self, var_list: Iterable[Variable]) -> None:
         """Create the slot variables of every variable in ``var_list`` that has none yet.

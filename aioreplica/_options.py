@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass
 from typing import Final, Self
 
+from ._errors import as_integer
+
 __all__ = ["DEFAULT_PACK_BYTES", "CaseInsensitiveStrEnum", "CommunicationOptions", "ReduceOp"]
 
 #: Pack size when ``CommunicationOptions.bytes_per_pack`` is 0 (let aioreplica choose).
@@ -85,11 +87,12 @@ class CommunicationOptions:
     timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        packing = self.bytes_per_pack
-        if isinstance(packing, bool) or not isinstance(packing, int) or packing < 0:
+        packing = as_integer(self.bytes_per_pack)
+        if packing is None or packing < 0:
             raise ValueError(
                 f"bytes_per_pack must be an int >= 0 (0: automatic), got {self.bytes_per_pack!r}"
             )
+        object.__setattr__(self, "bytes_per_pack", packing)  # a NumPy integer as an int
         timeout = self.timeout_seconds
         if timeout is not None and not (
             isinstance(timeout, int | float)

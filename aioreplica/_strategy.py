@@ -44,6 +44,7 @@ from ._dataset import (
     ValueContext,
     distribute_values,
 )
+from ._errors import as_integer
 from ._options import CommunicationOptions, ReduceOp
 from ._scheduler import Scheduler, SchedulerStatistics
 from ._steps import MultiStepContext, run_steps, run_steps_on_iterator
@@ -455,7 +456,7 @@ class MirroredStrategy:
         *,
         sync_timeout: float | None = None,
         interleave: Literal["ordered", "random"] = "ordered",
-        seed: int | None = None,
+        seed: SupportsIndex | None = None,
         communication_options: CommunicationOptions | None = None,
         slow_merge_warning: float | None = 60.0,
     ) -> None:
@@ -479,7 +480,7 @@ class MirroredStrategy:
             raise ValueError(
                 f"sync_timeout must be a positive number of seconds or None, got {sync_timeout!r}"
             )
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int | np.integer)):
+        if seed is not None and as_integer(seed) is None:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         if seed is not None and interleave != "random":
             raise ValueError(
@@ -491,7 +492,7 @@ class MirroredStrategy:
         self._seed: int | None = None
         rng: random.Random | None = None
         if interleave == "random":
-            self._seed = int(seed) if seed is not None else random.randrange(2**32)
+            self._seed = as_integer(seed) if seed is not None else random.randrange(2**32)
             rng = random.Random(self._seed)
         self._scheduler = Scheduler(
             self,
@@ -682,7 +683,7 @@ class MirroredStrategy:
     # -- input --------------------------------------------------------------------------
 
     def distribute_dataset(
-        self, dataset: Any, *, drop_remainder: bool = False, prefetch: int = 2
+        self, dataset: Any, *, drop_remainder: bool = False, prefetch: SupportsIndex = 2
     ) -> DistributedDataset:
         """Split each global batch of ``dataset`` across the replicas, prefetching ahead.
 
@@ -724,7 +725,7 @@ class MirroredStrategy:
         )
 
     def experimental_distribute_dataset(
-        self, dataset: Any, *, drop_remainder: bool = False, prefetch: int = 2
+        self, dataset: Any, *, drop_remainder: bool = False, prefetch: SupportsIndex = 2
     ) -> DistributedDataset:
         """TF's name for ``distribute_dataset`` (the same thing).
 
@@ -741,7 +742,7 @@ class MirroredStrategy:
         return self.distribute_dataset(dataset, drop_remainder=drop_remainder, prefetch=prefetch)
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Any], *, prefetch: int = 2
+        self, dataset_fn: Callable[[InputContext], Any], *, prefetch: SupportsIndex = 2
     ) -> DistributedDataset:
         """Build the input pipeline with ``dataset_fn(input_context)``; feed replicas from it.
 
@@ -1351,7 +1352,7 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -
         )
     if not isinstance(drop_remainder, bool | np.bool_):
         raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+    if as_integer(prefetch) is None:
         raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
 
 

@@ -77,6 +77,7 @@ import pytest
 
 from ._backends import HostDevice
 from ._context import get_replica_context
+from ._errors import as_integer
 from ._strategy import MirroredStrategy
 
 if TYPE_CHECKING:
@@ -410,7 +411,7 @@ class StrategyFactory:
 
     def __init__(self, replicas: int = DEFAULT_REPLICAS, *, seed: int | None = None) -> None:
         self._replicas = _count(replicas, "replicas")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        if seed is not None and as_integer(seed) is None:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         self._seed = seed
         self._made: list[tuple[int, str, int | None]] = []

@@ -1188,6 +1188,13 @@ class TestCheckpointManager:
         ):
             CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=max_to_keep)
 
+    async def test_numpy_integers_are_counts(self, tmp_path: Path) -> None:
+        """``max_to_keep`` and ``checkpoint_number`` taken from NumPy work as ints."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=np.int64(1))
+        assert await manager.save(checkpoint_number=np.int64(4)) == str(tmp_path / "ckpt-4.npz")
+        assert await manager.save() == str(tmp_path / "ckpt-5.npz")
+        assert manager.checkpoints == [str(tmp_path / "ckpt-5.npz")]
+
     @pytest.mark.parametrize("name", ["", "a/b"])
     def test_bad_checkpoint_name(self, tmp_path: Path, name: str) -> None:
         """An empty prefix or one with a path separator is refused."""

@@ -411,6 +411,23 @@ class TestOtherReplicaCollectives:
         np.testing.assert_array_equal(result["w"], [1.0, 1.0])
         assert not result["w"].flags.writeable
 
+    async def test_broadcast_from_a_numpy_integer(self) -> None:
+        """A source replica chosen with NumPy (``np.argmax``) is a replica id."""
+        strategy = MirroredStrategy(host_devices(3))
+
+        async def step() -> Any:
+            losses = np.array([3.0, 1.0, 2.0])
+            mine = np.full(2, float(replica_id()))
+            return await replica_context().broadcast(mine, source_replica=np.argmin(losses))
+
+        np.testing.assert_array_equal(await strategy.run(step), [1.0, 1.0])
+
+    def test_pack_size_from_numpy(self) -> None:
+        # The field is typed int, what it holds; NumPy's integers are taken at run time.
+        options = CommunicationOptions(bytes_per_pack=np.int64(1024))  # type: ignore[arg-type]
+        assert options.bytes_per_pack == 1024
+        assert type(options.bytes_per_pack) is int
+
     async def test_broadcast_source_out_of_range(self) -> None:
         """A source replica that does not exist is a ValueError."""
         strategy = MirroredStrategy(host_devices(2))

@@ -77,8 +77,7 @@ class TestConstruction:
             MirroredStrategy(["cpu:0"], interleave="random", seed=seed)
 
     def test_a_numpy_integer_seed_is_an_int(self) -> None:
-        seed = np.int64(7)  # from NumPy: an int at run time, though not to the type checker
-        strategy = MirroredStrategy(["cpu:0"], interleave="random", seed=seed)  # type: ignore[arg-type]
+        strategy = MirroredStrategy(["cpu:0"], interleave="random", seed=np.int64(7))
         assert strategy.seed == 7
         assert type(strategy.seed) is int
 
@@ -175,6 +174,14 @@ class TestDistributeDatasetArguments:
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])
         with pytest.raises(TypeError, match=r"^prefetch must be an int >= 0, got True$"):
             strategy.distribute_dataset([], prefetch=True)
+
+    async def test_numpy_integers_are_sizes(self) -> None:
+        """A batch size and a prefetch depth computed with NumPy are ints like any."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        batches = aioreplica.batched(np.arange(8), np.int64(4))
+        dataset = strategy.distribute_dataset(batches, prefetch=np.int64(1))
+        got = [[v.tolist() for v in element.values] async for element in dataset]
+        assert got == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
 
 
 class TestRunArguments:
