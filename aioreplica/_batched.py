@@ -50,7 +50,7 @@ class batched:
 
     Raises:
         ValueError: ``batch_size`` < 1, or the arrays' leading sizes differ.
-        TypeError: a leaf has no leading dimension.
+        TypeError: a leaf has no leading dimension; ``shuffle`` is not a bool.
 
     Example:
         >>> [b.tolist() for b in batched(np.arange(5), 2)]
@@ -68,6 +68,8 @@ class batched:
         size = as_integer(batch_size)
         if size is None or size < 1:
             raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        if not isinstance(shuffle, bool | np.bool_):
+            raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
         self._leaves, self._treedef = _tree.flatten(arrays)
         self._rows = batch_rows(self._leaves, self._treedef, "batched")
         self._batch_size = size

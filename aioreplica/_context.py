@@ -282,7 +282,7 @@ class ReplicaContext:
         except ValueError as exc:
             engine.refusing("all_reduce", exc)
             raise
-        options = engine.options.override(options)
+        options = self._options("all_reduce", options)
         return await self._collective(
             _merge_all_reduce, (engine, op, value, options), options.timeout_seconds
         )
@@ -307,7 +307,7 @@ class ReplicaContext:
             array([0, 1, 1, 2])
         """
         engine = self._engine
-        timeout = engine.options.override(options).timeout_seconds
+        timeout = self._options("all_gather", options).timeout_seconds
         return await self._collective(_merge_all_gather, (engine, value, axis), timeout)
 
     async def broadcast(
@@ -336,7 +336,7 @@ class ReplicaContext:
         except ValueError as exc:
             engine.refusing("broadcast", exc)
             raise
-        timeout = engine.options.override(options).timeout_seconds
+        timeout = self._options("broadcast", options).timeout_seconds
         return await self._collective(_merge_broadcast, (engine, value, source_replica), timeout)
 
     async def reduce_scatter(
@@ -368,7 +368,7 @@ class ReplicaContext:
         except ValueError as exc:
             engine.refusing("reduce_scatter", exc)
             raise
-        options = engine.options.override(options)
+        options = self._options("reduce_scatter", options)
         return await self._collective(
             _merge_reduce_scatter, (engine, op, value, axis, options), options.timeout_seconds
         )
@@ -390,8 +390,21 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             [0, 1]
         """
-        timeout = self._engine.options.override(options).timeout_seconds
+        timeout = self._options("barrier", options).timeout_seconds
         await self._collective(_merge_barrier, (self._engine,), timeout)
+
+    def _options(self, what: str, options: Any) -> CommunicationOptions:
+        """The strategy's communication options with the call's ``options`` over them.
+
+        Raises:
+            TypeError: ``options`` is not a ``CommunicationOptions`` or None (refused in step
+                across workers, as a collective's other arguments are).
+        """
+        try:
+            return self._engine.options.override(options)
+        except TypeError as exc:
+            self._engine.refusing(what, exc)
+            raise
 
     def __repr__(self) -> str:
         return (

@@ -113,6 +113,11 @@ class CommunicationOptions:
         """
         if other is None:
             return self
+        if not isinstance(other, CommunicationOptions):
+            raise TypeError(
+                f"options must be a CommunicationOptions or None, got {type(other).__name__} "
+                f"{other!r:.60}"
+            )
         return CommunicationOptions(
             bytes_per_pack=other.bytes_per_pack or self.bytes_per_pack,
             timeout_seconds=(

@@ -751,7 +751,8 @@ class MirroredStrategy:
         runs out in the middle of a round, the other replicas get zero-length batches.
 
         Raises:
-            TypeError: what ``dataset_fn`` returned is not iterable.
+            TypeError: ``dataset_fn`` is not callable; what it returned is not iterable;
+                ``prefetch`` is not an int.
             ValueError: ``prefetch`` is negative.
 
         Example:
@@ -766,6 +767,12 @@ class MirroredStrategy:
             >>> anyio.run(first)
             PerReplica({0: array([0, 1, 2, 3]), 1: array([4, 5, 6, 7])})
         """
+        if not callable(dataset_fn):
+            raise TypeError(
+                f"dataset_fn must be callable (InputContext -> dataset), got "
+                f"{type(dataset_fn).__name__} {dataset_fn!r:.60}"
+            )
+        _check_dataset_arguments((), False, prefetch)  # before dataset_fn makes anything
         dataset = dataset_fn(self._input_context())
         return DistributedDataset(
             dataset,
@@ -788,6 +795,7 @@ class MirroredStrategy:
         of structures as the structure of per-replica values, leaf by leaf.
 
         Raises:
+            TypeError: ``value_fn`` is not callable.
             Exception: whatever ``value_fn`` raises.
 
         Example:
@@ -797,6 +805,11 @@ class MirroredStrategy:
             ... )
             PerReplica({0: 0, 1: 10})
         """
+        if not callable(value_fn):
+            raise TypeError(
+                f"value_fn must be callable (ValueContext -> value), got "
+                f"{type(value_fn).__name__} {value_fn!r:.60}"
+            )
         engine = self._engine
         first = engine.first_replica
         return distribute_values(value_fn, engine.num_replicas, range(first, first + engine.size))
@@ -1352,8 +1365,11 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -
         )
     if not isinstance(drop_remainder, bool | np.bool_):
         raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
-    if as_integer(prefetch) is None:
+    count = as_integer(prefetch)
+    if count is None:
         raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if count < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
 
 
 def _release_collected(devices: tuple[HostDevice, ...]) -> None:

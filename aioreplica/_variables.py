@@ -130,7 +130,8 @@ class Variable(NDArrayOperatorsMixin):
             valid ones); ``synchronization="none"`` or ``"on_read"`` with
             ``aggregation="none"`` inside a strategy scope.
         TypeError: ``initial_value`` is not numeric or bool; ``aggregation="mean"`` with a
-            dtype that cannot be averaged (integers, bool).
+            dtype that cannot be averaged (integers, bool); ``name`` is not a string or
+            ``trainable`` not a bool.
         RuntimeError: called inside a replica (create variables in ``strategy.scope()``).
 
     Example:
@@ -189,6 +190,8 @@ class Variable(NDArrayOperatorsMixin):
             name = "Variable"
         if not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        if trainable is not None and not isinstance(trainable, bool | np.bool_):
+            raise TypeError(f"trainable must be True, False or None, got {trainable!r}")
         strategy, engine = _scope(name)
         _check_kind(type(self), strategy, sync, agg, name)
         value = initial_value() if callable(initial_value) else initial_value

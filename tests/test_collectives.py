@@ -68,6 +68,28 @@ class TestCommunicationOptions:
         with pytest.raises(ValueError, match="timeout_seconds must be positive or None, got True"):
             CommunicationOptions(timeout_seconds=True)
 
+    async def test_options_of_another_type_are_refused(self) -> None:
+        """A collective's ``options`` that is no ``CommunicationOptions`` (a timeout in
+        seconds, say) is a TypeError in every collective, and the strategy goes on."""
+        strategy = MirroredStrategy(host_devices(2))
+        x = np.ones(2)
+        calls: dict[str, Callable[[Any], Awaitable[Any]]] = {
+            "all_reduce": lambda bad: replica_context().all_reduce("sum", x, options=bad),
+            "all_gather": lambda bad: replica_context().all_gather(x, options=bad),
+            "broadcast": lambda bad: replica_context().broadcast(x, options=bad),
+            "reduce_scatter": lambda bad: replica_context().reduce_scatter("sum", x, options=bad),
+            "barrier": lambda bad: replica_context().barrier(options=bad),
+        }
+        shown = "options must be a CommunicationOptions or None, got int 5"
+        for call in calls.values():
+            with pytest.raises(TypeError, match=shown):
+                await strategy.run(call, args=(5,))
+            await strategy.run(call, args=(None,))  # the same call with good options
+        pairs = [(PerReplica([x, x]), "cpu:0")]
+        with pytest.raises(TypeError, match=shown):
+            await strategy.extended.batch_reduce_to("sum", pairs, options=5)  # type: ignore[arg-type]
+        assert (await strategy.extended.batch_reduce_to("sum", pairs))[0].tolist() == [2.0, 2.0]
+
     def test_call_options_override_strategy_options(self) -> None:
         """Fields a call sets win; the others keep the strategy's."""
         base = CommunicationOptions(bytes_per_pack=64, timeout_seconds=9.0)

@@ -620,13 +620,28 @@ class TestDistributeDatasetsFromFunction:
         elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
         assert [rows_of(element, 1) for element in elements] == [[[0, 1]], [[2, 3, 4]]]
 
-    async def test_negative_prefetch(self) -> None:
-        """prefetch below 0 is a ValueError."""
+    @pytest.mark.parametrize(
+        ("prefetch", "error"), [(-1, ValueError), (True, TypeError), (1.5, TypeError)]
+    )
+    async def test_bad_prefetch(self, prefetch: Any, error: type[Exception]) -> None:
+        """prefetch below 0, or not an int, is refused before dataset_fn makes anything."""
         strategy = MirroredStrategy(host_devices(2))
-        with pytest.raises(ValueError, match="prefetch"):
-            await collect(
-                strategy.distribute_datasets_from_function(lambda c: [np.arange(2)], prefetch=-1)
-            )
+        calls: list[InputContext] = []
+
+        def dataset_fn(context: InputContext) -> list[Array]:
+            calls.append(context)
+            return [np.arange(2)]
+
+        with pytest.raises(error, match=f"prefetch must be an int >= 0, got {prefetch!r}"):
+            strategy.distribute_datasets_from_function(dataset_fn, prefetch=prefetch)
+        assert calls == []
+
+    def test_dataset_fn_must_be_callable(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        with pytest.raises(
+            TypeError, match=r"dataset_fn must be callable \(InputContext -> dataset\), got list"
+        ):
+            strategy.distribute_datasets_from_function([np.arange(2)])  # type: ignore[arg-type]
 
 
 class TestInputContext:
@@ -652,6 +667,13 @@ class TestInputContext:
 
 
 class TestDistributeValuesFromFunction:
+    def test_value_fn_must_be_callable(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        with pytest.raises(
+            TypeError, match=r"value_fn must be callable \(ValueContext -> value\), got list"
+        ):
+            strategy.experimental_distribute_values_from_function([1, 2])  # type: ignore[arg-type]
+
     async def test_one_value_per_replica(self) -> None:
         """value_fn is called once per replica, in order, with that replica's ValueContext."""
         strategy = MirroredStrategy(host_devices(3))
@@ -775,6 +797,12 @@ class TestBatched:
         """shuffle=True with no seed still gives every row once per epoch."""
         rows = [row for b in batched(np.arange(9), 4, shuffle=True) for row in b.tolist()]
         assert sorted(rows) == list(range(9))
+
+    @pytest.mark.parametrize("shuffle", ["yes", 1, None])
+    def test_shuffle_must_be_a_bool(self, shuffle: Any) -> None:
+        """shuffle="no" would shuffle (a non-empty string is true): refused."""
+        with pytest.raises(TypeError, match=f"shuffle must be True or False, got {shuffle!r}"):
+            batched(np.arange(4), 2, shuffle=shuffle)
 
     @pytest.mark.parametrize("batch_size", [0, -1, True])
     def test_batch_size_below_one(self, batch_size: int) -> None:

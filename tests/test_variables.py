@@ -427,6 +427,15 @@ class TestCreation:
         with pytest.raises(TypeError, match=r"^name must be a str or None, got int$"):
             Variable(1.0, name=3)  # type: ignore[arg-type]
 
+    @pytest.mark.parametrize("trainable", ["no", 0, 1.0])
+    def test_trainable_must_be_a_bool(self, trainable: Any) -> None:
+        """trainable="no" would be true: refused, as any non-bool."""
+        with pytest.raises(
+            TypeError, match=f"^trainable must be True, False or None, got {trainable!r}$"
+        ):
+            Variable(1.0, trainable=trainable)
+        assert Variable(1.0, trainable=np.bool_(False)).trainable is False  # type: ignore[arg-type]
+
     def test_repr(self) -> None:
         """The repr shows class, name, shape, dtype, devices and the cross-replica value."""
         strategy = MirroredStrategy(host_devices(2))

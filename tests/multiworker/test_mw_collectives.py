@@ -739,6 +739,8 @@ def _in_a_step(call: Callable[[bool], Any]) -> Callable[[Any, bool], Any]:
 
 _X = np.arange(4.0)
 _INTS = np.arange(4, dtype=np.int32)
+#: Options of another type: a timeout in seconds where a ``CommunicationOptions`` belongs.
+_NOT_OPTIONS: Any = 5.0
 
 #: Bad input to a collective, and the error it raises: ``case(strategy, bad)`` makes the
 #: collective with bad arguments (``bad``) or good ones; its name in the others' message.
@@ -790,6 +792,25 @@ BAD_INPUT: dict[str, tuple[Callable[[Any, bool], Any], type[Exception], str]] = 
         _in_a_step(lambda bad: replica_context().reduce_scatter("bogus" if bad else "sum", _X)),
         ValueError,
         "reduce_scatter",
+    ),
+    "all_reduce options": (
+        _in_a_step(
+            lambda bad: replica_context().all_reduce(
+                "sum", _X, options=_NOT_OPTIONS if bad else None
+            )
+        ),
+        TypeError,
+        "all_reduce",
+    ),
+    "barrier options": (
+        _in_a_step(lambda bad: replica_context().barrier(options=_NOT_OPTIONS if bad else None)),
+        TypeError,
+        "barrier",
+    ),
+    "all_gather bool axis": (
+        _in_a_step(lambda bad: replica_context().all_gather(_X, axis=True if bad else 0)),
+        TypeError,
+        "all_gather",
     ),
     "strategy.reduce op": (
         lambda s, bad: s.reduce("bogus" if bad else "sum", PerReplica([_X, _X])),
