@@ -217,6 +217,7 @@ class Checkpoint:
             RuntimeError: called inside a replica (save from cross-replica code, after
                 ``run()``).
             ValueError: an optimizer has slots for a variable that is not in this checkpoint.
+            TypeError: ``path`` is not a path (a str, bytes or ``os.PathLike``).
             OSError: the file cannot be written; any previous file at ``path`` is intact.
 
         Example:
@@ -227,9 +228,9 @@ class Checkpoint:
         _check_not_in_replica("Checkpoint.save")
         workers = self._workers()
         if workers is None:
-            return await self._snapshot().write(os.fspath(path))
+            return await self._snapshot().write(_path_of("Checkpoint.save", path))
         try:
-            target = os.fspath(path)
+            target = _path_of("Checkpoint.save", path)
         except TypeError as exc:  # refused on every worker, in step
             await workers.refuse_in_step("Checkpoint.save", exc)
             raise
@@ -323,7 +324,7 @@ class Checkpoint:
                 iterator has pulled ahead; or (unless ``partial``) an object does not match.
                 ``problems`` names each object concerned. Nothing changed.
             FileNotFoundError: there is no such file.
-            TypeError: ``partial`` is not a bool.
+            TypeError: ``partial`` is not a bool; ``path`` is not a path or None.
             RuntimeError: called inside a replica.
             ValueError: (several workers) another worker could not read or check its file,
                 or read another checkpoint, or had none (``WorkersDisagree``, naming it).
@@ -366,7 +367,7 @@ class Checkpoint:
         try:
             if not isinstance(partial, bool):
                 raise TypeError(f"partial must be True or False, got {partial!r}")
-            path = os.fspath(where)
+            path = _path_of("Checkpoint.restore", where)
             manifest, arrays, fingerprint = await anyio.to_thread.run_sync(_read, path)
             plan = _Plan(path, manifest, arrays, partial=partial)
             for obj_path, obj in self._leaves():
@@ -498,7 +499,8 @@ class CheckpointManager:
             start from pretrained weights, say): a function of no arguments, plain or async.
 
     Raises:
-        TypeError: ``checkpoint`` is not a ``Checkpoint``; ``init_fn`` is not callable.
+        TypeError: ``checkpoint`` is not a ``Checkpoint``; ``directory`` is not a path;
+            ``init_fn`` is not callable.
         ValueError: ``max_to_keep`` is not a positive int or None; ``checkpoint_name`` is
             empty or holds a path separator.
 
@@ -533,7 +535,7 @@ class CheckpointManager:
                 f"checkpoint_name must be a non-empty file name prefix, got {checkpoint_name!r}"
             )
         self._checkpoint = checkpoint
-        self._directory = os.fspath(directory)
+        self._directory = _path_of("CheckpointManager", directory)
         self._max_to_keep = keep
         self._name = checkpoint_name
         self._init_fn = init_fn
@@ -728,6 +730,21 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._directory!r}, latest={self.latest!r})"
+
+
+def _path_of(what: str, path: Any) -> str:
+    """``path`` (a str, bytes or ``os.PathLike``) as a str.
+
+    Raises:
+        TypeError: ``path`` is none of those.
+    """
+    try:
+        return os.fsdecode(path)
+    except TypeError:
+        raise TypeError(
+            f"{what} needs a file path (a str or os.PathLike), got {type(path).__name__} "
+            f"{path!r:.60}"
+        ) from None
 
 
 async def _refuse_restore(workers: Workers, error: BaseException) -> None:

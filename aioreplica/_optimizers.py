@@ -212,8 +212,9 @@ class Optimizer:
         Raises:
             ValueError: no gradient at all; a variable listed twice; a gradient of the wrong
                 shape (naming the variable and the replica); a variable of another strategy.
-            TypeError: an item is not a pair of gradient and ``aioreplica.Variable``; a
-                gradient dtype that cannot be cast to its variable's.
+            TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
+                and ``aioreplica.Variable``; a gradient dtype that cannot be cast to its
+                variable's.
             RuntimeError: called in cross-replica context (``strategy.scope()`` or a merge
                 function): call it inside ``strategy.run``.
 
@@ -254,6 +255,11 @@ class Optimizer:
         variables: list[Variable] = []
         seen: set[int] = set()
         strategy, device = ctx.strategy, ctx.device
+        if not hasattr(grads_and_vars, "__iter__") or isinstance(grads_and_vars, str | bytes):
+            raise TypeError(
+                "apply_gradients() takes an iterable of (gradient, variable) pairs, got "
+                f"{type(grads_and_vars).__name__} {grads_and_vars!r:.60}"
+            )
         for pair in grads_and_vars:
             grad, variable = _check_pair(pair)
             if grad is None:
@@ -801,12 +807,6 @@ def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: in
     ):
         return grad  # the common case: a host array of the variable's shape and dtype
     array = device.asarray(grad)
-    if tuple(array.shape) != variable._shape:
-        raise ValueError(
-            f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
-            f"{replica_id} has shape {tuple(array.shape)}, but the variable has shape "
-            f"{variable.shape}"
-        )
     if array.dtype.kind not in "biufc" or not np.can_cast(
         array.dtype, variable._dtype, casting="same_kind"
     ):
@@ -814,6 +814,12 @@ def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: in
             f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
             f"{replica_id} has dtype {array.dtype}, which cannot be cast to the variable's "
             f"{variable.dtype}"
+        )
+    if tuple(array.shape) != variable._shape:
+        raise ValueError(
+            f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
+            f"{replica_id} has shape {tuple(array.shape)}, but the variable has shape "
+            f"{variable.shape}"
         )
     # In the variable's dtype, so every replica's gradients reduce alike.
     return array.astype(variable._dtype, copy=False)

@@ -296,6 +296,29 @@ class TestRoundTrip:
         assert await ckpt.save(str(tmp_path / "b.npz")) == os.path.join(tmp_path, "b.npz")
         assert sorted(os.listdir(tmp_path)) == ["a.npz", "b.npz"]
 
+    async def test_bytes_paths(self, tmp_path: Path) -> None:
+        """A path in bytes (as ``os.fsencode`` makes) saves and restores like a str."""
+        ckpt = Checkpoint(step=1)
+        where = os.fsencode(tmp_path / "c.npz")
+        assert await ckpt.save(where) == str(tmp_path / "c.npz")  # type: ignore[arg-type]
+        ckpt.step = 2
+        await ckpt.restore(where)  # type: ignore[arg-type]
+        assert ckpt.step == 1
+
+    async def test_what_is_no_path_is_refused(self, tmp_path: Path) -> None:
+        ckpt = Checkpoint(step=1)
+        no_path: Any = 5
+        with pytest.raises(
+            TypeError,
+            match=r"^Checkpoint\.save needs a file path \(a str or os\.PathLike\), got int 5$",
+        ):
+            await ckpt.save(no_path)
+        with pytest.raises(TypeError, match=r"^Checkpoint\.restore needs a file path .*got int 5$"):
+            await ckpt.restore(no_path)
+        with pytest.raises(TypeError, match=r"^CheckpointManager needs a file path .*got int 5$"):
+            CheckpointManager(ckpt, no_path)
+        assert os.listdir(tmp_path) == []
+
     def test_attributes(self) -> None:
         """Objects read back as attributes; an unknown name or a private one is refused."""
         ckpt = Checkpoint(epoch=1)

@@ -1143,6 +1143,36 @@ class TestErrors:
             await strategy.run(step)
         assert_unchanged(before, snapshot(opt, [w, b]))
 
+    @pytest.mark.parametrize(
+        ("given", "message"),
+        [
+            (5, "apply_gradients() takes an iterable of (gradient, variable) pairs, got int 5"),
+            ("w", "apply_gradients() takes an iterable of (gradient, variable) pairs, got str"),
+            (None, "apply_gradients() takes an iterable of (gradient, variable) pairs, got None"),
+        ],
+    )
+    async def test_not_an_iterable_of_pairs(self, given: Any, message: str) -> None:
+        """What is no iterable of pairs at all is a TypeError saying what is needed."""
+        strategy, (w, b), opt = await self.trained()
+        before = snapshot(opt, [w, b])
+
+        async def step() -> int:
+            return await opt.apply_gradients(given)
+
+        with pytest.raises(TypeError, match=re.escape(message)):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+    async def test_a_string_gradient_names_its_dtype(self) -> None:
+        """A string for a gradient of shape (3,) is named by its dtype, not its shape."""
+        strategy, (w, _), opt = await self.trained()
+
+        async def step() -> int:
+            return await opt.apply_gradients([("x", w)])
+
+        with pytest.raises(TypeError, match=r"gradient of variable 'w' .* has dtype <U1, which"):
+            await strategy.run(step)
+
     async def test_cross_replica_context(self) -> None:
         """``apply_gradients`` inside ``strategy.scope()`` is a RuntimeError; nothing changes."""
         strategy, (w, b), opt = await self.trained()
