@@ -471,7 +471,7 @@ BAD_WRITES: dict[str, tuple[Any, type[Exception], str]] = {
     ),
     "gradient string": (
         lambda v, opt, bad: opt.apply_gradients([("grad" if bad else np.ones(3, np.float32), v)]),
-        ValueError,  # a string is an array of shape ()
+        TypeError,  # its dtype (a string) is refused before its shape
         "apply_gradients()",
     ),
     "no gradients": (
