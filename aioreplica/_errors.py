@@ -1,4 +1,4 @@
-"""Every exception aioreplica raises of its own.
+"""Every exception aioreplica raises of its own, and what its messages and argument checks share.
 
 Each class subclasses the nearest builtin, so ``except RuntimeError:`` in existing code keeps
 working, and builds its message from fields that tests and callers can read.
