@@ -258,6 +258,16 @@ class _Replica:
                 ),
             )
             return
+        if type(result) is types.CoroutineType:  # ``return ctx.all_reduce(...)``, say
+            result.close()  # never started: closed, so Python does not warn about it later
+            self.run.replica_failed(
+                self,
+                RuntimeError(
+                    f"replica {self.id}'s step function returned the coroutine "
+                    f"{result.__qualname__}() without awaiting it; write `return await ...`"
+                ),
+            )
+            return
         self.run.replica_finished(self, result)
 
     @types.coroutine

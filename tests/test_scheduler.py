@@ -289,6 +289,23 @@ class TestForgottenAwait:
         with pytest.raises(RuntimeError, match=r"called merge_call\(noop .*\) but never awaited"):
             await strategy.run(step)
 
+    async def test_a_returned_coroutine_never_awaited(self) -> None:
+        """``return ctx.all_reduce(x)`` in an async step (the await forgotten) fails the run
+        naming the coroutine, instead of handing back coroutine objects that Python later warns
+        about (the suite turns that warning into an error: none may come)."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step() -> Any:
+            return replica_context().all_reduce("sum", 1.0)
+
+        with pytest.raises(
+            RuntimeError,
+            match=r"^replica 0's step function returned the coroutine "
+            r"ReplicaContext\.all_reduce\(\) without awaiting it; write `return await \.\.\.`",
+        ):
+            await strategy.run(step)
+        assert await strategy.run(lambda: replica_context().all_reduce("sum", 1.0)) == 2.0
+
     async def test_second_merge_call_before_awaiting_the_first(self) -> None:
         """Calling merge_call again before awaiting the first one is refused at once."""
         strategy = MirroredStrategy(host_devices(2))
