@@ -6,6 +6,7 @@ working, and builds its message from fields that tests and callers can read.
 
 from __future__ import annotations
 
+import numbers
 import operator
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ __all__ = [
     "CheckpointError",
     "ReplicaSyncError",
     "as_integer",
+    "as_real",
     "replica_list",
 ]
 
@@ -34,6 +36,18 @@ def as_integer(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def as_real(value: object) -> float | None:
+    """``value`` as a float if it is a real number, else ``None``: for the checks of arguments
+    in seconds, which take NumPy's numbers too, and refuse a bool as one.
+
+    >>> as_real(2), as_real(np.float32(0.5)), as_real(True), as_real("2")
+    (2.0, 0.5, None, None)
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
 
 
 def replica_list(ids: Sequence[int]) -> str:

@@ -7,12 +7,11 @@ strings (``ReduceOp``, ``VariableSynchronization``, ``VariableAggregation``).
 from __future__ import annotations
 
 import enum
-import math
 import re
 from dataclasses import dataclass
 from typing import Final, Self
 
-from ._errors import as_integer
+from ._errors import as_integer, as_real
 
 __all__ = ["DEFAULT_PACK_BYTES", "CaseInsensitiveStrEnum", "CommunicationOptions", "ReduceOp"]
 
@@ -93,14 +92,13 @@ class CommunicationOptions:
                 f"bytes_per_pack must be an int >= 0 (0: automatic), got {self.bytes_per_pack!r}"
             )
         object.__setattr__(self, "bytes_per_pack", packing)  # a NumPy integer as an int
-        timeout = self.timeout_seconds
-        if timeout is not None and not (
-            isinstance(timeout, int | float)
-            and not isinstance(timeout, bool)
-            and timeout > 0
-            and not math.isnan(timeout)
-        ):
-            raise ValueError(f"timeout_seconds must be positive or None, got {timeout!r}")
+        if self.timeout_seconds is not None:
+            timeout = as_real(self.timeout_seconds)
+            if timeout is None or not timeout > 0:  # (NaN is not)
+                raise ValueError(
+                    f"timeout_seconds must be positive or None, got {self.timeout_seconds!r}"
+                )
+            object.__setattr__(self, "timeout_seconds", timeout)
 
     def override(self, other: CommunicationOptions | None) -> CommunicationOptions:
         """These options with the fields that ``other`` sets (non-default) taking precedence.

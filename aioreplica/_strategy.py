@@ -44,7 +44,7 @@ from ._dataset import (
     ValueContext,
     distribute_values,
 )
-from ._errors import as_integer
+from ._errors import as_integer, as_real
 from ._options import CommunicationOptions, ReduceOp
 from ._scheduler import Scheduler, SchedulerStatistics
 from ._steps import MultiStepContext, run_steps, run_steps_on_iterator
@@ -460,7 +460,7 @@ class MirroredStrategy:
         communication_options: CommunicationOptions | None = None,
         slow_merge_warning: float | None = 60.0,
     ) -> None:
-        _check_slow_merge_warning(slow_merge_warning)
+        slow_merge_warning = _checked_slow_merge_warning(slow_merge_warning)
         self._device_objects = resolve_devices(devices)
         if communication_options is None:
             communication_options = CommunicationOptions()
@@ -471,15 +471,14 @@ class MirroredStrategy:
             )
         if interleave not in _INTERLEAVES:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
-        if sync_timeout is not None and not (
-            isinstance(sync_timeout, int | float)
-            and not isinstance(sync_timeout, bool)
-            and sync_timeout > 0
-            and not math.isnan(sync_timeout)
-        ):
-            raise ValueError(
-                f"sync_timeout must be a positive number of seconds or None, got {sync_timeout!r}"
-            )
+        if sync_timeout is not None:
+            seconds = as_real(sync_timeout)
+            if seconds is None or not seconds > 0:  # (NaN is not)
+                raise ValueError(
+                    "sync_timeout must be a positive number of seconds or None, got "
+                    f"{sync_timeout!r}"
+                )
+            sync_timeout = seconds
         if seed is not None and as_integer(seed) is None:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         if seed is not None and interleave != "random":
@@ -1339,19 +1338,21 @@ def _version() -> str:
     return version if isinstance(version, str) else "unknown"
 
 
-def _check_slow_merge_warning(seconds: Any) -> None:
+def _checked_slow_merge_warning(given: Any) -> float | None:
+    if given is None:
+        return None
+    seconds = as_real(given)
     if seconds is None:
-        return
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
         raise TypeError(
             f"slow_merge_warning must be a number of seconds or None, got "
-            f"{type(seconds).__name__} {seconds!r}"
+            f"{type(given).__name__} {given!r}"
         )
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(
             f"slow_merge_warning must be a positive, finite number of seconds (or None to "
-            f"disable the warning), got {seconds!r}"
+            f"disable the warning), got {given!r}"
         )
+    return seconds
 
 
 def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -> None:

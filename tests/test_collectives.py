@@ -444,6 +444,12 @@ class TestOtherReplicaCollectives:
 
         np.testing.assert_array_equal(await strategy.run(step), [1.0, 1.0])
 
+    def test_timeout_from_numpy(self) -> None:
+        seconds: Any = np.float32(0.5)  # the field is typed float; NumPy's are taken too
+        options = CommunicationOptions(timeout_seconds=seconds)
+        assert options.timeout_seconds == 0.5
+        assert type(options.timeout_seconds) is float
+
     def test_pack_size_from_numpy(self) -> None:
         # The field is typed int, what it holds; NumPy's integers are taken at run time.
         options = CommunicationOptions(bytes_per_pack=np.int64(1024))  # type: ignore[arg-type]

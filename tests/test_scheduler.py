@@ -300,7 +300,7 @@ class TestForgottenAwait:
 
         with pytest.raises(
             RuntimeError,
-            match=r"^replica 0's step function returned the coroutine "
+            match=r"^replica [01]'s step function returned the coroutine "
             r"ReplicaContext\.all_reduce\(\) without awaiting it; write `return await \.\.\.`",
         ):
             await strategy.run(step)

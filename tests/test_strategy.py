@@ -76,6 +76,15 @@ class TestConstruction:
         with pytest.raises(TypeError, match=f"seed must be an int or None, {shown}"):
             MirroredStrategy(["cpu:0"], interleave="random", seed=seed)
 
+    def test_numpy_numbers_are_seconds(self) -> None:
+        """Timeouts computed with NumPy (a float32, an int64) are seconds like any number."""
+        seconds: Any = np.float32(2.5), np.int64(30)  # typed float: taken at run time
+        strategy = MirroredStrategy(
+            ["cpu:0"], sync_timeout=seconds[0], slow_merge_warning=seconds[1]
+        )
+        assert (strategy.sync_timeout, strategy.slow_merge_warning) == (2.5, 30.0)
+        assert type(strategy.sync_timeout) is float
+
     def test_a_numpy_integer_seed_is_an_int(self) -> None:
         strategy = MirroredStrategy(["cpu:0"], interleave="random", seed=np.int64(7))
         assert strategy.seed == 7
