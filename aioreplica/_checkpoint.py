@@ -227,13 +227,14 @@ class Checkpoint:
         """
         _check_not_in_replica("Checkpoint.save")
         workers = self._workers()
-        if workers is None:
-            return await self._snapshot().write(_path_of("Checkpoint.save", path))
         try:
             target = _path_of("Checkpoint.save", path)
-        except TypeError as exc:  # refused on every worker, in step
-            await workers.refuse_in_step("Checkpoint.save", exc)
+        except TypeError as exc:
+            if workers is not None:  # refused on every worker, in step
+                await workers.refuse_in_step("Checkpoint.save", exc)
             raise
+        if workers is None:
+            return await self._snapshot().write(target)
         snap = await self._collective_snapshot(workers)
         return await _chief_writes(workers, lambda: snap.write(target), None)
 

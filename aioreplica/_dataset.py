@@ -223,9 +223,7 @@ class DistributedDataset:
         workers: Workers | None = None,
         first_replica: int = 0,
     ) -> None:
-        count = as_integer(prefetch)
-        if count is None or count < 0:
-            raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+        count = checked_prefetch(prefetch)
         if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
             raise TypeError(
                 f"a dataset must be an iterable or async iterable of batches, got "
@@ -1062,6 +1060,21 @@ def _shares(rows: int, parts: int) -> list[tuple[int, int]]:
 
 def _share(rows: int, parts: int, part: int) -> tuple[int, int]:
     return _shares(rows, parts)[part]
+
+
+def checked_prefetch(prefetch: object) -> int:
+    """``prefetch`` as the number of elements a dataset pass pulls ahead.
+
+    Raises:
+        TypeError: it is not an integer (``True`` is not 1).
+        ValueError: it is negative.
+    """
+    count = as_integer(prefetch)
+    if count is None:
+        raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if count < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    return count
 
 
 def distribute_values(

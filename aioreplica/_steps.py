@@ -14,11 +14,11 @@ its ``fn(context, inputs)`` runs in cross-replica context once per step, calls
 from __future__ import annotations
 
 import inspect
-import operator
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final, final
 
 from ._context import context_state, default_replica_context, get_replica_context
+from ._errors import as_integer
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -52,9 +52,9 @@ def _check_iterator(iterator: Any, caller: str) -> AsyncIterator[Any]:
 
 
 def _check_steps(steps: Any, name: str) -> int:
-    if isinstance(steps, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    count = operator.index(steps)
+    count = as_integer(steps)
+    if count is None:
+        raise TypeError(f"{name} must be an int, got {type(steps).__name__} {steps!r}")
     if count < 0:
         raise ValueError(f"{name} must be >= 0, got {count}")
     return count

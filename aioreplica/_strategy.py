@@ -42,6 +42,7 @@ from ._dataset import (
     DistributedDataset,
     InputContext,
     ValueContext,
+    checked_prefetch,
     distribute_values,
 )
 from ._errors import as_integer, as_real
@@ -479,7 +480,8 @@ class MirroredStrategy:
                     f"{sync_timeout!r}"
                 )
             sync_timeout = seconds
-        if seed is not None and as_integer(seed) is None:
+        seed_value = None if seed is None else as_integer(seed)
+        if seed is not None and seed_value is None:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         if seed is not None and interleave != "random":
             raise ValueError(
@@ -491,7 +493,7 @@ class MirroredStrategy:
         self._seed: int | None = None
         rng: random.Random | None = None
         if interleave == "random":
-            self._seed = as_integer(seed) if seed is not None else random.randrange(2**32)
+            self._seed = seed_value if seed_value is not None else random.randrange(2**32)
             rng = random.Random(self._seed)
         self._scheduler = Scheduler(
             self,
@@ -711,7 +713,7 @@ class MirroredStrategy:
             >>> anyio.run(sizes)
             [2, 0]
         """
-        _check_dataset_arguments(dataset, drop_remainder, prefetch)
+        _check_dataset_arguments(dataset, drop_remainder)
         return DistributedDataset(
             dataset,
             self._device_objects,
@@ -771,7 +773,7 @@ class MirroredStrategy:
                 f"dataset_fn must be callable (InputContext -> dataset), got "
                 f"{type(dataset_fn).__name__} {dataset_fn!r:.60}"
             )
-        _check_dataset_arguments((), False, prefetch)  # before dataset_fn makes anything
+        prefetch = checked_prefetch(prefetch)  # before dataset_fn makes anything
         dataset = dataset_fn(self._input_context())
         return DistributedDataset(
             dataset,
@@ -1355,9 +1357,10 @@ def _checked_slow_merge_warning(given: Any) -> float | None:
     return seconds
 
 
-def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -> None:
+def _check_dataset_arguments(dataset: Any, drop_remainder: Any) -> None:
     """Refuse arguments of ``distribute_dataset`` that would be misread rather than fail:
-    a string iterates as characters, ``"no"`` is true, ``True`` counts as 1."""
+    a string iterates as characters, ``"no"`` is true (``prefetch=True``, which counts as 1,
+    the dataset refuses: ``checked_prefetch``)."""
     if isinstance(dataset, str | bytes | bytearray):
         raise TypeError(
             "a dataset must be an iterable or async iterable of batches, got the "
@@ -1366,11 +1369,6 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any, prefetch: Any) -
         )
     if not isinstance(drop_remainder, bool | np.bool_):
         raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
-    count = as_integer(prefetch)
-    if count is None:
-        raise TypeError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if count < 0:
-        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
 
 
 def _release_collected(devices: tuple[HostDevice, ...]) -> None:

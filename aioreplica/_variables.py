@@ -573,11 +573,9 @@ class Variable(NDArrayOperatorsMixin):
             RuntimeError: across workers, called from another task while a ``run()`` is in
                 progress on this worker.
         """
-        engine = self._engine
-        workers = engine.cluster if engine is not None else None
-        if workers is None or workers.broken or workers.in_step:
+        engine = _writing_as_the_chief(self)
+        if engine is None:
             return self._cross_replica_values(op, value)
-        assert engine is not None
         what = f"{op}() of variable {self._name!r}"
         try:
             values = self._cross_replica_values(op, value)
@@ -985,13 +983,8 @@ async def _update(
     every worker, as a write does: ``fn``'s results are broadcast from the chief before any
     copy changes, and arguments refused on one worker are refused on every worker.
     """
-    engine = variable._engine
-    workers = engine.cluster if engine is not None else None
-    as_the_chief = (
-        isinstance(variable, MirroredVariable)
-        and workers is not None
-        and not (workers.broken or workers.in_step)
-    )
+    # None: the update is this worker's own (see _writing_as_the_chief).
+    engine = _writing_as_the_chief(variable) if isinstance(variable, MirroredVariable) else None
     what = f"update() of variable {variable._name!r}"
 
     def apply(copy: Any, selected: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
@@ -1003,16 +996,25 @@ async def _update(
             per_copy_args = _update_arguments(strategy, variable, args, kwargs)
             new = await compute_update(variable, apply, per_copy_args)
         except (TypeError, ValueError) as exc:
-            if as_the_chief:
-                assert engine is not None
+            if engine is not None:
                 await engine.refuse(what, exc)
             raise
-        if as_the_chief:
-            assert engine is not None
+        if engine is not None:
             chief = await engine.broadcast(PerReplica(list(new)), 0, what)
             new = await compute_update(variable, writer(ASSIGN), chief)
         commit([(variable, new)])
     return new
+
+
+def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:
+    """The engine through which a cross-replica write of ``variable`` takes the chief's value:
+    across workers, outside a ``run()``'s step, while the workers are in step; else ``None``
+    (one process, a ``merge_fn``, a broken cluster: the write is this worker's own)."""
+    engine = variable._engine
+    workers = engine.cluster if engine is not None else None
+    if workers is None or workers.broken or workers.in_step:
+        return None
+    return engine
 
 
 def _update_arguments(
