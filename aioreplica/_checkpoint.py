@@ -227,16 +227,16 @@ class Checkpoint:
         """
         _check_not_in_replica("Checkpoint.save")
         workers = self._workers()
-        try:
-            target = _path_of("Checkpoint.save", path)
-        except TypeError as exc:
-            if workers is not None:  # refused on every worker, in step
-                await workers.refuse_in_step("Checkpoint.save", exc)
-            raise
         if workers is None:
-            return await self._snapshot().write(target)
-        snap = await self._collective_snapshot(workers)
-        return await _chief_writes(workers, lambda: snap.write(target), None)
+            return await self._snapshot().write(_path_of("Checkpoint.save", path))
+        async with workers.call("Checkpoint.save"):
+            try:
+                target = _path_of("Checkpoint.save", path)
+            except TypeError as exc:  # refused on every worker, in step
+                await workers.refuse_in_step("Checkpoint.save", exc)
+                raise
+            snap = await self._collective_snapshot(workers)
+            return await _chief_writes(workers, lambda: snap.write(target), None)
 
     def _workers(self) -> Workers | None:
         """The workers of a multi-worker strategy whose variables this checkpoint holds."""
@@ -363,6 +363,15 @@ class Checkpoint:
         workers = self._workers()
         if workers is not None and workers.broken:
             workers = None  # no more agreements after a failure: this worker's restore alone
+        if workers is None:
+            return await self._restore_on(None, where, partial)
+        async with workers.call("Checkpoint.restore"):
+            return await self._restore_on(workers, where, partial)
+
+    async def _restore_on(
+        self, workers: Workers | None, where: str | os.PathLike[str] | None, partial: bool
+    ) -> RestoreReport:
+        """``restore`` on this worker alone (``workers`` None), or on every worker."""
         if where is None and isinstance(partial, bool):
             return await self._restore_nothing(workers)
         try:
@@ -607,6 +616,13 @@ class CheckpointManager:
             (True, 5.0)
         """
         _check_not_in_replica("CheckpointManager.restore_or_initialize")
+        workers = self._checkpoint._workers()
+        if workers is None or workers.broken:
+            return await self._restore_or_initialize()
+        async with workers.call("CheckpointManager.restore_or_initialize"):
+            return await self._restore_or_initialize()
+
+    async def _restore_or_initialize(self) -> str | None:
         latest = self.latest
         await self._checkpoint.restore(latest)
         if latest is None and self._init_fn is not None:
@@ -643,13 +659,17 @@ class CheckpointManager:
         _check_not_in_replica("CheckpointManager.save")
         workers = self._checkpoint._workers()
         number = None if checkpoint_number is None else as_integer(checkpoint_number)
+        error = None
         if checkpoint_number is not None and (number is None or number < 0):
             error = ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
-            if workers is not None:  # refused on every worker, in step
-                await workers.refuse_in_step("CheckpointManager.save", error)
-            raise error
         if workers is not None:
-            return await self._save_on_workers(workers, number)
+            async with workers.call("CheckpointManager.save"):
+                if error is not None:  # refused on every worker, in step
+                    await workers.refuse_in_step("CheckpointManager.save", error)
+                    raise error
+                return await self._save_on_workers(workers, number)
+        if error is not None:
+            raise error
         values = self._checkpoint._snapshot()  # references only: copies never change in place
         async with self._turn:
             return await self._save(values, number)

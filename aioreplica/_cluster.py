@@ -9,9 +9,14 @@ traffic on it is never disturbed:
   data that is not small) that the event loop polls with ``Test`` and a zero sleep, so the
   loop keeps running other tasks; after a short busy phase the poll backs off (up to a few
   milliseconds between tests) so a worker waiting long for a late peer does not spin a core.
-  MPI requires every worker to issue collectives in the same order: the calls of one
-  communicator go through one first-come queue (``_Turn``), and an operation of two messages
-  holds it for both. Independent streams of collectives (a dataset pass agreeing whether any
+  MPI requires every worker to issue collectives in the same order. Two first-come queues
+  (``_Turn``) keep it on each communicator: one for *calls*, the other for collectives. A
+  call is what a user awaits (a ``run()``, a ``strategy.reduce``, a save, a variable's write
+  outside a ``run()``): it holds the communicator from its first collective to its last
+  (``Workers.call``), so two tasks' calls never interleave their collectives, and calls pair
+  with the other workers' in the order they reached the strategy on each. Within a call or a
+  ``run()``, its own collectives take turns one at a time (an operation of two messages holds
+  the turn for both). Independent streams of collectives (a dataset pass agreeing whether any
   worker still has data) get their own duplicate (``Workers.duplicate``).
 - **the records.** MPI checks neither that the workers make the same collective nor that
   their buffers match: two workers reducing other shapes get garbage, and a collective met by
@@ -52,7 +57,7 @@ import time
 import weakref
 import zlib
 from collections import deque
-from contextvars import ContextVar
+from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 
 import anyio
@@ -105,6 +110,10 @@ collective_timeout: ContextVar[float | None] = ContextVar(
 #: The step (a ``run()``, or an agreement standing in for one) that the running task belongs
 #: to: set in ``run()``, so its replicas and merges (tasks it starts) inherit it.
 current_step: ContextVar[object | None] = ContextVar("aioreplica.current_step", default=None)
+
+#: The call (``Workers.call``) the running task is making, if any: its own collectives, and
+#: those of the tasks it starts, go ahead within it while it holds its cluster.
+current_call: ContextVar[_Call | None] = ContextVar("aioreplica.current_call", default=None)
 
 _REDUCE_OPS: Final = {"sum": "SUM", "max": "MAX", "min": "MIN", "prod": "PROD"}
 _BOOL_OPS: Final = {"max": "LOR", "min": "LAND"}
@@ -211,6 +220,36 @@ class _Turn:
 
 
 @final
+class _Call:
+    """``Workers.call``: the communicator held for one call of this task."""
+
+    __slots__ = ("_reset", "_what", "holding", "workers")
+
+    def __init__(self, workers: Workers, what: str) -> None:
+        self.workers = workers
+        self._what = what
+        self._reset: Token[_Call | None] | None = None
+        #: Whether the call holds its cluster now: a task started in the call that outlives
+        #: it (in a task group outside) takes turns again once the call has ended.
+        self.holding = False
+
+    async def __aenter__(self) -> None:
+        workers = self.workers
+        if workers.in_step or workers.in_call:
+            return  # within the run() or the call in progress: its collectives go ahead
+        await workers._enter_call(self._what)
+        self.holding = True
+        self._reset = current_call.set(self)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._reset is not None:
+            current_call.reset(self._reset)
+            self._reset = None
+            self.holding = False
+            self.workers.let_go()
+
+
+@final
 class Workers:
     """This worker's place among the workers, and the collectives between them.
 
@@ -242,6 +281,42 @@ class Workers:
     _exchange_request: _RecordExchange
     _plans: dict[tuple[str, np.dtype[Any], tuple[int, ...], str], _Plan]
 
+    # Slots: every collective reads a dozen of these, and an instance dictionary past 30 keys
+    # (CPython's limit for keys that instances share) made each collective 0.2 µs slower.
+    __slots__ = (
+        "__weakref__",
+        "_calls",
+        "_checksums",
+        "_comm",
+        "_exchange_request",
+        "_gathered",
+        "_gathered_words",
+        "_header_sent",
+        "_idup",
+        "_idup_what",
+        "_persistent",
+        "_plans",
+        "_primary",
+        "_record",
+        "_record_bytes",
+        "_record_words",
+        "_release",
+        "_sequence",
+        "_side",
+        "_single",
+        "_stream",
+        "_turn",
+        "default_timeout",
+        "mpi",
+        "num_workers",
+        "pending",
+        "refused",
+        "refusing",
+        "step",
+        "worker_index",
+        "workers_here",
+    )
+
     def __init__(self, communicator: Any, local_replicas: int) -> None:
         mpi = import_mpi()
         self.mpi = mpi
@@ -264,7 +339,9 @@ class Workers:
         self._comm = communicator.Dup()
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
-        self._turn = _Turn()
+        self._calls = _Turn()  # one call at a time (``call``)
+        self._turn = _Turn()  # one collective at a time, within the call or the run()
+        self._single = False  # the collective in progress holds ``_calls`` for itself alone
         # A duplicate's ``Idup`` until it completes, and the wait's name (``duplicate``).
         self._idup: Any = None
         self._idup_what = ""
@@ -508,28 +585,98 @@ class Workers:
         side.read_arrivals(self._stream)  # keeps the peers' messages from piling up
         side.send_all(np.array([self._stream, self._sequence], np.int64), _ARRIVAL)
 
+    # -- calls --------------------------------------------------------------------------
+
+    def call(self, what: str) -> _Call:
+        """Hold this communicator for a call of this task (``what``), from its first
+        collective to its last: ``async with workers.call("Checkpoint.save"): ...``.
+
+        Another task's call waits until this one has ended, so the collectives of two calls
+        never interleave, and calls pair with the other workers' in the order they reached
+        it. A collective made outside any call or ``run()`` is a call of its own. Within a
+        ``run()``'s step, or within this task's call already, nothing more is held.
+
+        Raises:
+            RuntimeError: another task's ``run()`` is in progress on this worker.
+            ClusterBroken: the cluster is broken, or broke while the call waited its turn.
+        """
+        return _Call(self, what)
+
+    async def _enter_call(self, what: str) -> None:
+        """Take the turn of calls for ``what``, after any call in progress (``call``)."""
+        self.check(what)
+        self._check_in_step(what)
+        if not self._calls.take_now():
+            await self._calls.acquire()
+            if self._side.failure is not None:
+                self._calls.release()
+                self.check(what)
+
+    @property
+    def in_call(self) -> bool:
+        """Whether the calling task belongs to a call that holds this cluster now."""
+        call = current_call.get()
+        return call is not None and call.holding and call.workers is self
+
+    @property
+    def calling(self) -> bool:
+        """Whether a call is in progress (``call``), or waits for its turn."""
+        return self._calls.busy
+
+    async def hold(self) -> bool:
+        """Take the turn of calls for a step (a ``run()``, or an agreement standing in for
+        one, which refuses other tasks' calls meanwhile), once a call of another task in
+        progress has ended; whether it was taken (not when this task's own call holds it: a
+        ``run()`` in a manager's ``init_fn``, say). ``let_go()`` gives it back."""
+        if self.in_call:
+            return False
+        if not self._calls.take_now():
+            await self._calls.acquire()
+        return True
+
+    def let_go(self) -> None:
+        """Give back the turn of calls (``hold``, ``call``): the next call waiting takes it."""
+        self._calls.release()
+
     async def _begin(self, what: str) -> None:
         """Take this communicator's turn for one collective (of one or more messages), and
-        count it; the caller releases the turn (``self._turn.release()``) when it is done.
+        count it; the caller gives it back with ``_end()`` when it is done. Outside the step
+        in progress and any call of this task, the collective is a call of its own.
 
         No side-channel test here, before the collective is posted: MPI progress made then
         takes a peer's early data in as unexpected messages (measured: a 64 MiB reduction ran
         1.4x slower). A failure announced meanwhile is found by the wait.
         """
-        self._check_in_step(what)
-        if self._side.failure is not None or not self._turn.take_now():
-            self.check(what)
-            await self._turn.acquire()
-            if self._side.failure is not None:
-                self._turn.release()
+        single = False
+        if (current_step.get() is not self.step or self.step is None) and not self.in_call:
+            await self._enter_call(what)
+            single = True
+        try:
+            if self._side.failure is not None or not self._turn.take_now():
                 self.check(what)
-        if self._idup is not None:
-            try:
-                await self._await_idup()
-            except BaseException:
-                self._turn.release()
-                raise
+                await self._turn.acquire()
+                if self._side.failure is not None:
+                    self._turn.release()
+                    self.check(what)
+            if self._idup is not None:
+                try:
+                    await self._await_idup()
+                except BaseException:
+                    self._turn.release()
+                    raise
+        except BaseException:
+            if single:
+                self._calls.release()
+            raise
+        self._single = single
         self._arrive()
+
+    def _end(self) -> None:
+        """Give back what ``_begin`` took."""
+        self._turn.release()
+        if self._single:
+            self._single = False
+            self._calls.release()
 
     @property
     def in_step(self) -> bool:
@@ -599,7 +746,7 @@ class Workers:
                 await self._wait(request, "all_reduce", out.nbytes)
                 out[...] = work
         finally:
-            self._turn.release()
+            self._end()
 
     async def allgather_rows(
         self, local: np.ndarray[Any, Any], where: str = ""
@@ -629,7 +776,7 @@ class Workers:
             request = self._comm.Iallgatherv([_bytes_of(local), self.mpi.BYTE], recv)
             await self._wait(request, "all_gather", out.nbytes)
         finally:
-            self._turn.release()
+            self._end()
         return out.astype(dtype, copy=False)
 
     async def broadcast(
@@ -661,7 +808,7 @@ class Workers:
             request = self._comm.Ibcast([_bytes_of(out), self.mpi.BYTE], root)
             await self._wait(request, "broadcast", out.nbytes)
         finally:
-            self._turn.release()
+            self._end()
         return out.astype(dtype, copy=False)
 
     async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
@@ -685,7 +832,7 @@ class Workers:
             buffer = bytearray(data) if self.worker_index == root else bytearray(size)
             await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
         finally:
-            self._turn.release()
+            self._end()
         return bytes(buffer)
 
     async def refuse_in_step(self, what: str, error: BaseException) -> None:
@@ -717,7 +864,7 @@ class Workers:
         except WorkersDisagree:
             pass  # the others raise it; this worker raises its own error
         finally:
-            self._turn.release()
+            self._end()
         self.refused = error
 
     async def barrier(self, what: str) -> None:
@@ -732,7 +879,7 @@ class Workers:
         try:
             await self._exchange(what, header)
         finally:
-            self._turn.release()
+            self._end()
 
     def blocking(self, what: str, fn: Callable[[Any, Callable[[Any], None]], Any]) -> Any:
         """Run ``fn(communicator, wait)`` in turn, now, on this thread: it makes the same
@@ -744,16 +891,16 @@ class Workers:
         moves: the workers compare it first.
 
         Raises:
-            RuntimeError: another collective is in progress on this worker, or a ``run()``
-                in another task (await it first).
+            RuntimeError: another collective is in progress on this worker, or another task's
+                call or ``run()`` (await it first).
             ClusterBroken: the cluster is broken.
         """
         self.check(what)
         self._check_in_step(what)
-        if self._turn.busy:
+        if self._turn.busy or (self._calls.busy and not self.in_step and not self.in_call):
             raise RuntimeError(
-                f"{what} needs a collective, but another cross-worker collective is in progress "
-                "on this worker; read it once that has finished (await it first)"
+                f"{what} needs a collective, but another cross-worker call or collective is in "
+                "progress on this worker; read it once that has finished (await it first)"
             )
         failure = self._peer_failure(what)
         if failure is not None:
@@ -785,12 +932,15 @@ class Workers:
         """
         _free_retired()
         twin = object.__new__(Workers)
-        twin.__dict__.update(self.__dict__)
+        for slot in Workers.__slots__[1:]:  # all but ``__weakref__``
+            setattr(twin, slot, getattr(self, slot))
         # From the side channel's communicator, which carries no collectives that could be
         # under way (another task's) when this one is called.
         twin._comm, twin._idup = self._side.comm.Idup()
         twin._idup_what = f"the start of {name}"
+        twin._calls = _Turn()
         twin._turn = _Turn()
+        twin._single = False
         twin._persistent = []
         twin._release = weakref.finalize(
             twin, _retire, self.mpi, twin._comm, None, twin._persistent, twin._idup

@@ -274,6 +274,13 @@ class ReductionEngine:
             )
         return replica
 
+    def call(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+        """Across workers, the communicator held for a cross-replica call (``what``) from its
+        first collective to its last (``Workers.call``); nothing in one process."""
+        if self.cluster is None:
+            return contextlib.nullcontext()
+        return self.cluster.call(what)
+
     async def refuse(self, what: str, error: BaseException) -> None:
         """Make ``what``'s refusal of its arguments (``error``, which the caller raises next)
         every worker's: across workers, the others' next collective raises ``WorkersDisagree``

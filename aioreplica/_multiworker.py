@@ -247,7 +247,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
         As ``MirroredStrategy.run``, with the arguments and results local. Every worker calls
         it; they leave it together: the end of ``run()`` is a cross-worker agreement, so a
-        failure on any worker reaches every worker's ``run()``.
+        failure on any worker reaches every worker's ``run()``. Started while another task's
+        cross-worker call (a ``strategy.reduce``, a save) is in progress, it starts its
+        replicas once that call has ended.
 
         Arguments refused on one worker (a ``PerReplica`` of the wrong length, say, or a
         collective's: an unknown op, ``MEAN`` of integers) make ``run()`` raise on every
@@ -324,7 +326,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         except (TypeError, ValueError) as exc:
             await self._refuse_step(exc, what)
             raise
-        with self._in_progress():
+        async with self._in_progress():
             await self._workers.barrier(f"the start of {what}")
         return accepted
 
@@ -348,7 +350,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         if self._closed or self._running or self._workers.broken:
             return
-        with self._in_progress():
+        async with self._in_progress():
             await self._workers.refuse_in_step(what, error)
 
     async def _sync_new_variables(self) -> None:
@@ -380,7 +382,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """Mark a ``run()`` in progress, or an agreement that stands in for one, for the block:
         ``_check_usable`` refuses another ``run()`` meanwhile, and the communicator any
         collective from another task, since they could reach MPI in another order on another
-        worker."""
+        worker. The block starts once a call that another task has in progress (a
+        ``strategy.reduce``, a save) has ended."""
         return _InProgress(self._workers)
 
     async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
@@ -392,20 +395,23 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         workers = self._workers
         workers.refused = None
         workers.refusing.clear()
-        with self._in_progress():
-            try:
-                if workers.pending:
-                    await self._sync_new_variables()
-                result = await self._scheduler.run(fn, parts)
-                await workers.barrier("the end of run()")
-            except BaseException as exc:
-                for what, error in workers.refusing:
-                    if error is exc:  # a replica's check of a collective's arguments
-                        await self._engine.refuse(what, exc)
-                        break
-                self._failed(exc)
-                raise
-            return result
+        try:
+            async with self._in_progress():
+                try:
+                    if workers.pending:
+                        await sync_variables(workers)
+                    result = await self._scheduler.run(fn, parts)
+                    await workers.barrier("the end of run()")
+                except BaseException as exc:
+                    for what, error in workers.refusing:
+                        if error is exc:  # a replica's check of a collective's arguments
+                            await self._engine.refuse(what, exc)
+                            break
+                    raise
+        except BaseException as exc:  # cancelled while a call ended counts, too
+            self._failed(exc)
+            raise
+        return result
 
     def _failed(self, exc: BaseException) -> None:
         """Tell the other workers that this one failed: unless it is a peer's failure, or
@@ -436,23 +442,38 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
 class _InProgress:
     """``MultiWorkerMirroredStrategy._in_progress``: a class, as every ``run()`` enters one
-    (one made by ``contextlib.contextmanager`` costs about five times as much).
+    (one made by ``contextlib.asynccontextmanager`` costs several times as much).
 
     The step is a token: the communicator's ``step`` while it runs, and ``current_step`` in
     its task, which the replicas' and merges' tasks inherit; a collective made from another
-    task meanwhile is refused (``Workers._begin``)."""
+    task meanwhile is refused (``Workers._begin``), as is another task's call
+    (``Workers.call``). A call that another task has in progress ends first: the step then
+    holds the communicator as a call does (``Workers.hold``)."""
 
-    __slots__ = ("_reset", "_workers")
+    __slots__ = ("_held", "_reset", "_workers")
 
     def __init__(self, workers: Workers) -> None:
         self._workers = workers
         self._reset: Token[object | None] | None = None
+        self._held = False
 
-    def __enter__(self) -> None:
-        step = self._workers.step = object()
+    async def __aenter__(self) -> None:
+        workers = self._workers
+        step = workers.step = object()
         self._reset = current_step.set(step)
+        if workers.calling:
+            try:
+                self._held = await workers.hold()
+            except BaseException:
+                self._leave()
+                raise
 
-    def __exit__(self, *exc_info: object) -> None:
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._held:
+            self._workers.let_go()
+        self._leave()
+
+    def _leave(self) -> None:
         if self._reset is not None:
             current_step.reset(self._reset)
         self._workers.step = None

@@ -259,7 +259,8 @@ class StrategyExtended:
             ... )
             array(3.)
         """
-        return (await self.batch_reduce_to(reduce_op, [(value, destinations)], options))[0]
+        async with self._strategy._engine.call("extended.reduce_to"):
+            return (await self.batch_reduce_to(reduce_op, [(value, destinations)], options))[0]
 
     async def batch_reduce_to(
         self,
@@ -282,16 +283,17 @@ class StrategyExtended:
         """
         strategy = self._strategy
         engine = strategy._engine
-        try:
-            op = await strategy._begin_reduction("batch_reduce_to", reduce_op)
-            pairs = [
-                (_variables_as_values(value, op), strategy._destinations(dest))
-                for value, dest in value_destination_pairs
-            ]
-            results = await engine.batch_reduce_to(op, pairs, options)
-        except (TypeError, ValueError) as exc:
-            await engine.refuse("batch_reduce_to", exc)
-            raise
+        async with engine.call("extended.batch_reduce_to"):
+            try:
+                op = await strategy._begin_reduction("batch_reduce_to", reduce_op)
+                pairs = [
+                    (_variables_as_values(value, op), strategy._destinations(dest))
+                    for value, dest in value_destination_pairs
+                ]
+                results = await engine.batch_reduce_to(op, pairs, options)
+            except (TypeError, ValueError) as exc:
+                await engine.refuse("batch_reduce_to", exc)
+                raise
         return [_grouped(per_destination) for per_destination in results]
 
     async def update(
@@ -596,12 +598,13 @@ class MirroredStrategy:
             2.5
         """
         engine = self._engine
-        try:
-            op = await self._begin_reduction("reduce", reduce_op)
-            return await engine.reduce(op, _variables_as_values(value, op), axis)
-        except (TypeError, ValueError) as exc:
-            await engine.refuse("strategy.reduce", exc)
-            raise
+        async with engine.call("strategy.reduce"):
+            try:
+                op = await self._begin_reduction("reduce", reduce_op)
+                return await engine.reduce(op, _variables_as_values(value, op), axis)
+            except (TypeError, ValueError) as exc:
+                await engine.refuse("strategy.reduce", exc)
+                raise
 
     async def gather(self, value: Any, axis: SupportsIndex = 0) -> Any:
         """Concatenate a distributed ``value``'s components along ``axis``.
@@ -618,11 +621,12 @@ class MirroredStrategy:
             array([1, 2, 3])
         """
         self._check_cross_replica("gather")
-        try:
-            return await self._engine.gather(value, axis)
-        except (TypeError, ValueError) as exc:
-            await self._engine.refuse("strategy.gather", exc)
-            raise
+        async with self._engine.call("strategy.gather"):
+            try:
+                return await self._engine.gather(value, axis)
+            except (TypeError, ValueError) as exc:
+                await self._engine.refuse("strategy.gather", exc)
+                raise
 
     async def _begin_reduction(self, what: str, reduce_op: ReduceOp | str) -> ReduceOp:
         """The op of a cross-replica reduction ``what``, once it may start: called outside a

@@ -17,6 +17,7 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
@@ -484,9 +485,10 @@ class Variable(NDArrayOperatorsMixin):
             >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
             array([1., 2.])
         """
-        if self._unsynced:
-            await _sync_first(self)
-        return await self._write(ASSIGN, value)
+        async with _call(self, "assign()"):
+            if self._unsynced:
+                await _sync_first(self)
+            return await self._write(ASSIGN, value)
 
     async def assign_add(self, value: Any) -> Variable:
         """Add ``value`` to the variable (see ``assign`` for the contexts).
@@ -502,9 +504,10 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_add, 2.0))
             3.0
         """
-        if self._unsynced:
-            await _sync_first(self)
-        return await self._write(ADD, value)
+        async with _call(self, "assign_add()"):
+            if self._unsynced:
+                await _sync_first(self)
+            return await self._write(ADD, value)
 
     async def assign_sub(self, value: Any) -> Variable:
         """Subtract ``value`` from the variable (see ``assign`` for the contexts).
@@ -519,9 +522,10 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_sub, 0.25))
             0.75
         """
-        if self._unsynced:
-            await _sync_first(self)
-        return await self._write(SUB, value)
+        async with _call(self, "assign_sub()"):
+            if self._unsynced:
+                await _sync_first(self)
+            return await self._write(SUB, value)
 
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
@@ -798,7 +802,7 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
     """``sync_variables`` for a synchronous read, with blocking MPI calls (every worker reads).
 
     Raises:
-        RuntimeError: another collective is in progress on this worker.
+        RuntimeError: another cross-worker call or collective is in progress on this worker.
     """
     workers = engine.cluster if engine is not None else None
     if workers is None or not workers.pending:
@@ -951,7 +955,8 @@ async def update(
             _merge_update, args=(variable, fn, args, kwargs)
         )
         return copies
-    return await _update(strategy, variable, fn, args, kwargs)
+    async with _call(variable, "update()"):
+        return await _update(strategy, variable, fn, args, kwargs)
 
 
 async def _merge_update(
@@ -1004,6 +1009,14 @@ async def _update(
             new = await compute_update(variable, writer(ASSIGN), chief)
         commit([(variable, new)])
     return new
+
+
+def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+    """Across workers, a write of ``variable`` as one call (``ReductionEngine.call``), held
+    before the variable's turn: a first sync and the write's collective never interleave
+    with another task's call."""
+    engine = variable._engine
+    return engine.call(what) if engine is not None else contextlib.nullcontext()
 
 
 def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:

@@ -274,15 +274,15 @@ async def _first_read(strategy: Any) -> Any:
 #: Cross-worker calls another task may try while a run() is in progress, and their errors.
 BESIDE_A_RUN: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
     "run": (lambda s, c: s.run(lambda: 1), r"run\(\) was called .* while another run\(\)"),
-    "reduce": (lambda s, c: s.reduce("sum", PerReplica([np.ones(3)] * 2)), "all_reduce"),
-    "gather": (lambda s, c: s.gather(PerReplica([np.ones(3)] * 2)), "all_gather"),
+    "reduce": (lambda s, c: s.reduce("sum", PerReplica([np.ones(3)] * 2)), "strategy.reduce"),
+    "gather": (lambda s, c: s.gather(PerReplica([np.ones(3)] * 2)), "strategy.gather"),
     "reduce_to": (
         lambda s, c: s.extended.reduce_to("sum", PerReplica([np.ones(3)] * 2), "cpu:0"),
-        "all_reduce",
+        "extended.reduce_to",
     ),
     "save": (lambda s, c: c.save(f"/nonexistent/beside-{RANK}.npz"), "Checkpoint.save"),
     "first read": (lambda s, c: _first_read(s), "the first read"),
-    "assign": (lambda s, c: c.v.assign(np.zeros(3)), "broadcast"),
+    "assign": (lambda s, c: c.v.assign(np.zeros(3)), r"assign\(\)"),
 }
 BESIDE = r".* from another task while a run\(\)"
 
