@@ -268,6 +268,16 @@ class _Replica:
                 ),
             )
             return
+        if type(result) is types.AsyncGeneratorType:  # a ``yield`` in the step function
+            self.run.replica_failed(
+                self,
+                TypeError(
+                    f"replica {self.id}'s step function is an async generator function "
+                    f"({result.__qualname__}: it contains `yield`), so none of its code ran; a "
+                    "step function returns its result: write `return`"
+                ),
+            )
+            return
         self.run.replica_finished(self, result)
 
     @types.coroutine

@@ -1204,7 +1204,7 @@ class MirroredStrategy:
         Raises:
             RuntimeError: called inside a replica or inside ``merge_fn``.
             TypeError: ``fn`` is not callable, ``args`` is not a sequence or ``kwargs`` not a
-                mapping.
+                mapping; ``fn`` is an async generator function (it has a ``yield``).
             ValueError: a distributed value in the arguments has a different number of
                 components than the strategy has replicas.
             ReplicaSyncError: replicas made different merge calls, or one was left waiting

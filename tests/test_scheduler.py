@@ -306,6 +306,27 @@ class TestForgottenAwait:
             await strategy.run(step)
         assert await strategy.run(lambda: replica_context().all_reduce("sum", 1.0)) == 2.0
 
+    async def test_an_async_generator_step_is_refused(self) -> None:
+        """A step function with a ``yield`` (an async generator function) runs none of its
+        code: the run fails naming it, instead of handing back generator objects."""
+        strategy = MirroredStrategy(host_devices(2))
+        ran: list[int] = []
+
+        async def step() -> Any:
+            ran.append(replica_id())
+            yield await replica_context().all_reduce("sum", 1.0)
+
+        with pytest.raises(
+            TypeError,
+            match=r"^replica [01]'s step function is an async generator function "
+            r"\(TestForgottenAwait\.test_an_async_generator_step_is_refused\.<locals>\.step: "
+            r"it contains `yield`\), so none of its code ran; a step function returns its "
+            r"result: write `return`",
+        ):
+            await strategy.run(step)
+        assert ran == []
+        assert await strategy.run(lambda: replica_context().all_reduce("sum", 1.0)) == 2.0
+
     async def test_second_merge_call_before_awaiting_the_first(self) -> None:
         """Calling merge_call again before awaiting the first one is refused at once."""
         strategy = MirroredStrategy(host_devices(2))
