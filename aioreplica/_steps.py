@@ -14,6 +14,7 @@ its ``fn(context, inputs)`` runs in cross-replica context once per step, calls
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -103,6 +104,12 @@ async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any,
             result = step_fn(element)
             if inspect.isawaitable(result):
                 result = await result
+            elif type(result) is types.AsyncGeneratorType:
+                raise TypeError(
+                    f"run_steps' step_fn is an async generator function ({result.__qualname__}: "
+                    "it contains `yield`), so none of its code ran; a step function returns its "
+                    "result: write `return`"
+                )
 
     return await strategy.run(replica_loop)
 

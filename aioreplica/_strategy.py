@@ -1284,7 +1284,8 @@ class MirroredStrategy:
 
         Raises:
             TypeError: ``step_fn`` is not callable; ``iterator`` is not an async iterator;
-                ``steps`` is not an int.
+                ``steps`` is not an int; ``step_fn`` is an async generator function (it has a
+                ``yield``: at the first step).
             ValueError: ``steps`` is negative.
             BaseException: as ``run()``: the first failure of any step ends the loop.
 

@@ -43,6 +43,26 @@ class TestRunSteps:
         assert isinstance(result, PerReplica)
         assert result.values == (17.0, 21.0)
 
+    async def test_an_async_generator_step_fn_is_refused(self) -> None:
+        """A step_fn with a ``yield`` runs none of its code: the first step fails naming it,
+        instead of the loop handing back a generator object as the last step's result."""
+        strategy = MirroredStrategy(host_devices(2))
+        ran: list[int] = []
+
+        async def step(x: Any) -> Any:
+            ran.append(replica_id())
+            yield float(x.sum())
+
+        iterator = aiter(strategy.distribute_dataset(batches(3)))
+        with pytest.raises(
+            TypeError,
+            match=r"^run_steps' step_fn is an async generator function \(TestRunSteps\."
+            r"test_an_async_generator_step_fn_is_refused\.<locals>\.step: it contains `yield`"
+            r"\), so none of its code ran; a step function returns its result: write `return`",
+        ):
+            await strategy.run_steps(step, iterator, 3)
+        assert ran == []
+
     async def test_the_same_results_as_run_once_per_step(self) -> None:
         strategy = MirroredStrategy(host_devices(3))
 
