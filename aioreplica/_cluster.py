@@ -237,6 +237,8 @@ class _Call:
         workers = self.workers
         if workers.in_step or workers.in_call:
             return  # within the run() or the call in progress: its collectives go ahead
+        if workers.broken:
+            return  # no more collectives: each says so, and what is this worker's own goes on
         await workers._enter_call(self._what)
         self.holding = True
         self._reset = current_call.set(self)

@@ -8,7 +8,8 @@ the strategy's own ``sys.excepthook``) and prints ``rank R: ok PART SECONDS`` pe
 - ``failing``: rank 1's replica raises ``ValueError`` while rank 0 waits in an ``all_reduce``;
   then a failure after the last collective of a step; then a merge function failing on rank 1
   while rank 0's merge function reduces across workers. Rank 1 gets its own error, rank 0 a
-  ``ReplicaSyncError`` naming worker 1; each strategy then refuses further calls.
+  ``ReplicaSyncError`` naming worker 1; each strategy then refuses further calls (a write of
+  a variable outside run() is then the worker's own).
 - ``uncaught``: as the first part of ``failing``, caught nowhere: the job must end non-zero
   within seconds, without ``-m mpi4py`` (the strategy's ``sys.excepthook`` aborts it).
 - ``late``: ``sync_timeout=1``: rank 1 sleeps 5 s before its collective; rank 0 raises
@@ -104,6 +105,11 @@ async def assert_refused(strategy: MirroredStrategy) -> None:
         error = exc
     assert isinstance(error, RuntimeError), f"run() after a cross-worker failure: {error!r}"
     assert "MPI cannot cancel a collective" in str(error), str(error)
+    try:
+        await strategy.reduce("sum", np.ones(2))
+    except RuntimeError as exc:
+        error = exc
+    assert "was refused: the workers fell out of step" in str(error), f"reduce: {error!r}"
 
 
 # -- failing ----------------------------------------------------------------------------------
@@ -123,6 +129,9 @@ async def fail_before_collective(strategy: MirroredStrategy) -> Any:
 async def failing() -> None:
     # 1. A replica fails while the other worker waits in an all_reduce.
     strategy = MultiWorkerMirroredStrategy(host_devices(LOCAL))
+    with strategy.scope():
+        weights = Variable(np.zeros(3), name="weights")
+    weights.numpy()  # synced: the chief's values
     error, seconds = await outcome(lambda: fail_before_collective(strategy))
     if RANK == 1:
         assert isinstance(error, ValueError), repr(error)
@@ -133,6 +142,9 @@ async def failing() -> None:
         )
     assert seconds < 5, seconds
     await assert_refused(strategy)
+    # What is this worker's own goes on: a write outside run() writes its own value, locally.
+    await weights.assign(np.full(3, float(RANK)))
+    assert weights.numpy().tolist() == [float(RANK)] * 3, weights.numpy()
     report("failure-in-collective", seconds)
 
     # 2. A replica fails after the step's last collective: every run() still raises.
