@@ -687,12 +687,13 @@ class Workers:
         return self.step is not None and current_step.get() is self.step
 
     def _check_in_step(self, what: str) -> None:
-        """Refuse a collective from outside the step in progress (``step``), if any.
+        """Refuse a collective from outside the step in progress (``step``), if any, unless
+        it belongs to the call that the step waits for (``hold``).
 
         Raises:
             RuntimeError: another task's ``run()`` is in progress on this worker.
         """
-        if self.step is not None and current_step.get() is not self.step:
+        if self.step is not None and current_step.get() is not self.step and not self.in_call:
             raise RuntimeError(
                 f"{what} was called on worker {self.worker_index} from another task while a "
                 "run() is in progress there; every worker must make its collectives in the "

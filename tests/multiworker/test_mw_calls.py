@@ -315,3 +315,45 @@ async def test_a_task_that_outlives_its_call_is_no_longer_in_it(
         *["init_fn", "late read refused", "init_fn done", "held call ended"],
     ]
     np.testing.assert_array_equal(fresh.numpy(), np.full(2, 3.0))  # the chief's
+
+
+async def test_a_call_goes_on_while_a_run_waits_for_it(
+    make_strategy: MakeStrategy, tmp_path: Path
+) -> None:
+    """While a run() waits for another task's call, the call's own collectives go on, its
+    synchronous reads (a sync-on-read variable's global value) included."""
+    strategy = make_strategy(LOCAL)
+    events: list[str] = []
+    with strategy.scope():
+        seen = Variable(
+            np.full(2, 1.0 + RANK), name="seen", synchronization="on_read", aggregation="sum"
+        )
+    before = seen.numpy()  # (every variable made so far takes the chief's values now)
+
+    async def read_and_reduce() -> None:
+        np.testing.assert_array_equal(seen.numpy(), before)
+        reduced = await strategy.reduce("sum", nested(1.0), axis=None)
+        np.testing.assert_array_equal(reduced["f"], np.full(2, total(1.0), np.float32))
+        events.append("read and reduced")
+
+    held = HeldCall(strategy, tmp_path, events, then=read_and_reduce)
+
+    async def step() -> None:
+        events.append("step")
+
+    async def run() -> None:
+        await strategy.run(step)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(held)
+        await held.entered.wait()
+        tg.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+        held.release.set()
+    assert events == [
+        "init_fn",
+        "read and reduced",
+        "init_fn done",
+        "held call ended",
+        *["step"] * LOCAL,
+    ]
