@@ -57,6 +57,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ReductionEngine"]
 
+#: What a call holds in one process: nothing (``nullcontext`` is reentrant: one for all).
+_NO_CALL: Final = contextlib.nullcontext()
+
 T = TypeVar("T")
 
 
@@ -278,7 +281,7 @@ class ReductionEngine:
         """Across workers, the communicator held for a cross-replica call (``what``) from its
         first collective to its last (``Workers.call``); nothing in one process."""
         if self.cluster is None:
-            return contextlib.nullcontext()
+            return _NO_CALL
         return self.cluster.call(what)
 
     async def refuse(self, what: str, error: BaseException) -> None:

@@ -18,7 +18,7 @@ sync-on-read variable's aggregate.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -1011,12 +1011,16 @@ async def _update(
     return new
 
 
+#: What a write of an ordinary variable holds: nothing (``nullcontext`` is reentrant).
+_NO_CALL: Final = contextlib.nullcontext()
+
+
 def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManager[None]:
     """Across workers, a write of ``variable`` as one call (``ReductionEngine.call``), held
     before the variable's turn: a first sync and the write's collective never interleave
     with another task's call."""
     engine = variable._engine
-    return engine.call(what) if engine is not None else contextlib.nullcontext()
+    return engine.call(what) if engine is not None else _NO_CALL
 
 
 def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:
