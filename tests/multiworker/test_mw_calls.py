@@ -21,7 +21,7 @@ from aioreplica.testing import replica_context
 from multiworker.mwtools import RANK, WORKERS, each_replica, global_ids
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Coroutine
     from pathlib import Path
 
     from aioreplica import MultiWorkerMirroredStrategy
@@ -63,6 +63,18 @@ class HeldCall:
     async def __call__(self) -> None:
         assert await self.manager.restore_or_initialize() is None
         self.events.append("held call ended")
+
+    async def beside(self, task: Callable[[], Coroutine[Any, Any, Any]], note: str = "") -> None:
+        """Make this call and, once it is held in ``init_fn``, start ``task`` in another
+        task; release the call once every task waits (recording ``note`` first, if any)."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self)
+            await self.entered.wait()
+            tg.start_soon(task)
+            await anyio.wait_all_tasks_blocked()
+            if note:
+                self.events.append(note)
+            self.release.set()
 
 
 def nested(scale: float) -> dict[str, PerReplica[Any]]:
@@ -144,13 +156,7 @@ async def test_a_run_waits_for_another_tasks_call(
     async def run() -> None:
         results.append(await strategy.run(step))
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(held)
-        await held.entered.wait()
-        tg.start_soon(run)
-        await anyio.wait_all_tasks_blocked()
-        events.append("released")
-        held.release.set()
+    await held.beside(run, note="released")
     assert events == [
         "init_fn",
         "released",
@@ -181,12 +187,7 @@ async def test_a_write_from_another_task_waits_for_the_call_in_progress(
         await held.v.assign(np.full(3, 5.0 + RANK))
         events.append("other task's write")
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(held)
-        await held.entered.wait()
-        tg.start_soon(write)
-        await anyio.wait_all_tasks_blocked()
-        held.release.set()
+    await held.beside(write)
     assert events == [
         "init_fn",
         "call's write",
@@ -344,12 +345,7 @@ async def test_a_call_goes_on_while_a_run_waits_for_it(
     async def run() -> None:
         await strategy.run(step)
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(held)
-        await held.entered.wait()
-        tg.start_soon(run)
-        await anyio.wait_all_tasks_blocked()
-        held.release.set()
+    await held.beside(run)
     assert events == [
         "init_fn",
         "read and reduced",
