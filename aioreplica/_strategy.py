@@ -250,7 +250,8 @@ class StrategyExtended:
             ValueError: a destination is not one of the strategy's devices; shapes differ; a
                 mirrored variable reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do.
-            RuntimeError: called inside a replica.
+            RuntimeError: called inside a replica; across workers, called from another task while
+                a ``run()`` is in progress there.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -273,7 +274,8 @@ class StrategyExtended:
         Raises:
             ValueError: as ``reduce_to``.
             TypeError: as ``reduce_to``.
-            RuntimeError: called inside a replica.
+            RuntimeError: called inside a replica; across workers, called from another task while
+                a ``run()`` is in progress there.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -585,7 +587,8 @@ class MirroredStrategy:
             The reduced value, on replica 0's device.
 
         Raises:
-            RuntimeError: called inside a replica (use ``ctx.all_reduce`` there).
+            RuntimeError: called inside a replica (use ``ctx.all_reduce`` there); across
+                workers, called from another task while a ``run()`` is in progress there.
             ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range; a
                 mirrored variable reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed; ``axis`` is
@@ -610,7 +613,8 @@ class MirroredStrategy:
         """Concatenate a distributed ``value``'s components along ``axis``.
 
         Raises:
-            RuntimeError: called inside a replica (use ``ctx.all_gather`` there).
+            RuntimeError: called inside a replica (use ``ctx.all_gather`` there); across
+                workers, called from another task while a ``run()`` is in progress there.
             ValueError: dtypes or shapes off ``axis`` differ; ``axis`` out of range.
             TypeError: ``axis`` is not an integer.
 
