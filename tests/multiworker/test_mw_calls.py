@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.abc
 import numpy as np
 import pytest
 
@@ -353,3 +354,27 @@ async def test_a_call_goes_on_while_a_run_waits_for_it(
         "held call ended",
         *["step"] * LOCAL,
     ]
+
+
+async def test_concurrent_calls_sync_new_variables_once(make_strategy: MakeStrategy) -> None:
+    """Two tasks' reductions, started one after the other while new variables wait for their
+    first sync: the first call gives them the chief's values, the second finds them synced
+    (two syncs at once would both work through the same list of pending variables)."""
+    strategy = make_strategy(LOCAL)
+    with strategy.scope():
+        made = [Variable(np.full(2, 10.0 * i + RANK), name=f"new{i}") for i in range(3)]
+    results: dict[float, Any] = {}
+
+    async def reduction(scale: float, *, task_status: anyio.abc.TaskStatus[None]) -> None:
+        task_status.started()  # (the reduction takes its turn before the next task starts)
+        results[scale] = await strategy.reduce("sum", nested(scale), axis=None)
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(reduction, 1.0)
+        await tg.start(reduction, 2.0)
+    for scale in (1.0, 2.0):
+        np.testing.assert_array_equal(results[scale]["f"], np.full(2, total(scale), np.float32))
+        np.testing.assert_array_equal(results[scale]["i"], np.full(3, int(total(scale))))
+    for i, variable in enumerate(made):
+        for copy in variable.values:
+            np.testing.assert_array_equal(copy, np.full(2, 10.0 * i))  # the chief's
