@@ -97,7 +97,7 @@ import numpy as np
 
 from . import _trace, _tree
 from ._batched import BatchedIterator, ResumableInput, batched
-from ._cluster import WorkersDisagree, error_line
+from ._cluster import WorkersDisagree, call_of, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
 from ._errors import CheckpointError, as_integer
@@ -363,9 +363,7 @@ class Checkpoint:
         workers = self._workers()
         if workers is not None and workers.broken:
             workers = None  # no more agreements after a failure: this worker's restore alone
-        if workers is None:
-            return await self._restore_on(None, where, partial)
-        async with workers.call("Checkpoint.restore"):
+        async with call_of(workers, "Checkpoint.restore"):
             return await self._restore_on(workers, where, partial)
 
     async def _restore_on(
@@ -616,20 +614,15 @@ class CheckpointManager:
             (True, 5.0)
         """
         _check_not_in_replica("CheckpointManager.restore_or_initialize")
-        workers = self._checkpoint._workers()
-        if workers is None or workers.broken:
-            return await self._restore_or_initialize()
-        async with workers.call("CheckpointManager.restore_or_initialize"):
-            return await self._restore_or_initialize()
-
-    async def _restore_or_initialize(self) -> str | None:
-        latest = self.latest
-        await self._checkpoint.restore(latest)
-        if latest is None and self._init_fn is not None:
-            started = self._init_fn()
-            if inspect.isawaitable(started):
-                await started
-        return latest
+        # Across workers one call, init_fn's work included (none held after a failure).
+        async with call_of(self._checkpoint._workers(), "CheckpointManager.restore_or_initialize"):
+            latest = self.latest
+            await self._checkpoint.restore(latest)
+            if latest is None and self._init_fn is not None:
+                started = self._init_fn()
+                if inspect.isawaitable(started):
+                    await started
+            return latest
 
     async def save(self, checkpoint_number: SupportsIndex | None = None) -> str:
         """Save the checkpoint as the next number (or ``checkpoint_number``); prune old ones.

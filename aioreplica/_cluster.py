@@ -72,6 +72,7 @@ __all__ = [
     "ClusterBroken",
     "Workers",
     "WorkersDisagree",
+    "call_of",
     "collective_timeout",
     "current_step",
     "error_line",
@@ -134,6 +135,15 @@ _RECORD_TAG: Final = 0
 #: Each worker's message in the agreement to start: its count of local replicas, then why it
 #: could not make its strategy (UTF-8, cut to fit), if it could not.
 _START_BYTES: Final = 512
+
+
+#: What a call holds in one process: nothing (``nullcontext`` is reentrant: one for all).
+_NO_CALL: Final = contextlib.nullcontext()
+
+
+def call_of(workers: Workers | None, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+    """``workers.call(what)`` across workers; nothing in one process (``workers`` None)."""
+    return _NO_CALL if workers is None else workers.call(what)
 
 
 def error_line(error: BaseException) -> str:
@@ -608,11 +618,10 @@ class Workers:
         """Take the turn of calls for ``what``, after any call in progress (``call``)."""
         self.check(what)
         self._check_in_step(what)
-        if not self._calls.take_now():
-            await self._calls.acquire()
-            if self._side.failure is not None:
-                self._calls.release()
-                self.check(what)
+        await self._calls.acquire()  # (at once when no call is in progress)
+        if self._side.failure is not None:  # it broke meanwhile
+            self._calls.release()
+            self.check(what)
 
     @property
     def in_call(self) -> bool:
@@ -632,8 +641,7 @@ class Workers:
         ``run()`` in a manager's ``init_fn``, say). ``let_go()`` gives it back."""
         if self.in_call:
             return False
-        if not self._calls.take_now():
-            await self._calls.acquire()
+        await self._calls.acquire()
         return True
 
     def let_go(self) -> None:

@@ -44,6 +44,7 @@ import numpy as np
 
 from . import _trace, _tree
 from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
+from ._cluster import call_of
 from ._errors import as_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, regroup
@@ -56,9 +57,6 @@ if TYPE_CHECKING:
     from ._options import CommunicationOptions
 
 __all__ = ["ReductionEngine"]
-
-#: What a call holds in one process: nothing (``nullcontext`` is reentrant: one for all).
-_NO_CALL: Final = contextlib.nullcontext()
 
 T = TypeVar("T")
 
@@ -280,9 +278,7 @@ class ReductionEngine:
     def call(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
         """Across workers, the communicator held for a cross-replica call (``what``) from its
         first collective to its last (``Workers.call``); nothing in one process."""
-        if self.cluster is None:
-            return _NO_CALL
-        return self.cluster.call(what)
+        return call_of(self.cluster, what)
 
     async def refuse(self, what: str, error: BaseException) -> None:
         """Make ``what``'s refusal of its arguments (``error``, which the caller raises next)

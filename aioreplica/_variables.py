@@ -17,13 +17,13 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, final
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
+from ._cluster import call_of
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._errors import ReplicaSyncError
 from ._options import CaseInsensitiveStrEnum, ReduceOp
@@ -43,6 +43,7 @@ from ._writes import (
 )
 
 if TYPE_CHECKING:
+    import contextlib
     from collections.abc import Callable, Mapping, Sequence
 
     from ._backends import Device
@@ -1011,16 +1012,12 @@ async def _update(
     return new
 
 
-#: What a write of an ordinary variable holds: nothing (``nullcontext`` is reentrant).
-_NO_CALL: Final = contextlib.nullcontext()
-
-
 def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManager[None]:
     """Across workers, a write of ``variable`` as one call (``ReductionEngine.call``), held
     before the variable's turn: a first sync and the write's collective never interleave
     with another task's call."""
     engine = variable._engine
-    return engine.call(what) if engine is not None else _NO_CALL
+    return call_of(engine.cluster if engine is not None else None, what)
 
 
 def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:
