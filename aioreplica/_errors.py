@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import numbers
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Sequence
+    from types import AsyncGeneratorType
 
 __all__ = [
     "AioreplicaInternalError",
@@ -20,6 +21,7 @@ __all__ = [
     "as_integer",
     "as_real",
     "replica_list",
+    "yielding_step",
 ]
 
 
@@ -48,6 +50,15 @@ def as_real(value: object) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
+
+
+def yielding_step(step: str, generator: AsyncGeneratorType[Any, Any]) -> TypeError:
+    """The error for a step function (``step``: which one) with a ``yield``: calling it made
+    ``generator``, and none of its code ran."""
+    return TypeError(
+        f"{step} is an async generator function ({generator.__qualname__}: it contains "
+        "`yield`), so none of its code ran; a step function returns its result: write `return`"
+    )
 
 
 def replica_list(ids: Sequence[int]) -> str:

@@ -93,7 +93,7 @@ import anyio
 
 from . import _loops, _trace
 from ._context import ContextState, ReplicaContext, context_state
-from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list
+from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list, yielding_step
 from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest
 from ._values import (
     DistributedValues,
@@ -269,14 +269,8 @@ class _Replica:
             )
             return
         if type(result) is types.AsyncGeneratorType:  # a ``yield`` in the step function
-            self.run.replica_failed(
-                self,
-                TypeError(
-                    f"replica {self.id}'s step function is an async generator function "
-                    f"({result.__qualname__}: it contains `yield`), so none of its code ran; a "
-                    "step function returns its result: write `return`"
-                ),
-            )
+            step = f"replica {self.id}'s step function"
+            self.run.replica_failed(self, yielding_step(step, result))
             return
         self.run.replica_finished(self, result)
 

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final, final
 
 from ._context import context_state, default_replica_context, get_replica_context
-from ._errors import as_integer
+from ._errors import as_integer, yielding_step
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -105,11 +105,7 @@ async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any,
             if inspect.isawaitable(result):
                 result = await result
             elif type(result) is types.AsyncGeneratorType:
-                raise TypeError(
-                    f"run_steps' step_fn is an async generator function ({result.__qualname__}: "
-                    "it contains `yield`), so none of its code ran; a step function returns its "
-                    "result: write `return`"
-                )
+                raise yielding_step("run_steps' step_fn", result)
 
     return await strategy.run(replica_loop)
 
