@@ -447,7 +447,7 @@ class ReductionEngine:
         if isinstance(value, DistributedValues) and not _tree.is_leaf(value.values[0]):
             # One structure per replica (``experimental_distribute_values_from_function``
             # returning a dict, say): the structure of per-replica values it stands for.
-            value = _regrouped(what, value)
+            value = _regrouped(what, value, self.first_replica)
         if isinstance(value, DistributedValues) or _tree.is_leaf(value):
             pairs, treedef = [((), value)], _LEAF  # the common case: one array per replica
         else:
@@ -483,25 +483,29 @@ class ReductionEngine:
             return components  # host arrays already: nothing to place
         kinds = {array_kind(component) for component in components}
         if not kinds <= {backend.name, "scalar"}:
-            _refuse_components(what, path, components, per_replica, backend.name)
+            _refuse_components(
+                what, path, components, per_replica, backend.name, self.first_replica
+            )
         return [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
 
     def _check_same_shapes(self, what: str, leaves: list[_LeafArrays]) -> None:
+        base = self.first_replica  # replicas are named by their ids in sync
         for leaf in leaves:
             first = leaf.arrays[0]
-            for replica, other in enumerate(leaf.arrays[1:], start=1):
+            for replica, other in enumerate(leaf.arrays[1:], start=base + 1):
                 if other.shape != first.shape or other.dtype != first.dtype:
                     raise ValueError(
                         f"{what}: replica {replica}'s value at {_tree.describe_path(leaf.path)} "
-                        f"has shape {tuple(other.shape)} and dtype {other.dtype}, replica 0's "
-                        f"has shape {tuple(first.shape)} and dtype {first.dtype}; every replica "
-                        "must pass the same shape and dtype"
+                        f"has shape {tuple(other.shape)} and dtype {other.dtype}, replica "
+                        f"{base}'s has shape {tuple(first.shape)} and dtype {first.dtype}; every "
+                        "replica must pass the same shape and dtype"
                     )
 
     def _check_gather_shapes(self, what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
         first = leaf.arrays[0]
         axis_ = _check_axis(what, leaf, axis)
-        for replica, other in enumerate(leaf.arrays[1:], start=1):
+        base = self.first_replica
+        for replica, other in enumerate(leaf.arrays[1:], start=base + 1):
             same_rest = other.ndim == first.ndim and all(
                 a == b
                 for d, (a, b) in enumerate(zip(other.shape, first.shape, strict=True))
@@ -510,9 +514,9 @@ class ReductionEngine:
             if not same_rest or other.dtype != first.dtype:
                 raise ValueError(
                     f"{what}: replica {replica}'s value at {_tree.describe_path(leaf.path)} has "
-                    f"shape {tuple(other.shape)} and dtype {other.dtype}, replica 0's has shape "
-                    f"{tuple(first.shape)} and dtype {first.dtype}; they may differ only along "
-                    f"axis {axis}"
+                    f"shape {tuple(other.shape)} and dtype {other.dtype}, replica {base}'s has "
+                    f"shape {tuple(first.shape)} and dtype {first.dtype}; they may differ only "
+                    f"along axis {axis}"
                 )
         return axis_
 
@@ -706,16 +710,17 @@ class ReductionEngine:
         return result
 
 
-def _regrouped(what: str, value: DistributedValues[Any]) -> Any:
+def _regrouped(what: str, value: DistributedValues[Any], first_replica: int) -> Any:
     """A distributed value whose components are structures, as the structure of per-replica
-    values it stands for (identical leaves stay as they are).
+    values it stands for (identical leaves stay as they are; ``first_replica``: the first
+    component's replica id, for messages).
 
     Raises:
         ValueError: the replicas' structures differ (naming both and where).
         TypeError: containers of different types at the same place.
     """
     try:
-        return regroup(value.values)
+        return regroup(value.values, first_replica=first_replica)
     except (TypeError, ValueError) as exc:
         raise type(exc)(f"{what}: {exc}") from None
 
@@ -751,19 +756,25 @@ def _check_crossing(what: str, leaves: list[_LeafArrays]) -> None:
 
 
 def _refuse_components(
-    what: str, path: _tree.KeyPath, components: list[Any], per_replica: bool, backend: str
+    what: str,
+    path: _tree.KeyPath,
+    components: list[Any],
+    per_replica: bool,
+    backend: str,
+    first_replica: int = 0,
 ) -> NoReturn:
     """Raise the ``TypeError`` for a leaf some of whose components this backend cannot take.
 
     Components that are no number or array at all (``None``, a string, any object without a
     ``shape``) are named first, grouped by replica; ``every replica`` when the leaf was one
-    plain value standing for all of them. Otherwise an array of another library is there
+    plain value standing for all of them; a replica by its id in sync (``first_replica`` is
+    the first component's). Otherwise an array of another library is there
     (CuPy on host devices, NumPy on GPUs, a tensor): it has a shape, so the advice is to place
     it on the replica's device.
     """
     at = f" at {_tree.describe_path(path)}" if path else ""
     not_numbers: dict[str, list[int]] = {}  # what was passed -> the replicas that passed it
-    for replica, component in enumerate(components):
+    for replica, component in enumerate(components, start=first_replica):
         if array_kind(component) != "scalar" and not hasattr(component, "shape"):
             not_numbers.setdefault(_describe_component(component), []).append(replica)
     if not_numbers:
@@ -777,7 +788,7 @@ def _refuse_components(
         )
     found = ", ".join(
         f"replica {i} passes {type(c).__module__}.{type(c).__name__}"
-        for i, c in enumerate(components)
+        for i, c in enumerate(components, start=first_replica)
     )
     raise TypeError(
         f"{what}: the value at {_tree.describe_path(path)} mixes array types ({found}), but "

@@ -212,7 +212,7 @@ class ReplicaContext:
             return tuple(args)
         shown = reprlib.repr(args)
         raise TypeError(
-            f"replica {self._replica_id} passed merge_call args={shown} "
+            f"replica {self.replica_id_in_sync_group} passed merge_call args={shown} "
             f"({type(args).__name__}); args must be the tuple of merge_fn's positional "
             f"arguments: write args=({shown},)"
         )
@@ -220,7 +220,7 @@ class ReplicaContext:
     def _check_kwargs(self, kwargs: Any) -> None:
         if not isinstance(kwargs, Mapping):
             raise TypeError(
-                f"replica {self._replica_id} passed merge_call kwargs of type "
+                f"replica {self.replica_id_in_sync_group} passed merge_call kwargs of type "
                 f"{type(kwargs).__name__}; kwargs is a mapping of merge_fn's keyword arguments "
                 "(or None)"
             )
@@ -420,8 +420,10 @@ async def _merge_all_reduce(
     strategy: Any, engine: ReductionEngine, op: Any, value: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        op = agreed(op, "the reduce op of all_reduce")
-        options = agreed(options, "the communication options of all_reduce")
+        op = agreed(op, "the reduce op of all_reduce", first_replica=engine.first_replica)
+        options = agreed(
+            options, "the communication options of all_reduce", first_replica=engine.first_replica
+        )
         return PerReplica(await engine.all_reduce(op, value, options))
     except _REFUSALS as exc:
         await engine.refuse("all_reduce", exc)
@@ -432,7 +434,11 @@ async def _merge_all_gather(
     strategy: Any, engine: ReductionEngine, value: Any, axis: Any
 ) -> PerReplica[Any]:
     try:
-        return PerReplica(await engine.all_gather(value, agreed(axis, "the axis of all_gather")))
+        return PerReplica(
+            await engine.all_gather(
+                value, agreed(axis, "the axis of all_gather", first_replica=engine.first_replica)
+            )
+        )
     except _REFUSALS as exc:
         await engine.refuse("all_gather", exc)
         raise
@@ -442,7 +448,9 @@ async def _merge_broadcast(
     strategy: Any, engine: ReductionEngine, value: Any, source: Any
 ) -> PerReplica[Any]:
     try:
-        source = agreed(source, "the source_replica of broadcast")
+        source = agreed(
+            source, "the source_replica of broadcast", first_replica=engine.first_replica
+        )
         return PerReplica(await engine.broadcast(value, source))
     except _REFUSALS as exc:
         await engine.refuse("broadcast", exc)
@@ -453,9 +461,13 @@ async def _merge_reduce_scatter(
     strategy: Any, engine: ReductionEngine, op: Any, value: Any, axis: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        op = agreed(op, "the reduce op of reduce_scatter")
-        axis = agreed(axis, "the axis of reduce_scatter")
-        options = agreed(options, "the communication options of reduce_scatter")
+        op = agreed(op, "the reduce op of reduce_scatter", first_replica=engine.first_replica)
+        axis = agreed(axis, "the axis of reduce_scatter", first_replica=engine.first_replica)
+        options = agreed(
+            options,
+            "the communication options of reduce_scatter",
+            first_replica=engine.first_replica,
+        )
         return PerReplica(await engine.reduce_scatter(op, value, axis, options))
     except _REFUSALS as exc:
         await engine.refuse("reduce_scatter", exc)

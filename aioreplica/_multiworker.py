@@ -281,7 +281,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             await self._refuse_step(exc, "run()")
             raise
         self._check_usable("run()")
-        return regroup(await self._step(fn, parts))
+        return regroup(await self._step(fn, parts), first_replica=self._engine.first_replica)
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """``MirroredStrategy.run_steps`` on every worker; they leave it together.

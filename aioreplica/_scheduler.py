@@ -181,11 +181,21 @@ class _Round:
 class _Replica:
     """One replica of one ``run()``: its context and its driver."""
 
-    __slots__ = ("context", "device", "id", "in_own_coroutine", "pending", "run", "track")
+    __slots__ = (
+        "context",
+        "device",
+        "id",
+        "in_own_coroutine",
+        "pending",
+        "run",
+        "sync_id",
+        "track",
+    )
 
     def __init__(self, run: _Run, replica_id: int) -> None:
         self.run = run
-        self.id = replica_id
+        self.id = replica_id  # its index in this run (and this worker)
+        self.sync_id = run.first_replica + replica_id  # its id in messages: across workers
         self.device = run.engine.devices[replica_id]
         self.context: ReplicaContext | None = ReplicaContext(
             run.strategy, run.engine, replica_id, self
@@ -198,29 +208,29 @@ class _Replica:
     def misuse_message(self) -> str:
         if self.in_own_coroutine and self.pending is not None:
             return (
-                f"replica {self.id} called merge_call() again before awaiting its previous "
+                f"replica {self.sync_id} called merge_call() again before awaiting its previous "
                 "merge_call(); await each merge_call() where you call it"
             )
         if self.run.finished_run:
             return (
-                f"merge_call() was called on replica {self.id}'s context after its run() "
+                f"merge_call() was called on replica {self.sync_id}'s context after its run() "
                 "returned; a ReplicaContext is valid only inside its own replica"
             )
         state = context_state.get()
         if state.replica is not self.context:
             if state.merging:
                 return (
-                    f"merge_call() was called inside merge_fn (cross-replica context) with the "
-                    f"context of replica {self.id}; merge functions cannot nest: call what you "
-                    "need directly in merge_fn"
+                    "merge_call() was called inside merge_fn (cross-replica context) with the "
+                    f"context of replica {self.sync_id}; merge functions cannot nest: call what "
+                    "you need directly in merge_fn"
                 )
             return (
-                f"merge_call() was called with replica {self.id}'s context outside that "
+                f"merge_call() was called with replica {self.sync_id}'s context outside that "
                 "replica; call get_replica_context() inside the replica instead"
             )
         return (
-            f"merge_call() must be awaited by replica {self.id}'s own coroutine, not by a task "
-            "it spawned (a task group child, asyncio.shield, or asyncio.wait_for, which runs "
+            f"merge_call() must be awaited by replica {self.sync_id}'s own coroutine, not by a "
+            "task it spawned (a task group child, asyncio.shield, or asyncio.wait_for, which runs "
             "its argument in a new task on Python 3.11); to bound the wait use "
             "`with anyio.fail_after(seconds): await ctx.merge_call(...)` instead"
         )
@@ -246,15 +256,16 @@ class _Replica:
             if isinstance(exc, run.cancelled_class):
                 if run.tasks.is_cancellation(exc):
                     raise
-                exc = run.own_cancellation(exc, f"replica {self.id}")
+                exc = run.own_cancellation(exc, f"replica {self.sync_id}")
             run.replica_failed(self, exc)
             return
         if self.pending is not None:
             self.run.replica_failed(
                 self,
                 RuntimeError(
-                    f"replica {self.id} called merge_call({_describe_fn(self.pending[FN])}) but "
-                    "never awaited it; write `await ctx.merge_call(...)`"
+                    f"replica {self.sync_id} called "
+                    f"merge_call({_describe_fn(self.pending[FN])}) but never awaited it; write "
+                    "`await ctx.merge_call(...)`"
                 ),
             )
             return
@@ -263,13 +274,13 @@ class _Replica:
             self.run.replica_failed(
                 self,
                 RuntimeError(
-                    f"replica {self.id}'s step function returned the coroutine "
+                    f"replica {self.sync_id}'s step function returned the coroutine "
                     f"{result.__qualname__}() without awaiting it; write `return await ...`"
                 ),
             )
             return
         if type(result) is types.AsyncGeneratorType:  # a ``yield`` in the step function
-            step = f"replica {self.id}'s step function"
+            step = f"replica {self.sync_id}'s step function"
             self.run.replica_failed(self, yielding_step(step, result))
             return
         self.run.replica_finished(self, result)
@@ -427,6 +438,7 @@ class _Run:
         self.engine = scheduler.engine
         self.merge_state = ContextState(strategy=self.strategy, engine=self.engine, merging=True)
         self.size = len(self.engine.devices)
+        self.first_replica = self.engine.first_replica  # replica 0's id in sync
         self.replicas = [_Replica(self, i) for i in range(self.size)]
         self.sync_timeout = sync_timeout
         self.rng = rng
@@ -488,12 +500,11 @@ class _Run:
         return error
 
     def replica_failed(self, replica: _Replica, exc: BaseException) -> None:
-        engine = self.engine
         self.fail(
             exc,
-            f"raised in replica {engine.first_replica + replica.id} of {engine.num_replicas} "
+            f"raised in replica {replica.sync_id} of {self.engine.num_replicas} "
             f"(device {replica.device.name})",
-            replica.id,
+            replica.sync_id,
         )
 
     def scheduler_crashed(self, exc: BaseException) -> None:
@@ -509,34 +520,35 @@ class _Run:
         merges = self.merges_completed
         self.finished[replica.id] = merges
         self.fast_path = False
-        waiting = [r.id for r in self.round.arrived]
+        waiting = [r.sync_id for r in self.round.arrived]
         if waiting and not self.failures:
             number = self.round.number
             self.fail(
                 ReplicaSyncError(
-                    f"replica {replica.id} finished after {merges} merge_call()s while "
+                    f"replica {replica.sync_id} finished after {merges} merge_call()s while "
                     f"{replica_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
                     f"merge_call #{number}; every replica must reach the same merge_calls, so "
                     "move merge_call out of replica-dependent branches",
                     merge_number=number,
-                    replicas=[replica.id],
+                    replicas=[replica.sync_id],
                     waiting=waiting,
                 ),
-                f"detected when replica {replica.id} finished",
+                f"detected when replica {replica.sync_id} finished",
             )
 
     def _early_finishers_error(self, replica: _Replica) -> ReplicaSyncError:
         number = self.round.number
         done = sorted(self.finished)
         merges = self.finished[done[0]]
+        done = [self.first_replica + i for i in done]
         return ReplicaSyncError(
-            f"replica {replica.id} reached merge_call #{number}, but {replica_list(done)} "
+            f"replica {replica.sync_id} reached merge_call #{number}, but {replica_list(done)} "
             f"already finished after {merges} merge_call()s and can never join it; every "
             "replica must reach the same merge_calls, so move merge_call out of "
             "replica-dependent branches",
             merge_number=number,
             replicas=done,
-            waiting=[r.id for r in self.round.arrived],
+            waiting=[r.sync_id for r in self.round.arrived],
         )
 
     # -- the merge rendezvous ----------------------------------------------------------------
@@ -588,8 +600,8 @@ class _Run:
             if not rnd.done:  # every replica arrived: the round is running its merge_fn
                 yield from rnd.gate.park(replica.id)
             return
-        arrived = [r.id for r in rnd.arrived]
-        late = sorted(set(range(self.size)) - set(arrived))
+        arrived = [r.sync_id for r in rnd.arrived]
+        late = sorted(set(range(self.first_replica, self.first_replica + self.size)) - set(arrived))
         self.fail(
             ReplicaSyncError(
                 f"{replica_list(arrived)} waited {timeout:g} s in merge_call "
@@ -725,12 +737,13 @@ class _Run:
         merge_fn = requests[0][FN]
         if not callable(merge_fn):
             raise TypeError(
-                f"merge_fn must be callable, got {type(merge_fn).__name__} {merge_fn!r} (replica 0)"
+                f"merge_fn must be callable, got {type(merge_fn).__name__} {merge_fn!r} "
+                f"(replica {self.first_replica})"
             )
         fns = list(map(_request_fn, requests))
         if fns.count(merge_fn) != self.size:
             try:
-                agreed(PerReplica(fns), "the merge function")
+                agreed(PerReplica(fns), "the merge function", first_replica=self.first_replica)
             except ReplicaSyncError as exc:
                 exc.merge_number = rnd.number
                 exc.add_note(
@@ -740,9 +753,14 @@ class _Run:
                 raise
         # merge_call checked the types: args are tuples, kwargs mappings or None.
         all_args = list(map(_request_args, requests))
-        args = regroup(all_args) if any(all_args) else ()
+        first = self.first_replica
+        args = regroup(all_args, first_replica=first) if any(all_args) else ()
         all_kwargs = list(map(_request_kwargs, requests))
-        kwargs = regroup([dict(kw or {}) for kw in all_kwargs]) if any(all_kwargs) else {}
+        kwargs = (
+            regroup([dict(kw or {}) for kw in all_kwargs], first_replica=first)
+            if any(all_kwargs)
+            else {}
+        )
         return merge_fn, args, kwargs
 
 
@@ -918,8 +936,10 @@ class Scheduler:
             if waited < threshold:
                 continue
             run.warned = rnd
-            present = sorted(r.id for r in arrived)
-            late = sorted(set(range(run.size)) - set(present))
+            present = sorted(r.sync_id for r in arrived)
+            late = sorted(
+                set(range(run.first_replica, run.first_replica + run.size)) - set(present)
+            )
             request = rnd.requests[first.id]
             where = _describe_fn(request[FN]) if request is not None else "merge_call"
             logger.warning(

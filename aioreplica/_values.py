@@ -128,7 +128,12 @@ class Mirrored(DistributedValues[T]):
     """
 
 
-def regroup(values: Sequence[Any], wrap_class: type[DistributedValues[Any]] = PerReplica) -> Any:
+def regroup(
+    values: Sequence[Any],
+    wrap_class: type[DistributedValues[Any]] = PerReplica,
+    *,
+    first_replica: int = 0,
+) -> Any:
     """Turn one structure per replica into one structure of per-replica values.
 
     The result has replica 0's structure (its container types and mapping insertion order).
@@ -139,6 +144,8 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues[Any]] = Pe
     Args:
         values: One structure per replica, indexed by replica id.
         wrap_class: The class that wraps differing leaves, ``PerReplica`` or ``Mirrored``.
+        first_replica: the id in sync of ``values[0]``'s replica, by which messages name the
+            replicas (a worker of a ``MultiWorkerMirroredStrategy`` holds later ones too).
 
     Returns:
         The regrouped structure, or a single leaf or ``wrap_class`` value.
@@ -164,10 +171,12 @@ def regroup(values: Sequence[Any], wrap_class: type[DistributedValues[Any]] = Pe
             return _regroup_plain(replicas, wrap_class)
         except _NotPlain:
             pass  # the general walk checks it and names what differs
-    return _regroup_tree(replicas, wrap_class)
+    return _regroup_tree(replicas, wrap_class, first_replica)
 
 
-def _regroup_tree(replicas: Sequence[Any], wrap_class: type[DistributedValues[Any]]) -> Any:
+def _regroup_tree(
+    replicas: Sequence[Any], wrap_class: type[DistributedValues[Any]], first_replica: int = 0
+) -> Any:
     """``regroup`` by the general tree walk: any registered node, mismatches named."""
     first = replicas[0]
     if is_leaf(first) and all(is_leaf(v) for v in replicas):
@@ -177,7 +186,7 @@ def _regroup_tree(replicas: Sequence[Any], wrap_class: type[DistributedValues[An
     for replica_id in range(1, len(replicas)):
         other_leaves, other = flatten(replicas[replica_id])
         if other != treedef:
-            _raise_regroup_mismatch(first, replicas[replica_id], replica_id)
+            _raise_regroup_mismatch(first, replicas[replica_id], first_replica, replica_id)
         per_replica.append(other_leaves)
     return treedef.unflatten(
         [_wrap(column, wrap_class) for column in zip(*per_replica, strict=True)]
@@ -252,9 +261,12 @@ _new: Final = object.__new__
 _set_field: Final = object.__setattr__  # what a frozen dataclass's own __init__ uses
 
 
-def _raise_regroup_mismatch(first: Any, other: Any, replica_id: int) -> None:
-    found = find_mismatch(first, other, first="replica 0", second=f"replica {replica_id}")
-    prefix = f"replica {replica_id}'s value differs from replica 0's"
+def _raise_regroup_mismatch(first: Any, other: Any, first_id: int, index: int) -> None:
+    """Raise the error for ``other``, the value at ``index``, whose structure differs from
+    ``first``'s (the replicas are named by id: the first is ``first_id``)."""
+    replica_id = first_id + index
+    found = find_mismatch(first, other, first=f"replica {first_id}", second=f"replica {replica_id}")
+    prefix = f"replica {replica_id}'s value differs from replica {first_id}'s"
     if found is None:
         # Only reachable when registered aux data compare unequal to themselves.
         raise ValueError(f"{prefix}: {flatten(other)[1]!r} against {flatten(first)[1]!r}")
@@ -414,7 +426,7 @@ def _raise_not_mirrored(structure: Any, bad: DistributedValues[Any]) -> None:
     )
 
 
-def agreed(value: Any, what: str) -> Any:
+def agreed(value: Any, what: str, *, first_replica: int = 0) -> Any:
     """The one value every replica passed for ``what``: the rule wherever replicas must agree.
 
     A value every replica passed as the very same object arrives plain (``regroup`` keeps it)
@@ -427,6 +439,8 @@ def agreed(value: Any, what: str) -> Any:
     Args:
         value: a merge argument, regrouped.
         what: what the value is, for the message (``"the reduce op"``).
+        first_replica: the id in sync of the replica whose value comes first (the message
+            names replicas by their ids: on a worker of several, not from 0).
 
     Returns:
         Replica 0's value.
@@ -454,12 +468,12 @@ while replicas 0 and 1 passed 'sum'; ...
     first = values[0]
     if all(other is first or _same(first, other) for other in values):
         return first
-    _raise_disagreement(values, what)
+    _raise_disagreement(values, what, first_replica)
 
 
-def _raise_disagreement(values: Sequence[Any], what: str) -> NoReturn:
+def _raise_disagreement(values: Sequence[Any], what: str, first_replica: int) -> NoReturn:
     groups: list[list[int]] = []  # replicas with equal values, in order of their first replica
-    for replica, other in enumerate(values):
+    for replica, other in enumerate(values):  # by index in ``values``; named by id below
         for group in groups:
             if _same(values[group[0]], other):
                 group.append(replica)
@@ -480,7 +494,7 @@ def _raise_disagreement(values: Sequence[Any], what: str) -> NoReturn:
             same_name = same_name or odd_text.startswith("a different variable")
             if reference_text == shown:
                 reference_text = told_reference
-        odd_parts.append(f"{replica_list(group)} passed {odd_text}")
+        odd_parts.append(f"{replica_list([first_replica + i for i in group])} passed {odd_text}")
     advice = (
         "variables are told apart by identity, not by name: create each variable once (in "
         "strategy.scope(), outside the step function) and pass the same variable object from "
@@ -490,11 +504,12 @@ def _raise_disagreement(values: Sequence[Any], what: str) -> NoReturn:
     )
     raise ReplicaSyncError(
         f"replicas disagree on {what}: {_and_join(odd_parts)}, while "
-        f"{replica_list(reference)} passed {reference_text}; {advice}every replica must pass "
+        f"{replica_list([first_replica + i for i in reference])} passed {reference_text}; "
+        f"{advice}every replica must pass "
         "the same value in the same merge_call",
         merge_number=None,
-        replicas=[replica for group in odd_groups for replica in group],
-        waiting=range(len(values)),
+        replicas=[first_replica + replica for group in odd_groups for replica in group],
+        waiting=range(first_replica, first_replica + len(values)),
     )
 
 

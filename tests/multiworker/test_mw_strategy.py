@@ -229,6 +229,113 @@ async def test_merge_fn_sees_its_own_workers_values(
     assert allgather(seen) == [[global_ids(2, w)] for w in range(WORKERS)]
 
 
+def _odd() -> bool:
+    """Whether the calling replica is its worker's second (local replica 1)."""
+    return replica_id() % 2 == 1
+
+
+async def _other_shape() -> Any:
+    return await replica_context().all_reduce("sum", np.ones(1 + _odd()))
+
+
+async def _other_gather_shape() -> Any:
+    return await replica_context().all_gather(np.ones((1, 1 + _odd())), axis=0)
+
+
+async def _a_none() -> Any:
+    return await replica_context().all_reduce("sum", None if _odd() else 1.0)
+
+
+async def _other_merge_fn() -> Any:
+    ctx = replica_context()
+    if _odd():
+        return await ctx.all_gather(np.ones(1), axis=0)
+    return await ctx.all_reduce("sum", 1.0)
+
+
+async def _other_structure() -> Any:
+    return (1.0, 2.0) if _odd() else (1.0,)
+
+
+async def _late() -> Any:
+    if _odd():
+        await anyio.Event().wait()  # never arrives: the other waits out sync_timeout
+    return await replica_context().all_reduce("sum", 1.0)
+
+
+async def _finished_early() -> Any:
+    if _odd():
+        return None
+    return await replica_context().all_reduce("sum", 1.0)
+
+
+# step, error, what the message says of the odd replica (g1) and of the even one (g0): one of
+# the texts after the error (either replica may end first on trio, whose order is random)
+NAMED: dict[str, tuple[Callable[[], Awaitable[Any]], type[Exception], tuple[str, ...]]] = {
+    "shapes": (
+        _other_shape,
+        ValueError,
+        (
+            "replica {g1}'s value at <root> has shape (2,) and dtype float64, replica {g0}'s has "
+            "shape (1,)",
+        ),
+    ),
+    "gather shapes": (
+        _other_gather_shape,
+        ValueError,
+        (
+            "replica {g1}'s value at <root> has shape (1, 2) and dtype float64, replica {g0}'s has "
+            "shape (1, 1)",
+        ),
+    ),
+    "not a number": (_a_none, TypeError, ("replica {g1} passed None (NoneType) to all_reduce",)),
+    "merge functions": (
+        _other_merge_fn,
+        aioreplica.ReplicaSyncError,
+        ("replica {g1} passed _merge_all_gather",),
+    ),
+    "structures": (
+        _other_structure,
+        ValueError,
+        ("replica {g1}'s value differs from replica {g0}'s",),
+    ),
+    "late": (
+        _late,
+        aioreplica.ReplicaSyncError,
+        ("replica {g0} waited 0.3 s in merge_call #1 (_merge_all_reduce",),
+    ),
+    "finished early": (
+        _finished_early,
+        aioreplica.ReplicaSyncError,
+        (
+            "replica {g1} finished after 0 merge_call()s while replica {g0} waits in merge_call #1",
+            "replica {g0} reached merge_call #1, but replica {g1} already finished after 0 "
+            "merge_call()s",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(NAMED))
+async def test_errors_name_replicas_by_their_ids_in_sync(
+    make_strategy: MakeStrategy, case: str
+) -> None:
+    """An error about a worker's own replicas (each worker's second replica odd) names them by
+    their ids in sync, as ``replica_id_in_sync_group`` does (worker 1's are 2 and 3, not 0 and
+    1), in the message and in ``ReplicaSyncError.replicas``."""
+    strategy = make_strategy(2, sync_timeout=0.3)
+    step, error, expected = NAMED[case]
+    g0, g1 = global_ids(2)
+    with pytest.raises(error) as caught:
+        await strategy.run(step)
+    message = str(caught.value)
+    assert any(text.format(g0=g0, g1=g1) in message for text in expected), message
+    if isinstance(caught.value, aioreplica.ReplicaSyncError):
+        assert caught.value.workers == ()  # its own replicas' error, not a peer's notice
+        assert caught.value.replicas == (g1,)
+        assert set(caught.value.waiting) <= {g0, g1}
+
+
 async def test_distribute_values_from_function_has_global_ids(
     make_strategy: MakeStrategy,
 ) -> None:
