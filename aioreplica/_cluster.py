@@ -855,8 +855,9 @@ class Workers:
         worker raises in step (when every worker refused alike, each raises its own error).
 
         Nothing is sent for an error that refuses no arguments (one that is not a
-        ``TypeError``, ``ValueError`` or ``ReplicaSyncError``), for a ``WorkersDisagree``
-        (raised on every worker in step already), or once the cluster is broken.
+        ``TypeError``, ``ValueError`` or ``RuntimeError``: a closed strategy's ``run()``, a
+        ``ReplicaSyncError``), for a ``WorkersDisagree`` (raised on every worker in step
+        already), or once the cluster is broken.
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
@@ -865,7 +866,7 @@ class Workers:
         if (
             self.broken
             or isinstance(error, WorkersDisagree)
-            or not isinstance(error, (TypeError, ValueError, ReplicaSyncError))
+            or not isinstance(error, (TypeError, ValueError, RuntimeError))
         ):
             return
         header = _header_of(f"{what} refusing its arguments: {error_line(error)}")

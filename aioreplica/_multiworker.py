@@ -277,7 +277,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         try:
             parts = self._prepare_run(fn, args, kwargs)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # bad input, closed, in a run
             await self._refuse_step(exc, "run()")
             raise
         self._check_usable("run()")
@@ -322,8 +322,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         """
         self._check_usable(what)
         try:
+            self._check_open(what)
             accepted = check()
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:  # bad input, closed
             await self._refuse_step(exc, what)
             raise
         async with self._in_progress():
@@ -345,10 +346,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         ``what``) refused its arguments (``error``), so that the other workers' call raises
         too, naming this worker, rather than waiting for it or pairing with its next step.
 
-        Nothing to agree when this ``run()`` could not have started anyway: the strategy is
-        closed or broken, or called from inside a run (whose collectives this would join).
+        A closed strategy's ``run()`` refuses too (``close()`` stops this worker's threads, not
+        its part in the collectives). Nothing to agree when the cluster is broken, or from
+        inside a run (whose collectives this would join).
         """
-        if self._closed or self._running or self._workers.broken:
+        if self._running or self._workers.broken:
             return
         async with self._in_progress():
             await self._workers.refuse_in_step(what, error)

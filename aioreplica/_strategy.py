@@ -1226,15 +1226,23 @@ class MirroredStrategy:
         """
         return regroup(await self._scheduler.run(fn, self._prepare_run(fn, args, kwargs)))
 
+    def _check_open(self, what: str) -> None:
+        """Refuse ``what`` (``run()``, say) on a closed strategy.
+
+        Raises:
+            RuntimeError: ``close()`` closed this strategy.
+        """
+        if self._closed:
+            raise RuntimeError(
+                f"{what} was called on {self!r} after close(); a closed strategy runs no "
+                "replicas: reopen it with `async with strategy:` or make a new strategy"
+            )
+
     def _prepare_run(
         self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None
     ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
         """``run()``'s checks, then each replica's arguments."""
-        if self._closed:
-            raise RuntimeError(
-                f"run() was called on {self!r} after close(); a closed strategy runs no "
-                "replicas: reopen it with `async with strategy:` or make a new strategy"
-            )
+        self._check_open("run()")
         state = context_state.get()
         replica = state.replica
         if replica is not None:

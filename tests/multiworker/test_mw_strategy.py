@@ -156,6 +156,47 @@ async def test_arguments_refused_on_one_worker_fail_every_worker(
         np.testing.assert_array_equal(value, np.full(2, 2.0 * WORKERS))
 
 
+@pytest.mark.parametrize("how", ["run", "run_steps"])
+async def test_a_strategy_closed_on_one_worker_refuses_in_step(
+    make_strategy: MakeStrategy, how: str
+) -> None:
+    """run() (or run_steps()) on a strategy closed on one worker raises its RuntimeError there,
+    and on every other worker a ValueError naming that worker, at once, instead of waiting for
+    it forever; once reopened, the strategy runs in step on every worker again."""
+    strategy = make_strategy(2)
+    closing = WORKERS - 1
+    closes = RANK == WORKERS - 1
+    if closes:
+        strategy.close()
+
+    async def step(x: Any = 1.0) -> Any:
+        return await replica_context().all_reduce("sum", np.ones(2))
+
+    async def call() -> Any:
+        if how == "run":
+            return await strategy.run(step)
+        batches = aiter(strategy.distribute_dataset(aioreplica.batched(np.ones((8, 1)), 4)))
+        return await strategy.run_steps(step, batches, 2)
+
+    started = time.monotonic()
+    with pytest.raises((RuntimeError, ValueError)) as caught:
+        await call()
+    assert time.monotonic() - started < 5
+    message = str(caught.value)
+    if closes:
+        assert type(caught.value) is RuntimeError
+        assert f"{how}() was called on" in message, message
+        assert "after close()" in message, message
+    else:
+        assert isinstance(caught.value, ValueError)
+        refusing = f"worker {closing}: {how}() refusing its arguments: RuntimeError"
+        assert refusing in message, message
+
+    async with strategy:  # reopened: every worker runs again, in step
+        for value in strategy.experimental_local_results(await strategy.run(step)):
+            np.testing.assert_array_equal(value, np.full(2, 2.0 * WORKERS))
+
+
 async def test_arguments_refused_on_every_worker_raise_each_its_own(
     make_strategy: MakeStrategy,
 ) -> None:
