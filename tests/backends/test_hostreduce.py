@@ -431,14 +431,15 @@ class TestEmptyBuffer:
 
     @pytest.mark.skipif(not _hostreduce._HUGE_PAGES, reason="huge pages are Linux's")
     def test_large_is_mapped_on_its_own_for_huge_pages(self) -> None:
-        """From HUGE_BYTES up: writeable, C-contiguous, on a 2 MiB boundary, and the owner of
-        its memory as views see it (their base is the buffer, not the mapping)."""
+        """From HUGE_BYTES up: writeable, C-contiguous, starting a page and a cache line past
+        a 2 MiB boundary, and the owner of its memory as views see it (their base is the
+        buffer, not the mapping)."""
         buf = empty_buffer((2, HUGE_BYTES // 8), np.dtype("float32"))
         assert buf.shape == (2, HUGE_BYTES // 8)
         assert buf.dtype == np.float32
         assert buf.flags.writeable
         assert buf.flags.c_contiguous
-        assert buf.ctypes.data % (2 << 20) == 0
+        assert buf.ctypes.data % (2 << 20) == 4096 + 64
         assert buf[1:].base is buf
         assert buf.reshape(-1)[::2].base is buf
         buf[:] = 3.0
