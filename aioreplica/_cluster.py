@@ -233,11 +233,11 @@ class _Turn:
 class _Call:
     """``Workers.call``: the communicator held for one call of this task."""
 
-    __slots__ = ("_reset", "_what", "holding", "workers")
+    __slots__ = ("_reset", "holding", "what", "workers")
 
     def __init__(self, workers: Workers, what: str) -> None:
         self.workers = workers
-        self._what = what
+        self.what = what
         self._reset: Token[_Call | None] | None = None
         #: Whether the call holds its cluster now: a task started in the call that outlives
         #: it (in a task group outside) takes turns again once the call has ended.
@@ -249,7 +249,7 @@ class _Call:
             return  # within the run() or the call in progress: its collectives go ahead
         if workers.broken:
             return  # no more collectives: each says so, and what is this worker's own goes on
-        await workers._enter_call(self._what)
+        await workers._enter_call(self.what)
         self.holding = True
         self._reset = current_call.set(self)
 
@@ -743,7 +743,7 @@ class Workers:
                 send = None
             elif plan.parts:
                 plan.slot[...] = out if send is None else send
-            await self._exchange("all_reduce", plan.header)
+            await self._exchange("all_reduce", self._called(plan.header))
             if plan.parts:
                 _combine(plan.ufunc, plan.parts, out)
                 return
@@ -777,7 +777,7 @@ class Workers:
         await self._begin("all_gather")
         try:
             self._record_words[_HEADER_WORDS] = local.shape[0]
-            await self._exchange("all_gather", header)
+            await self._exchange("all_gather", self._called(header))
             rows: list[int] = self._gathered_words[:, _HEADER_WORDS].tolist()
             row_bytes = math.prod(local.shape[1:]) * local.itemsize
             out = np.empty((sum(rows), *local.shape[1:]), local.dtype)
@@ -1011,6 +1011,17 @@ class Workers:
         # and starting them costs a fraction of posting new ones), freed with the communicator.
         self._exchange_request = _RecordExchange(self.mpi, self._comm, self._gathered)
         self._persistent.extend(self._exchange_request.requests)
+
+    def _called(self, header: _Header) -> _Header:
+        """``header`` as a call's reduction or gather sends it (``strategy.reduce``, ...): named
+        after the call, so that a call made on some workers only (a reduce on the chief alone)
+        meets another worker's reduction in a ``run()`` as a disagreement naming the call,
+        not as a match that would combine the two. (Not a variable's first sync, nor other
+        broadcasts, which every worker may make inside a call or out of one alike.)"""
+        call = current_call.get()
+        if call is None or not call.holding or call.workers is not self:
+            return header
+        return _header_of(f"{call.what}: {header.words}")
 
     async def _exchange(self, what: str, header: _Header) -> None:
         """Send this worker's record (``header``, then what the caller wrote after it) and
@@ -1303,6 +1314,7 @@ class _Header(NamedTuple):
 
     checksum: int  # of the words: what the workers compare
     data: bytes  # ``_HEADER_BYTES``: the checksum, then the words (cut to fit)
+    words: str
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1312,7 +1324,7 @@ def _header_of(words: str) -> _Header:
     text = words.encode()
     checksum = zlib.crc32(text)
     header = checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]
-    return _Header(checksum, header.ljust(_HEADER_BYTES, b"\0"))
+    return _Header(checksum, header.ljust(_HEADER_BYTES, b"\0"), words)
 
 
 class _Plan(NamedTuple):

@@ -728,6 +728,56 @@ async def test_workers_making_other_collectives_fail_alike(
     assert await strategy.run(lambda: RANK) == RANK
 
 
+#: A cross-replica call made on worker 0 alone, and the collective of the same kind, dtype
+#: and shape that the other workers make in a run() meanwhile.
+CALLS_ON_ONE_WORKER: dict[str, tuple[Callable[[Any], Any], Callable[[], Any]]] = {
+    "strategy.reduce": (
+        lambda s: s.reduce("sum", 1.0, axis=None),
+        lambda: replica_context().all_reduce("sum", 1.0),
+    ),
+    "extended.reduce_to": (
+        lambda s: s.extended.reduce_to("sum", 1.0, "cpu:0"),
+        lambda: replica_context().all_reduce("sum", 1.0),
+    ),
+    "extended.batch_reduce_to": (
+        lambda s: s.extended.batch_reduce_to("sum", [(1.0, "cpu:0")]),
+        lambda: replica_context().all_reduce("sum", 1.0),
+    ),
+    "strategy.gather": (
+        lambda s: s.gather(np.ones((1, 2)), axis=0),
+        lambda: replica_context().all_gather(np.ones((1, 2)), axis=0),
+    ),
+}
+
+
+@pytest.mark.parametrize("call", list(CALLS_ON_ONE_WORKER))
+async def test_a_call_on_one_worker_meets_a_step_as_a_disagreement(
+    make_strategy: MakeStrategy, call: str
+) -> None:
+    """Worker 0 alone makes a cross-replica call (a reduce on the chief only, say) while the
+    others run a step whose collective has the same kind, dtype and shape: every worker raises
+    the same ValueError naming the call on worker 0, at once, rather than combine the two (the
+    call's result and the step's would both hold the other's values); the strategy goes on."""
+    strategy = make_strategy(1)
+    make_call, collective = CALLS_ON_ONE_WORKER[call]
+
+    async def step() -> Any:
+        return await collective()
+
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="made different collectives") as caught:
+        await (make_call(strategy) if RANK == 0 else strategy.run(step))
+    assert time.monotonic() - started < 5
+    message = str(caught.value)
+    assert f"worker 0: {call}: all_" in message, message
+    assert len(set(allgather(message))) == 1
+
+    async def agreed() -> Any:
+        return await replica_context().all_reduce("sum", RANK + 1.0)
+
+    assert await strategy.run(agreed) == WORKERS * (WORKERS + 1) / 2
+
+
 def _in_a_step(call: Callable[[bool], Any]) -> Callable[[Any, bool], Any]:
     """A bad-input case made in a replica: ``call(bad)`` in every replica of one run()."""
 
