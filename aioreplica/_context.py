@@ -416,14 +416,17 @@ class ReplicaContext:
 # -- the collectives' merge functions (the engine is an argument: one object, kept plain) ---
 
 
+def _agreed(engine: ReductionEngine, value: Any, what: str) -> Any:
+    """``agreed``, naming this worker's replicas by their ids in sync."""
+    return agreed(value, what, first_replica=engine.first_replica)
+
+
 async def _merge_all_reduce(
     strategy: Any, engine: ReductionEngine, op: Any, value: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        op = agreed(op, "the reduce op of all_reduce", first_replica=engine.first_replica)
-        options = agreed(
-            options, "the communication options of all_reduce", first_replica=engine.first_replica
-        )
+        op = _agreed(engine, op, "the reduce op of all_reduce")
+        options = _agreed(engine, options, "the communication options of all_reduce")
         return PerReplica(await engine.all_reduce(op, value, options))
     except _REFUSALS as exc:
         await engine.refuse("all_reduce", exc)
@@ -435,9 +438,7 @@ async def _merge_all_gather(
 ) -> PerReplica[Any]:
     try:
         return PerReplica(
-            await engine.all_gather(
-                value, agreed(axis, "the axis of all_gather", first_replica=engine.first_replica)
-            )
+            await engine.all_gather(value, _agreed(engine, axis, "the axis of all_gather"))
         )
     except _REFUSALS as exc:
         await engine.refuse("all_gather", exc)
@@ -448,9 +449,7 @@ async def _merge_broadcast(
     strategy: Any, engine: ReductionEngine, value: Any, source: Any
 ) -> PerReplica[Any]:
     try:
-        source = agreed(
-            source, "the source_replica of broadcast", first_replica=engine.first_replica
-        )
+        source = _agreed(engine, source, "the source_replica of broadcast")
         return PerReplica(await engine.broadcast(value, source))
     except _REFUSALS as exc:
         await engine.refuse("broadcast", exc)
@@ -461,13 +460,9 @@ async def _merge_reduce_scatter(
     strategy: Any, engine: ReductionEngine, op: Any, value: Any, axis: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        op = agreed(op, "the reduce op of reduce_scatter", first_replica=engine.first_replica)
-        axis = agreed(axis, "the axis of reduce_scatter", first_replica=engine.first_replica)
-        options = agreed(
-            options,
-            "the communication options of reduce_scatter",
-            first_replica=engine.first_replica,
-        )
+        op = _agreed(engine, op, "the reduce op of reduce_scatter")
+        axis = _agreed(engine, axis, "the axis of reduce_scatter")
+        options = _agreed(engine, options, "the communication options of reduce_scatter")
         return PerReplica(await engine.reduce_scatter(op, value, axis, options))
     except _REFUSALS as exc:
         await engine.refuse("reduce_scatter", exc)
