@@ -181,21 +181,11 @@ class _Round:
 class _Replica:
     """One replica of one ``run()``: its context and its driver."""
 
-    __slots__ = (
-        "context",
-        "device",
-        "id",
-        "in_own_coroutine",
-        "pending",
-        "run",
-        "sync_id",
-        "track",
-    )
+    __slots__ = ("context", "device", "id", "in_own_coroutine", "pending", "run", "track")
 
     def __init__(self, run: _Run, replica_id: int) -> None:
         self.run = run
         self.id = replica_id  # its index in this run (and this worker)
-        self.sync_id = run.first_replica + replica_id  # its id in messages: across workers
         self.device = run.engine.devices[replica_id]
         self.context: ReplicaContext | None = ReplicaContext(
             run.strategy, run.engine, replica_id, self
@@ -204,6 +194,11 @@ class _Replica:
         self.in_own_coroutine = False
         self.pending: MergeRequest | None = None  # made by merge_call, not yet received
         self.track: _trace.ReplicaTrack | None = None  # its track, in a traced run
+
+    @property
+    def sync_id(self) -> int:
+        """Its id in sync, by which messages name it (across workers, not from 0)."""
+        return self.run.first_replica + self.id
 
     def misuse_message(self) -> str:
         if self.in_own_coroutine and self.pending is not None:
