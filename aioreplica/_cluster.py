@@ -34,13 +34,22 @@ traffic on it is never disturbed:
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
   naming the failing worker. With a timeout in force, each worker also tells its peers which
-  collective it has reached, on which communicator (one 16-byte send per peer; a dataset
+  collective it has reached, on which communicator (one 24-byte send per peer; a dataset
   pass's duplicate counts its start as collective 0), so a worker that gives up waiting can
   name exactly the late workers; without a timeout nothing more is sent.
 
 MPI cannot cancel a collective: after any cross-worker failure (a peer's, a timeout, a
 cancelled wait) the collectives' communicator may hold a request that will never complete, so
 the cluster is *broken* and refuses every further call with ``RuntimeError``.
+
+Communicators go back to MPI when their strategy is closed or dropped, except where messages
+may still be on their way to them: MPI gives a freed communicator's context to the next
+communicator made over the same workers, and a message still on its way to the freed one is
+received by the new one as its own (a peer's failure notice, the record of a collective that
+one worker made and another never did). So a broken cluster keeps every communicator it made,
+as does one whose wait was left before its request completed (a dataset pass left early),
+until the job ends; the arrival messages, sent without any failure, carry their side
+channel's identity, and a stale one is dropped.
 
 ``mpi4py`` is imported on first use, never by ``import aioreplica``.
 """
@@ -52,6 +61,7 @@ import contextlib
 import functools
 import json
 import math
+import secrets
 import sys
 import time
 import weakref
@@ -132,9 +142,11 @@ _PLANS: Final = 256
 #: (``_RecordExchange``), and the tag of those messages on the collectives' communicator.
 _DIRECT_WORKERS = 8
 _RECORD_TAG: Final = 0
-#: Each worker's message in the agreement to start: its count of local replicas, then why it
-#: could not make its strategy (UTF-8, cut to fit), if it could not.
+#: Each worker's message in the agreement to start: its count of local replicas, an identity
+#: for the side channel (the chief's is taken), then why it could not make its strategy
+#: (UTF-8, cut to fit), if it could not.
 _START_BYTES: Final = 512
+_START_TEXT: Final = 16
 
 
 #: What a call holds in one process: nothing (``nullcontext`` is reentrant: one for all).
@@ -306,6 +318,7 @@ class Workers:
         "_header_sent",
         "_idup",
         "_idup_what",
+        "_left",
         "_persistent",
         "_plans",
         "_primary",
@@ -341,7 +354,7 @@ class Workers:
         # First, on the caller's communicator, every worker's count of local replicas (or why
         # it could not make its strategy: ``refuse``), so that no worker waits for another
         # that gave up, and nothing is made unless every worker can.
-        counts = _agree_to_start(communicator, local_replicas)
+        counts, identity = _agree_to_start(communicator, local_replicas)
         if len(set(counts)) > 1:
             shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
             raise ValueError(
@@ -358,9 +371,12 @@ class Workers:
         self._idup: Any = None
         self._idup_what = ""
         self._persistent: list[Any] = []  # the records' requests, freed with the communicator
+        self._left: list[Any] = []  # requests whose waits were left before they completed
         self._records()
-        self._release = weakref.finalize(self, _retire, mpi, self._comm, None, self._persistent)
-        self._side = _SideChannel(mpi, communicator.Dup(), self.num_workers, self.worker_index)
+        self._side = _SideChannel(
+            mpi, communicator.Dup(), self.num_workers, self.worker_index, identity
+        )
+        self._release = self._finalizer()
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
         self._primary = True
@@ -520,10 +536,9 @@ class Workers:
                             return  # its last collective was this one (the notice came first)
                         raise failure
                     pause = self._next_pause(what, started, timeout, busy, pause)
-        except ReplicaSyncError:
-            raise
-        except BaseException as exc:  # cancelled (or interrupted) while MPI still waits
-            if self._primary:
+        except BaseException as exc:  # a peer's failure, a timeout, or cancelled meanwhile
+            self._left.append(request)
+            if self._primary and not isinstance(exc, ReplicaSyncError):
                 self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
             # A dataset pass left early: its duplicate is abandoned with the request (the
             # peers, leaving at the same point, complete theirs); nothing else is affected.
@@ -540,15 +555,19 @@ class Workers:
         timeout = self._timeout()
         started = time.monotonic()
         pause = 0.0
-        while not _spin(test):
-            failure = self._peer_failure(what)
-            if failure is not None:
-                if self._side.peer_left and _finishes(test):
-                    return
-                raise failure
-            pause = self._next_pause(what, started, timeout, _BUSY_SECONDS, pause)
-            if pause:
-                time.sleep(pause)
+        try:
+            while not _spin(test):
+                failure = self._peer_failure(what)
+                if failure is not None:
+                    if self._side.peer_left and _finishes(test):
+                        return
+                    raise failure
+                pause = self._next_pause(what, started, timeout, _BUSY_SECONDS, pause)
+                if pause:
+                    time.sleep(pause)
+        except BaseException:
+            self._left.append(request)
+            raise
 
     def _next_pause(
         self, what: str, started: float, timeout: float | None, busy: float, pause: float
@@ -595,7 +614,8 @@ class Workers:
     def _tell_arrival(self) -> None:
         side = self._side
         side.read_arrivals(self._stream)  # keeps the peers' messages from piling up
-        side.send_all(np.array([self._stream, self._sequence], np.int64), _ARRIVAL)
+        arrival = np.array([side.identity, self._stream, self._sequence], np.int64)
+        side.send_all(arrival, _ARRIVAL)
 
     # -- calls --------------------------------------------------------------------------
 
@@ -954,9 +974,8 @@ class Workers:
         twin._turn = _Turn()
         twin._single = False
         twin._persistent = []
-        twin._release = weakref.finalize(
-            twin, _retire, self.mpi, twin._comm, None, twin._persistent, twin._idup
-        )
+        twin._left = []
+        twin._release = twin._finalizer()
         twin._primary = False
         twin.step = None  # its collectives are ordered among themselves, beside any step
         twin._sequence = 0
@@ -993,6 +1012,20 @@ class Workers:
             self._side.reached.pop(self._stream, None)
 
     # -- helpers --------------------------------------------------------------------------
+
+    def _finalizer(self) -> weakref.finalize[..., Workers]:
+        """What gives this cluster's communicator back once the cluster is closed or gone
+        (``_free``), unless messages may still be on their way to it."""
+        return weakref.finalize(
+            self,
+            _retire,
+            self.mpi,
+            self._comm,
+            persistent=self._persistent,
+            made=self._idup,
+            left=self._left,
+            failure=self._side.failure_box,
+        )
 
     def _records(self) -> None:
         """This worker's record, the room for every worker's, and their exchange (each
@@ -1089,11 +1122,15 @@ class Workers:
 class _SideChannel:
     """What a cluster and its duplicates share: the failure state and the side channel."""
 
-    def __init__(self, mpi: Any, comm: Any, workers: int, me: int) -> None:
+    def __init__(self, mpi: Any, comm: Any, workers: int, me: int, identity: int) -> None:
         self.mpi = mpi
         self.comm = comm
         self.me = me
-        self.failure: str | None = None  # why the workers fell out of step
+        #: The same on every worker, and another on any other side channel, whose context MPI
+        #: may have given this one: the arrival messages carry it.
+        self.identity = identity
+        #: Why the workers fell out of step (``failure``), in a list the finalizers share.
+        self.failure_box: list[str | None] = [None]
         self.peer_left = False  # a peer's program ended (the failure, unless one came first)
         self.notice = bytearray(_NOTICE_BYTES)
         # The posted notice receive (``None`` once a notice came), in a list the finalizer
@@ -1108,9 +1145,20 @@ class _SideChannel:
         self.streams = 0  # duplicates made
         #: Frees the communicator once nothing uses this side channel (a strategy, its
         #: variables and its dataset passes all gone), or at exit, before MPI finalizes.
-        self.close = weakref.finalize(self, _retire, mpi, comm, self._receive)
+        self.close = weakref.finalize(
+            self, _retire, mpi, comm, receive=self._receive, failure=self.failure_box
+        )
         _open_channels.add(self)
         _withdraw_at_exit()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the workers fell out of step, or ``None``."""
+        return self.failure_box[0]
+
+    @failure.setter
+    def failure(self, why: str) -> None:
+        self.failure_box[0] = why
 
     @property
     def notice_request(self) -> Any:
@@ -1144,12 +1192,15 @@ class _SideChannel:
         reached on communicator ``stream``."""
         mpi = self.mpi
         status = mpi.Status()
-        box = np.zeros(2, np.int64)
+        box = np.zeros(3, np.int64)
         while self.comm.Iprobe(mpi.ANY_SOURCE, _ARRIVAL, status):
             source = status.Get_source()
             self.comm.Recv(box, source, _ARRIVAL)
-            reached = self.reached.setdefault(int(box[0]), [-1] * self.workers)
-            reached[source] = max(reached[source], int(box[1]))
+            identity, on, sequence = box.tolist()
+            if identity != self.identity:  # sent to a freed side channel with this context
+                continue
+            reached = self.reached.setdefault(on, [-1] * self.workers)
+            reached[source] = max(reached[source], sequence)
         return self.reached.get(stream, [-1] * self.workers)
 
 
@@ -1237,40 +1288,42 @@ async def _finishes_soon(test: Callable[[], bool]) -> bool:
     return False
 
 
-#: Communicators given back and not yet freed: ``_free``'s arguments, appended by
-#: finalizers (any thread: ``list.append`` is atomic), freed by ``_free_retired``.
-_retired: list[tuple[Any, Any, list[Any] | None, list[Any], Any]] = []
+#: Communicators given back and not yet freed: ``_free`` with its arguments, appended by
+#: finalizers (any thread: ``list.append`` is atomic), called by ``_free_retired``.
+_retired: list[Callable[[], None]] = []
 
 
-def _retire(
-    mpi: Any,
-    comm: Any,
-    receive: list[Any] | None = None,
-    persistent: Sequence[Any] = (),
-    made: Any = None,
-) -> None:
-    _retired.append((mpi, comm, receive, list(persistent), made))
+def _retire(mpi: Any, comm: Any, **state: Any) -> None:
+    _retired.append(functools.partial(_free, mpi, comm, **state))
 
 
 def _free_retired() -> None:
     """Free the communicators given back since the last call (at a collective point: a new
     strategy, a new dataset pass, the exit)."""
     while _retired:
-        _free(*_retired.pop())
+        _retired.pop()()
 
 
 def _free(
     mpi: Any,
     comm: Any,
+    *,
     receive: list[Any] | None = None,
     persistent: Sequence[Any] = (),
     made: Any = None,
+    left: Sequence[Any] = (),
+    failure: Sequence[str | None] = (None,),
 ) -> None:
-    """Give ``comm`` back to MPI, withdrawing its posted receive and freeing its persistent
-    requests first (those not under way: an abandoned one is left to MPI), nothing after MPI
-    finalized. ``MPI_Comm_free`` leaves operations still under way to finish. A communicator
-    whose making (``made``, its ``Idup``) has not completed, because a worker never made it,
-    is left to MPI too: it cannot be freed before it exists."""
+    """Give ``comm`` back to MPI, withdrawing its posted ``receive`` and freeing its
+    ``persistent`` requests first (those not under way), nothing after MPI finalized.
+
+    ``comm`` is kept (never freed) where messages may still be on their way to it, which MPI
+    would hand to the next communicator given its context: once its workers fell out of step
+    (``failure``, the side channel's) or while a request it ``left`` (a wait left early) or
+    a persistent one is still under way. A communicator whose making (``made``, its ``Idup``)
+    has not completed, because a worker never made it, is kept too: it cannot be freed
+    before it exists.
+    """
     if mpi.Is_finalized():
         return
     with contextlib.suppress(Exception):
@@ -1280,10 +1333,14 @@ def _free(
             request, receive[0] = receive[0], None
             request.Cancel()
             request.Wait()
+        settled = failure[0] is None and all(request.Test() for request in left)
         for request in persistent:
             if request.Test():  # inactive
                 request.Free()
-        comm.Free()
+            else:
+                settled = False
+        if settled:
+            comm.Free()
 
 
 #: The side channels not yet freed, to withdraw at exit.
@@ -1383,9 +1440,12 @@ def _intracomm(mpi: Any, communicator: Any) -> Any:
     return communicator
 
 
-def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -> list[int]:
+def _agree_to_start(
+    communicator: Any, local_replicas: int, refusal: str = ""
+) -> tuple[list[int], int]:
     """Every worker's count of local replicas (``-1`` and ``refusal``, why, from a worker that
-    could not make its strategy), gathered on the caller's communicator.
+    could not make its strategy), gathered on the caller's communicator, and the identity of
+    the side channel to be made (the chief's draw: ``_SideChannel.identity``).
 
     Construction is collective, so this waits for every worker, however late: a non-blocking
     ``Iallgather`` tested on this thread, as a collective's wait does (busy at first, then with
@@ -1396,9 +1456,9 @@ def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -
         _Refused: a worker could not make its strategy (``Workers.refuse``).
     """
     mine = np.zeros(_START_BYTES, np.uint8)
-    mine[:8].view("<i8")[0] = local_replicas
-    why = refusal.encode()[: _START_BYTES - 8]
-    mine[8 : 8 + len(why)] = np.frombuffer(why, np.uint8)
+    mine[:16].view("<i8")[:] = (local_replicas, secrets.randbits(63))
+    why = refusal.encode()[: _START_BYTES - _START_TEXT]
+    mine[_START_TEXT : _START_TEXT + len(why)] = np.frombuffer(why, np.uint8)
     every = np.zeros((communicator.Get_size(), _START_BYTES), np.uint8)
     request = communicator.Iallgather(mine, every)
     started = time.monotonic()
@@ -1409,7 +1469,7 @@ def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -
             time.sleep(pause)
     counts = [int(row[:8].view("<i8")[0]) for row in every]
     failed = [
-        (w, bytes(row[8:]).rstrip(b"\0").decode(errors="replace"))
+        (w, bytes(row[_START_TEXT:]).rstrip(b"\0").decode(errors="replace"))
         for w, (count, row) in enumerate(zip(counts, every, strict=True))
         if count < 0
     ]
@@ -1420,7 +1480,7 @@ def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -
             f"MultiWorkerMirroredStrategy ({shown}), so no worker makes one: every worker "
             "makes it at the same point of its program, with arguments valid on each"
         )
-    return counts
+    return counts, int(every[0, 8:16].view("<i8")[0])
 
 
 def worker_list(workers: list[int]) -> str:

@@ -6,6 +6,7 @@ compare ranks through ``COMM_WORLD``.
 
 from __future__ import annotations
 
+import gc
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -536,6 +537,70 @@ async def test_dropped_strategies_give_their_communicators_back() -> None:
             assert await strategy.run(lambda x: float(x.sum()), (batch,)) == float(batch.sum())
         del strategy
     assert WORLD.allreduce(1) == WORKERS  # MPI is still fine
+
+
+async def _sum_of_ones() -> Any:
+    return await replica_context().all_reduce("sum", 1.0)
+
+
+async def test_a_failure_notice_never_reaches_a_later_strategy() -> None:
+    """MPI gives a freed communicator's context to the next communicator made, and a message
+    still on its way to the freed one would be received there: worker 1 drops a strategy,
+    then worker 0 fails in it and drops it; the strategy made next on both runs in step
+    (worker 1 waiting for worker 0 meanwhile, testing its side channel), never taking the
+    notice for its own."""
+    broken = MultiWorkerMirroredStrategy(["cpu:0"])
+    if RANK != 0:  # dropped: its communicators go back to MPI when the next one is made
+        broken.close()
+        del broken
+        gc.collect()
+    between = MultiWorkerMirroredStrategy(["cpu:0"])  # (the other workers free theirs here)
+    if RANK == 0:
+
+        async def fail() -> None:
+            raise ValueError("worker 0 alone")
+
+        with pytest.raises(ValueError, match="worker 0 alone"):
+            await broken.run(fail)
+        broken.close()
+        del broken
+        gc.collect()
+    WORLD.Barrier()  # the notice has been sent
+    later = MultiWorkerMirroredStrategy(["cpu:0"])
+    try:
+        if RANK == 0:
+            await anyio.sleep(0.3)
+        assert await later.run(_sum_of_ones) == float(WORKERS)
+    finally:
+        later.close()
+        between.close()
+
+
+async def test_arrivals_for_a_dropped_strategy_never_hide_a_later_ones_late_worker() -> None:
+    """With a timeout, each collective tells the peers it was reached; those still on their
+    way when a strategy is dropped (worker 1's, which arrives last) do not count as arrivals
+    in the next strategy, whose timeout names the late worker."""
+    first = MultiWorkerMirroredStrategy(["cpu:0"], sync_timeout=30)
+    for _ in range(3):
+        if RANK != 0:
+            await anyio.sleep(0.05)
+        assert await first.run(_sum_of_ones) == float(WORKERS)
+    first.close()
+    del first
+    gc.collect()
+    second = MultiWorkerMirroredStrategy(["cpu:0"], sync_timeout=0.5)
+    try:
+        if RANK == 0:
+            with pytest.raises(aioreplica.ReplicaSyncError) as caught:
+                await second.run(_sum_of_ones)
+            assert caught.value.workers == tuple(range(1, WORKERS))
+            assert "worker 0 waited 0.5 s" in str(caught.value)
+        else:
+            await anyio.sleep(1.0)
+            with pytest.raises(aioreplica.ReplicaSyncError, match="worker 0 failed"):
+                await second.run(_sum_of_ones)
+    finally:
+        second.close()
 
 
 @pytest.mark.parametrize(
