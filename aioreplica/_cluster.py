@@ -36,7 +36,8 @@ traffic on it is never disturbed:
   naming the failing worker. With a timeout in force, each worker also tells its peers which
   collective it has reached, on which communicator (one 24-byte send per peer; a dataset
   pass's duplicate counts its start as collective 0), so a worker that gives up waiting can
-  name exactly the late workers; without a timeout nothing more is sent.
+  name exactly the late workers; without a timeout nothing more is sent. Those messages go on
+  a duplicate of the user's communicator that all strategies over it share (``_Arrivals``).
 
 MPI cannot cancel a collective: after any cross-worker failure (a peer's, a timeout, a
 cancelled wait) the collectives' communicator may hold a request that will never complete, so
@@ -48,8 +49,8 @@ communicator made over the same workers, and a message still on its way to the f
 received by the new one as its own (a peer's failure notice, the record of a collective that
 one worker made and another never did). So a broken cluster keeps every communicator it made,
 as does one whose wait was left before its request completed (a dataset pass left early),
-until the job ends; the arrival messages, sent without any failure, carry their side
-channel's identity, and a stale one is dropped.
+until the job ends. The arrival messages, which need no failure, go on a communicator that is
+never freed, each naming its side channel: one for a strategy no longer there is dropped.
 
 ``mpi4py`` is imported on first use, never by ``import aioreplica``.
 """
@@ -373,8 +374,10 @@ class Workers:
         self._persistent: list[Any] = []  # the records' requests, freed with the communicator
         self._left: list[Any] = []  # requests whose waits were left before they completed
         self._records()
+        side = communicator.Dup()
+        arrivals = _Arrivals.of(mpi, communicator)
         self._side = _SideChannel(
-            mpi, communicator.Dup(), self.num_workers, self.worker_index, identity
+            mpi, side, arrivals, self.num_workers, self.worker_index, identity
         )
         self._release = self._finalizer()
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
@@ -613,9 +616,9 @@ class Workers:
 
     def _tell_arrival(self) -> None:
         side = self._side
-        side.read_arrivals(self._stream)  # keeps the peers' messages from piling up
+        side.arrivals.read()  # keeps the peers' messages from piling up
         arrival = np.array([side.identity, self._stream, self._sequence], np.int64)
-        side.send_all(arrival, _ARRIVAL)
+        side.send_all(arrival, _ARRIVAL, side.arrivals.comm)
 
     # -- calls --------------------------------------------------------------------------
 
@@ -1122,13 +1125,17 @@ class Workers:
 class _SideChannel:
     """What a cluster and its duplicates share: the failure state and the side channel."""
 
-    def __init__(self, mpi: Any, comm: Any, workers: int, me: int, identity: int) -> None:
+    def __init__(
+        self, mpi: Any, comm: Any, arrivals: _Arrivals, workers: int, me: int, identity: int
+    ) -> None:
         self.mpi = mpi
         self.comm = comm
         self.me = me
-        #: The same on every worker, and another on any other side channel, whose context MPI
-        #: may have given this one: the arrival messages carry it.
+        #: The same on every worker, and another on every other side channel of
+        #: ``arrivals``: its arrival messages carry it.
         self.identity = identity
+        self.arrivals = arrivals
+        arrivals.channels[identity] = self
         #: Why the workers fell out of step (``failure``), in a list the finalizers share.
         self.failure_box: list[str | None] = [None]
         self.peer_left = False  # a peer's program ended (the failure, unless one came first)
@@ -1169,10 +1176,12 @@ class _SideChannel:
     def notice_request(self, request: Any) -> None:
         self._receive[0] = request
 
-    def send_all(self, data: Any, tag: int) -> None:
+    def send_all(self, data: Any, tag: int, comm: Any = None) -> None:
+        """Send ``data`` to every peer on ``comm`` (default: the side channel's)."""
+        comm = self.comm if comm is None else comm
         for peer in range(self.workers):
             if peer != self.me:
-                self.sends.append(self.comm.Isend(data, peer, tag))
+                self.sends.append(comm.Isend(data, peer, tag))
         if len(self.sends) > 64:
             self.sends = [request for request in self.sends if not request.Test()]
 
@@ -1190,18 +1199,68 @@ class _SideChannel:
     def read_arrivals(self, stream: int) -> list[int]:
         """Take in every arrival message the peers have sent; the latest collective each
         reached on communicator ``stream``."""
-        mpi = self.mpi
-        status = mpi.Status()
-        box = np.zeros(3, np.int64)
-        while self.comm.Iprobe(mpi.ANY_SOURCE, _ARRIVAL, status):
+        self.arrivals.read()
+        return self.reached.get(stream, [-1] * self.workers)
+
+    def arrived(self, source: int, stream: int, sequence: int) -> None:
+        """Peer ``source`` said it reached collective ``sequence`` on ``stream``."""
+        reached = self.reached.setdefault(stream, [-1] * self.workers)
+        reached[source] = max(reached[source], sequence)
+
+
+@final
+class _Arrivals:
+    """Where the side channels made over one communicator tell their peers which collective
+    they reached (``Workers._tell_arrival``): a duplicate of it, made with the first strategy
+    over it and never freed.
+
+    These messages go out without any failure, so some are still on their way when a strategy
+    is dropped; on a communicator that was freed, MPI would hand them to the next one given its
+    context (another strategy's, or one of the program's own, as happened to mpi4py's
+    ``allreduce``, whose receive failed on a message of another size). Each says whose it is
+    (its side channel's ``identity``): one for a channel no longer there is dropped.
+    """
+
+    __slots__ = ("_box", "_status", "channels", "comm", "mpi")
+
+    def __init__(self, mpi: Any, comm: Any) -> None:
+        self.mpi = mpi
+        self.comm = comm
+        #: The live side channels over this communicator, by identity.
+        self.channels: weakref.WeakValueDictionary[int, _SideChannel] = (
+            weakref.WeakValueDictionary()
+        )
+        self._status = mpi.Status()
+        self._box = np.zeros(3, np.int64)  # identity, stream, sequence
+
+    @staticmethod
+    def of(mpi: Any, communicator: Any) -> _Arrivals:
+        """Those of ``communicator``, made now if it has none (collective: every worker
+        makes its first strategy over ``communicator`` at the same point)."""
+        keyval = _arrivals_keyval(mpi)
+        arrivals: _Arrivals | None = communicator.Get_attr(keyval)
+        if arrivals is None:
+            arrivals = _Arrivals(mpi, communicator.Dup())
+            communicator.Set_attr(keyval, arrivals)
+        return arrivals
+
+    def read(self) -> None:
+        """Take in every arrival message that has come, each to its side channel."""
+        status, box = self._status, self._box
+        while self.comm.Iprobe(self.mpi.ANY_SOURCE, _ARRIVAL, status):
             source = status.Get_source()
             self.comm.Recv(box, source, _ARRIVAL)
-            identity, on, sequence = box.tolist()
-            if identity != self.identity:  # sent to a freed side channel with this context
-                continue
-            reached = self.reached.setdefault(on, [-1] * self.workers)
-            reached[source] = max(reached[source], sequence)
-        return self.reached.get(stream, [-1] * self.workers)
+            identity, stream, sequence = box.tolist()
+            channel = self.channels.get(identity)
+            if channel is not None:
+                channel.arrived(source, stream, sequence)
+
+
+@functools.cache
+def _arrivals_keyval(mpi: Any) -> int:
+    """The attribute under which a communicator keeps its ``_Arrivals``."""
+    keyval: int = mpi.Comm.Create_keyval()
+    return keyval
 
 
 @final

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 import pytest
+from mpi4py import MPI
 
 import aioreplica
 from aioreplica import (
@@ -22,6 +23,7 @@ from aioreplica import (
     PerReplica,
     ReduceOp,
     Variable,
+    _cluster,
 )
 from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
@@ -574,6 +576,28 @@ async def test_a_failure_notice_never_reaches_a_later_strategy() -> None:
     finally:
         later.close()
         between.close()
+
+
+async def test_a_dropped_strategys_messages_never_reach_the_programs_next_communicators() -> None:
+    """Under a timeout each collective tells the peers it was reached, and the last of those
+    messages is still unread on one worker when the strategy is dropped. Communicators the
+    program makes next (which MPI may give a freed communicator's context) receive none of
+    them: an mpi4py ``allreduce`` on one failed on such a message."""
+    first = MultiWorkerMirroredStrategy(["cpu:0"], sync_timeout=30)
+    for _ in range(3):
+        assert await first.run(_sum_of_ones) == float(WORKERS)
+    first.close()
+    del first
+    gc.collect()
+    _cluster._free_retired()  # what a strategy made now would do first
+    made = [WORLD.Dup() for _ in range(4)]
+    try:
+        found = [comm.Iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG) for comm in made]
+        assert allgather(found) == [[False] * 4] * WORKERS
+        assert made[-1].allreduce(RANK) == sum(range(WORKERS))
+    finally:
+        for comm in made:
+            comm.Free()
 
 
 async def test_arrivals_for_a_dropped_strategy_never_hide_a_later_ones_late_worker() -> None:
