@@ -19,15 +19,22 @@ order, so the collective calls of each test meet their peers on the other rank.
 - Each test gets a timeout of ``AIOREPLICA_MW_TEST_TIMEOUT`` seconds (default 20) unless it
   has its own ``timeout`` mark.
 - Async tests run on asyncio, uvloop and trio (the root ``conftest.py``'s ``anyio_backend``).
+- Each rank has a temporary directory of its own (``tmp_path``'s base), made for the job and
+  removed at its end: in pytest's shared one, both ranks cleaned up the same old directories
+  at exit, and one's "directory not empty" warning (an error here) aborted the job.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import re
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import pytest
@@ -63,6 +70,25 @@ _failed: list[str] = []
 
 def _err() -> IO[str]:
     return _stderr if _stderr is not None else sys.__stderr__  # type: ignore[return-value]
+
+
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """A base temporary directory per rank (before pytest's own ``tmp_path`` set-up reads it,
+    in ``pytest_configure``), in one made for the job by rank 0."""
+    if config.option.basetemp is None:
+        job = WORLD.bcast(tempfile.mkdtemp(prefix="aioreplica-mw-") if RANK == 0 else None)
+        config.option.basetemp = str(Path(job) / f"rank{RANK}")
+        config.add_cleanup(lambda: _remove_job_directory(Path(job)))
+
+
+def _remove_job_directory(job: Path) -> None:
+    shutil.rmtree(job / f"rank{RANK}", ignore_errors=True)
+    if RANK == 0:  # once the other ranks removed theirs (a few seconds at most, else it stays)
+        deadline = time.monotonic() + 5
+        while job.exists() and time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                job.rmdir()
+            time.sleep(0.01)
 
 
 @pytest.hookimpl(trylast=True)
