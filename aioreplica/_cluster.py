@@ -62,7 +62,6 @@ import contextlib
 import functools
 import json
 import math
-import secrets
 import sys
 import time
 import weakref
@@ -143,11 +142,9 @@ _PLANS: Final = 256
 #: (``_RecordExchange``), and the tag of those messages on the collectives' communicator.
 _DIRECT_WORKERS = 8
 _RECORD_TAG: Final = 0
-#: Each worker's message in the agreement to start: its count of local replicas, an identity
-#: for the side channel (the chief's is taken), then why it could not make its strategy
-#: (UTF-8, cut to fit), if it could not.
+#: Each worker's message in the agreement to start: its count of local replicas, then why it
+#: could not make its strategy (UTF-8, cut to fit), if it could not.
 _START_BYTES: Final = 512
-_START_TEXT: Final = 16
 
 
 #: What a call holds in one process: nothing (``nullcontext`` is reentrant: one for all).
@@ -355,7 +352,7 @@ class Workers:
         # First, on the caller's communicator, every worker's count of local replicas (or why
         # it could not make its strategy: ``refuse``), so that no worker waits for another
         # that gave up, and nothing is made unless every worker can.
-        counts, identity = _agree_to_start(communicator, local_replicas)
+        counts = _agree_to_start(communicator, local_replicas)
         if len(set(counts)) > 1:
             shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
             raise ValueError(
@@ -376,9 +373,7 @@ class Workers:
         self._records()
         side = communicator.Dup()
         arrivals = _Arrivals.of(mpi, communicator)
-        self._side = _SideChannel(
-            mpi, side, arrivals, self.num_workers, self.worker_index, identity
-        )
+        self._side = _SideChannel(mpi, side, arrivals, self.num_workers, self.worker_index)
         self._release = self._finalizer()
         # The strategy's own communicator (not a dataset pass's duplicate): it tells peers what
         # its collectives reached, and an interrupted wait on it is this worker's failure.
@@ -1125,17 +1120,14 @@ class Workers:
 class _SideChannel:
     """What a cluster and its duplicates share: the failure state and the side channel."""
 
-    def __init__(
-        self, mpi: Any, comm: Any, arrivals: _Arrivals, workers: int, me: int, identity: int
-    ) -> None:
+    def __init__(self, mpi: Any, comm: Any, arrivals: _Arrivals, workers: int, me: int) -> None:
         self.mpi = mpi
         self.comm = comm
         self.me = me
+        self.arrivals = arrivals
         #: The same on every worker, and another on every other side channel of
         #: ``arrivals``: its arrival messages carry it.
-        self.identity = identity
-        self.arrivals = arrivals
-        arrivals.channels[identity] = self
+        self.identity = arrivals.join(self)
         #: Why the workers fell out of step (``failure``), in a list the finalizers share.
         self.failure_box: list[str | None] = [None]
         self.peer_left = False  # a peer's program ended (the failure, unless one came first)
@@ -1221,7 +1213,7 @@ class _Arrivals:
     (its side channel's ``identity``): one for a channel no longer there is dropped.
     """
 
-    __slots__ = ("_box", "_status", "channels", "comm", "mpi")
+    __slots__ = ("_box", "_status", "channels", "comm", "joined", "mpi")
 
     def __init__(self, mpi: Any, comm: Any) -> None:
         self.mpi = mpi
@@ -1230,6 +1222,7 @@ class _Arrivals:
         self.channels: weakref.WeakValueDictionary[int, _SideChannel] = (
             weakref.WeakValueDictionary()
         )
+        self.joined = 0  # side channels made over it
         self._status = mpi.Status()
         self._box = np.zeros(3, np.int64)  # identity, stream, sequence
 
@@ -1243,6 +1236,15 @@ class _Arrivals:
             arrivals = _Arrivals(mpi, communicator.Dup())
             communicator.Set_attr(keyval, arrivals)
         return arrivals
+
+    def join(self, channel: _SideChannel) -> int:
+        """Route ``channel``'s arrival messages to it; its identity. Every worker makes its
+        strategies over this communicator in the same order, so the identity is the same on
+        each: how many channels joined before."""
+        identity = self.joined
+        self.joined += 1
+        self.channels[identity] = channel
+        return identity
 
     def read(self) -> None:
         """Take in every arrival message that has come, each to its side channel."""
@@ -1499,12 +1501,9 @@ def _intracomm(mpi: Any, communicator: Any) -> Any:
     return communicator
 
 
-def _agree_to_start(
-    communicator: Any, local_replicas: int, refusal: str = ""
-) -> tuple[list[int], int]:
+def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -> list[int]:
     """Every worker's count of local replicas (``-1`` and ``refusal``, why, from a worker that
-    could not make its strategy), gathered on the caller's communicator, and the identity of
-    the side channel to be made (the chief's draw: ``_SideChannel.identity``).
+    could not make its strategy), gathered on the caller's communicator.
 
     Construction is collective, so this waits for every worker, however late: a non-blocking
     ``Iallgather`` tested on this thread, as a collective's wait does (busy at first, then with
@@ -1515,9 +1514,9 @@ def _agree_to_start(
         _Refused: a worker could not make its strategy (``Workers.refuse``).
     """
     mine = np.zeros(_START_BYTES, np.uint8)
-    mine[:16].view("<i8")[:] = (local_replicas, secrets.randbits(63))
-    why = refusal.encode()[: _START_BYTES - _START_TEXT]
-    mine[_START_TEXT : _START_TEXT + len(why)] = np.frombuffer(why, np.uint8)
+    mine[:8].view("<i8")[0] = local_replicas
+    why = refusal.encode()[: _START_BYTES - 8]
+    mine[8 : 8 + len(why)] = np.frombuffer(why, np.uint8)
     every = np.zeros((communicator.Get_size(), _START_BYTES), np.uint8)
     request = communicator.Iallgather(mine, every)
     started = time.monotonic()
@@ -1528,7 +1527,7 @@ def _agree_to_start(
             time.sleep(pause)
     counts = [int(row[:8].view("<i8")[0]) for row in every]
     failed = [
-        (w, bytes(row[_START_TEXT:]).rstrip(b"\0").decode(errors="replace"))
+        (w, bytes(row[8:]).rstrip(b"\0").decode(errors="replace"))
         for w, (count, row) in enumerate(zip(counts, every, strict=True))
         if count < 0
     ]
@@ -1539,7 +1538,7 @@ def _agree_to_start(
             f"MultiWorkerMirroredStrategy ({shown}), so no worker makes one: every worker "
             "makes it at the same point of its program, with arguments valid on each"
         )
-    return counts, int(every[0, 8:16].view("<i8")[0])
+    return counts
 
 
 def worker_list(workers: list[int]) -> str:
