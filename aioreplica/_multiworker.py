@@ -280,8 +280,43 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         except (TypeError, ValueError, RuntimeError) as exc:  # bad input, closed, in a run
             await self._refuse_step(exc, "run()")
             raise
-        self._check_usable("run()")
-        return regroup(await self._step(fn, parts), first_replica=self._engine.first_replica)
+        workers = self._workers
+        if workers.step is not None or workers.broken:
+            self._check_usable("run()")
+        # The step: the replicas, then the agreement that every worker's step succeeded. A
+        # failure is announced to the other workers, unless it is bad input: arguments that a
+        # replica's check refused (``ReductionEngine.refusing``) are refused in step here,
+        # where the worker's next collective would be. ``_in_progress()`` is written out (and
+        # this is not a method of its own): what every run() pays for them counts at 8 bytes.
+        workers.refused = None
+        if workers.refusing:
+            workers.refusing.clear()
+        step = workers.step = object()
+        reset = current_step.set(step)
+        held = False
+        try:
+            try:
+                if workers.calling:
+                    held = await workers.hold()
+                if workers.pending:
+                    await sync_variables(workers)
+                result = await self._scheduler.run(fn, parts)
+                await workers.barrier("the end of run()")
+            except BaseException as exc:
+                for what, error in workers.refusing:
+                    if error is exc:  # a replica's check of a collective's arguments
+                        await self._engine.refuse(what, exc)
+                        break
+                raise
+            finally:
+                if held:
+                    workers.let_go()
+                current_step.reset(reset)
+                workers.step = None
+        except BaseException as exc:  # cancelled while a call ended counts, too
+            self._failed(exc)
+            raise
+        return regroup(result, first_replica=self._engine.first_replica)
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """``MirroredStrategy.run_steps`` on every worker; they leave it together.
@@ -388,33 +423,6 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         ``strategy.reduce``, a save) has ended."""
         return _InProgress(self._workers)
 
-    async def _step(self, fn: Callable[..., Any], parts: Any) -> Any:
-        """Run the replicas (``parts``: their arguments), refusing a concurrent ``run()``;
-        agree with the other workers at the end that every worker's step succeeded. A failure
-        is announced to them, unless it is bad input: arguments a replica's check refused
-        (``ReductionEngine.refusing``) are refused in step here, where the worker's next
-        collective would be."""
-        workers = self._workers
-        workers.refused = None
-        workers.refusing.clear()
-        try:
-            async with self._in_progress():
-                try:
-                    if workers.pending:
-                        await sync_variables(workers)
-                    result = await self._scheduler.run(fn, parts)
-                    await workers.barrier("the end of run()")
-                except BaseException as exc:
-                    for what, error in workers.refusing:
-                        if error is exc:  # a replica's check of a collective's arguments
-                            await self._engine.refuse(what, exc)
-                            break
-                    raise
-        except BaseException as exc:  # cancelled while a call ended counts, too
-            self._failed(exc)
-            raise
-        return result
-
     def _failed(self, exc: BaseException) -> None:
         """Tell the other workers that this one failed: unless it is a peer's failure, or
         bad input that every worker raised on in step (refused arguments, ``WorkersDisagree``),
@@ -443,8 +451,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
 
 class _InProgress:
-    """``MultiWorkerMirroredStrategy._in_progress``: a class, as every ``run()`` enters one
-    (one made by ``contextlib.asynccontextmanager`` costs several times as much).
+    """``MultiWorkerMirroredStrategy._in_progress`` (``run()`` writes the same out).
 
     The step is a token: the communicator's ``step`` while it runs, and ``current_step`` in
     its task, which the replicas' and merges' tasks inherit; a collective made from another
