@@ -286,8 +286,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         # The step: the replicas, then the agreement that every worker's step succeeded. A
         # failure is announced to the other workers, unless it is bad input: arguments that a
         # replica's check refused (``ReductionEngine.refusing``) are refused in step here,
-        # where the worker's next collective would be. ``_in_progress()`` is written out (and
-        # this is not a method of its own): what every run() pays for them counts at 8 bytes.
+        # where the worker's next collective would be. The step is written out here, with
+        # ``_in_progress()``'s work, rather than called: every run() pays for each call, which
+        # counts in an 8-byte step (devices/bench_multiworker.py).
         workers.refused = None
         if workers.refusing:
             workers.refusing.clear()
