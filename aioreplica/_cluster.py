@@ -420,7 +420,7 @@ class Workers:
     @property
     def failure(self) -> str | None:
         """Why the workers fell out of step, or ``None``."""
-        return self._side.failure_box[0]
+        return self._side.failure
 
     @property
     def broken(self) -> bool:
@@ -701,8 +701,7 @@ class Workers:
         """``_begin`` without suspending, for the common case: a collective of the step in
         progress, from its own tasks, with the turn free, nothing broken and the communicator
         made. Whether it began; else the caller awaits ``_begin``, which sorts out the rest.
-        (Every collective of a step comes here first: one coroutine less per collective,
-        and the properties ``_begin`` reads, inlined, are a good part of an 8-byte step.)"""
+        (Every collective of a step comes here first: one coroutine less per collective.)"""
         step, turn = self.step, self._turn
         if (
             step is None
@@ -713,9 +712,7 @@ class Workers:
         ):
             return False
         turn.busy = True
-        self._sequence += 1
-        if (collective_timeout.get() or self.default_timeout) is not None:
-            self._tell_arrival()
+        self._arrive()
         return True
 
     def _end(self) -> None:
@@ -781,7 +778,9 @@ class Workers:
                 send = None
             elif plan.parts:
                 plan.slot[...] = out if send is None else send
-            header = plan.header if current_call.get() is None else self._called(plan.header)
+            # ``_exchange``, written out here and in ``barrier`` (the two collectives of an
+            # 8-byte step): a coroutine less each.
+            header = self._called(plan.header)
             if not self._send_record(header):
                 await self._wait(self._exchange_request, "all_reduce")
             self._check_agreed("all_reduce", header)
@@ -931,7 +930,7 @@ class Workers:
         if not self._begin_now():
             await self._begin(what)
         try:
-            if not self._send_record(header):
+            if not self._send_record(header):  # ``_exchange``, written out (see ``allreduce``)
                 await self._wait(self._exchange_request, what)
             self._check_agreed(what, header)
         finally:
