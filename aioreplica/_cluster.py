@@ -604,8 +604,8 @@ class Workers:
     def _arrive(self) -> None:
         """Count this collective; with a timeout in force, tell the peers it was reached."""
         self._sequence += 1
-        if self._timeout() is not None:
-            self._tell_arrival()
+        if self.default_timeout is not None or collective_timeout.get() is not None:
+            self._tell_arrival()  # (``_timeout()``, read in place: every collective comes here)
 
     def _tell_arrival(self) -> None:
         side = self._side
@@ -781,9 +781,9 @@ class Workers:
             # ``_exchange``, written out here and in ``barrier`` (the two collectives of an
             # 8-byte step): a coroutine less each.
             header = self._called(plan.header)
-            if not self._send_record(header):
+            if not self._exchanged("all_reduce", header):
                 await self._wait(self._exchange_request, "all_reduce")
-            self._check_agreed("all_reduce", header)
+                self._check_agreed("all_reduce", header)
             if plan.parts:
                 _combine(plan.ufunc, plan.parts, out)
                 return
@@ -930,9 +930,9 @@ class Workers:
         if not self._begin_now():
             await self._begin(what)
         try:
-            if not self._send_record(header):  # ``_exchange``, written out (see ``allreduce``)
+            if not self._exchanged(what, header):  # ``_exchange``, written out (``allreduce``)
                 await self._wait(self._exchange_request, what)
-            self._check_agreed(what, header)
+                self._check_agreed(what, header)
         finally:
             self._end()
 
@@ -965,9 +965,9 @@ class Workers:
             self._idup_done()
         self._arrive()
         header = _header_of(what)
-        if not self._send_record(header):
+        if not self._exchanged(what, header):
             self._wait_here(self._exchange_request, what)
-        self._check_agreed(what, header)
+            self._check_agreed(what, header)
         return fn(self._comm, lambda request: self._wait_here(request, what))
 
     def duplicate(self, name: str) -> Workers:
@@ -1085,19 +1085,33 @@ class Workers:
         Raises:
             WorkersDisagree: the workers' headers differ (found alike on every worker).
         """
-        if not self._send_record(header):
+        if not self._exchanged(what, header):
             await self._wait(self._exchange_request, what)
-        self._check_agreed(what, header)
+            self._check_agreed(what, header)
 
-    def _send_record(self, header: _Header) -> bool:
+    def _exchanged(self, what: str, header: _Header) -> bool:
         """Start the records' exchange, this worker's with ``header``; whether it completed at
-        once (every peer's record was in)."""
+        once (every peer's record was in), the headers then checked. Else the caller waits
+        for ``_exchange_request`` and checks them (``_check_agreed``).
+
+        Raises:
+            WorkersDisagree: as ``_exchange``.
+        """
         if header is not self._header_sent:  # the record keeps a header until another comes
             self._record_bytes[:_HEADER_BYTES] = header.data
             self._header_sent = header
-        return self._exchange_request.started()
+        if not self._exchange_request.started():
+            return False
+        if self._checksums.tolist().count(header.checksum) != self.num_workers:
+            raise _disagreement(what, self._gathered)  # (``_check_agreed``, written out)
+        return True
 
     def _check_agreed(self, what: str, header: _Header) -> None:
+        """Once the records' exchange has completed, check that every worker sent ``header``.
+
+        Raises:
+            WorkersDisagree: as ``_exchange``.
+        """
         if self._checksums.tolist().count(header.checksum) != self.num_workers:
             raise _disagreement(what, self._gathered)
 
@@ -1303,7 +1317,7 @@ class _RecordExchange:
     messages.
     """
 
-    __slots__ = ("_pending", "requests")
+    __slots__ = ("_left", "requests")
 
     def __init__(self, mpi: Any, comm: Any, gathered: np.ndarray[Any, Any]) -> None:
         me, workers = comm.Get_rank(), len(gathered)
@@ -1314,22 +1328,25 @@ class _RecordExchange:
             receives = [comm.Recv_init(gathered[w], w, _RECORD_TAG) for w in peers]
             sends = [comm.Send_init(gathered[me], w, _RECORD_TAG) for w in peers]
             self.requests = receives + sends
-        self._pending: list[Any] = []  # started and not yet seen complete
+        #: How many of ``requests``, from the first, are not yet seen complete.
+        self._left = 0
 
     def started(self) -> bool:
         """Start the exchange; whether it completed at once (else ``Test`` it until it has)."""
         for request in self.requests:
             request.Start()
-        self._pending = self.requests.copy()
+        self._left = len(self.requests)
         return self.Test()
 
     def Test(self) -> bool:
         """Whether every record has come and this worker's has gone."""
-        pending = self._pending
-        while pending:
-            if not pending[-1].Test():  # sends first: they complete at once
+        requests, left = self.requests, self._left
+        while left:  # from the last: the sends, which complete at once
+            if not requests[left - 1].Test():
+                self._left = left
                 return False
-            pending.pop()
+            left -= 1
+        self._left = 0
         return True
 
 
