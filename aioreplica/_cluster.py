@@ -1317,7 +1317,7 @@ class _RecordExchange:
     messages.
     """
 
-    __slots__ = ("_left", "requests")
+    __slots__ = ("_incomplete", "requests")
 
     def __init__(self, mpi: Any, comm: Any, gathered: np.ndarray[Any, Any]) -> None:
         me, workers = comm.Get_rank(), len(gathered)
@@ -1329,24 +1329,24 @@ class _RecordExchange:
             sends = [comm.Send_init(gathered[me], w, _RECORD_TAG) for w in peers]
             self.requests = receives + sends
         #: How many of ``requests``, from the first, are not yet seen complete.
-        self._left = 0
+        self._incomplete = 0
 
     def started(self) -> bool:
         """Start the exchange; whether it completed at once (else ``Test`` it until it has)."""
         for request in self.requests:
             request.Start()
-        self._left = len(self.requests)
+        self._incomplete = len(self.requests)
         return self.Test()
 
     def Test(self) -> bool:
         """Whether every record has come and this worker's has gone."""
-        requests, left = self.requests, self._left
+        requests, left = self.requests, self._incomplete
         while left:  # from the last: the sends, which complete at once
             if not requests[left - 1].Test():
-                self._left = left
+                self._incomplete = left
                 return False
             left -= 1
-        self._left = 0
+        self._incomplete = 0
         return True
 
 
