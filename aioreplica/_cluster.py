@@ -57,6 +57,7 @@ never freed, each naming its side channel: one for a strategy no longer there is
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import functools
@@ -831,15 +832,21 @@ class Workers:
         return out.astype(dtype, copy=False)
 
     async def broadcast(
-        self, value: np.ndarray[Any, Any], root: int, where: str = ""
+        self, value: np.ndarray[Any, Any] | None, root: int, where: str = "", matching: bool = True
     ) -> np.ndarray[Any, Any]:
         """Worker ``root``'s ``value`` on every worker (a new array; the root's is copied).
-        ``where``: as for ``allgather_rows``.
+        ``where``: as for ``allgather_rows``. With ``matching``, every worker's ``value`` must
+        have the root's shape and dtype (the workers compare them: a variable's first value, a
+        write); without, the others' values are ignored (they may pass ``None``), and the root's
+        shape and dtype travel with its record.
 
         Raises:
-            WorkersDisagree: a worker's ``value`` differs from the root's in shape or dtype, or
-                a worker made another collective.
+            WorkersDisagree: with ``matching``, a worker's ``value`` differs from the root's in
+                shape or dtype; a worker made another collective.
         """
+        if not matching:
+            return await self._broadcast_any(value, root, where)
+        assert value is not None
         dtype = value.dtype
         value = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
@@ -861,6 +868,51 @@ class Workers:
         finally:
             self._end()
         return out.astype(dtype, copy=False)
+
+    async def _broadcast_any(
+        self, value: np.ndarray[Any, Any] | None, root: int, where: str
+    ) -> np.ndarray[Any, Any]:
+        """``broadcast`` without ``matching``. The root's record carries the size of its
+        array's description (its dtype and shape: ``_described``), then the description and,
+        after it, the data, each if it fits; what does not fit follows by ``Ibcast``."""
+        header = _header_of(f"broadcast from worker {root} of any array" + _named(where))
+        start = _HEADER_BYTES + 8  # after the description's size
+        sending = self.worker_index == root
+        if sending:
+            assert value is not None
+            dtype, said = value.dtype, _described(value.dtype, value.shape)
+            data = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
+        await self._begin("broadcast")
+        try:
+            if sending:
+                self._record_words[_HEADER_WORDS] = len(said)
+                at = _data_at(start + len(said))
+                if at <= _RECORD_BYTES:
+                    self._record_bytes[start : start + len(said)] = said
+                if at + data.nbytes <= _RECORD_BYTES:
+                    self._record[at : at + data.nbytes] = _bytes_of(data)
+            await self._exchange("broadcast", header)
+            size = int(self._gathered_words[root, _HEADER_WORDS])
+            at = _data_at(start + size)
+            if at > _RECORD_BYTES:  # the description follows
+                buffer = bytearray(said) if sending else bytearray(size)
+                await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
+                said = bytes(buffer)
+            elif not sending:
+                said = self._gathered[root, start : start + size].tobytes()
+            if not sending:
+                dtype, shape = _description(said)
+                data = np.empty(shape, _native_order(dtype))
+            if at + data.nbytes > _RECORD_BYTES:  # the data follows
+                request = self._comm.Ibcast([_bytes_of(data), self.mpi.BYTE], root)
+                await self._wait(request, "broadcast", data.nbytes)
+            elif not sending:
+                _bytes_of(data)[:] = self._gathered[root, at : at + data.nbytes]
+        finally:
+            self._end()
+        if sending:  # a copy of the root's, in its byte order
+            return np.array(data, dtype=dtype, copy=True)
+        return data.astype(dtype, copy=False)
 
     async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
         """Worker ``root``'s ``data`` on every worker (the others pass anything).
@@ -1600,6 +1652,26 @@ def _native_order(dtype: np.dtype[Any]) -> np.dtype[Any]:
 def _in_native_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """``array``, C-contiguous, in this machine's byte order: itself when it is so already."""
     return np.asarray(array, dtype=_native_order(array.dtype), order="C")
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _described(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
+    """``dtype`` and ``shape`` as bytes that ``_description`` reads back: a Python literal,
+    which evaluating runs nothing. (Both cached: a broadcast in every step asks again.)"""
+    return repr((np.lib.format.dtype_to_descr(dtype), shape)).encode()
+
+
+@functools.lru_cache(maxsize=_PLANS)
+def _description(said: bytes) -> tuple[np.dtype[Any], tuple[int, ...]]:
+    """The dtype and shape that ``_described`` wrote."""
+    descr, shape = ast.literal_eval(said.decode())
+    return np.lib.format.descr_to_dtype(descr), tuple(shape)
+
+
+def _data_at(offset: int) -> int:
+    """``offset`` rounded up to a multiple of 8: where a record's data starts after ``offset``
+    bytes of other things."""
+    return -(-offset // 8) * 8
 
 
 def _bytes_of(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

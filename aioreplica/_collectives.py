@@ -187,9 +187,14 @@ class ReductionEngine:
         whole = np.moveaxis(await cluster.allgather_rows(staged, _where(path)), 0, axis)
         return await self._placed(np.asarray(whole, order="C"))
 
-    async def broadcast(self, value: Any, source: int, what: str = "") -> list[Any]:
+    async def broadcast(
+        self, value: Any, source: int, what: str = "", matching: bool = True
+    ) -> list[Any]:
         """Replica ``source``'s component of ``value``, once per replica on its device.
         ``what``: what the value is, which the workers compare too (a variable's write).
+        ``matching``: whether every worker's leaves must have the shapes and dtypes of the
+        source's (the workers compare them: a variable's value); else, as in one process,
+        the other replicas' arrays are ignored (``ReplicaContext.broadcast``).
 
         Raises:
             ValueError: ``source`` is not a replica id.
@@ -199,7 +204,7 @@ class ReductionEngine:
         source = self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
         if self.cluster is not None:
-            sending = self._broadcast_across(leaves, source, what)
+            sending = self._broadcast_across(leaves, source, what, matching)
         else:
             sending = self._broadcast_leaves([leaf.arrays[source] for leaf in leaves], self.devices)
         if _trace.recorder is not None:
@@ -212,18 +217,23 @@ class ReductionEngine:
         return [await self.backend.broadcast(array, destinations) for array in arrays]
 
     async def _broadcast_across(
-        self, leaves: list[_LeafArrays], source: int, what: str
+        self, leaves: list[_LeafArrays], source: int, what: str, matching: bool
     ) -> list[list[Any]]:
         """Global replica ``source``'s leaves from its worker to every worker's replicas."""
         assert self.cluster is not None
-        _check_crossing("broadcast", leaves)
         root, local = divmod(source, self.size)
+        sending = self.cluster.worker_index == root
+        if sending:
+            _check_crossing("broadcast", leaves, local)
         results = []
         for leaf in leaves:
-            # Every worker passes its own replica's array: the shape the root's must have.
-            mine = leaf.arrays[local if self.cluster.worker_index == root else 0]
             where = " ".join(filter(None, (what, _where(leaf.path))))
-            value = await self.cluster.broadcast(await self._staged(mine), root, where)
+            mine: np.ndarray[Any, Any] | None = None  # another worker's: ignored ...
+            if sending:
+                mine = await self._staged(leaf.arrays[local])
+            elif matching:  # ... unless it must have the root's shape and dtype (compared)
+                mine = await self._staged(leaf.arrays[0])
+            value = await self.cluster.broadcast(mine, root, where, matching)
             results.append(await self._placed(value))
         return results
 
@@ -737,15 +747,16 @@ def _local_op(op: str) -> str:
     return "sum" if op == "mean" else op
 
 
-def _check_crossing(what: str, leaves: list[_LeafArrays]) -> None:
+def _check_crossing(what: str, leaves: list[_LeafArrays], replica: int = 0) -> None:
     """Across workers, data travels as bytes: any dtype but Python objects, whose arrays hold
-    references into this process.
+    references into this process. Checked on local replica ``replica``'s arrays (a
+    broadcast's source, whose arrays alone travel).
 
     Raises:
         TypeError: a leaf holds Python objects (dtype ``object``).
     """
     for leaf in leaves:
-        dtype = getattr(leaf.arrays[0], "dtype", None)
+        dtype = getattr(leaf.arrays[replica], "dtype", None)
         if dtype is not None and dtype.hasobject:
             at = f" at {_tree.describe_path(leaf.path)}" if leaf.path else ""
             raise TypeError(

@@ -316,7 +316,8 @@ class ReplicaContext:
         source_replica: SupportsIndex = 0,
         options: CommunicationOptions | None = None,
     ) -> Any:
-        """Give every replica ``source_replica``'s ``value`` (the others' are ignored).
+        """Give every replica ``source_replica``'s ``value`` (the others' are ignored, across
+        workers too: only the structure must be the same).
 
         Raises:
             ValueError: ``source_replica`` is out of range, or structures differ.
@@ -450,7 +451,7 @@ async def _merge_broadcast(
 ) -> PerReplica[Any]:
     try:
         source = _agreed(engine, source, "the source_replica of broadcast")
-        return PerReplica(await engine.broadcast(value, source))
+        return PerReplica(await engine.broadcast(value, source, matching=False))
     except _REFUSALS as exc:
         await engine.refuse("broadcast", exc)
         raise

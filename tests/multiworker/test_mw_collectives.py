@@ -108,13 +108,17 @@ async def test_byte_orders_of_every_worker(
     make_strategy: MakeStrategy, local: int, size: int
 ) -> None:
     """Arrays in the other byte order (``>f8`` on a little-endian machine) on some workers and
-    not others: every collective gives the right numbers, in each worker's own dtype, as in
-    one process (MPI itself takes numbers in the machine's order only)."""
+    not others: every collective gives the right numbers, in each worker's own dtype (a
+    broadcast: in its source's), as in one process (MPI itself takes numbers in the machine's
+    order only)."""
     strategy = make_strategy(local)
     n = WORKERS * local
     data = np.random.default_rng(4).normal(size=(n, size))
-    order = ">" if RANK % 2 == 0 else "<"
-    dtype = np.dtype(f"{order}f8")
+
+    def dtype_of(worker: int) -> np.dtype[Any]:
+        return np.dtype(">f8" if worker % 2 == 0 else "<f8")
+
+    dtype = dtype_of(RANK)
 
     async def step() -> Any:
         ctx = replica_context()
@@ -137,7 +141,7 @@ async def test_byte_orders_of_every_worker(
             ("gathered", gathered),
             ("sent", data[n - 1]),
         ]:
-            assert got[key].dtype == dtype, key
+            assert got[key].dtype == (dtype_of(WORKERS - 1) if key == "sent" else dtype), key
             np.testing.assert_allclose(got[key], want, rtol=1e-12, atol=1e-12, err_msg=key)
     total = await strategy.reduce("sum", result["row"])
     rows = await strategy.gather(result["row"])
@@ -193,8 +197,8 @@ async def test_arrays_of_python_objects_are_refused_across_workers(
     make_strategy: MakeStrategy, collective: str, everywhere: bool
 ) -> None:
     """Arrays of Python objects cannot travel between processes: a TypeError saying so on the
-    workers that passed them (the others raise a ValueError naming them), nothing moved, and
-    the strategy goes on working."""
+    workers that passed them (a broadcast's source), the others a ValueError naming them,
+    nothing moved, and the strategy goes on working."""
     strategy = make_strategy(2)
     objects = everywhere or RANK == WORKERS - 1
     value = np.array([1, "x"], dtype=object if objects else "<U1")
@@ -203,7 +207,7 @@ async def test_arrays_of_python_objects_are_refused_across_workers(
         ctx = replica_context()
         if collective == "all_gather":
             return await ctx.all_gather(value)
-        return await ctx.broadcast(value)
+        return await ctx.broadcast(value, source_replica=2 * WORKERS - 1)
 
     async def use() -> Any:
         if collective == "gather":
@@ -212,7 +216,7 @@ async def test_arrays_of_python_objects_are_refused_across_workers(
 
     with pytest.raises((TypeError, ValueError)) as caught:
         await use()
-    if objects:
+    if objects if collective != "broadcast" else RANK == WORKERS - 1:  # (its source's worker)
         assert caught.type is TypeError
         assert "Python objects (dtype object)" in str(caught.value)
     else:
@@ -222,21 +226,15 @@ async def test_arrays_of_python_objects_are_refused_across_workers(
     assert strategy.experimental_local_results(after) == tuple(global_ids(2))
 
 
-@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
-async def test_records_of_other_fields_disagree(
-    make_strategy: MakeStrategy, collective: str
-) -> None:
-    """Records of the same size but other fields on one worker are not mixed up: the same
-    ValueError on every worker, naming both dtypes."""
+async def test_records_of_other_fields_disagree(make_strategy: MakeStrategy) -> None:
+    """Records of the same size but other fields on one worker are not gathered together:
+    the same ValueError on every worker, naming both dtypes."""
     strategy = make_strategy(1)
     fields = [("x", "<f4"), ("i", "<i4")] if RANK == 0 else [("i", "<i4"), ("x", "<f4")]
     value = np.zeros(3, dtype=fields)
 
     async def step() -> Any:
-        ctx = replica_context()
-        if collective == "all_gather":
-            return await ctx.all_gather(value)
-        return await ctx.broadcast(value)
+        return await replica_context().all_gather(value)
 
     with pytest.raises(ValueError, match=r"\('x', '<f4'\), \('i', '<i4'\)") as caught:
         await strategy.run(step)
@@ -623,14 +621,15 @@ GATHER_DISAGREEMENTS: dict[str, tuple[Callable[[], Any], str]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(GATHER_DISAGREEMENTS))
-@pytest.mark.parametrize("collective", ["all_gather", "broadcast"])
+@pytest.mark.parametrize(
+    ("collective", "case"), [("all_gather", "shape"), ("all_gather", "key"), ("broadcast", "key")]
+)
 async def test_gather_and_broadcast_workers_disagree(
     make_strategy: MakeStrategy, collective: str, case: str
 ) -> None:
-    """Other trailing dimensions (all_gather) or shapes (broadcast) on one worker, or the same
-    array under another key: the same ValueError on every worker, naming what differs, rather
-    than values from different places combined; the strategy goes on."""
+    """Other trailing dimensions (all_gather) on one worker, or the same array under another
+    key: the same ValueError on every worker, naming what differs, rather than values from
+    different places combined; the strategy goes on."""
     strategy = make_strategy(1)
     make_value, shown = GATHER_DISAGREEMENTS[case]
     value = make_value()
@@ -689,6 +688,45 @@ async def test_broadcast_small_and_large_from_a_later_worker(
     assert got.dtype == np.int16
     assert got.shape == (size, 2)
     np.testing.assert_array_equal(got, np.arange(size * 2).reshape(size, 2) * (source + 1))
+
+
+#: A description longer than the workers' first message: it follows through MPI.
+_WIDE_RECORD = np.dtype([(f"field_{i:03d}", "<i2") for i in range(60)])
+
+
+@pytest.mark.parametrize(
+    "source_value",
+    [
+        lambda: np.arange(6, dtype=np.int16).reshape(3, 2),
+        lambda: np.arange(10_000.0).reshape(100, 100).astype(">f8"),
+        lambda: np.ones(4, _WIDE_RECORD),
+        lambda: np.ones(400, _WIDE_RECORD),
+        lambda: np.array("text"),
+        lambda: np.zeros((0, 5), np.complex64),
+    ],
+    ids=["small", "large", "wide record", "wide records", "str scalar", "empty"],
+)
+async def test_broadcast_ignores_what_the_other_workers_pass(
+    make_strategy: MakeStrategy, source_value: Callable[[], Array]
+) -> None:
+    """As in one process, a broadcast gives every replica of every worker its source's array,
+    shape and dtype, whatever the other replicas pass (another shape, dtype, a Python number),
+    small enough to travel in the workers' first message or not, whatever its description's
+    size; only the structure must match."""
+    strategy = make_strategy(2)
+    source = 2 * WORKERS - 1
+    sent = source_value()
+
+    async def step() -> Any:
+        g = replica_id()
+        mine = {"v": sent if g == source else [np.zeros(g + 1, np.float32), 1.5, np.int8(g)][g % 3]}
+        return await replica_context().broadcast(mine, source_replica=source)
+
+    for got in local_results(strategy, await strategy.run(step)):
+        assert got["v"].dtype == sent.dtype
+        assert got["v"].shape == sent.shape
+        np.testing.assert_array_equal(got["v"], sent)
+    assert not np.shares_memory(got["v"], sent)
 
 
 COLLECTIVES: dict[str, Callable[[], Any]] = {
