@@ -230,7 +230,7 @@ class ReductionEngine:
             where = " ".join(filter(None, (what, _where(leaf.path))))
             mine: np.ndarray[Any, Any] | None = None  # another worker's: ignored ...
             if sending:
-                mine = await self._staged(leaf.arrays[local])
+                mine = await self._staged(leaf.arrays[local], local)
             elif matching:  # ... unless it must have the root's shape and dtype (compared)
                 mine = await self._staged(leaf.arrays[0])
             value = await self.cluster.broadcast(mine, root, where, matching)
@@ -665,13 +665,15 @@ class ReductionEngine:
             np.divide(staged, self.num_replicas, out=staged)
         return await self._placed(staged)
 
-    async def _staged(self, value: Any) -> np.ndarray[Any, Any]:
-        """A writeable, contiguous host copy of a result on the first device, once the
-        device's work that made it is done (without blocking the event loop)."""
+    async def _staged(self, value: Any, replica: int = 0) -> np.ndarray[Any, Any]:
+        """A writeable, contiguous host copy of a value on local replica ``replica``'s device
+        (a result on the first, by default), once the device's work that made it is done
+        (without blocking the event loop)."""
         if self.backend is HOST_BACKEND:
             return np.array(value, copy=True, order="C")
-        await self.devices[0].synchronize()
-        return np.array(host_array(value, self.devices[0]), order="C", copy=True)
+        device = self.devices[replica]
+        await device.synchronize()
+        return np.array(host_array(value, device), order="C", copy=True)
 
     async def _placed(self, value: np.ndarray[Any, Any]) -> list[Any]:
         """A host array on every replica's device (host replicas share it, read-only)."""

@@ -55,6 +55,25 @@ async def test_collectives_stage_through_the_host(cp: Any) -> None:
         np.testing.assert_allclose(chunk, chunks[g], rtol=1e-6)
 
 
+async def test_a_broadcast_places_the_sources_array_on_every_gpu(cp: Any) -> None:
+    """The source's array, shape and dtype, on every replica's own GPU of every worker,
+    whatever the other replicas pass (their arrays are ignored, as in one process)."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    rows = _rows()
+
+    async def step() -> Any:
+        ctx = replica_context()
+        g = ctx.replica_id_in_sync_group
+        mine = rows[g] if g == 1 else np.zeros((g + 2, 3), np.int8)
+        sent = await ctx.broadcast(ctx.device.asarray(mine), source_replica=1)
+        assert sent.device.id == ctx.device.index
+        return cp.asnumpy(sent)
+
+    for sent in each_replica(strategy, await strategy.run(step)):
+        assert sent.dtype == np.float32
+        np.testing.assert_array_equal(sent, rows[1])
+
+
 async def test_variables_start_from_the_chief_and_stay_identical(cp: Any) -> None:
     strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
     rows = _rows()
