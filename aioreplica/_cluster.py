@@ -139,6 +139,11 @@ _RECORD_BYTES: Final = 1024
 _INLINE_BYTES: Final = _RECORD_BYTES - _HEADER_BYTES
 #: How many ways of all-reducing (op, dtype, shape) a cluster keeps ready.
 _PLANS: Final = 256
+#: Where bytes that a broadcast's root puts in its record start (``Workers._put``): after the
+#: header and the word that holds their size.
+_PUT_AT: Final = _HEADER_BYTES + 8
+#: How many arrays' descriptions (dtype and shape) a broadcast keeps written and read.
+_DESCRIPTIONS: Final = 256
 #: Up to how many workers the records go straight from each worker to every other
 #: (``_RecordExchange``), and the tag of those messages on the collectives' communicator.
 _DIRECT_WORKERS = 8
@@ -872,34 +877,26 @@ class Workers:
     async def _broadcast_any(
         self, value: np.ndarray[Any, Any] | None, root: int, where: str
     ) -> np.ndarray[Any, Any]:
-        """``broadcast`` without ``matching``. The root's record carries the size of its
-        array's description (its dtype and shape: ``_described``), then the description and,
-        after it, the data, each if it fits; what does not fit follows by ``Ibcast``."""
+        """``broadcast`` without ``matching``. The root puts its array's description (dtype
+        and shape: ``_described``) in its record as ``broadcast_bytes`` does, and the data
+        after it if it fits; what does not fit follows by ``Ibcast``."""
         header = _header_of(f"broadcast from worker {root} of any array" + _named(where))
-        start = _HEADER_BYTES + 8  # after the description's size
         sending = self.worker_index == root
+        mine: bytes | None = None  # the description, on the root
         if sending:
             assert value is not None
-            dtype, said = value.dtype, _described(value.dtype, value.shape)
+            dtype, mine = value.dtype, _described(value.dtype, value.shape)
             data = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
         await self._begin("broadcast")
         try:
-            if sending:
-                self._record_words[_HEADER_WORDS] = len(said)
-                at = _data_at(start + len(said))
-                if at <= _RECORD_BYTES:
-                    self._record_bytes[start : start + len(said)] = said
+            if mine is not None:
+                self._put(mine)
+                at = _data_at(_PUT_AT + len(mine))
                 if at + data.nbytes <= _RECORD_BYTES:
                     self._record[at : at + data.nbytes] = _bytes_of(data)
             await self._exchange("broadcast", header)
-            size = int(self._gathered_words[root, _HEADER_WORDS])
-            at = _data_at(start + size)
-            if at > _RECORD_BYTES:  # the description follows
-                buffer = bytearray(said) if sending else bytearray(size)
-                await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
-                said = bytes(buffer)
-            elif not sending:
-                said = self._gathered[root, start : start + size].tobytes()
+            said = await self._taken(mine, root)
+            at = _data_at(_PUT_AT + len(said))
             if not sending:
                 dtype, shape = _description(said)
                 data = np.empty(shape, _native_order(dtype))
@@ -921,21 +918,34 @@ class Workers:
             WorkersDisagree: a worker made another collective.
         """
         header = _header_of(f"broadcast of bytes from worker {root}")
-        start = _HEADER_BYTES + 8  # after the size
+        sending = self.worker_index == root
         await self._begin("broadcast")
         try:
-            if self.worker_index == root:
-                self._record_words[_HEADER_WORDS] = len(data)
-                if start + len(data) <= _RECORD_BYTES:
-                    self._record_bytes[start : start + len(data)] = data
+            if sending:
+                self._put(data)
             await self._exchange("broadcast", header)
-            size = int(self._gathered_words[root, _HEADER_WORDS])
-            if start + size <= _RECORD_BYTES:  # it came with the root's record
-                return self._gathered[root, start : start + size].tobytes()
-            buffer = bytearray(data) if self.worker_index == root else bytearray(size)
-            await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
+            return await self._taken(data if sending else None, root)
         finally:
             self._end()
+
+    def _put(self, data: bytes) -> None:
+        """Put ``data`` in this worker's record for a broadcast from it, its size first: all of
+        it, or only the size when it does not fit (``_taken`` then sends it by ``Ibcast``)."""
+        self._record_words[_HEADER_WORDS] = len(data)
+        if _PUT_AT + len(data) <= _RECORD_BYTES:
+            self._record_bytes[_PUT_AT : _PUT_AT + len(data)] = data
+
+    async def _taken(self, data: bytes | None, root: int) -> bytes:
+        """Once the records are exchanged, the bytes that worker ``root`` put in its record
+        (``_put``; ``data``: the same, on the root itself), from its record or by ``Ibcast``
+        when they did not fit; the caller holds the turn."""
+        size = int(self._gathered_words[root, _HEADER_WORDS])
+        if _PUT_AT + size <= _RECORD_BYTES:  # they came with the root's record
+            if data is not None:
+                return data
+            return self._gathered[root, _PUT_AT : _PUT_AT + size].tobytes()
+        buffer = bytearray(size) if data is None else bytearray(data)
+        await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
         return bytes(buffer)
 
     async def refuse_in_step(self, what: str, error: BaseException) -> None:
@@ -1654,14 +1664,14 @@ def _in_native_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.asarray(array, dtype=_native_order(array.dtype), order="C")
 
 
-@functools.lru_cache(maxsize=_PLANS)
+@functools.lru_cache(maxsize=_DESCRIPTIONS)
 def _described(dtype: np.dtype[Any], shape: tuple[int, ...]) -> bytes:
     """``dtype`` and ``shape`` as bytes that ``_description`` reads back: a Python literal,
     which evaluating runs nothing. (Both cached: a broadcast in every step asks again.)"""
     return repr((np.lib.format.dtype_to_descr(dtype), shape)).encode()
 
 
-@functools.lru_cache(maxsize=_PLANS)
+@functools.lru_cache(maxsize=_DESCRIPTIONS)
 def _description(said: bytes) -> tuple[np.dtype[Any], tuple[int, ...]]:
     """The dtype and shape that ``_described`` wrote."""
     descr, shape = ast.literal_eval(said.decode())
