@@ -30,6 +30,7 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import ReplicaSyncError as ReplicaSyncError
 from ._multiworker import Cluster as Cluster
 from ._multiworker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from ._options import CommunicationImplementation as CommunicationImplementation
 from ._options import CommunicationOptions as CommunicationOptions
 from ._options import ReduceOp as ReduceOp
 from ._scheduler import SchedulerStatistics as SchedulerStatistics
@@ -59,6 +60,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "Cluster",
+    "CommunicationImplementation",
     "CommunicationOptions",
     "Device",
     "DistributedDataset",

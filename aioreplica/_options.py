@@ -1,7 +1,8 @@
 """The small vocabulary every layer shares: reduction ops and communication options.
 
 ``CaseInsensitiveStrEnum`` is the base of every enum whose members users may also spell as
-strings (``ReduceOp``, ``VariableSynchronization``, ``VariableAggregation``).
+strings (``ReduceOp``, ``CommunicationImplementation``, ``VariableSynchronization``,
+``VariableAggregation``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ from typing import Final, Self
 
 from ._errors import as_integer, as_real
 
-__all__ = ["DEFAULT_PACK_BYTES", "CaseInsensitiveStrEnum", "CommunicationOptions", "ReduceOp"]
+__all__ = [
+    "DEFAULT_PACK_BYTES",
+    "CaseInsensitiveStrEnum",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "ReduceOp",
+]
 
 #: Pack size when ``CommunicationOptions.bytes_per_pack`` is 0 (let aioreplica choose).
 DEFAULT_PACK_BYTES: Final = 4 << 20
@@ -22,8 +29,9 @@ DEFAULT_PACK_BYTES: Final = 4 << 20
 class CaseInsensitiveStrEnum(enum.StrEnum):
     """A string enum whose ``parse`` takes a member or its value in any case.
 
-    The base of ``ReduceOp``, ``VariableSynchronization`` and ``VariableAggregation``: each
-    member's value is its name in lower case, so names and values both parse.
+    The base of ``ReduceOp``, ``CommunicationImplementation``, ``VariableSynchronization`` and
+    ``VariableAggregation``: each member's value is its name in lower case, so names and
+    values both parse.
     """
 
     @classmethod
@@ -63,6 +71,26 @@ class ReduceOp(CaseInsensitiveStrEnum):
     PROD = "prod"
 
 
+class CommunicationImplementation(CaseInsensitiveStrEnum):
+    """Which transport collectives should use: TF's hint, under TF's names.
+
+    Accepted so that TF programs run unchanged. aioreplica picks the transport itself, whatever
+    the member: NumPy on host devices, NCCL between the GPUs of one process, MPI between the
+    workers of a ``MultiWorkerMirroredStrategy`` (GPU replicas staged through the host; NCCL
+    across workers is not built yet). TF treats it as a hint too: its ``NCCL`` falls back to
+    its ring on CPUs and for all-gather and broadcast. Strings (``"nccl"``, ``"NCCL"``) are
+    accepted too.
+
+    Example:
+        >>> CommunicationImplementation.parse("NCCL")
+        <CommunicationImplementation.NCCL: 'nccl'>
+    """
+
+    AUTO = "auto"
+    RING = "ring"
+    NCCL = "nccl"
+
+
 @dataclass(frozen=True, slots=True)
 class CommunicationOptions:
     """How collectives communicate; given to a strategy, or to one call to override it.
@@ -73,17 +101,24 @@ class CommunicationOptions:
         timeout_seconds: how long replicas wait at a collective for the others to arrive
             before the run fails with ``ReplicaSyncError`` naming the late replicas; ``None``
             waits. The reduction's own work, once all have arrived, is never timed out.
+        implementation: a ``CommunicationImplementation`` or its name, TF's hint for the
+            transport (``AUTO`` by default); accepted so that TF programs run unchanged, and
+            aioreplica chooses the transport itself (see ``CommunicationImplementation``).
 
     Raises:
-        ValueError: a negative ``bytes_per_pack`` or a non-positive ``timeout_seconds``.
+        ValueError: a negative ``bytes_per_pack``, a non-positive ``timeout_seconds`` or an
+            unknown ``implementation`` (the message lists the valid ones).
 
     Example:
         >>> CommunicationOptions(bytes_per_pack=1 << 20, timeout_seconds=30.0).bytes_per_pack
         1048576
+        >>> CommunicationOptions(implementation="NCCL").implementation
+        <CommunicationImplementation.NCCL: 'nccl'>
     """
 
     bytes_per_pack: int = 0
     timeout_seconds: float | None = None
+    implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO
 
     def __post_init__(self) -> None:
         packing = as_integer(self.bytes_per_pack)
@@ -99,15 +134,18 @@ class CommunicationOptions:
                     f"timeout_seconds must be positive or None, got {self.timeout_seconds!r}"
                 )
             object.__setattr__(self, "timeout_seconds", timeout)
+        implementation = CommunicationImplementation.parse(self.implementation)
+        object.__setattr__(self, "implementation", implementation)
 
     def override(self, other: CommunicationOptions | None) -> CommunicationOptions:
         """These options with the fields that ``other`` sets (non-default) taking precedence.
 
         Example:
-            >>> CommunicationOptions(bytes_per_pack=1024).override(
+            >>> options = CommunicationOptions(bytes_per_pack=1024).override(
             ...     CommunicationOptions(timeout_seconds=5.0)
             ... )
-            CommunicationOptions(bytes_per_pack=1024, timeout_seconds=5.0)
+            >>> options.bytes_per_pack, options.timeout_seconds
+            (1024, 5.0)
         """
         if other is None:
             return self
@@ -120,5 +158,10 @@ class CommunicationOptions:
             bytes_per_pack=other.bytes_per_pack or self.bytes_per_pack,
             timeout_seconds=(
                 other.timeout_seconds if other.timeout_seconds is not None else self.timeout_seconds
+            ),
+            implementation=(
+                other.implementation
+                if other.implementation is not CommunicationImplementation.AUTO
+                else self.implementation
             ),
         )

@@ -13,6 +13,7 @@ import pytest
 
 import aioreplica
 from aioreplica import (
+    CommunicationImplementation,
     CommunicationOptions,
     Mirrored,
     MirroredStrategy,
@@ -97,6 +98,53 @@ class TestCommunicationOptions:
             64, 1.0
         )
         assert base.override(None) is base
+        ring = CommunicationOptions(implementation="ring")
+        assert base.override(ring) == CommunicationOptions(
+            64, 9.0, CommunicationImplementation.RING
+        )
+        assert ring.override(CommunicationOptions(timeout_seconds=1.0)) == CommunicationOptions(
+            0, 1.0, "RING"
+        )
+
+    def test_implementation_takes_tfs_names(self) -> None:
+        """``implementation`` is TF's hint under TF's names: members, or their names in any
+        case, AUTO by default; anything else is refused with the valid names."""
+        assert CommunicationOptions().implementation is CommunicationImplementation.AUTO
+        for spelled in ("NCCL", "nccl", CommunicationImplementation.NCCL):
+            chosen = CommunicationOptions(implementation=spelled).implementation
+            assert chosen is CommunicationImplementation.NCCL
+        assert (
+            CommunicationOptions(0, None, "Ring").implementation is CommunicationImplementation.RING
+        )
+        valid = "use a CommunicationImplementation or one of 'auto', 'ring', 'nccl'"
+        with pytest.raises(
+            ValueError, match=f"unknown communication implementation 'mpi': {valid}"
+        ):
+            CommunicationOptions(implementation="mpi")
+        with pytest.raises(ValueError, match=f"unknown communication implementation 2: {valid}"):
+            CommunicationOptions(implementation=2)  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("implementation", list(CommunicationImplementation))
+    async def test_every_implementation_reduces_alike(
+        self, implementation: CommunicationImplementation
+    ) -> None:
+        """TF programs that name an implementation run unchanged, for the strategy or for one
+        call: on host devices every one combines with NumPy, as AUTO does."""
+        options = CommunicationOptions(implementation=implementation)
+        strategy = MirroredStrategy(host_devices(3), communication_options=options)
+        data = PerReplica([np.arange(4.0) * (r + 1) for r in range(3)])
+
+        async def step(x: np.ndarray[Any, Any]) -> tuple[Any, Any]:
+            ctx = replica_context()
+            return await ctx.all_reduce("sum", x), await ctx.all_gather(x, options=options)
+
+        total, rows = await strategy.run(step, args=(data,))
+        for got in local(strategy, total):
+            assert got.tolist() == [0.0, 6.0, 12.0, 18.0]
+        for got in local(strategy, rows):
+            assert got.tolist() == np.concatenate(data.values).tolist()
+        reduced = await strategy.extended.reduce_to("sum", data, "cpu:0", options=options)
+        assert reduced.tolist() == [0.0, 6.0, 12.0, 18.0]
 
 
 class TestAllReduce:

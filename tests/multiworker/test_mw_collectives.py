@@ -14,7 +14,14 @@ import anyio
 import numpy as np
 import pytest
 
-from aioreplica import CommunicationOptions, PerReplica, ReduceOp, ReplicaSyncError, _cluster
+from aioreplica import (
+    CommunicationImplementation,
+    CommunicationOptions,
+    PerReplica,
+    ReduceOp,
+    ReplicaSyncError,
+    _cluster,
+)
 from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
 
@@ -292,6 +299,28 @@ async def test_all_reduce_packs_many_small_leaves(
         for leaf, want in zip(got, leaves, strict=True):
             assert leaf.dtype == want.dtype
             np.testing.assert_array_equal(leaf, want.sum(axis=0).astype(want.dtype))
+
+
+@pytest.mark.parametrize("implementation", list(CommunicationImplementation))
+async def test_every_implementation_combines_the_workers_alike(
+    make_strategy: MakeStrategy, implementation: CommunicationImplementation
+) -> None:
+    """TF's usual ``CommunicationOptions(implementation=NCCL)`` for this strategy, and the
+    others, for the strategy or for one call: the workers combine over MPI, as with AUTO."""
+    options = CommunicationOptions(implementation=implementation)
+    strategy = make_strategy(2, communication_options=options)
+    data = np.random.default_rng(6).normal(size=(2 * WORKERS, 5)).astype(np.float32)
+
+    async def step() -> Any:
+        ctx = replica_context()
+        row = data[replica_id()]
+        return await ctx.all_reduce("sum", row), await ctx.all_gather(row[None], options=options)
+
+    for total, rows in local_results(strategy, await strategy.run(step)):
+        np.testing.assert_allclose(total, data.sum(axis=0), rtol=1e-6)
+        np.testing.assert_array_equal(rows, data)
+    mean = await strategy.reduce("mean", PerReplica([data[0], data[1]]), axis=None)
+    np.testing.assert_allclose(mean, (data[0] + data[1]) / 2, rtol=1e-6)
 
 
 async def test_strategy_communication_options_pack(make_strategy: MakeStrategy) -> None:
