@@ -56,6 +56,9 @@ if TYPE_CHECKING:
     from ._cluster import Workers
     from ._options import CommunicationOptions
 
+    #: ``strategy.reduce``'s ``axis``: one axis, or several (a tuple or list).
+    Axes = SupportsIndex | Sequence[SupportsIndex]
+
 __all__ = ["ReductionEngine"]
 
 T = TypeVar("T")
@@ -322,7 +325,7 @@ class ReductionEngine:
 
     # -- one result per destination ---------------------------------------------------
 
-    async def reduce(self, op: ReduceOp, value: Any, axis: SupportsIndex | None) -> Any:
+    async def reduce(self, op: ReduceOp, value: Any, axis: Axes | None) -> Any:
         """Reduce ``value`` across replicas (and along ``axis``), on the first device.
 
         With ``axis``, each component is reduced along it first; ``MEAN`` divides the total by
@@ -347,7 +350,7 @@ class ReductionEngine:
         return treedef.unflatten(await along)
 
     async def _reduce_leaves_along(
-        self, op: ReduceOp, leaves: list[_LeafArrays], axis: SupportsIndex
+        self, op: ReduceOp, leaves: list[_LeafArrays], axis: Axes
     ) -> list[Any]:
         return [await self._reduce_along(op, leaf, axis) for leaf in leaves]
 
@@ -512,23 +515,29 @@ class ReductionEngine:
                     )
 
     def _check_gather_shapes(self, what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
-        first = leaf.arrays[0]
         axis_ = _check_axis(what, leaf, axis)
+        self._check_shapes_off(what, leaf, (axis_,), f"axis {axis}")
+        return axis_
+
+    def _check_shapes_off(
+        self, what: str, leaf: _LeafArrays, axes: tuple[int, ...], shown: str
+    ) -> None:
+        """Every replica's component has the first's dtype and shape, except along ``axes``."""
+        first = leaf.arrays[0]
         base = self.first_replica
         for replica, other in enumerate(leaf.arrays[1:], start=base + 1):
             same_rest = other.ndim == first.ndim and all(
                 a == b
                 for d, (a, b) in enumerate(zip(other.shape, first.shape, strict=True))
-                if d != axis_
+                if d not in axes
             )
             if not same_rest or other.dtype != first.dtype:
                 raise ValueError(
                     f"{what}: replica {replica}'s value at {_tree.describe_path(leaf.path)} has "
                     f"shape {tuple(other.shape)} and dtype {other.dtype}, replica {base}'s has "
                     f"shape {tuple(first.shape)} and dtype {first.dtype}; they may differ only "
-                    f"along axis {axis}"
+                    f"along {shown}"
                 )
-        return axis_
 
     async def _reduce_leaves(
         self, op: ReduceOp, leaves: list[_LeafArrays], opts: CommunicationOptions
@@ -691,15 +700,17 @@ class ReductionEngine:
         with self.cluster.timeout(options.timeout_seconds):
             yield
 
-    async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: SupportsIndex) -> Any:
+    async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: Axes) -> Any:
         """``strategy.reduce`` with ``axis``: within each replica, then across replicas.
 
-        ``MEAN`` divides the total by the number of elements along ``axis`` over all replicas,
-        so short and empty batches weigh what they hold.
+        ``MEAN`` divides the total by the number of elements along ``axis`` (or the axes) over
+        all replicas, so short and empty batches weigh what they hold.
         """
-        axis_ = self._check_gather_shapes("reduce", leaf, axis)
+        axes = _check_axes("reduce", leaf, axis)
+        shown = f"axes {tuple(axis)}" if isinstance(axis, tuple | list) else f"axis {axis}"
+        self._check_shapes_off("reduce", leaf, axes, shown)
         inner = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}[op]
-        rows = sum(component.shape[axis_] for component in leaf.arrays)
+        rows = sum(math.prod(c.shape[a] for a in axes) for c in leaf.arrays)
         if self.cluster is not None:
             count = np.array([rows], np.int64)
             await self.cluster.allreduce("sum", None, count)
@@ -707,11 +718,11 @@ class ReductionEngine:
         if op in (ReduceOp.MAX, ReduceOp.MIN) and rows == 0:
             raise ValueError(
                 f"reduce: every replica's value at {_tree.describe_path(leaf.path)} is empty "
-                f"along axis {axis}, so {op.name} has nothing to reduce"
+                f"along {shown}, so {op.name} has nothing to reduce"
             )
         partials = [
             await device.compute(
-                component.nbytes, _partial_reduction, device.xp, inner, component, axis_
+                component.nbytes, _partial_reduction, device.xp, inner, component, axes
             )
             for device, component in zip(self.devices, leaf.arrays, strict=True)
         ]
@@ -819,12 +830,12 @@ def _describe_component(value: Any) -> str:
     return f"{shown} ({type(value).__name__})"
 
 
-def _partial_reduction(xp: Any, inner: str, component: Any, axis: int) -> Any:
-    """One replica's reduction along ``axis``; an empty batch gives the op's identity, so it
+def _partial_reduction(xp: Any, inner: str, component: Any, axes: tuple[int, ...]) -> Any:
+    """One replica's reduction along ``axes``; an empty batch gives the op's identity, so it
     changes nothing when the replicas' partials are combined."""
-    if component.shape[axis] or inner in ("sum", "prod"):
-        return getattr(xp, inner)(component, axis=axis)
-    shape = component.shape[:axis] + component.shape[axis + 1 :]
+    if all(component.shape[a] for a in axes) or inner in ("sum", "prod"):
+        return getattr(xp, inner)(component, axis=axes)
+    shape = tuple(n for d, n in enumerate(component.shape) if d not in axes)
     dtype = component.dtype
     if dtype.kind == "f":
         identity: Any = -xp.inf if inner == "max" else xp.inf
@@ -860,6 +871,31 @@ def _check_axis(what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
             f"{'' if ndim == 1 else 's'}"
         )
     return index % ndim
+
+
+def _check_axes(what: str, leaf: _LeafArrays, axis: Axes) -> tuple[int, ...]:
+    """``axis`` (an integer, or a tuple or list of them, as for NumPy and TF) as distinct
+    non-negative axes of the leaf's components.
+
+    Raises:
+        TypeError: ``axis`` is neither an integer nor a tuple or list of integers.
+        ValueError: an axis is out of range, or given twice.
+    """
+    given = list(axis) if isinstance(axis, tuple | list) else [axis]
+    indices = [as_integer(a) for a in given]
+    if None in indices:
+        raise TypeError(
+            f"{what}: axis must be an integer or a tuple of integers, got "
+            f"{type(axis).__name__} {axis!r}"
+        )
+    axes = tuple(_check_axis(what, leaf, index) for index in indices if index is not None)
+    if len(set(axes)) != len(axes):
+        raise ValueError(
+            f"{what}: axis {tuple(given)!r} names an axis twice (the value at "
+            f"{_tree.describe_path(leaf.path)} has {leaf.arrays[0].ndim} dimensions); name each "
+            "once"
+        )
+    return axes
 
 
 #: The structure of a single leaf: what ``_leaves`` gives a value that is one leaf.

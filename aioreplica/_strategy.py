@@ -567,13 +567,18 @@ class MirroredStrategy:
         return self._seed
 
     async def reduce(
-        self, reduce_op: ReduceOp | str, value: Any, axis: SupportsIndex | None = None
+        self,
+        reduce_op: ReduceOp | str,
+        value: Any,
+        axis: SupportsIndex | Sequence[SupportsIndex] | None = None,
     ) -> Any:
         """Reduce a distributed ``value`` across replicas, in cross-replica context.
 
         With ``axis``, each replica's component is reduced along ``axis`` first; ``MEAN`` then
         divides by the number of elements along ``axis`` over all replicas, so replicas with
-        short or empty batches count for what they hold.
+        short or empty batches count for what they hold. ``axis`` may be a tuple or list of
+        axes, as in TF: ``axis=(0, 1)`` reduces both, and ``MEAN`` divides by the elements
+        of both over all replicas.
 
         Args:
             reduce_op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name.
@@ -581,7 +586,7 @@ class MirroredStrategy:
                 leaf counts as the same value on every replica). A variable counts as its
                 copies: a sync-on-read variable's are reduced; a mirrored variable holds one
                 value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is.
-            axis: also reduce along this axis of each component.
+            axis: also reduce along this axis (or these axes) of each component.
 
         Returns:
             The reduced value, on replica 0's device.
@@ -589,10 +594,10 @@ class MirroredStrategy:
         Raises:
             RuntimeError: called inside a replica (use ``ctx.all_reduce`` there); across
                 workers, called from another task while a ``run()`` is in progress there.
-            ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range; a
-                mirrored variable reduced with ``SUM`` or ``PROD``.
+            ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range or
+                naming an axis twice; a mirrored variable reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed; ``axis`` is
-                not an integer.
+                neither an integer nor a tuple or list of integers.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])

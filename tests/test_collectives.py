@@ -447,7 +447,8 @@ class TestOtherReplicaCollectives:
         if axis is not None:  # (reduce's default: no axis)
             calls["reduce"] = lambda: strategy.reduce("sum", value, axis)
         for what, call in calls.items():
-            with pytest.raises(TypeError, match=f"{what}: axis must be an integer, {shown}"):
+            also = " or a tuple of integers" if what == "reduce" else ""
+            with pytest.raises(TypeError, match=f"{what}: axis must be an integer{also}, {shown}"):
                 await call()
 
     async def test_numpy_integer_axes(self) -> None:
@@ -559,6 +560,60 @@ class TestCrossReplica:
         assert await strategy.reduce("mean", value, axis=0) == 3.0
         assert await strategy.reduce("sum", value, axis=0) == 12.0
         assert await strategy.reduce("max", value, axis=0) == 6.0
+
+    @pytest.mark.parametrize("op", ["sum", "mean", "max", "min", "prod"])
+    @pytest.mark.parametrize("axis", [(0, 1), [1, 0], (-3, 1), (0, 2)])
+    async def test_reduce_along_several_axes(self, op: str, axis: Any) -> None:
+        """A tuple or list of axes reduces each replica's component along all of them, then
+        across replicas, as NumPy reduces the replicas' batches joined along axis 0; MEAN
+        divides by the elements along those axes over all replicas (an empty batch counts for
+        nothing)."""
+        strategy = MirroredStrategy(host_devices(3))
+        rng = np.random.default_rng(5)
+        batches = [rng.normal(size=(rows, 3, 2)) + 2 for rows in (2, 0, 3)]
+        if 0 not in [a % 3 for a in axis]:  # replicas may differ only along reduced axes
+            batches = [rng.normal(size=(2, 3, 2)) + 2 for _ in range(3)]
+        value = PerReplica(batches)
+        joined = np.concatenate(batches)
+        want = getattr(np, op)(joined, axis=tuple(axis))
+        if 0 not in [a % 3 for a in axis]:  # the replicas themselves combine elementwise
+            stacked = np.stack([getattr(np, op)(b, axis=tuple(axis)) for b in batches])
+            want = NUMPY_REDUCE[op](stacked)
+            if op == "mean":
+                want = np.mean(np.stack(batches), axis=(0, *(a + 1 for a in axis)))
+        np.testing.assert_allclose(await strategy.reduce(op, value, axis=axis), want, rtol=1e-12)
+
+    async def test_reduce_along_several_axes_takes_tfs_default_strategy_case(self) -> None:
+        """TF's own case, on the default strategy: MEAN of one 2x2 value over no axis, axis 0
+        and both axes."""
+        strategy = aioreplica.get_strategy()
+        x = np.array([[1.0, 2.0], [3.0, 4.0]])
+        np.testing.assert_array_equal(await strategy.reduce("mean", x, axis=None), x)
+        np.testing.assert_array_equal(await strategy.reduce("mean", x, axis=0), [2.0, 3.0])
+        assert await strategy.reduce("mean", x, axis=(0, 1)) == 2.5
+
+    @pytest.mark.parametrize(
+        ("axis", "error", "message"),
+        [
+            ((0, 0), ValueError, r"axis \(0, 0\) names an axis twice"),
+            ([1, -1], ValueError, r"axis \(1, -1\) names an axis twice"),
+            ((0, 2), ValueError, "axis 2 is out of range"),
+            ((0, 0.5), TypeError, r"axis must be an integer or a tuple of integers, got tuple"),
+            ((True,), TypeError, "axis must be an integer or a tuple of integers"),
+        ],
+    )
+    async def test_reduce_refuses_bad_axes(self, axis: Any, error: type, message: str) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.ones((2, 2)), np.ones((1, 2))])
+        with pytest.raises(error, match=f"reduce: {message}"):
+            await strategy.reduce("sum", value, axis=axis)
+
+    async def test_reduce_along_axes_that_leave_a_differing_axis(self) -> None:
+        """Components may differ only along the reduced axes, as with one axis."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.ones((2, 3, 2)), np.ones((1, 3, 2))])
+        with pytest.raises(ValueError, match=r"they may differ only along axes \(1, 2\)"):
+            await strategy.reduce("sum", value, axis=(1, 2))
 
     async def test_reduce_along_axis_of_nothing(self) -> None:
         """MAX over batches that are all empty has nothing to reduce."""

@@ -467,6 +467,27 @@ async def test_strategy_reduce_axis_none_and_zero(make_strategy: MakeStrategy, l
     np.testing.assert_allclose(both["b"][0], everything.sum(axis=0), rtol=1e-12)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+async def test_strategy_reduce_along_several_axes(make_strategy: MakeStrategy, local: int) -> None:
+    """reduce(axis=(0, 1)) reduces both axes of every replica's batch; MEAN divides by the
+    elements of every worker's replicas, the last worker's being empty."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rng = np.random.default_rng(9)
+    counts = [0 if g // local == WORKERS - 1 else g + 1 for g in range(n)]
+    batches = [rng.normal(size=(c, 4, 2)) for c in counts]
+
+    async def step() -> Any:
+        return batches[replica_id()]
+
+    uneven = per_replica(local_results(strategy, await strategy.run(step)))
+    everything = np.concatenate(batches)
+    for op in ["sum", "mean", "max", "min"]:
+        want = getattr(np, op)(everything, axis=(0, 1))
+        got = await strategy.reduce(op, uneven, axis=[1, 0])
+        np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=op)
+
+
 async def test_reduce_of_a_loss_from_one_local_replica(make_strategy: MakeStrategy) -> None:
     """With one local replica, run() returns the bare value; reducing it spans the workers."""
     strategy = make_strategy(1)
