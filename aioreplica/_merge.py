@@ -22,12 +22,22 @@ is refused at once.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias, final
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
 
-__all__ = ["ARGS", "FN", "KWARGS", "MERGE", "TIMEOUT", "MergePoint", "MergeRequest"]
+__all__ = [
+    "ARGS",
+    "FN",
+    "KWARGS",
+    "MERGE",
+    "TIMEOUT",
+    "MergePoint",
+    "MergeRequest",
+    "VariableCreations",
+]
 
 
 @final
@@ -75,3 +85,26 @@ class MergePoint(Protocol):
     pending: MergeRequest | None
 
     def misuse_message(self) -> str: ...
+
+    def variable_creations(self) -> VariableCreations:
+        """The variables made inside this replica's ``run()`` (one record per run)."""
+        ...
+
+
+@final
+class VariableCreations:
+    """The variables made inside the replicas of one ``run()``, shared as TF shares them:
+    every replica's ``k``-th ``Variable(...)`` call returns the run's ``k``-th variable, made by
+    the first replica to get there.
+
+    ``variables`` holds each with the id in sync of the replica that made it; ``made`` counts,
+    per local replica, the calls it has made. ``lock`` (reentrant: an initial value may make a
+    variable of its own) guards both, for replicas that make variables in device threads.
+    """
+
+    __slots__ = ("lock", "made", "variables")
+
+    def __init__(self, size: int) -> None:
+        self.variables: list[tuple[Any, int]] = []
+        self.made = [0] * size
+        self.lock = threading.RLock()

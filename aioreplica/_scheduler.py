@@ -94,7 +94,7 @@ import anyio
 from . import _loops, _trace
 from ._context import ContextState, ReplicaContext, context_state
 from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list, yielding_step
-from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest
+from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest, VariableCreations
 from ._values import (
     DistributedValues,
     Mirrored,
@@ -121,6 +121,9 @@ _clock: Final = time.perf_counter
 #: stderr) until the program configures logging.
 logger: Final = logging.getLogger("aioreplica")
 logger.addHandler(logging.NullHandler())
+
+#: Guards making a run's record of the variables its replicas make (``_Replica``).
+_CREATIONS_LOCK: Final = threading.Lock()
 
 
 def _describe_fn(fn: Callable[..., Any] | None) -> str:
@@ -199,6 +202,13 @@ class _Replica:
     def sync_id(self) -> int:
         """Its id in sync, by which messages name it (across workers, not from 0)."""
         return self.run.first_replica + self.id
+
+    def variable_creations(self) -> VariableCreations:
+        run = self.run
+        with _CREATIONS_LOCK:  # replicas may make variables in their devices' threads
+            if run.creations is None:
+                run.creations = VariableCreations(run.size)
+            return run.creations
 
     def misuse_message(self) -> str:
         if self.in_own_coroutine and self.pending is not None:
@@ -447,6 +457,7 @@ class _Run:
         # Nothing unusual has happened: an arrival that is not the last may just park.
         self.fast_path = sync_timeout is None
         self.finished_run = False
+        self.creations: VariableCreations | None = None  # made on a replica's first Variable()
         self.cancelled_class = self.loop.cancelled_class
         self.tasks: _loops.ReplicaTasks = _NOT_STARTED
         # When the first replica arrived at the current (or last) merge point, and when the

@@ -424,7 +424,8 @@ class MirroredStrategy:
             takes. It bounds the arrival only, never the merge function's own work.
         interleave: ``"ordered"`` starts replicas in id order; at every merge point the
             replica that completes the round carries on first and the others resume in the
-            order they arrived, the same way on every run. ``"random"`` shuffles both orders
+            order they arrived, the same way on every run (on trio, tasks made ready together
+            run in an order trio chooses, starts included). ``"random"`` shuffles both orders
             with a seeded generator, to hunt order-dependent bugs: one order per seed, the
             same on asyncio, uvloop and trio (of starts and merge points; other awaits
             between them follow each loop's scheduling).

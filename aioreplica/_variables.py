@@ -111,6 +111,11 @@ class Variable(NDArrayOperatorsMixin):
     with one copy on each replica's device, all starting equal. Anywhere else it returns an
     ordinary variable with one copy on the host.
 
+    Inside a replica of ``strategy.run`` the replicas share their variables, as in TF: each
+    replica's ``k``-th ``Variable(...)`` call in a run returns the same variable, of the
+    replica's strategy, made from the arguments of the first replica to get there. Pass the
+    same initial value on every replica (TF takes replica 0's).
+
     A variable reads like an array: ``v.value()``, ``np.asarray(v)``, ``v + 1``, ``x @ v`` and
     ``v[0]`` use the current replica's copy in replica context (see the subclasses for
     cross-replica context). It is written only through ``await v.assign(x)``,
@@ -134,7 +139,11 @@ class Variable(NDArrayOperatorsMixin):
         TypeError: ``initial_value`` is not numeric or bool; ``aggregation="mean"`` with a
             dtype that cannot be averaged (integers, bool); ``name`` is not a string or
             ``trainable`` not a bool.
-        RuntimeError: called inside a replica (create variables in ``strategy.scope()``).
+        RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
+            class, synchronization or aggregation from the one another replica made as its
+            ``k``-th (every replica must make the same variables in the same order); inside a
+            replica of a ``MultiWorkerMirroredStrategy`` (make them in its scope, outside
+            ``run()``, where every worker starts them from the chief's value).
 
     Example:
         >>> v = Variable(np.zeros(3), name="bias")
@@ -169,6 +178,10 @@ class Variable(NDArrayOperatorsMixin):
     __hash__ = None  # type: ignore[assignment]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
+        replica = context_state.get().replica
+        if replica is not None:  # the replicas share their variables; __init__ then returns
+            shared: Variable = _shared(cls, replica, args, kwargs)
+            return shared
         # ``Variable(...)`` picks its class from the context, as ``tf.Variable`` does; the
         # subclasses' own constructors check the context instead.
         if cls is Variable and _scope(kwargs.get("name") or "Variable")[0] is not None:
@@ -186,6 +199,8 @@ class Variable(NDArrayOperatorsMixin):
         synchronization: VariableSynchronization | str = "auto",
         aggregation: VariableAggregation | str = "none",
     ) -> None:
+        if context_state.get().replica is not None:
+            return  # ``__new__`` has returned the replicas' shared variable, made already
         sync = _Sync.parse(synchronization)
         agg = _Agg.parse(aggregation)
         if name is None:
@@ -1080,17 +1095,89 @@ def _as_copy(variable: Variable, result: Any, like: Any) -> Any:
 
 def _scope(name: str) -> tuple[Any, ReductionEngine | None]:
     """The strategy a new variable belongs to, with its engine: the enclosing ``scope()``'s,
-    or ``(None, None)`` outside any scope (and in the default strategy's)."""
+    or ``(None, None)`` outside any scope (and in the default strategy's). Inside a replica
+    ``_shared`` has made the replica's strategy the enclosing one."""
     state: ContextState = context_state.get()
-    if state.replica is not None:
-        raise RuntimeError(
-            f"variable {name!r} was created inside replica "
-            f"{state.replica.replica_id_in_sync_group} of {state.replica.strategy!r}; "
-            "create variables once, in `with strategy.scope():` outside run()"
-        )
     if state.strategy is None or state.strategy is default_replica_context().strategy:
         return None, None
     return state.strategy, state.engine
+
+
+def _shared(
+    cls: type[Variable], replica: ReplicaContext, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``cls(*args, **kwargs)`` inside ``replica``: the run's variable for this replica's next
+    creation (TF's shared variable creator), made in the strategy's scope by the first replica
+    to ask for it and checked against what each later one asks for.
+
+    Raises:
+        RuntimeError: the replica asks for another variable than the one made for this place
+            in the order; the strategy spans several workers.
+    """
+    name = kwargs.get("name") or "Variable"
+    engine = replica._engine
+    where = f"inside replica {replica.replica_id_in_sync_group} of {replica.strategy!r}"
+    if engine.cluster is not None:
+        raise RuntimeError(
+            f"variable {name!r} was created {where}; across workers, create variables in "
+            "`with strategy.scope():` outside run(), where every worker starts them from the "
+            "chief's value"
+        )
+    point = replica._merge_point
+    assert point is not None  # only the default context has none, and it is no replica
+    creations = point.variable_creations()
+    local = replica.local_replica_id
+    with creations.lock:
+        k = creations.made[local]
+        if k < len(creations.variables):
+            variable, maker = creations.variables[k]
+            _check_same_creation(cls, variable, maker, replica, k, name, kwargs)
+        else:
+            token = context_state.set(ContextState(strategy=replica.strategy, engine=engine))
+            try:
+                variable = cls(*args, **kwargs)
+            finally:
+                context_state.reset(token)
+            creations.variables.append((variable, replica.replica_id_in_sync_group))
+        creations.made[local] = k + 1
+    return variable
+
+
+def _check_same_creation(
+    cls: type[Variable],
+    variable: Variable,
+    maker: int,
+    replica: ReplicaContext,
+    k: int,
+    name: str,
+    kwargs: dict[str, Any],
+) -> None:
+    """Refuse a replica's ``k``-th ``Variable(...)`` call that asks for another variable than
+    the ``k``-th one ``maker`` made (a name, class, synchronization or aggregation of its own).
+
+    Raises:
+        RuntimeError: naming both replicas and both variables.
+    """
+    sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
+    agg = _Agg.parse(kwargs.get("aggregation", _Agg.NONE))
+    if (
+        variable._name == name
+        and variable._synchronization is sync
+        and variable._aggregation is agg
+        and isinstance(variable, cls)
+    ):
+        return
+    wanted = f"{cls.__name__} {name!r} (synchronization {sync.name}, aggregation {agg.name})"
+    made = (
+        f"{type(variable).__name__} {variable._name!r} (synchronization "
+        f"{variable._synchronization.name}, aggregation {variable._aggregation.name})"
+    )
+    raise RuntimeError(
+        f"replica {replica.replica_id_in_sync_group} asked for {wanted} as its variable "
+        f"#{k + 1} in this run, but replica {maker} made {made} as its #{k + 1}; the replicas "
+        "of a run share their variables, so every replica must create the same variables in "
+        "the same order"
+    )
 
 
 def _check_kind(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -303,23 +304,6 @@ class TestCreation:
         assert (f.dtype, f.shape) == (np.dtype(np.float64), ())
         assert Variable([True, False], dtype=np.int8).dtype == np.dtype(np.int8)
 
-    @pytest.mark.parametrize("in_scope", [False, True])
-    async def test_created_inside_replica_refused(self, in_scope: bool) -> None:
-        """Creating a variable inside a replica raises RuntimeError, also under scope()."""
-        strategy = MirroredStrategy(host_devices(2))
-
-        async def step() -> None:
-            with strategy.scope() if in_scope else contextlib.nullcontext():
-                Variable(1.0, name="w")
-
-        with pytest.raises(
-            RuntimeError,
-            match=r"^variable 'w' was created inside replica [01] of "
-            r"MirroredStrategy\(devices=\['cpu:0', 'cpu:1'\]\); create variables once, in "
-            r"`with strategy\.scope\(\):` outside run\(\)\n",
-        ):
-            await strategy.run(step)
-
     @pytest.mark.parametrize("sync", ["on_write", "on_read"])
     def test_mean_with_integer_dtype_refused(self, sync: str) -> None:
         """aggregation MEAN with an integer dtype raises TypeError, in a scope and outside."""
@@ -449,6 +433,174 @@ class TestCreation:
             repr(Variable(1.5, name="p"))
             == "<aioreplica.Variable 'p' shape=() dtype=float64 value=array(1.5)>"
         )
+
+
+class TestCreatedInsideReplicas:
+    """Variables made inside a replica are shared by the run's replicas, as TF's shared
+    variable creator shares them: each replica's k-th ``Variable(...)`` is one variable."""
+
+    @pytest.mark.parametrize("in_scope", [False, True])
+    async def test_every_replica_gets_one_mirrored_variable(
+        self, strategy_factory: StrategyFactory, in_scope: bool
+    ) -> None:
+        """TF's testSingleVariable: made once, whichever replica gets there first, and run()
+        returns it; outside the scope too, as TF's run() enters the scope."""
+        strategy = strategy_factory(3)
+        made: list[tuple[int, Variable]] = []
+
+        async def step() -> Variable:
+            v = Variable(np.array([1.0, 2.0]), name="foo")
+            made.append((replica_id(), v))
+            await replica_context().merge_call(lambda _: None)
+            return v
+
+        with strategy.scope() if in_scope else contextlib.nullcontext():
+            result = await strategy.run(step)
+        assert sorted(r for r, _ in made) == [0, 1, 2]
+        assert all(v is result for _, v in made)
+        assert type(result) is MirroredVariable
+        assert (result.name, result.distribute_strategy) == ("foo", strategy)
+        assert_copies(result, [[1.0, 2.0]] * 3)
+
+    async def test_variables_pair_up_in_creation_order(
+        self, strategy_factory: StrategyFactory
+    ) -> None:
+        """TF's testMultipleVariables and testMultipleVariablesWithSameCanonicalName: the
+        k-th variable of every replica is one variable, names repeated or not."""
+        strategy = strategy_factory(2)
+        names = ["a", "b", "a", "c"]
+
+        async def step() -> list[Variable]:
+            return [Variable(float(i), name=name) for i, name in enumerate(names)]
+
+        made = await strategy.run(step)
+        assert [v.name for v in made] == names
+        assert len({id(v) for v in made}) == len(names)
+        for i, v in enumerate(made):
+            assert_copies(v, [float(i)] * 2)
+
+    async def test_each_run_makes_its_own(self) -> None:
+        """A variable made in a step is one per run(), as a step that builds a model on every
+        call would expect; a step that keeps the first one keeps it (TF's
+        testInitializedToSameValueInsideEagerRun: every copy starts equal)."""
+        strategy = MirroredStrategy(host_devices(2))
+        kept: list[Variable] = []
+        rng = np.random.default_rng(3)
+
+        async def step() -> Variable:
+            if not kept:
+                kept.append(Variable(lambda: rng.normal(size=3)))
+            return Variable(0.0)
+
+        first, second = await strategy.run(step), await strategy.run(step)
+        assert first is not second
+        assert len(kept) == 1
+        np.testing.assert_array_equal(kept[0].values[0], kept[0].values[1])
+
+    async def test_sync_on_read_variable_aggregates_the_replicas_writes(self) -> None:
+        """TF's testSyncOnReadVariable: made inside the replicas, each writes its own copy and
+        a cross-replica read sums them."""
+        strategy = MirroredStrategy(host_devices(3))
+
+        async def step() -> tuple[Variable, Variable]:
+            total = Variable(0.0, synchronization="on_read", aggregation="sum")
+            mean = Variable(1.0, aggregation="mean")
+            await total.assign_add(float(replica_id() + 1))
+            await mean.assign(float(replica_id()))
+            return total, mean
+
+        total, mean = await strategy.run(step)
+        assert type(total) is SyncOnReadVariable
+        assert float(total) == 6.0
+        assert_copies(total, [1.0, 2.0, 3.0])
+        assert_copies(mean, [1.0] * 3)
+
+    async def test_variables_made_in_device_threads_are_shared(self) -> None:
+        """Replicas that make their variables in their devices' threads, at the same time,
+        still share one."""
+        strategy = MirroredStrategy(host_devices(4))
+        barrier = threading.Barrier(4, timeout=10)
+
+        def build() -> Variable:
+            barrier.wait()  # every replica's thread asks at once
+            return Variable(np.ones(2), name="w")
+
+        async def step() -> Variable:
+            return await replica_context().device.run(build)
+
+        made = await strategy.run(step)
+        assert type(made) is MirroredVariable
+        assert_copies(made, [[1.0, 1.0]] * 4)
+
+    @pytest.mark.parametrize(
+        ("second", "shown"),
+        [
+            ({"name": "b"}, r"Variable 'b' \(synchronization AUTO, aggregation NONE\)"),
+            (
+                {"name": "a", "aggregation": "sum"},
+                r"Variable 'a' \(synchronization AUTO, aggregation SUM\)",
+            ),
+            (
+                {"name": "a", "synchronization": "on_read", "aggregation": "sum"},
+                r"Variable 'a' \(synchronization ON_READ, aggregation SUM\)",
+            ),
+        ],
+    )
+    async def test_replicas_that_ask_for_different_variables(
+        self, second: dict[str, Any], shown: str
+    ) -> None:
+        """Another name, synchronization or aggregation in the same place of the order is a
+        RuntimeError naming both replicas and both variables (TF: "mismatching name")."""
+        strategy = MirroredStrategy(host_devices(2))
+        made = anyio.Event()
+
+        async def step() -> Variable:
+            if replica_id() == 0:
+                v = Variable(1.0, name="a")
+                made.set()
+                return v
+            await made.wait()
+            return Variable(1.0, **second)
+
+        with pytest.raises(
+            RuntimeError,
+            match=rf"^replica 1 asked for {shown} as its variable #1 in this run, but replica 0 "
+            r"made MirroredVariable 'a' \(synchronization AUTO, aggregation NONE\) as its #1; "
+            r"the replicas of a run share their variables, so every replica must create the "
+            r"same variables in the same order\n",
+        ):
+            await strategy.run(step)
+
+    async def test_a_refused_initial_value_makes_nothing(self) -> None:
+        """A bad initial value raises in the replica that passes it and leaves no variable
+        behind: the next replica to ask makes the variable from its own value."""
+        strategy = MirroredStrategy(host_devices(2))
+        refused = anyio.Event()
+
+        async def step() -> Variable:
+            if replica_id() == 0:
+                with pytest.raises(TypeError, match="the initial value has dtype"):
+                    Variable("not a number", name="w")
+                refused.set()
+            else:
+                await refused.wait()
+            return Variable(float(replica_id()) + 5.0, name="w")
+
+        made = await strategy.run(step)
+        assert_copies(made, [5.0, 5.0])
+
+    async def test_on_simulated_gpus(self, cp: Any) -> None:
+        """On GPUs every device gets its copy, ordered with the replicas' streams."""
+        strategy = MirroredStrategy(["gpu:0", "gpu:1"])
+
+        async def step() -> Any:
+            v = Variable(np.arange(3.0), name="w", aggregation="sum")
+            await v.assign_add(replica_context().device.asarray(np.ones(3)))
+            return v, v.value() * 2
+
+        v, doubled = await strategy.run(step)
+        assert [c.get().tolist() for c in v.values] == [[2.0, 3.0, 4.0]] * 2
+        assert [d.get().tolist() for d in doubled.values] == [[4.0, 6.0, 8.0]] * 2
 
 
 class TestReads:

@@ -445,6 +445,28 @@ async def test_variables_made_in_another_order_are_refused_on_every_worker(
     np.testing.assert_array_equal(b.values[0], worker_value(RANK) + 1)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+async def test_variables_made_inside_a_replica_are_refused(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """A variable made inside a replica could not start from the chief's value before the
+    replica reads it: every worker's run() raises the RuntimeError saying where to make it
+    (a worker that hears of another's first raises ReplicaSyncError, a RuntimeError, that
+    quotes it)."""
+    strategy = make_strategy(local)
+
+    async def step() -> Any:
+        return Variable(worker_value(RANK), name="w")
+
+    with pytest.raises(
+        RuntimeError,
+        match=r"variable 'w' was created inside replica \d of MultiWorkerMirroredStrategy.*; "
+        r"across workers, create variables in `with strategy\.scope\(\):` outside run\(\), "
+        r"where every worker starts them from the chief's value",
+    ):
+        await strategy.run(step)
+
+
 #: Bad writes made in a replica, and the error they raise: ``write(v, optimizer, bad)``
 #: writes ``v`` (shape (3,), float32) with bad arguments (``bad``) or good ones; the name of
 #: the write in the others' message.
