@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     #: ``strategy.reduce``'s ``axis``: one axis, or several (a tuple or list).
     Axes = SupportsIndex | Sequence[SupportsIndex]
 
-__all__ = ["ReductionEngine"]
+__all__ = ["ReductionEngine", "register_copied_type"]
 
 T = TypeVar("T")
 
@@ -481,6 +481,8 @@ class ReductionEngine:
                         f"has {size} replicas{local}"
                     )
                 components = list(leaf.values)
+            elif isinstance(leaf, _copied_types):  # a variable: each replica its own copy
+                components = _copies_of(what, path, leaf, size)
             else:
                 components = [leaf] * size
             arrays = self._to_arrays(what, path, components, isinstance(leaf, DistributedValues))
@@ -896,6 +898,36 @@ def _check_axes(what: str, leaf: _LeafArrays, axis: Axes) -> tuple[int, ...]:
             "once"
         )
     return axes
+
+
+#: Classes whose instances hold one copy per replica in ``.values``: ``Variable``, which
+#: ``aioreplica._variables`` registers (this layer does not import it). A collective in replica
+#: context takes each replica's copy, as TF reads a variable there.
+_copied_types: tuple[type, ...] = ()
+
+
+def register_copied_type(cls: type) -> None:
+    """Make collectives read instances of ``cls`` as their copies (see ``_copied_types``)."""
+    global _copied_types
+    _copied_types = (*_copied_types, cls)
+
+
+def _copies_of(what: str, path: _tree.KeyPath, leaf: Any, size: int) -> list[Any]:
+    """A variable's copies as a leaf's components: one per replica (an ordinary variable's
+    one copy for every replica).
+
+    Raises:
+        ValueError: the variable has copies on another number of devices (another strategy's).
+    """
+    copies = list(leaf.values)
+    if len(copies) == size:
+        return copies
+    if len(copies) == 1:
+        return copies * size
+    raise ValueError(
+        f"{what}: the variable at {_tree.describe_path(path)} has {len(copies)} copies, but "
+        f"this strategy has {size} replicas here; pass a variable of this strategy"
+    )
 
 
 #: The structure of a single leaf: what ``_leaves`` gives a value that is one leaf.

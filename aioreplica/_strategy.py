@@ -60,6 +60,7 @@ from ._values import (
 from ._variables import SyncOnReadVariable, Variable, update
 
 if TYPE_CHECKING:
+    import contextvars
     import threading
 
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
@@ -309,8 +310,10 @@ class StrategyExtended:
         """Set every copy of ``var`` to ``fn(copy, *args, **kwargs)``, all or none, as in TF.
 
         ``fn`` runs once per copy with that copy's device current and the arguments selected
-        for its replica (``Mirrored`` values unwrapped; ``PerReplica`` values are refused). It
-        returns the copy's new value (unlike TF, where ``fn`` assigns to a component
+        for its replica, as in TF: ``Mirrored`` values unwrapped; a ``PerReplica`` value's
+        component of that replica for a sync-on-read variable, whose copies differ, and for a
+        mirrored one only when every replica's component is equal. It returns the copy's new
+        value (unlike TF, where ``fn`` assigns to a component
         variable), so that no copy changes unless every one was computed. Copies that host
         replicas share are computed once. In replica context every replica must call it; it
         then takes one merge round. Across workers, outside a ``run()``, every worker calls it,
@@ -319,17 +322,18 @@ class StrategyExtended:
         Args:
             var: a variable of this strategy (or an ordinary variable).
             fn: ``fn(copy, *args, **kwargs) -> new value`` of the copy's shape and dtype.
-            args: positional arguments; plain or ``Mirrored`` values.
-            kwargs: keyword arguments; plain or ``Mirrored`` values.
+            args: positional arguments; plain, ``Mirrored`` or ``PerReplica`` values.
+            kwargs: keyword arguments; as ``args``.
             group: return the new value grouped (a ``Mirrored``, or the one array host
-                replicas share); ``False``: a tuple with one entry per copy.
+                replicas share; a sync-on-read variable's copies, which may differ, as a
+                ``PerReplica``); ``False``: a tuple with one entry per copy.
 
         Returns:
             The new copies, grouped as ``group`` says.
 
         Raises:
-            TypeError: ``var`` is not a variable, ``fn`` is not callable, or an argument is a
-                ``PerReplica``.
+            TypeError: ``var`` is not a variable, ``fn`` is not callable, or an argument of a
+                mirrored variable is a ``PerReplica`` whose components differ.
             ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
                 shape or dtype; across workers, another worker refused its update
                 (``WorkersDisagree``); nothing has changed.
@@ -348,7 +352,9 @@ class StrategyExtended:
         replica = context_state.get().replica
         if replica is not None:
             return copies[replica.local_replica_id]
-        return copies[0] if all(copy is copies[0] for copy in copies) else Mirrored(list(copies))
+        if all(copy is copies[0] for copy in copies):
+            return copies[0]
+        return (PerReplica if isinstance(var, SyncOnReadVariable) else Mirrored)(list(copies))
 
     async def experimental_run_steps_on_iterator(
         self,
@@ -648,13 +654,27 @@ class MirroredStrategy:
         return op
 
     def _check_cross_replica(self, what: str) -> None:
-        replica = context_state.get().replica
+        state = context_state.get()
+        replica = state.replica
         if replica is not None:
             raise RuntimeError(
                 f"strategy.{what}() was called inside replica "
                 f"{replica.replica_id_in_sync_group}; it works on distributed values in "
                 "cross-replica context: call it on run()'s result, or use the replica "
                 f"context's collectives (ctx.all_reduce, ctx.all_gather) inside the step"
+            )
+        self._check_not_mixed(f"strategy.{what}()", state)
+
+    def _check_not_mixed(self, what: str, state: ContextState) -> None:
+        """Refuse a call made in the scope (or a ``merge_fn``) of another strategy than the
+        default one, as TF refuses to mix strategies."""
+        current = state.strategy
+        if current is not None and current is not self:
+            if current is default_replica_context().strategy:
+                return
+            raise RuntimeError(
+                f"{what} of {self!r} was called in the scope of {current!r}; strategies "
+                "cannot be mixed: finish with one before using the other"
             )
 
     def _destinations(self, destinations: Any) -> tuple[Device, ...]:
@@ -837,25 +857,56 @@ class MirroredStrategy:
         )
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """Return the per-replica components of ``value``, one per replica, as in TF.
+        """Return what each of this process's replicas holds of ``value``, as in TF.
+
+        A distributed value gives its components and a variable its copies. A structure (a
+        ``run()`` result that is a dict, list or tuple, say) gives one structure per replica,
+        as TF's does: each distributed leaf is replaced by that replica's component, each
+        variable by that replica's copy. A plain value stands for the same value on every
+        replica (``run()`` returns one plain value where every replica returned the very same
+        object, such as a host collective's shared result), so it comes once per replica.
 
         Args:
-            value: a ``DistributedValues`` or a variable (its ``.values``: one copy per
-                replica), or any other value (a 1-tuple).
+            value: a ``DistributedValues``, a variable, a structure holding them, or a plain
+                value.
 
         Returns:
-            A tuple with one entry per replica for distributed values and variables, else
-            ``(value,)``.
+            A tuple with one entry per local replica (across workers: this worker's).
+
+        Raises:
+            ValueError: a distributed leaf or variable in a structure holds another number
+                of values than this process has replicas.
 
         Example:
-            >>> MirroredStrategy(["cpu:0", "cpu:1"]).experimental_local_results(
-            ...     aioreplica.PerReplica([1, 2])
-            ... )
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> strategy.experimental_local_results(aioreplica.PerReplica([1, 2]))
             (1, 2)
+            >>> strategy.experimental_local_results({"id": aioreplica.PerReplica([1, 2]), "n": 5})
+            ({'id': 1, 'n': 5}, {'id': 2, 'n': 5})
+            >>> strategy.experimental_local_results(5)
+            (5, 5)
         """
         if isinstance(value, DistributedValues | Variable):
             return value.values
-        return (value,)
+        size = len(self._engine.devices)
+        pairs, treedef = _tree.flatten_with_path(value)
+        leaves = [leaf for _, leaf in pairs]
+        for path, leaf in pairs:
+            if isinstance(leaf, DistributedValues | Variable) and len(leaf.values) != size:
+                raise ValueError(
+                    f"experimental_local_results: the value at {_tree.describe_path(path)} "
+                    f"holds {len(leaf.values)} values, but this strategy has {size} local "
+                    "replicas"
+                )
+        return tuple(
+            treedef.unflatten(
+                [
+                    leaf.values[i] if isinstance(leaf, DistributedValues | Variable) else leaf
+                    for leaf in leaves
+                ]
+            )
+            for i in range(size)
+        )
 
     def statistics(self) -> SchedulerStatistics:
         """Return a snapshot: runs active, replicas waiting at merge points, merges and steps
@@ -1033,25 +1084,33 @@ class MirroredStrategy:
 
     # -- contexts -------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def scope(self) -> Iterator[MirroredStrategy]:
+    def scope(self) -> contextlib.AbstractContextManager[MirroredStrategy]:
         """Enter cross-replica context of this strategy: ``get_strategy()`` returns it.
 
         Inside a replica of this same strategy it changes nothing, as in TF; nor does the
-        default strategy's scope, which keeps the default replica context.
+        default strategy's scope, which keeps the default replica context. As in TF, the
+        object it returns may be entered again, and nested in itself.
 
-        Yields:
-            This strategy.
+        Returns:
+            A context manager whose ``with`` block yields this strategy.
 
         Raises:
-            RuntimeError: another strategy's scope or replica is current (as in TF, which
-                refuses to mix strategies).
+            RuntimeError: (on entering) another strategy's scope or replica is current (as in
+                TF, which refuses to mix strategies).
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
             >>> with strategy.scope():
             ...     aioreplica.get_replica_context() is None
             True
+        """
+        return _Scope(self)
+
+    def _enter_scope(self) -> contextvars.Token[ContextState] | None:
+        """Enter this strategy's scope: the token to reset, or None where it changes nothing.
+
+        Raises:
+            RuntimeError: another strategy's scope or replica is current.
         """
         state = context_state.get()
         replica = state.replica
@@ -1062,13 +1121,8 @@ class MirroredStrategy:
                 "strategies cannot be mixed: finish with one before using the other"
             )
         if replica is not None or current is self or self is default_replica_context().strategy:
-            yield self  # the default strategy's scope keeps the default replica context (TF)
-            return
-        token = context_state.set(ContextState(strategy=self, engine=self._engine))
-        try:
-            yield self
-        finally:
-            context_state.reset(token)
+            return None  # the default strategy's scope keeps the default replica context (TF)
+        return context_state.set(ContextState(strategy=self, engine=self._engine))
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -1262,6 +1316,7 @@ class MirroredStrategy:
                 "run() was called inside merge_fn; merge functions run once across replicas "
                 "and cannot start replicas: return from merge_fn and call run() afterwards"
             )
+        self._check_not_mixed("run()", state)
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
         if isinstance(args, str) or not isinstance(args, Sequence):
@@ -1392,6 +1447,27 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any) -> None:
         )
     if not isinstance(drop_remainder, bool | np.bool_):
         raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
+
+
+@final
+class _Scope:
+    """What ``strategy.scope()`` returns: enters the strategy's scope on each ``with``, as
+    often as asked (nested too), and leaves it in the reverse order."""
+
+    __slots__ = ("_strategy", "_tokens")
+
+    def __init__(self, strategy: MirroredStrategy) -> None:
+        self._strategy = strategy
+        self._tokens: list[contextvars.Token[ContextState] | None] = []
+
+    def __enter__(self) -> MirroredStrategy:
+        self._tokens.append(self._strategy._enter_scope())
+        return self._strategy
+
+    def __exit__(self, *exc_info: object) -> None:
+        token = self._tokens.pop()
+        if token is not None:
+            context_state.reset(token)
 
 
 def _release_collected(devices: tuple[HostDevice, ...]) -> None:

@@ -24,10 +24,18 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
 from ._cluster import call_of
+from ._collectives import register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._errors import ReplicaSyncError
 from ._options import CaseInsensitiveStrEnum, ReduceOp
-from ._values import DistributedValues, PerReplica, agreed, select_replica_mirrored
+from ._tree import flatten, flatten_with_path, format_path
+from ._values import (
+    DistributedValues,
+    PerReplica,
+    agreed,
+    select_replica,
+    select_replica_mirrored,
+)
 from ._writes import (
     ADD,
     ASSIGN,
@@ -134,8 +142,7 @@ class Variable(NDArrayOperatorsMixin):
 
     Raises:
         ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
-            valid ones); ``synchronization="none"`` or ``"on_read"`` with
-            ``aggregation="none"`` inside a strategy scope.
+            valid ones); ``synchronization="none"`` inside a strategy scope.
         TypeError: ``initial_value`` is not numeric or bool; ``aggregation="mean"`` with a
             dtype that cannot be averaged (integers, bool); ``name`` is not a string or
             ``trainable`` not a bool.
@@ -232,7 +239,7 @@ class Variable(NDArrayOperatorsMixin):
         agg: VariableAggregation,
     ) -> None:
         array = _initial_array(value, dtype, name)
-        _check_aggregation_dtype(agg, array.dtype, name)
+        _check_aggregation_dtype(agg, array.dtype, name, sync is _Sync.ON_READ)
         self._strategy = strategy
         self._engine = engine
         self._turn = Turn()  # writes take it in turn (invariant 8)
@@ -459,6 +466,8 @@ class Variable(NDArrayOperatorsMixin):
             shown = repr(host_array(value, device))
         except Exception:  # a repr must not raise
             shown = "<unreadable>"
+            if isinstance(self, SyncOnReadVariable) and self._aggregation is _Agg.NONE:
+                shown = "<one per replica: aggregation NONE>"
         return (
             f"<aioreplica.{type(self).__name__} {self._name!r} shape={self._shape} "
             f"dtype={self._dtype}{self._placement()} value={shown}>"
@@ -471,7 +480,13 @@ class Variable(NDArrayOperatorsMixin):
 
     # -- writes ---------------------------------------------------------------------------
 
-    async def assign(self, value: Any) -> Variable:
+    async def assign(
+        self,
+        value: Any,
+        use_locking: bool = False,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Variable:
         """Set the variable to ``value`` (broadcast to its shape, cast to its dtype).
 
         In replica context a ``MirroredVariable`` aggregates what every replica passes (one
@@ -482,6 +497,10 @@ class Variable(NDArrayOperatorsMixin):
 
         Args:
             value: an array-like, or in cross-replica context a ``Mirrored`` value.
+            use_locking: TF's, accepted so that TF code runs: writes to one variable always
+                take turns, and each is all-or-nothing.
+            name: TF's name of the write operation, accepted and unused.
+            read_value: TF's, accepted: the variable is returned either way.
 
         Returns:
             The variable.
@@ -506,8 +525,15 @@ class Variable(NDArrayOperatorsMixin):
                 await _sync_first(self)
             return await self._write(ASSIGN, value)
 
-    async def assign_add(self, value: Any) -> Variable:
-        """Add ``value`` to the variable (see ``assign`` for the contexts).
+    async def assign_add(
+        self,
+        value: Any,
+        use_locking: bool = False,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Variable:
+        """Add ``value`` to the variable (see ``assign`` for the contexts and the other
+        arguments).
 
         Raises:
             ValueError: as ``assign``; on a ``SyncOnReadVariable`` with aggregation ``SUM`` in
@@ -525,8 +551,15 @@ class Variable(NDArrayOperatorsMixin):
                 await _sync_first(self)
             return await self._write(ADD, value)
 
-    async def assign_sub(self, value: Any) -> Variable:
-        """Subtract ``value`` from the variable (see ``assign`` for the contexts).
+    async def assign_sub(
+        self,
+        value: Any,
+        use_locking: bool = False,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> Variable:
+        """Subtract ``value`` from the variable (see ``assign`` for the contexts and the other
+        arguments).
 
         Raises:
             ValueError: as ``assign_add``.
@@ -695,7 +728,10 @@ class SyncOnReadVariable(Variable):
     Made by ``Variable(..., synchronization="on_read", aggregation=...)`` in a strategy's
     scope, typically for metrics: each replica accumulates into its own copy with no
     communication, and a read in cross-replica context returns the aggregate (``SUM``,
-    ``MEAN``, or ``ONLY_FIRST_REPLICA``: replica 0's copy).
+    ``MEAN``, or ``ONLY_FIRST_REPLICA``: replica 0's copy). With aggregation ``NONE`` (the
+    default, as in TF) the copies have no aggregate: replicas read and write their own, and a
+    cross-replica read (a checkpoint's too) raises ``ValueError``; ``strategy.reduce(op, v)``
+    combines the copies with an op of the caller's choosing.
 
     Writes in replica context change this replica's copy only. In cross-replica context
     ``assign`` writes every copy so that the aggregate equals the value (with ``SUM`` each
@@ -704,8 +740,9 @@ class SyncOnReadVariable(Variable):
     in TF.
 
     Raises:
-        ValueError: made outside a strategy scope, with a ``synchronization`` other than
-            ``ON_READ``, or with aggregation ``NONE`` (and as ``Variable``).
+        ValueError: made outside a strategy scope, or with a ``synchronization`` other than
+            ``ON_READ`` (and as ``Variable``); read in cross-replica context with aggregation
+            ``NONE``.
 
     Example:
         >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -721,6 +758,14 @@ class SyncOnReadVariable(Variable):
     __slots__ = ()
 
     def _read_cross_replica(self) -> Any:
+        if self._aggregation is _Agg.NONE:
+            raise ValueError(
+                f"sync-on-read variable {self._name!r} has aggregation NONE, so its copies "
+                "cannot be combined in cross-replica context (as in TF): read it inside a "
+                "replica, where each reads its own copy, reduce its copies with "
+                "strategy.reduce(op, variable), or give it aggregation 'sum', 'mean' or "
+                "'only_first_replica'"
+            )
         copies = self._copies
         engine = self._engine
         if engine is not None and engine.cluster is not None:
@@ -783,6 +828,9 @@ class SyncOnReadVariable(Variable):
                 "times the value); call it in replica context, or assign() the new total"
             )
         return super()._cross_replica_values(op, value)
+
+
+register_copied_type(Variable)
 
 
 # -- several workers: every variable starts from the chief's value -----------------------
@@ -937,8 +985,34 @@ async def _aggregate(variable: Variable, value: Any) -> list[Any]:
             return await engine.broadcast(value, 0)
         first = value.values[0] if isinstance(value, DistributedValues) else value
         return await engine.broadcast_to(first, devices)
+    if variable._aggregation is _Agg.MEAN and variable._dtype.kind not in "fc":
+        return await _the_one_value(variable, value)
     op = ReduceOp.SUM if variable._aggregation is _Agg.SUM else ReduceOp.MEAN
     return (await engine.batch_reduce_to(op, [(value, devices)]))[0]
+
+
+async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
+    """The mean an integer or bool variable can hold, as in TF: the value, when every replica
+    (of every worker) passed the same one.
+
+    Raises:
+        ValueError: the replicas passed different values.
+    """
+    engine = variable._engine
+    assert engine is not None
+    devices = variable._devices
+    high = (await engine.batch_reduce_to(ReduceOp.MAX, [(value, devices)]))[0]
+    low = (await engine.batch_reduce_to(ReduceOp.MIN, [(value, devices)]))[0]
+    if not np.array_equal(host_array(high[0], devices[0]), host_array(low[0], devices[0])):
+        error = ValueError(
+            f"cannot write MirroredVariable {variable._name!r} of dtype {variable._dtype} with "
+            "aggregation MEAN in replica context: the replicas passed different values, whose "
+            "mean the dtype cannot hold (as in TF); pass the same value from every replica, "
+            "use a floating dtype, or write it in cross-replica context"
+        )
+        await engine.refuse("a write of a variable", error)  # every worker raises alike
+        raise error
+    return list(high)
 
 
 # -- updates (strategy.extended.update) -----------------------------------------------------
@@ -1049,11 +1123,15 @@ def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:
 def _update_arguments(
     strategy: Any, variable: Variable, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-    """``update``'s arguments for each copy of ``variable``.
+    """``update``'s arguments for each copy of ``variable``, as TF selects them: a
+    sync-on-read variable's copy ``i`` gets replica ``i``'s component of each distributed
+    argument; a mirrored variable's copies, which stay equal, take ``PerReplica`` arguments
+    only when every replica's component is equal (made in each replica alike, say).
 
     Raises:
-        ValueError: ``variable`` belongs to another strategy.
-        TypeError: an argument is a ``PerReplica``.
+        ValueError: ``variable`` belongs to another strategy; a distributed argument holds
+            another number of values than the variable has copies.
+        TypeError: a mirrored variable's argument is a ``PerReplica`` whose components differ.
     """
     owner = variable._strategy
     if owner is not None and owner is not strategy:
@@ -1061,17 +1139,39 @@ def _update_arguments(
             f"update() of {strategy!r} was given variable {variable._name!r}, which belongs "
             f"to {owner!r}; update it through its own strategy"
         )
-    per_copy_args = []
-    for i in range(len(variable._devices)):
-        try:
-            per_copy_args.append(select_replica_mirrored(i, (args, kwargs)))
-        except TypeError as exc:
+    copies = range(len(variable._devices))
+    for path, leaf in flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, DistributedValues) and len(leaf.values) != len(copies):
+            raise ValueError(
+                f"update() of variable {variable._name!r}: the argument at {format_path(path)} "
+                f"is a {type(leaf).__name__} of {len(leaf.values)} values, but the variable has "
+                f"{len(copies)} copies here"
+            )
+    if isinstance(variable, SyncOnReadVariable) or _equal_per_replica(variable, (args, kwargs)):
+        return [select_replica(i, (args, kwargs)) for i in copies]
+    for path, leaf in flatten_with_path((args, kwargs))[0]:
+        if isinstance(leaf, PerReplica):
             raise TypeError(
-                f"update() of variable {variable._name!r}: {exc}; the arguments must be the "
-                "same on every replica (Mirrored or plain values): reduce PerReplica values "
-                "first"
-            ) from None
-    return per_copy_args
+                f"update() of variable {variable._name!r}: the argument at {format_path(path)} "
+                "is a PerReplica whose values differ between replicas, but a mirrored "
+                "variable's copies stay equal; pass the same value on every replica (plain, "
+                "Mirrored, or a PerReplica of equal values), or reduce it first"
+            )
+    return [select_replica_mirrored(i, (args, kwargs)) for i in copies]
+
+
+def _equal_per_replica(variable: Variable, arguments: Any) -> bool:
+    """Whether ``arguments`` hold ``PerReplica`` values, each with equal components (one per
+    copy of ``variable``, each on its copy's device)."""
+    leaves = [leaf for leaf in flatten(arguments)[0] if isinstance(leaf, PerReplica)]
+    if not leaves:
+        return False
+    for leaf in leaves:
+        first = host_array(leaf.values[0], variable._devices[0])
+        for component, device in zip(leaf.values[1:], variable._devices[1:], strict=True):
+            if not np.array_equal(first, host_array(component, device)):
+                return False
+    return True
 
 
 def _as_copy(variable: Variable, result: Any, like: Any) -> Any:
@@ -1206,12 +1306,6 @@ def _check_kind(
             f"{cls.__name__} {name!r} cannot have synchronization {sync.name}; use "
             f"aioreplica.Variable, which makes a {wants.__name__} for it"
         )
-    if wants is SyncOnReadVariable and agg is _Agg.NONE:
-        raise ValueError(
-            f"variable {name!r}: synchronization ON_READ needs an aggregation to combine its "
-            "copies when read across replicas; pass aggregation='sum', 'mean' or "
-            "'only_first_replica'"
-        )
 
 
 def _initial_array(value: Any, dtype: Any, name: str) -> Any:
@@ -1239,11 +1333,16 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
     return array
 
 
-def _check_aggregation_dtype(agg: VariableAggregation, dtype: np.dtype[Any], name: str) -> None:
-    if agg is _Agg.MEAN and dtype.kind not in "fc":
+def _check_aggregation_dtype(
+    agg: VariableAggregation, dtype: np.dtype[Any], name: str, on_read: bool
+) -> None:
+    """Refuse an aggregation the dtype cannot hold: a sync-on-read variable's mean of its
+    copies (a mirrored one's ``MEAN`` takes integers as TF does: the one value every replica
+    writes), a sum of bools."""
+    if on_read and agg is _Agg.MEAN and dtype.kind not in "fc":
         raise TypeError(
-            f"variable {name!r} of dtype {dtype} cannot have aggregation MEAN, whose result "
-            "is fractional; use a floating dtype, or aggregation 'sum'"
+            f"sync-on-read variable {name!r} of dtype {dtype} cannot have aggregation MEAN, "
+            "whose result is fractional; use a floating dtype, or aggregation 'sum'"
         )
     if agg is _Agg.SUM and dtype.kind == "b":
         raise TypeError(

@@ -974,6 +974,56 @@ class TestDeviceWorkSeesTheCallersContext:
         ]
 
 
+class TestVariablesInReplicaCollectives:
+    """A variable passed to a collective in replica context is read as TF reads it there:
+    each replica contributes its own copy."""
+
+    async def test_each_replica_contributes_its_copy(self) -> None:
+        """TF's ReplicaCtxAllReduceTest.testSyncOnReadVariableInput, and the same for a
+        mirrored variable, an ordinary one, and one inside a structure."""
+        strategy = MirroredStrategy(host_devices(3))
+        with strategy.scope():
+            mine = aioreplica.Variable(
+                0.0, synchronization="on_read", aggregation="only_first_replica"
+            )
+            shared = aioreplica.Variable(np.array([1.0, 2.0]))
+        ordinary = aioreplica.Variable(5.0)
+
+        async def step() -> Any:
+            ctx = replica_context()
+            await mine.assign(3.0 * replica_id())
+            return (
+                await ctx.all_reduce("sum", mine),
+                await ctx.all_reduce("sum", {"w": shared, "n": ordinary}),
+                await ctx.broadcast(mine, source_replica=2),
+                await ctx.all_gather(shared, axis=0),
+            )
+
+        for summed, nested, sent, gathered in local(strategy, await strategy.run(step)):
+            assert summed == 9.0
+            assert nested["w"].tolist() == [3.0, 6.0]
+            assert nested["n"] == 15.0
+            assert sent == 6.0
+            assert gathered.tolist() == [1.0, 2.0] * 3
+
+    async def test_a_variable_of_another_strategy(self) -> None:
+        """A variable with copies on another number of devices is refused, naming both."""
+        strategy = MirroredStrategy(host_devices(3))
+        other = MirroredStrategy(host_devices(2))
+        with other.scope():
+            v = aioreplica.Variable(1.0)
+
+        async def step() -> Any:
+            return await replica_context().all_reduce("sum", {"v": v})
+
+        with pytest.raises(
+            ValueError,
+            match=r"all_reduce: the variable at \['v'\] has 2 copies, but this strategy has 3 "
+            "replicas here; pass a variable of this strategy",
+        ):
+            await strategy.run(step)
+
+
 class TestLeavesThatAreNotNumbers:
     """None, strings and other objects in a collective name the replica, the operation and
     what collectives take, before anything is reduced."""

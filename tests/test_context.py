@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.lowlevel
+import numpy as np
 import pytest
 
 import aioreplica
@@ -27,6 +28,9 @@ from aioreplica import (
 )
 from aioreplica._backends import HostDevice
 from aioreplica.testing import replica_context
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 Facts = tuple[ReplicaContext | None, bool, MirroredStrategy, bool]
 
@@ -394,6 +398,56 @@ class TestScope:
         events.append(facts())
         cross = (None, True, strategy, True)
         assert events == [cross, cross, (replica_context(), False, default_strategy(), False)]
+
+    def test_one_scope_object_entered_again_and_nested(self) -> None:
+        """TF's testSameScopeNesting: the object scope() returns may be entered again, and
+        inside itself; each exit restores what its entry found."""
+        strategy = two()
+        scope = strategy.scope()
+        default = (replica_context(), False, default_strategy(), False)
+        cross = (None, True, strategy, True)
+        events: list[Facts] = []
+        with scope as first:
+            events.append(facts())
+            with scope as nested:
+                events.append(facts())
+            events.append(facts())
+        events.append(facts())
+        with scope:
+            events.append(facts())
+        events.append(facts())
+        assert first is nested is strategy
+        assert events == [cross, cross, cross, default, cross, default]
+
+    @pytest.mark.anyio
+    async def test_another_strategys_calls_in_a_scope_are_refused(self) -> None:
+        """As TF refuses to mix strategies: run(), reduce, gather and the extended reductions
+        of one strategy inside another's scope raise RuntimeError naming both; the default
+        strategy's scope mixes with any."""
+        outer = MirroredStrategy(["cpu:0", "cpu:1"])
+        other = MirroredStrategy(["cpu:2", "cpu:3"])
+        value = aioreplica.PerReplica([np.ones(1), np.ones(1)])
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "run()": lambda: other.run(lambda: None),
+            "strategy.reduce()": lambda: other.reduce("sum", value),
+            "strategy.gather()": lambda: other.gather(value, 0),
+            "strategy.batch_reduce_to()": lambda: other.extended.batch_reduce_to(
+                "sum", [(value, "cpu:2")]
+            ),
+        }
+        with outer.scope():
+            for what, call in calls.items():
+                with pytest.raises(
+                    RuntimeError,
+                    match=(
+                        rf"^{re.escape(what)} of {re.escape(repr(other))} was called in the "
+                        rf"scope of {re.escape(repr(outer))}; strategies cannot be mixed"
+                    ),
+                ):
+                    await call()
+        with aioreplica.get_strategy().scope():
+            assert (await other.reduce("sum", value)).tolist() == [2.0]
+            assert await other.run(lambda: 7) == 7
 
     def test_other_strategy_scope_inside_raises_naming_both(self) -> None:
         """Entering another strategy's scope inside one is refused, naming both."""

@@ -5,15 +5,18 @@ from __future__ import annotations
 import collections
 import math
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 import pytest
 
 import aioreplica
-from aioreplica import Mirrored, MirroredStrategy, PerReplica, get_replica_context
-from aioreplica.testing import replica_id
+from aioreplica import Mirrored, MirroredStrategy, PerReplica, Variable, get_replica_context
+from aioreplica.testing import replica_context, replica_id
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 pytestmark = pytest.mark.anyio
 
@@ -322,10 +325,55 @@ class TestRunResults:
         assert await strategy.run(lambda: inner(1)) == 3
 
     async def test_experimental_local_results(self) -> None:
-        """Local results are the components of a distributed value, or a 1-tuple."""
+        """Local results are the components of a distributed value; a plain value stands
+        for the same value on every replica."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])
         assert strategy.experimental_local_results(PerReplica([1, 2])) == (1, 2)
-        assert strategy.experimental_local_results(7) == (7,)
+        assert strategy.experimental_local_results(7) == (7, 7)
+
+    @pytest.mark.parametrize(
+        ("returned", "each"),
+        [
+            (lambda r: {"a": 1.0, "b": r}, lambda r: {"a": 1.0, "b": r}),
+            (lambda r: [1.0, r], lambda r: [1.0, r]),
+            (lambda r: (1.0, (r, {"c": r * 2})), lambda r: (1.0, (r, {"c": r * 2}))),
+            (lambda r: {"a": 1, "b": "text"}, lambda r: {"a": 1, "b": "text"}),
+        ],
+        ids=["dict", "list", "nested", "no arrays"],
+    )
+    async def test_local_results_of_a_structure_are_one_structure_per_replica(
+        self, returned: Callable[[int], Any], each: Callable[[int], Any]
+    ) -> None:
+        """TF's StrategyLocalResultTest: a structure run() returned gives each replica's own
+        structure, plain leaves repeated."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1", "cpu:2"])
+        result = await strategy.run(lambda: returned(replica_id()))
+        assert strategy.experimental_local_results(result) == tuple(each(r) for r in range(3))
+
+    async def test_local_results_of_what_every_replica_shares(self) -> None:
+        """A host all_reduce gives every replica one shared array, which run() returns once:
+        its local results are still one per replica (TF's testAllReduceSum), as are those of
+        a variable in a structure (its copies)."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            v = Variable(np.zeros(2), synchronization="on_read", aggregation="sum")
+
+        async def step() -> Any:
+            await v.assign(np.full(2, float(replica_id())))
+            return await replica_context().all_reduce("sum", np.ones(2)), {"v": v}
+
+        results = strategy.experimental_local_results(await strategy.run(step))
+        assert [summed.tolist() for summed, _ in results] == [[2.0, 2.0]] * 2
+        assert [holder["v"].tolist() for _, holder in results] == [[0.0, 0.0], [1.0, 1.0]]
+
+    async def test_local_results_refuse_a_value_of_another_length(self) -> None:
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with pytest.raises(
+            ValueError,
+            match=r"^experimental_local_results: the value at \['a'\] holds 3 values, but "
+            "this strategy has 2 local replicas$",
+        ):
+            strategy.experimental_local_results({"a": PerReplica([1, 2, 3])})
 
 
 class TestRunMisuse:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy as copy_module
 import functools
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from aioreplica import (
+    Checkpoint,
     Mirrored,
     MirroredStrategy,
     MirroredVariable,
@@ -34,6 +36,7 @@ from aioreplica.testing import (
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Sequence
+    from pathlib import Path
 
 pytestmark = pytest.mark.anyio
 
@@ -245,20 +248,42 @@ class TestCreation:
         ):
             Variable(1.0, name="w", synchronization=sync)
 
-    @pytest.mark.parametrize("agg", ["none", VariableAggregation.NONE])
-    def test_on_read_needs_aggregation(self, agg: VariableAggregation | str) -> None:
-        """ON_READ with aggregation NONE in a scope raises ValueError."""
+    @pytest.mark.parametrize("agg", [None, "none", VariableAggregation.NONE])
+    async def test_on_read_without_aggregation_is_one_value_per_replica(
+        self, agg: VariableAggregation | str | None, tmp_path: Path
+    ) -> None:
+        """TF's default sync-on-read variable (aggregation NONE): each replica reads and
+        writes its own copy, cross-replica writes reach every copy, and what would combine
+        the copies (a cross-replica read, a checkpoint) raises ValueError, changing nothing;
+        strategy.reduce combines them with the op it is given."""
         strategy = MirroredStrategy(host_devices(2))
-        with (
-            strategy.scope(),
-            pytest.raises(
-                ValueError,
-                match=r"^variable 's': synchronization ON_READ needs an aggregation to combine its "
-                r"copies when read across replicas; pass aggregation='sum', 'mean' or "
-                r"'only_first_replica'$",
-            ),
-        ):
-            Variable(1.0, name="s", synchronization="on_read", aggregation=agg)
+        kwargs: dict[str, Any] = {} if agg is None else {"aggregation": agg}
+        with strategy.scope():
+            v = Variable(1.0, name="s", synchronization="on_read", **kwargs)
+        assert type(v) is SyncOnReadVariable
+        assert (v.aggregation, v.trainable) == (VariableAggregation.NONE, False)
+        assert "value=<one per replica: aggregation NONE>" in repr(v)
+
+        async def step() -> Any:
+            await v.assign_add(float(replica_id() + 1))
+            return v.read_value()
+
+        assert strategy.experimental_local_results(await strategy.run(step)) == (2.0, 3.0)
+        message = (
+            r"^sync-on-read variable 's' has aggregation NONE, so its copies cannot be "
+            r"combined in cross-replica context \(as in TF\): read it inside a replica"
+        )
+        for read in (v.value, v.numpy, lambda: float(v)):
+            with pytest.raises(ValueError, match=message):
+                read()
+        with pytest.raises(ValueError, match=message):
+            await Checkpoint(v=v).save(str(tmp_path / "c.npz"))
+        assert not os.listdir(tmp_path)
+        assert_copies(v, [2.0, 3.0])
+        assert await strategy.reduce("max", v) == 3.0
+        await v.assign(7.0)
+        await v.assign_add(1.0)
+        assert_copies(v, [8.0, 8.0])
 
     @pytest.mark.parametrize("in_scope", [False, True])
     def test_invalid_synchronization_or_aggregation(self, in_scope: bool) -> None:
@@ -306,16 +331,22 @@ class TestCreation:
 
     @pytest.mark.parametrize("sync", ["on_write", "on_read"])
     def test_mean_with_integer_dtype_refused(self, sync: str) -> None:
-        """aggregation MEAN with an integer dtype raises TypeError, in a scope and outside."""
+        """aggregation MEAN with an integer dtype: a sync-on-read variable's mean would be
+        fractional (TypeError); a mirrored or ordinary variable takes it, as in TF."""
         strategy = MirroredStrategy(host_devices(2))
-        message = (
-            r"^variable 'n' of dtype int32 cannot have aggregation MEAN, whose result is "
-            r"fractional; use a floating dtype, or aggregation 'sum'$"
-        )
-        with strategy.scope(), pytest.raises(TypeError, match=message):
-            Variable(3, name="n", dtype=np.int32, synchronization=sync, aggregation="mean")
-        with pytest.raises(TypeError, match=message):
-            Variable(3, name="n", dtype=np.int32, aggregation="mean")
+        with strategy.scope():
+            if sync == "on_read":
+                with pytest.raises(
+                    TypeError,
+                    match=r"^sync-on-read variable 'n' of dtype int32 cannot have aggregation "
+                    r"MEAN, whose result is fractional; use a floating dtype, or aggregation "
+                    r"'sum'$",
+                ):
+                    Variable(3, name="n", dtype=np.int32, synchronization=sync, aggregation="mean")
+            else:
+                v = Variable(3, name="n", dtype=np.int32, synchronization=sync, aggregation="mean")
+                assert (type(v), v.dtype) == (MirroredVariable, np.dtype(np.int32))
+        assert Variable(3, name="n", dtype=np.int32, aggregation="mean").numpy() == 3
 
     def test_sum_with_bool_refused(self) -> None:
         """aggregation SUM with a bool dtype raises TypeError."""
@@ -601,6 +632,72 @@ class TestCreatedInsideReplicas:
         v, doubled = await strategy.run(step)
         assert [c.get().tolist() for c in v.values] == [[2.0, 3.0, 4.0]] * 2
         assert [d.get().tolist() for d in doubled.values] == [[4.0, 6.0, 8.0]] * 2
+
+
+class TestIntegerMeanVariables:
+    """TF's testAssignAggregationMeanDTypeNonFloat: a mirrored integer (or bool) variable with
+    aggregation MEAN takes, in replica context, the one value every replica writes."""
+
+    async def test_the_same_value_from_every_replica(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(1, aggregation="mean", dtype=np.int32)
+            three = Variable(3, aggregation="sum", dtype=np.int32)
+            flag = Variable(True, aggregation="mean")
+
+        await strategy.run(lambda: v.assign(2))
+        assert_copies(v, [2, 2])
+        await strategy.run(lambda: v.assign(three))
+        assert_copies(v, [3, 3])
+
+        async def add() -> None:  # equal values computed in each replica
+            await v.assign_add(np.int32(2 + 0 * replica_id()))
+
+        await strategy.run(add)
+        assert_copies(v, [5, 5])
+        await strategy.run(lambda: flag.assign(False))
+        assert_copies(flag, [False, False])
+        with strategy.scope():
+            await v.assign(4)
+        assert_copies(v, [4, 4])
+        assert v.dtype == np.dtype(np.int32)
+
+    async def test_different_values_are_refused_and_change_nothing(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(1, name="n", aggregation="mean", dtype=np.int32)
+
+        async def step() -> None:
+            await v.assign(replica_id())
+
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write MirroredVariable 'n' of dtype int32 with aggregation MEAN in "
+            r"replica context: the replicas passed different values, whose mean the dtype "
+            r"cannot hold \(as in TF\)",
+        ):
+            await strategy.run(step)
+        assert_copies(v, [1, 1])
+
+
+class TestTFWriteArguments:
+    @pytest.mark.parametrize("op", OPS)
+    async def test_tfs_write_arguments_are_accepted(self, op: str) -> None:
+        """TF code passes use_locking, name and read_value (by keyword or position): the write
+        happens as without them and returns the variable."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.ones(2), aggregation="mean")
+        write = getattr(v, op)
+        assert await write(2.0, read_value=False, use_locking=True, name="w") is v
+        assert await write(2.0, False, None, True) is v
+        want = expected_write(op, expected_write(op, np.ones(2), 2.0), 2.0)
+        assert_all(v, want)
+
+        async def step() -> None:
+            await write(1.0, read_value=False)
+
+        await strategy.run(step)
+        assert_all(v, expected_write(op, want, 1.0))
 
 
 class TestReads:
@@ -1560,25 +1657,65 @@ class TestUpdate:
         assert all(got is copy for got, copy in zip(result, v.values, strict=True))
         assert_all(v, [2.0, 4.0])
 
-    @pytest.mark.replicas(*REPLICAS)
+    @pytest.mark.replicas(2, 4)
     @pytest.mark.parametrize("where", ["args", "kwargs"])
-    async def test_per_replica_args_refused(
+    async def test_per_replica_args_that_differ_refused(
         self, strategy_factory: StrategyFactory, replicas: int, where: str
     ) -> None:
-        """A PerReplica argument raises TypeError; nothing changes."""
+        """A mirrored variable's PerReplica argument whose values differ raises TypeError
+        naming where it is; nothing changes."""
         strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
-        per_replica = PerReplica([2.0] * replicas)
+        per_replica = PerReplica([2.0 + i for i in range(replicas)])
         args: tuple[Any, ...] = (per_replica,) if where == "args" else (2.0,)
         kwargs = {"shift": per_replica} if where == "kwargs" else {}
+        at = r"\[0\]\[0\]" if where == "args" else r"\[1\]\['shift'\]"
         with pytest.raises(
             TypeError,
-            match=r"^update\(\) of variable 'w': select_replica_mirrored\(\) expected Mirrored "
-            r"values or plain leaves, got PerReplica at .*; the arguments must be the same on "
-            r"every replica \(Mirrored or plain values\): reduce PerReplica values first$",
+            match=rf"^update\(\) of variable 'w': the argument at {at} is a PerReplica whose "
+            r"values differ between replicas, but a mirrored variable's copies stay equal; pass "
+            r"the same value on every replica \(plain, Mirrored, or a PerReplica of equal "
+            r"values\), or reduce it first$",
         ):
             await strategy.extended.update(v, scale_and_shift, args, kwargs)
         assert_all(v, [1.0, 2.0])
+
+    @pytest.mark.replicas(*REPLICAS)
+    async def test_per_replica_args_that_agree(
+        self, strategy_factory: StrategyFactory, replicas: int
+    ) -> None:
+        """TF's ReplicaCtxUpdateTest: values made alike in each replica (a PerReplica of equal
+        values) update a mirrored variable, in either context."""
+        strategy = strategy_factory()
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        await strategy.extended.update(v, scale_and_shift, (PerReplica([2.0] * replicas),))
+        assert_all(v, [2.0, 4.0])
+
+        async def step() -> None:
+            await strategy.extended.update(v, scale_and_shift, (np.float64(3.0),))
+
+        await strategy.run(step)
+        assert_all(v, [6.0, 12.0])
+
+    @pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica", "none"])
+    async def test_sync_on_read_copies_take_their_replicas_values(self, aggregation: str) -> None:
+        """TF's testStrategyExtendedUpdate: a sync-on-read variable's copy i takes replica i's
+        value, and the grouped result is a PerReplica of the copies."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(0.0, synchronization="on_read", aggregation=aggregation)
+        result = await strategy.extended.update(v, lambda c, x: x, (PerReplica([1.0, 2.0]),))
+        assert isinstance(result, PerReplica)
+        assert_copies(v, [1.0, 2.0])
+        await strategy.extended.update(v, lambda c, x: c + x, (PerReplica([1.0, 2.0]),))
+        assert_copies(v, [2.0, 4.0])
+        with pytest.raises(
+            ValueError,
+            match=r"the argument at \[0\]\[0\] is a PerReplica of 3 values, but the variable "
+            r"has 2 copies here$",
+        ):
+            await strategy.extended.update(v, lambda c, x: x, (PerReplica([1.0, 2.0, 3.0]),))
+        assert_copies(v, [2.0, 4.0])
 
     @pytest.mark.replicas(*REPLICAS)
     async def test_wrong_shape_or_dtype_refused(self, strategy_factory: StrategyFactory) -> None:

@@ -467,6 +467,33 @@ async def test_variables_made_inside_a_replica_are_refused(
         await strategy.run(step)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+async def test_integer_mean_variables_take_one_value_from_every_worker(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """An integer MEAN variable written in replica context takes the value every replica of
+    every worker passed; values that differ on one worker only are refused on every worker
+    alike, changing nothing, and the strategy carries on."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        v = Variable(1, name="n", aggregation="mean", dtype=np.int64)
+
+    async def same() -> None:
+        await v.assign(np.int64(7))
+
+    await strategy.run(same)
+    assert_copies_equal(v, 7)
+
+    async def differs() -> None:
+        await v.assign(np.int64(9 if replica_id() == WORKERS * local - 1 else 8))
+
+    with pytest.raises(ValueError, match=r"the replicas passed different values"):
+        await strategy.run(differs)
+    assert_copies_equal(v, 7)
+    await strategy.run(same)
+    assert_copies_equal(v, 7)
+
+
 #: Bad writes made in a replica, and the error they raise: ``write(v, optimizer, bad)``
 #: writes ``v`` (shape (3,), float32) with bad arguments (``bad``) or good ones; the name of
 #: the write in the others' message.
