@@ -113,6 +113,13 @@ class InputContext:
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
 
+    def __str__(self) -> str:
+        # TF's wording; the repr names every field.
+        return (
+            f"InputContext(input pipeline id {self.input_pipeline_id}, "
+            f"total: {self.num_input_pipelines})"
+        )
+
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """The per-replica batch size for ``global_batch_size``.
 
@@ -691,11 +698,20 @@ class _Puller:
         if have.all():
             return element
         root = int(np.flatnonzero(have)[0])
-        spec = pickle.dumps(_zero_rows(element)) if workers.worker_index == root else b""
+        spec = b""
+        if workers.worker_index == root:  # what an empty element is, or why there is none
+            try:
+                ran_out = worker_list([int(w) for w in np.flatnonzero(~have)])
+                spec = pickle.dumps(_zero_rows(element, f"on {ran_out} before the others"))
+            except TypeError as exc:
+                spec = pickle.dumps(exc)
         spec = await workers.broadcast_bytes(spec, root)
+        empty = pickle.loads(spec)
+        if isinstance(empty, TypeError):
+            raise empty  # on every worker alike
         if element is not _END:
             return element
-        return self._placed_zero_rows(pickle.loads(spec))
+        return self._placed_zero_rows(empty)
 
     async def _end_for_a_failure(
         self, marks: np.ndarray[Any, Any], error: Exception | None
@@ -819,7 +835,8 @@ class _Puller:
                 if batch is _END:
                     break
                 leaves, treedef = _tree.flatten(batch)
-                batch_rows(leaves, treedef, "distribute_datasets_from_function")
+                if not _unbatched(leaves):  # elements without a batch dimension pass as they are
+                    batch_rows(leaves, treedef, "distribute_datasets_from_function")
                 self._last = batch
                 parts.append(batch)
         except BaseException:
@@ -827,8 +844,9 @@ class _Puller:
             raise
         if not parts:
             return None
-        while len(parts) < len(self._devices):  # ran out mid-round: empty batches
-            parts.append(_tree.map_structure(_empty_rows, self._last))
+        if len(parts) < len(self._devices):  # ran out mid-round: empty batches
+            empty = _zero_rows(self._last, f"after {len(parts)} of this round's elements")
+            parts.extend([empty] * (len(self._devices) - len(parts)))
         return parts
 
     async def finish(self) -> None:
@@ -1038,14 +1056,37 @@ def _empty_rows(leaf: Any) -> Any:
     return leaf[0:0]
 
 
-def _zero_rows(element: Any) -> Any:
-    """``element``'s structure with each leaf a zero-row host array of its dtype and shape."""
+def _unbatched(leaves: list[Any]) -> bool:
+    """Whether an element has a leaf without a batch dimension (a number, a 0-d array)."""
+    return any(not getattr(leaf, "shape", ()) for leaf in leaves)
+
+
+def _zero_rows(element: Any, where: str) -> Any:
+    """``element``'s structure with each leaf a zero-row host array of its dtype and shape.
+
+    Raises:
+        TypeError: a leaf has no batch dimension to have zero rows of (``where``: which
+            element ran out, for the message).
+    """
     leaves, treedef = _tree.flatten(element)
     zeros = []
     for leaf in leaves:
         first = leaf.values[0] if isinstance(leaf, PerReplica) else leaf
-        zeros.append(_empty_rows(host_array(first)))
+        array = host_array(first) if hasattr(first, "shape") else np.asarray(first)
+        if not array.ndim:
+            raise TypeError(
+                f"distribute_datasets_from_function: the dataset ran out {where}, and its "
+                f"elements have no batch dimension (one is {_short(first)}), so the replicas "
+                "left without data cannot get empty batches; give every replica an element in "
+                "every round, or batch the elements"
+            )
+        zeros.append(_empty_rows(array))
     return treedef.unflatten(zeros)
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 40 else f"{shown[:37]}..."
 
 
 def _shares(rows: int, parts: int) -> list[tuple[int, int]]:

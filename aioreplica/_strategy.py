@@ -11,13 +11,14 @@ from below through ``aioreplica._context.register_default_context``.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 import os
 import random
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, TypeAlias, TypeVar, final
 
 import anyio
 import numpy as np
@@ -60,12 +61,13 @@ from ._values import (
 from ._variables import SyncOnReadVariable, Variable, update
 
 if TYPE_CHECKING:
-    import contextvars
     import threading
 
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
 
 _INTERLEAVES = ("ordered", "random")
+#: What leaving a scope resets: the context variable its entry set, and the token.
+_ScopeToken: TypeAlias = "tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]"
 _T = TypeVar("_T")
 
 #: What ``array_kind`` calls the values that stand for their device as a destination.
@@ -666,12 +668,12 @@ class MirroredStrategy:
         self._check_not_mixed(f"strategy.{what}()", state)
 
     def _check_not_mixed(self, what: str, state: ContextState) -> None:
-        """Refuse a call made in the scope (or a ``merge_fn``) of another strategy than the
-        default one, as TF refuses to mix strategies."""
+        """Refuse a call made in the scope (or a ``merge_fn``) of another strategy, the
+        default one's included, as TF refuses to mix strategies."""
         current = state.strategy
+        if current is None and _in_default_scope.get():
+            current = default_replica_context().strategy
         if current is not None and current is not self:
-            if current is default_replica_context().strategy:
-                return
             raise RuntimeError(
                 f"{what} of {self!r} was called in the scope of {current!r}; strategies "
                 "cannot be mixed: finish with one before using the other"
@@ -783,11 +785,15 @@ class MirroredStrategy:
 
         ``dataset_fn`` is called once per input pipeline (once in one process). Its dataset
         yields per-replica batches: replica ``r`` gets the ``r``-th batch of each round. When it
-        runs out in the middle of a round, the other replicas get zero-length batches.
+        runs out in the middle of a round, the other replicas get zero-length batches. As in
+        TF, its elements may also be values without a batch dimension (numbers, tuples of
+        them), which each replica gets as they are.
 
         Raises:
             TypeError: ``dataset_fn`` is not callable; what it returned is not iterable;
-                ``prefetch`` is not an int.
+                ``prefetch`` is not an int; (while iterating) elements without a batch
+                dimension ran out in the middle of a round, which leaves replicas without an
+                element (there are no empty ones of them).
             ValueError: ``prefetch`` is negative.
 
         Example:
@@ -1106,8 +1112,9 @@ class MirroredStrategy:
         """
         return _Scope(self)
 
-    def _enter_scope(self) -> contextvars.Token[ContextState] | None:
-        """Enter this strategy's scope: the token to reset, or None where it changes nothing.
+    def _enter_scope(self) -> _ScopeToken | None:
+        """Enter this strategy's scope: what to reset on leaving, or None where it changes
+        nothing.
 
         Raises:
             RuntimeError: another strategy's scope or replica is current.
@@ -1115,14 +1122,19 @@ class MirroredStrategy:
         state = context_state.get()
         replica = state.replica
         current = replica.strategy if replica is not None else state.strategy
+        default = default_replica_context().strategy
+        if current is None and self is not default and _in_default_scope.get():
+            current = default  # its scope keeps the default replica context, but is current
         if current is not None and current is not self:
             raise RuntimeError(
                 f"cannot enter the scope of {self!r} while {current!r} is current; "
                 "strategies cannot be mixed: finish with one before using the other"
             )
-        if replica is not None or current is self or self is default_replica_context().strategy:
-            return None  # the default strategy's scope keeps the default replica context (TF)
-        return context_state.set(ContextState(strategy=self, engine=self._engine))
+        if self is default:  # it keeps the default replica context, as in TF
+            return None if replica is not None else (_in_default_scope, _in_default_scope.set(True))
+        if replica is not None or current is self:
+            return None
+        return (context_state, context_state.set(ContextState(strategy=self, engine=self._engine)))
 
     # -- lifetime -------------------------------------------------------------------------
 
@@ -1458,16 +1470,25 @@ class _Scope:
 
     def __init__(self, strategy: MirroredStrategy) -> None:
         self._strategy = strategy
-        self._tokens: list[contextvars.Token[ContextState] | None] = []
+        self._tokens: list[_ScopeToken | None] = []
 
     def __enter__(self) -> MirroredStrategy:
         self._tokens.append(self._strategy._enter_scope())
         return self._strategy
 
     def __exit__(self, *exc_info: object) -> None:
-        token = self._tokens.pop()
-        if token is not None:
-            context_state.reset(token)
+        entered = self._tokens.pop()
+        if entered is not None:
+            variable, token = entered
+            variable.reset(token)
+
+
+#: Whether the default strategy's scope is current. It keeps the default replica context
+#: (``context_state`` stays as it is), yet no other strategy's scope, run or reduction may
+#: start inside it, as in TF.
+_in_default_scope: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "aioreplica.in_default_scope", default=False
+)
 
 
 def _release_collected(devices: tuple[HostDevice, ...]) -> None:

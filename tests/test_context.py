@@ -422,8 +422,8 @@ class TestScope:
     @pytest.mark.anyio
     async def test_another_strategys_calls_in_a_scope_are_refused(self) -> None:
         """As TF refuses to mix strategies: run(), reduce, gather and the extended reductions
-        of one strategy inside another's scope raise RuntimeError naming both; the default
-        strategy's scope mixes with any."""
+        of one strategy inside another's scope (the default strategy's too) raise RuntimeError
+        naming both."""
         outer = MirroredStrategy(["cpu:0", "cpu:1"])
         other = MirroredStrategy(["cpu:2", "cpu:3"])
         value = aioreplica.PerReplica([np.ones(1), np.ones(1)])
@@ -435,19 +435,44 @@ class TestScope:
                 "sum", [(value, "cpu:2")]
             ),
         }
-        with outer.scope():
-            for what, call in calls.items():
-                with pytest.raises(
+        for scope in (outer, aioreplica.get_strategy()):
+            with scope.scope():
+                for what, call in calls.items():
+                    with pytest.raises(
+                        RuntimeError,
+                        match=(
+                            rf"^{re.escape(what)} of {re.escape(repr(other))} was called in "
+                            rf"the scope of {re.escape(repr(scope))}; strategies cannot be mixed"
+                        ),
+                    ):
+                        await call()
+        assert (await other.reduce("sum", value)).tolist() == [2.0]
+        assert await other.run(lambda: 7) == 7
+
+    def test_the_default_strategys_scope_refuses_another_scope(self) -> None:
+        """TF's testScopeMostlyNoOp: the default strategy's scope keeps the default replica
+        context, but another strategy's scope cannot be entered inside it; after it, it can."""
+        other = two()
+        default = aioreplica.get_strategy()
+        before = facts()
+        with default.scope():
+            assert facts() == before
+            with (
+                pytest.raises(
                     RuntimeError,
                     match=(
-                        rf"^{re.escape(what)} of {re.escape(repr(other))} was called in the "
-                        rf"scope of {re.escape(repr(outer))}; strategies cannot be mixed"
+                        rf"^cannot enter the scope of {re.escape(repr(other))} while "
+                        rf"{re.escape(repr(default))} is current; strategies cannot be mixed"
                     ),
-                ):
-                    await call()
-        with aioreplica.get_strategy().scope():
-            assert (await other.reduce("sum", value)).tolist() == [2.0]
-            assert await other.run(lambda: 7) == 7
+                ),
+                other.scope(),
+            ):
+                pass
+            assert facts() == before
+            with default.scope():  # its own scope again: fine
+                assert facts() == before
+        with other.scope():
+            assert facts() == (None, True, other, True)
 
     def test_other_strategy_scope_inside_raises_naming_both(self) -> None:
         """Entering another strategy's scope inside one is refused, naming both."""

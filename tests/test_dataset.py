@@ -620,6 +620,43 @@ class TestDistributeDatasetsFromFunction:
         elements = await collect(strategy.distribute_datasets_from_function(lambda c: batches))
         assert [rows_of(element, 1) for element in elements] == [[[0, 1]], [[2, 3, 4]]]
 
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_elements_without_a_batch_dimension(self, kind: str) -> None:
+        """TF's testReplicateDataset: elements need no batch dimension (numbers, tuples of
+        them): replica r gets the r-th element of each round, placed on its device."""
+        strategy = MirroredStrategy(host_devices(2))
+        dist = strategy.distribute_datasets_from_function(
+            lambda context: source(kind, [(i, i * i) for i in range(6)])
+        )
+        got = [strategy.experimental_local_results(e) for e in await collect(dist)]
+        assert [[(int(a), int(b)) for a, b in element] for element in got] == [
+            [(0, 0), (1, 1)],
+            [(2, 4), (3, 9)],
+            [(4, 16), (5, 25)],
+        ]
+        assert all(isinstance(a, np.ndarray) for element in got for a, _ in element)
+
+    async def test_elements_without_a_batch_dimension_running_out_mid_round(self) -> None:
+        """Replicas left without such an element cannot get an empty batch: TypeError saying
+        so, after the full rounds."""
+        strategy = MirroredStrategy(host_devices(2))
+        dist = strategy.distribute_datasets_from_function(lambda context: range(3))
+        got: list[Any] = []
+
+        async def take() -> None:
+            async for element in dist:
+                got.append(strategy.experimental_local_results(element))  # noqa: PERF401
+
+        with pytest.raises(
+            TypeError,
+            match=r"^distribute_datasets_from_function: the dataset ran out after 1 of this "
+            r"round's elements, and its elements have no batch dimension \(one is 2\), so the "
+            r"replicas left without data cannot get empty batches; give every replica an "
+            r"element in every round, or batch the elements$",
+        ):
+            await take()
+        assert [[int(x) for x in element] for element in got] == [[0, 1]]
+
     @pytest.mark.parametrize(
         ("prefetch", "error"), [(-1, ValueError), (True, TypeError), (1.5, TypeError)]
     )
@@ -658,6 +695,14 @@ class TestInputContext:
         """The global batch size divides evenly over the replicas."""
         context = InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=4)
         assert context.get_per_replica_batch_size(64) == 16
+
+    def test_str_and_repr(self) -> None:
+        """str() says what TF's does; repr() names every field."""
+        context = InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)
+        assert str(context) == "InputContext(input pipeline id 1, total: 2)"
+        assert repr(context) == (
+            "InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)"
+        )
 
     def test_batch_size_not_divisible(self) -> None:
         """A global batch size the replicas do not divide is a ValueError naming both numbers."""

@@ -377,6 +377,37 @@ async def test_distribute_datasets_from_function(make_strategy: MakeStrategy, lo
     np.testing.assert_array_equal(flat, np.arange(4 * local * 2) + 1000 * RANK)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+async def test_from_function_elements_without_a_batch_dimension(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """Elements without a batch dimension go round-robin to each worker's replicas; when the
+    last worker's pipeline runs out first, its replicas cannot get empty batches of them:
+    every worker raises the same TypeError after the same rounds, and the strategy goes on."""
+    strategy = make_strategy(local)
+    rounds = 3 if RANK == WORKERS - 1 else 4
+
+    def dataset_fn(context: InputContext) -> Any:
+        return [(100 * context.input_pipeline_id + i, float(i)) for i in range(rounds * local)]
+
+    got: list[list[tuple[int, float]]] = []
+
+    async def take() -> None:
+        async for element in strategy.distribute_datasets_from_function(dataset_fn):
+            got.append([(int(a), float(b)) for a, b in each_replica(strategy, element)])  # noqa: PERF401
+
+    with pytest.raises(
+        TypeError,
+        match=rf"the dataset ran out on worker {WORKERS - 1} before the others, and its elements "
+        r"have no batch dimension",
+    ):
+        await take()
+    assert got == [
+        [(100 * RANK + r * local + j, float(r * local + j)) for j in range(local)] for r in range(3)
+    ]
+    assert each_replica(strategy, await strategy.run(lambda: 1)) == [1] * local
+
+
 async def test_run_steps_over_every_worker(make_strategy: MakeStrategy) -> None:
     """run_steps across workers: every worker's replicas get their slices of the same global
     batches, the step's collectives span every worker, and the workers stop together when the

@@ -207,7 +207,8 @@ async def test_an_update_outside_run_takes_the_chiefs_value(
 ) -> None:
     """``extended.update`` outside run() with a different argument on every worker gives every
     worker the chief's new value, as a write does; one refused on one worker (a PerReplica
-    argument) raises on every worker, the others a ValueError naming it, and changes nothing."""
+    argument whose values differ) raises on every worker, the others a ValueError naming it,
+    and changes nothing."""
     strategy = make_strategy(2)
     with strategy.scope():
         v = Variable(np.zeros(3), name="v")
@@ -217,7 +218,7 @@ async def test_an_update_outside_run_takes_the_chiefs_value(
     assert_copies_equal(v, np.ones(3))
 
     bad = everywhere or RANK == WORKERS - 1
-    per_replica = PerReplica([np.ones(3), np.ones(3)])
+    per_replica = PerReplica([np.ones(3), np.full(3, 2.0)])
     with pytest.raises(TypeError if bad else ValueError) as caught:
         await strategy.extended.update(
             v, lambda copy, x: copy + x, args=(per_replica if bad else 1.0,)
