@@ -17,7 +17,8 @@ not drive, and both asyncio and trio print its repr in their error, so ``MERGE``
 what went wrong.
 
 ``MergePoint`` is what the replica's side of the scheduler shows ``merge_call``, so that misuse
-is refused at once.
+is refused at once, and ``Variable``, which finds there the variables the run's replicas share
+(``VariableCreations``).
 """
 
 from __future__ import annotations

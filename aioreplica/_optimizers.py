@@ -197,8 +197,9 @@ class Optimizer:
         Call it from every replica (or outside any strategy, with ordinary variables) with
         that replica's gradients. It takes one merge round, whose gradients are summed in one
         packed all-reduce; scale your loss by the global batch size so the sum is the mean.
-        Pairs whose gradient is ``None`` are skipped. Every variable, slot and the step
-        count change together, or (on any error or cancellation) none of them. With
+        Pairs whose gradient is ``None`` are skipped. An empty list changes nothing and takes
+        no merge round, as in TF (every replica must pass one then). Every variable, slot and
+        the step count change together, or (on any error or cancellation) none of them. With
         ``clipnorm`` or ``global_clipnorm``, the summed gradients are clipped in that same
         round, so every replica applies the same clipped step.
 
@@ -210,8 +211,9 @@ class Optimizer:
             ``iterations`` after the step.
 
         Raises:
-            ValueError: no gradient at all; a variable listed twice; a gradient of the wrong
-                shape (naming the variable and the replica); a variable of another strategy.
+            ValueError: pairs whose gradients are all ``None``; a variable listed twice; a
+                gradient of the wrong shape (naming the variable and the replica); a variable
+                of another strategy.
             TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
                 and ``aioreplica.Variable``; a gradient dtype that cannot be cast to its
                 variable's.
@@ -241,6 +243,8 @@ class Optimizer:
         except (TypeError, ValueError) as exc:
             ctx._engine.refusing("apply_gradients()", exc)  # on every worker alike
             raise
+        if not variables:  # an empty list: nothing to apply (TF's no-op)
+            return self._iterations
         iterations: int = await ctx.merge_call(
             self._merge_apply, args=(ctx._engine, grads, variables)
         )
@@ -260,8 +264,10 @@ class Optimizer:
                 "apply_gradients() takes an iterable of (gradient, variable) pairs, got "
                 f"{type(grads_and_vars).__name__} {grads_and_vars!r:.60}"
             )
+        pairs = 0
         for pair in grads_and_vars:
             grad, variable = _check_pair(pair)
+            pairs += 1
             if grad is None:
                 continue
             if id(variable) in seen:
@@ -274,10 +280,10 @@ class Optimizer:
                 self._check_owner(variable, strategy)
             grads.append(_checked_gradient(grad, variable, device, replica_id))
             variables.append(variable)
-        if not variables:
+        if pairs and not variables:
             raise ValueError(
-                "apply_gradients() got no gradients: every pair's gradient is None (or the "
-                "list is empty)"
+                f"apply_gradients() got no gradients: every one of its {pairs} pairs' gradient "
+                "is None; compute the gradients of the variables the loss depends on"
             )
         return grads, variables
 

@@ -1089,21 +1089,38 @@ class TestErrors:
             await strategy.run(step)
         assert_unchanged(before, snapshot(opt, [w, b]))
 
-    @pytest.mark.parametrize("empty", [False, True])
-    async def test_no_gradients(self, empty: bool) -> None:
-        """All gradients None (or no pairs) is a ValueError; nothing changes."""
+    async def test_no_gradients(self) -> None:
+        """Pairs whose gradients are all None are a ValueError; nothing changes."""
         strategy, (w, b), opt = await self.trained()
         before = snapshot(opt, [w, b])
-        pairs: list[tuple[Any, Variable]] = [] if empty else [(None, w), (None, b)]
 
         async def step() -> int:
-            return await opt.apply_gradients(pairs)
+            return await opt.apply_gradients([(None, w), (None, b)])
 
         with pytest.raises(
             ValueError,
-            match=re.escape("apply_gradients() got no gradients: every pair's gradient is None"),
+            match=re.escape(
+                "apply_gradients() got no gradients: every one of its 2 pairs' gradient is None"
+            ),
         ):
             await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b]))
+
+    async def test_an_empty_list_changes_nothing(self) -> None:
+        """TF's test_empty_var_list: no pairs at all is a step that does nothing (no merge
+        round, the step count unchanged)."""
+        strategy, (w, b), opt = await self.trained()
+        before = snapshot(opt, [w, b])
+        merges = strategy.statistics().merge_rounds_completed
+
+        async def step() -> int:
+            return await opt.apply_gradients([])
+
+        assert (
+            strategy.experimental_local_results(await strategy.run(step))
+            == (opt.iterations,) * strategy.num_replicas_in_sync
+        )
+        assert strategy.statistics().merge_rounds_completed == merges
         assert_unchanged(before, snapshot(opt, [w, b]))
 
     @pytest.mark.parametrize(
