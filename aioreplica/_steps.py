@@ -18,8 +18,10 @@ import types
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, Final, final
 
+from . import _tree
 from ._context import context_state, default_replica_context, get_replica_context
 from ._errors import as_integer, yielding_step
+from ._values import DistributedValues
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -198,7 +200,8 @@ class MultiStepContext:
     async def set_non_tensor_output(self, name: str, output: Any) -> None:
         """Record ``output`` under ``name`` without reducing it.
 
-        In replica context every replica's value is kept: the output is the tuple of them.
+        In replica context every replica's value is kept: the output is the tuple of them,
+        or, where every replica passed the very same object, a 1-tuple of it, as in TF.
 
         Example:
             >>> async def record():
@@ -214,7 +217,10 @@ class MultiStepContext:
             return
 
         def record(strategy: Any, value: Any) -> None:
-            self._non_tensor_outputs[name] = strategy.experimental_local_results(value)
+            # TF's local results: a value every replica passed as one object is one value.
+            one = not isinstance(value, DistributedValues) and _tree.is_leaf(value)
+            local = (value,) if one else strategy.experimental_local_results(value)
+            self._non_tensor_outputs[name] = local
 
         await context.merge_call(record, args=(output,))
 

@@ -195,6 +195,21 @@ class TestRunStepsOnIterator:
         assert {k: int(v) for k, v in context.last_step_outputs.items()} == {"rows": 2 + 4}
         assert context.non_tensor_outputs == {"who": ("replica 0", "replica 1")}
 
+    async def test_one_object_from_every_replica_is_one_output(self) -> None:
+        """TF's testRunStepsWithOutputContext: the very same object from every replica is
+        recorded once."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def fn(context: MultiStepContext, inputs: Any) -> None:
+            async def step(x: Any) -> None:
+                await context.set_non_tensor_output("foo", "bar")
+
+            await strategy.run(step, args=(inputs,))
+
+        run = strategy.extended.experimental_run_steps_on_iterator
+        context = await run(fn, aiter(strategy.distribute_dataset(batches(2))), iterations=1)
+        assert context.non_tensor_outputs == {"foo": ("bar",)}
+
     async def test_replica_context_needs_a_reduce_op(self) -> None:
         strategy = MirroredStrategy(host_devices(2))
 
