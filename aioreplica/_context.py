@@ -38,7 +38,7 @@ from . import _trace
 from ._errors import ReplicaSyncError
 from ._merge import MERGE
 from ._options import ReduceOp
-from ._values import PerReplica, agreed, select_replica
+from ._values import PerReplica, agreed, register_current_replica, select_replica
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Generator
@@ -596,3 +596,13 @@ def in_cross_replica_context() -> bool:
     """
     state = context_state.get()
     return state.replica is None and state.strategy is not None
+
+
+def _current_local_replica() -> int | None:
+    """The running replica's index among this process's replicas (``Mirrored`` computes with
+    its copy), or None outside a replica."""
+    replica = context_state.get().replica
+    return None if replica is None else replica.local_replica_id
+
+
+register_current_replica(_current_local_replica)

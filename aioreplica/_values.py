@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final, overload
 
 import numpy as np
@@ -43,6 +44,7 @@ __all__ = [
     "Mirrored",
     "PerReplica",
     "agreed",
+    "register_current_replica",
     "regroup",
     "select_replica",
     "select_replica_mirrored",
@@ -114,18 +116,97 @@ class PerReplica(DistributedValues[T]):
     """
 
 
+def _delegate(name: str, reflected: bool = False) -> Any:
+    """A ``Mirrored`` operator computing ``name`` on its value (see ``Mirrored._value``)."""
+    op = getattr(operator, name)
+
+    def method(self: Mirrored[Any], other: Any) -> Any:
+        if isinstance(other, Mirrored):
+            other = other._value()
+        elif isinstance(other, DistributedValues):
+            return NotImplemented  # a PerReplica has no one value to compute with
+        mine = self._value()
+        return op(other, mine) if reflected else op(mine, other)
+
+    method.__name__ = f"__r{name.strip('_')}__" if reflected else name
+    return method
+
+
+def _delegate_unary(name: str) -> Any:
+    op = getattr(operator, name)
+
+    def method(self: Mirrored[Any]) -> Any:
+        return op(self._value())
+
+    method.__name__ = name
+    return method
+
+
 @final
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False, init=False)
 class Mirrored(DistributedValues[T]):
     """Values that are the same on every replica, e.g. the result of an all-reduce.
 
     Each replica still has its own copy (on its own device), so ``values`` holds one per
-    replica.
+    replica. As TF's, it computes as its value: arithmetic (``m + 1``, ``2 * m``, ``m @ x``,
+    ``-m``), comparisons other than ``==`` (which stays identity, as for every distributed
+    value), ``float(m)`` and ``int(m)`` use the current replica's copy in a replica, else
+    replica 0's.
 
     Example:
         >>> Mirrored([3.0, 3.0])
         Mirrored({0: 3.0, 1: 3.0})
+        >>> Mirrored([3.0, 3.0]) * 2
+        6.0
     """
+
+    #: NumPy's operators defer to this class's (``np.ones(2) + m`` calls ``m.__radd__``).
+    __array_ufunc__ = None
+
+    def _value(self) -> T:
+        """The copy this code computes with: the current replica's, else replica 0's."""
+        index = _current_replica()
+        values = self.values
+        return values[index] if index is not None and index < len(values) else values[0]
+
+    def __float__(self) -> float:
+        value: Any = self._value()
+        return float(value)
+
+    def __int__(self) -> int:
+        value: Any = self._value()
+        return int(value)
+
+    __add__, __radd__ = _delegate("__add__"), _delegate("__add__", reflected=True)
+    __sub__, __rsub__ = _delegate("__sub__"), _delegate("__sub__", reflected=True)
+    __mul__, __rmul__ = _delegate("__mul__"), _delegate("__mul__", reflected=True)
+    __truediv__, __rtruediv__ = _delegate("__truediv__"), _delegate("__truediv__", True)
+    __floordiv__, __rfloordiv__ = _delegate("__floordiv__"), _delegate("__floordiv__", True)
+    __mod__, __rmod__ = _delegate("__mod__"), _delegate("__mod__", reflected=True)
+    __pow__, __rpow__ = _delegate("__pow__"), _delegate("__pow__", reflected=True)
+    __matmul__, __rmatmul__ = _delegate("__matmul__"), _delegate("__matmul__", True)
+    __and__, __rand__ = _delegate("__and__"), _delegate("__and__", reflected=True)
+    __or__, __ror__ = _delegate("__or__"), _delegate("__or__", reflected=True)
+    __xor__, __rxor__ = _delegate("__xor__"), _delegate("__xor__", reflected=True)
+    __lt__, __le__ = _delegate("__lt__"), _delegate("__le__")
+    __gt__, __ge__ = _delegate("__gt__"), _delegate("__ge__")
+    __neg__, __pos__ = _delegate_unary("__neg__"), _delegate_unary("__pos__")
+    __abs__, __invert__ = _delegate_unary("__abs__"), _delegate_unary("__invert__")
+
+
+#: The current replica's index among this process's replicas, or None outside a replica:
+#: ``aioreplica._context`` registers it (``register_current_replica``); this layer is below.
+def _no_replica() -> int | None:
+    return None
+
+
+_current_replica: Callable[[], int | None] = _no_replica
+
+
+def register_current_replica(current: Callable[[], int | None]) -> None:
+    """Say how ``Mirrored`` finds the current replica (the one registration point)."""
+    global _current_replica
+    _current_replica = current
 
 
 def regroup(

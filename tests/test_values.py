@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import operator
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -99,6 +100,55 @@ class TestDistributedValues:
         assert getattr(PerReplica, "__final__", False)
         assert getattr(Mirrored, "__final__", False)
         assert not getattr(DistributedValues, "__final__", False)
+
+
+class TestMirroredComputesAsItsValue:
+    """TF's MirroredTest.testAddOp: a Mirrored value's operators use its value."""
+
+    def test_operators(self) -> None:
+        m = Mirrored([3.0, 3.0])
+        assert (m + m, m + 1, 1 + m, m - 1, 10 - m, m * 2, m / 2, 7 // m, m % 2) == (
+            6.0, 4.0, 4.0, 2.0, 7.0, 6.0, 1.5, 2.0, 1.0,
+        )  # fmt: skip
+        assert (m**2, 2**m, -m, +m, abs(Mirrored([-2.0])), float(m), int(m)) == (
+            9.0, 8.0, -3.0, 3.0, 2.0, 3.0, 3,
+        )  # fmt: skip
+        assert (m > 2, m >= 4, m < 2, operator.lt(2, m)) == (True, False, False, True)
+        flags = Mirrored([np.array([True, False])] * 2)
+        assert (~flags).tolist() == [False, True]
+        assert (flags & np.array([True, True])).tolist() == [True, False]
+
+    def test_with_arrays_either_side(self) -> None:
+        """NumPy defers to the Mirrored value's operators, so arrays combine either way."""
+        a = Mirrored([np.arange(2.0), np.arange(2.0)])
+        assert (np.ones(2) + a).tolist() == [1.0, 2.0]
+        assert (a @ np.ones(2), np.ones(2) @ a) == (1.0, 1.0)
+        assert type(np.ones(2) * a) is np.ndarray
+
+    def test_equality_stays_identity(self) -> None:
+        """== is identity, as for every distributed value (they are not hashed by value)."""
+        a, b = Mirrored([1.0, 1.0]), Mirrored([1.0, 1.0])
+        assert a == a
+        assert a != b
+
+    def test_per_replica_values_have_no_one_value(self) -> None:
+        with pytest.raises(TypeError, match="unsupported operand"):
+            Mirrored([1.0, 1.0]) + PerReplica([1.0, 2.0])
+
+    @pytest.mark.anyio
+    async def test_each_replica_computes_with_its_copy(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        m = Mirrored([np.full(2, 1.0), np.full(2, 2.0)])  # one copy per replica
+
+        async def step() -> Any:
+            return m * 10
+
+        result = await strategy.run(step)
+        assert [r.tolist() for r in strategy.experimental_local_results(result)] == [
+            [10.0, 10.0],
+            [20.0, 20.0],
+        ]
+        assert (m * 10).tolist() == [10.0, 10.0]  # outside a replica: replica 0's
 
 
 class TestRegroup:
