@@ -520,10 +520,7 @@ class Variable(NDArrayOperatorsMixin):
             >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
             array([1., 2.])
         """
-        async with _call(self, "assign()"):
-            if self._unsynced:
-                await _sync_first(self)
-            return await self._write(ASSIGN, value)
+        return await self._written(ASSIGN, "assign()", value)
 
     async def assign_add(
         self,
@@ -546,10 +543,7 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_add, 2.0))
             3.0
         """
-        async with _call(self, "assign_add()"):
-            if self._unsynced:
-                await _sync_first(self)
-            return await self._write(ADD, value)
+        return await self._written(ADD, "assign_add()", value)
 
     async def assign_sub(
         self,
@@ -571,10 +565,15 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_sub, 0.25))
             0.75
         """
-        async with _call(self, "assign_sub()"):
+        return await self._written(SUB, "assign_sub()", value)
+
+    async def _written(self, op: str, what: str, value: Any) -> Variable:
+        """``assign``, ``assign_add`` or ``assign_sub`` (``op``; ``what``: its name): across
+        workers, one call of every worker's, after the variable's first sync."""
+        async with _call(self, what):
             if self._unsynced:
                 await _sync_first(self)
-            return await self._write(SUB, value)
+            return await self._write(op, value)
 
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
