@@ -498,6 +498,15 @@ class ReductionEngine:
             return components  # host arrays already: nothing to place
         kinds = {array_kind(component) for component in components}
         if not kinds <= {backend.name, "scalar"}:
+            if any(isinstance(c, _copied_types) for c in components):
+                # Variables from some replicas (different ones, or beside arrays): each
+                # replica's own copy, as for one variable from every replica (``_leaves``).
+                size = len(components)
+                copies = [
+                    _copies_of(what, path, c, size)[i] if isinstance(c, _copied_types) else c
+                    for i, c in enumerate(components)
+                ]
+                return self._to_arrays(what, path, copies, per_replica)
             _refuse_components(
                 what, path, components, per_replica, backend.name, self.first_replica
             )

@@ -207,16 +207,15 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             >>> strategy.experimental_local_results(aioreplica.PerReplica([1, 2]))
             (1, 2)
         """
-        results = super().experimental_local_results(value)
-        if isinstance(value, PerReplica) and len(results) != len(self._device_objects):
+        if isinstance(value, PerReplica) and len(value.values) != len(self._device_objects):
             raise ValueError(
                 f"experimental_local_results takes this worker's values: a PerReplica of "
-                f"{len(results)} values, but worker {self._cluster.worker_index} has "
+                f"{len(value.values)} values, but worker {self._cluster.worker_index} has "
                 f"{len(self._device_objects)} local replicas (num_replicas_in_sync is "
                 f"{self.num_replicas_in_sync} over all workers): a distributed value holds "
                 "this worker's replicas' values only"
             )
-        return results
+        return super().experimental_local_results(value)
 
     def _input_context(self) -> InputContext:
         return InputContext(

@@ -336,6 +336,7 @@ class StrategyExtended:
         Raises:
             TypeError: ``var`` is not a variable, ``fn`` is not callable, or an argument of a
                 mirrored variable is a ``PerReplica`` whose components differ.
+            RuntimeError: called in another strategy's scope.
             ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
                 shape or dtype; across workers, another worker refused its update
                 (``WorkersDisagree``); nothing has changed.
@@ -348,6 +349,9 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.update, v, lambda copy, x: copy * x, (3.0,))
             array([3., 3.])
         """
+        state = context_state.get()
+        if state.replica is None:
+            self._strategy._check_not_mixed("extended.update()", state)
         copies = await update(self._strategy, var, fn, tuple(args), kwargs)
         if not group:
             return copies
@@ -865,7 +869,8 @@ class MirroredStrategy:
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """Return what each of this process's replicas holds of ``value``, as in TF.
 
-        A distributed value gives its components and a variable its copies. A structure (a
+        A distributed value gives its components (as many as it holds: a ``reduce_to``
+        result has one per destination) and a variable its copies. A structure (a
         ``run()`` result that is a dict, list or tuple, say) gives one structure per replica,
         as TF's does: each distributed leaf is replaced by that replica's component, each
         variable by that replica's copy. A plain value stands for the same value on every
@@ -892,26 +897,23 @@ class MirroredStrategy:
             >>> strategy.experimental_local_results(5)
             (5, 5)
         """
-        if isinstance(value, DistributedValues | Variable):
-            return value.values
         size = len(self._engine.devices)
+        if isinstance(value, DistributedValues):
+            return value.values  # as many as it holds (a reduce_to's: one per destination)
+        if isinstance(value, Variable) and len(value.values) == size:
+            return value.values
         pairs, treedef = _tree.flatten_with_path(value)
-        leaves = [leaf for _, leaf in pairs]
         for path, leaf in pairs:
-            if isinstance(leaf, DistributedValues | Variable) and len(leaf.values) != size:
+            held = _held(leaf)
+            ordinary = isinstance(leaf, Variable) and len(held or ()) == 1
+            if held is not None and len(held) != size and not ordinary:
                 raise ValueError(
                     f"experimental_local_results: the value at {_tree.describe_path(path)} "
-                    f"holds {len(leaf.values)} values, but this strategy has {size} local "
-                    "replicas"
+                    f"holds {len(held)} values, but this strategy has {size} local replicas"
                 )
+        leaves = [leaf for _, leaf in pairs]
         return tuple(
-            treedef.unflatten(
-                [
-                    leaf.values[i] if isinstance(leaf, DistributedValues | Variable) else leaf
-                    for leaf in leaves
-                ]
-            )
-            for i in range(size)
+            treedef.unflatten([_component(leaf, i) for leaf in leaves]) for i in range(size)
         )
 
     def statistics(self) -> SchedulerStatistics:
@@ -1464,23 +1466,40 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any) -> None:
 @final
 class _Scope:
     """What ``strategy.scope()`` returns: enters the strategy's scope on each ``with``, as
-    often as asked (nested too), and leaves it in the reverse order."""
+    often as asked (nested too, and from several tasks at once), and leaves it in the reverse
+    order. What each entry must reset is kept in the entering context's own ``_entered``, so
+    tasks sharing one scope object never take each other's."""
 
-    __slots__ = ("_strategy", "_tokens")
+    __slots__ = ("_strategy",)
 
     def __init__(self, strategy: MirroredStrategy) -> None:
         self._strategy = strategy
-        self._tokens: list[_ScopeToken | None] = []
 
     def __enter__(self) -> MirroredStrategy:
-        self._tokens.append(self._strategy._enter_scope())
+        entered = self._strategy._enter_scope()
+        _entered.set((*_entered.get(), (self, entered)))
         return self._strategy
 
     def __exit__(self, *exc_info: object) -> None:
-        entered = self._tokens.pop()
-        if entered is not None:
-            variable, token = entered
-            variable.reset(token)
+        stack = _entered.get()
+        for position in range(len(stack) - 1, -1, -1):  # this context's latest entry of it
+            scope, entered = stack[position]
+            if scope is self:
+                _entered.set(stack[:position] + stack[position + 1 :])
+                if entered is not None:
+                    variable, token = entered
+                    variable.reset(token)
+                return
+        raise RuntimeError(
+            f"the scope of {self._strategy!r} was left in a task or thread that did not enter "
+            "it; enter and leave a scope in the same task (use `with strategy.scope():`)"
+        )
+
+
+#: The scope entries of this context (task), innermost last: what each must reset on leaving.
+_entered: contextvars.ContextVar[tuple[tuple[_Scope, _ScopeToken | None], ...]] = (
+    contextvars.ContextVar("aioreplica.scopes_entered", default=())
+)
 
 
 #: Whether the default strategy's scope is current. It keeps the default replica context
@@ -1536,6 +1555,24 @@ def has_strategy() -> bool:
         False
     """
     return get_strategy() is not default_replica_context().strategy
+
+
+def _held(leaf: Any) -> tuple[Any, ...] | None:
+    """What a leaf holds per replica: a distributed value's values, a variable's copies (one
+    for an ordinary variable); None for a plain value."""
+    if isinstance(leaf, DistributedValues | Variable):
+        return leaf.values
+    return None
+
+
+def _component(leaf: Any, replica: int) -> Any:
+    """Local replica ``replica``'s part of a leaf (``experimental_local_results``): its value
+    of a distributed value, its copy of a variable, a plain value (or an ordinary variable's
+    one copy) as it is."""
+    held = _held(leaf)
+    if held is None:
+        return leaf
+    return held[replica] if len(held) > 1 else held[0]
 
 
 def _variables_as_values(value: Any, op: ReduceOp) -> Any:

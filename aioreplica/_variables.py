@@ -28,13 +28,12 @@ from ._collectives import register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._errors import ReplicaSyncError
 from ._options import CaseInsensitiveStrEnum, ReduceOp
-from ._tree import flatten, flatten_with_path, format_path
+from ._tree import flatten_with_path, format_path
 from ._values import (
     DistributedValues,
     PerReplica,
     agreed,
     select_replica,
-    select_replica_mirrored,
 )
 from ._writes import (
     ADD,
@@ -1138,38 +1137,43 @@ def _update_arguments(
             f"update() of {strategy!r} was given variable {variable._name!r}, which belongs "
             f"to {owner!r}; update it through its own strategy"
         )
-    copies = range(len(variable._devices))
-    for path, leaf in flatten_with_path((args, kwargs))[0]:
-        if isinstance(leaf, DistributedValues) and len(leaf.values) != len(copies):
+    copies = len(variable._devices)
+    named = [
+        (f"{where}{format_path(path)}", leaf)
+        for where, arguments in (("args", args), ("kwargs", kwargs))
+        for path, leaf in flatten_with_path(arguments)[0]
+        if isinstance(leaf, DistributedValues)
+    ]
+    for where, leaf in named:
+        if len(leaf.values) != copies:
             raise ValueError(
-                f"update() of variable {variable._name!r}: the argument at {format_path(path)} "
-                f"is a {type(leaf).__name__} of {len(leaf.values)} values, but the variable has "
-                f"{len(copies)} copies here"
+                f"update() of variable {variable._name!r}: {where} is a {type(leaf).__name__} "
+                f"of {len(leaf.values)} values, but the variable has {copies} copies here"
             )
-    if isinstance(variable, SyncOnReadVariable) or _equal_per_replica(variable, (args, kwargs)):
-        return [select_replica(i, (args, kwargs)) for i in copies]
-    for path, leaf in flatten_with_path((args, kwargs))[0]:
-        if isinstance(leaf, PerReplica):
-            raise TypeError(
-                f"update() of variable {variable._name!r}: the argument at {format_path(path)} "
-                "is a PerReplica whose values differ between replicas, but a mirrored "
-                "variable's copies stay equal; pass the same value on every replica (plain, "
-                "Mirrored, or a PerReplica of equal values), or reduce it first"
-            )
-    return [select_replica_mirrored(i, (args, kwargs)) for i in copies]
+    if not isinstance(variable, SyncOnReadVariable):
+        for where, leaf in named:
+            if isinstance(leaf, PerReplica) and not _equal_components(variable, leaf):
+                raise TypeError(
+                    f"update() of variable {variable._name!r}: {where} is a PerReplica whose "
+                    "values differ between replicas, but a mirrored variable's copies stay "
+                    "equal; pass the same value on every replica (plain, Mirrored, or a "
+                    "PerReplica of equal values), or reduce it first"
+                )
+    return [select_replica(i, (args, kwargs)) for i in range(copies)]
 
 
-def _equal_per_replica(variable: Variable, arguments: Any) -> bool:
-    """Whether ``arguments`` hold ``PerReplica`` values, each with equal components (one per
-    copy of ``variable``, each on its copy's device)."""
-    leaves = [leaf for leaf in flatten(arguments)[0] if isinstance(leaf, PerReplica)]
-    if not leaves:
-        return False
-    for leaf in leaves:
-        first = host_array(leaf.values[0], variable._devices[0])
-        for component, device in zip(leaf.values[1:], variable._devices[1:], strict=True):
-            if not np.array_equal(first, host_array(component, device)):
-                return False
+def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
+    """Whether every replica's component of ``leaf`` equals the first's (NaN equal to NaN;
+    each read on its copy's device)."""
+    first = host_array(leaf.values[0], variable._devices[0])
+    for component, device in zip(leaf.values[1:], variable._devices[1:], strict=True):
+        other = host_array(component, device)
+        try:
+            same = np.array_equal(first, other, equal_nan=True)
+        except TypeError:  # a dtype NaN means nothing to (strings, say)
+            same = np.array_equal(first, other)
+        if not same:
+            return False
     return True
 
 
@@ -1213,15 +1217,19 @@ def _shared(
         RuntimeError: the replica asks for another variable than the one made for this place
             in the order; the strategy spans several workers.
     """
-    name = kwargs.get("name") or "Variable"
+    name = kwargs.get("name")
+    if name is None:
+        name = "Variable"
     engine = replica._engine
     where = f"inside replica {replica.replica_id_in_sync_group} of {replica.strategy!r}"
     if engine.cluster is not None:
-        raise RuntimeError(
+        error = RuntimeError(
             f"variable {name!r} was created {where}; across workers, create variables in "
             "`with strategy.scope():` outside run(), where every worker starts them from the "
             "chief's value"
         )
+        engine.refusing("Variable()", error)  # on every worker alike: the strategy goes on
+        raise error
     point = replica._merge_point
     assert point is not None  # only the default context has none, and it is no replica
     creations = point.variable_creations()
@@ -1230,7 +1238,8 @@ def _shared(
         k = creations.made[local]
         if k < len(creations.variables):
             variable, maker = creations.variables[k]
-            _check_same_creation(cls, variable, maker, replica, k, name, kwargs)
+            initial = args[0] if args else kwargs.get("initial_value")
+            _check_same_creation(cls, variable, maker, replica, k, name, kwargs, initial)
         else:
             token = context_state.set(ContextState(strategy=replica.strategy, engine=engine))
             try:
@@ -1250,26 +1259,38 @@ def _check_same_creation(
     k: int,
     name: str,
     kwargs: dict[str, Any],
+    initial: Any,
 ) -> None:
     """Refuse a replica's ``k``-th ``Variable(...)`` call that asks for another variable than
-    the ``k``-th one ``maker`` made (a name, class, synchronization or aggregation of its own).
+    the ``k``-th one ``maker`` made (a name, class, synchronization or aggregation of its own,
+    or an initial value of another shape; a callable one is not called).
 
     Raises:
         RuntimeError: naming both replicas and both variables.
     """
     sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
     agg = _Agg.parse(kwargs.get("aggregation", _Agg.NONE))
+    on_read = sync is _Sync.ON_READ  # AUTO and ON_WRITE both make a mirrored variable
+    try:
+        shape = None if callable(initial) else tuple(np.shape(initial))
+    except (TypeError, ValueError):  # no shape to tell (a ragged list): creating one would say
+        shape = None
     if (
         variable._name == name
-        and variable._synchronization is sync
+        and (variable._synchronization is _Sync.ON_READ) == on_read
         and variable._aggregation is agg
         and isinstance(variable, cls)
+        and shape in (None, variable._shape)
     ):
         return
-    wanted = f"{cls.__name__} {name!r} (synchronization {sync.name}, aggregation {agg.name})"
+    of_shape = "" if shape is None else f" of shape {shape}"
+    wanted = (
+        f"{cls.__name__} {name!r}{of_shape} (synchronization {sync.name}, aggregation {agg.name})"
+    )
     made = (
-        f"{type(variable).__name__} {variable._name!r} (synchronization "
-        f"{variable._synchronization.name}, aggregation {variable._aggregation.name})"
+        f"{type(variable).__name__} {variable._name!r} of shape {variable._shape} "
+        f"(synchronization {variable._synchronization.name}, aggregation "
+        f"{variable._aggregation.name})"
     )
     raise RuntimeError(
         f"replica {replica.replica_id_in_sync_group} asked for {wanted} as its variable "

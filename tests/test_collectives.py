@@ -1006,6 +1006,25 @@ class TestVariablesInReplicaCollectives:
             assert sent == 6.0
             assert gathered.tolist() == [1.0, 2.0] * 3
 
+    async def test_replicas_that_pass_different_variables_or_arrays(self) -> None:
+        """Each replica's variable gives that replica's copy, whichever variable it is, beside
+        plain values from others."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            a = aioreplica.Variable(0.0, synchronization="on_read", aggregation="sum")
+            b = aioreplica.Variable(0.0, synchronization="on_read", aggregation="sum")
+
+        async def step() -> Any:
+            ctx = replica_context()
+            await a.assign(1.0 + replica_id())
+            await b.assign(10.0 + replica_id())
+            return (
+                await ctx.all_reduce("sum", a if replica_id() == 0 else b),
+                await ctx.all_reduce("sum", a if replica_id() == 0 else np.float64(100.0)),
+            )
+
+        assert local(strategy, await strategy.run(step)) == ((12.0, 101.0), (12.0, 101.0))
+
     async def test_a_variable_of_another_strategy(self) -> None:
         """A variable with copies on another number of devices is refused, naming both."""
         strategy = MirroredStrategy(host_devices(3))

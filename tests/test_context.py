@@ -420,6 +420,36 @@ class TestScope:
         assert events == [cross, cross, cross, default, cross, default]
 
     @pytest.mark.anyio
+    async def test_one_scope_object_in_several_tasks_at_once(self) -> None:
+        """Tasks sharing one scope object each enter and leave it on their own: inside, each
+        is in the strategy's scope; after, each (and the parent) is back where it was."""
+        strategy = two()
+        scope = strategy.scope()
+        events: list[tuple[str, bool]] = []
+        released = anyio.Event()
+
+        async def task(name: str, wait: anyio.Event | None) -> None:
+            with scope:
+                events.append((f"{name} inside", aioreplica.get_strategy() is strategy))
+                if wait is not None:
+                    await wait.wait()
+                else:
+                    released.set()
+            events.append((f"{name} after", aioreplica.get_strategy() is strategy))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(task, "first", released)
+            await anyio.wait_all_tasks_blocked()
+            group.start_soon(task, "second", None)
+        assert sorted(events) == [
+            ("first after", False),
+            ("first inside", True),
+            ("second after", False),
+            ("second inside", True),
+        ]
+        assert aioreplica.get_strategy() is not strategy
+
+    @pytest.mark.anyio
     async def test_another_strategys_calls_in_a_scope_are_refused(self) -> None:
         """As TF refuses to mix strategies: run(), reduce, gather and the extended reductions
         of one strategy inside another's scope (the default strategy's too) raise RuntimeError
@@ -427,6 +457,8 @@ class TestScope:
         outer = MirroredStrategy(["cpu:0", "cpu:1"])
         other = MirroredStrategy(["cpu:2", "cpu:3"])
         value = aioreplica.PerReplica([np.ones(1), np.ones(1)])
+        with other.scope():
+            owned = aioreplica.Variable(np.zeros(1))
         calls: dict[str, Callable[[], Awaitable[Any]]] = {
             "run()": lambda: other.run(lambda: None),
             "strategy.reduce()": lambda: other.reduce("sum", value),
@@ -434,6 +466,7 @@ class TestScope:
             "strategy.batch_reduce_to()": lambda: other.extended.batch_reduce_to(
                 "sum", [(value, "cpu:2")]
             ),
+            "extended.update()": lambda: other.extended.update(owned, lambda c: c + 1),
         }
         for scope in (outer, aioreplica.get_strategy()):
             with scope.scope():

@@ -366,14 +366,28 @@ class TestRunResults:
         assert [summed.tolist() for summed, _ in results] == [[2.0, 2.0]] * 2
         assert [holder["v"].tolist() for _, holder in results] == [[0.0, 0.0], [1.0, 1.0]]
 
-    async def test_local_results_refuse_a_value_of_another_length(self) -> None:
+    async def test_local_results_refuse_a_nested_value_of_another_length(self) -> None:
+        """A distributed value alone gives what it holds (as TF's); in a structure, which is
+        cut into one per replica, one of another length is refused."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        assert strategy.experimental_local_results(Mirrored([1, 1, 1])) == (1, 1, 1)
         with pytest.raises(
             ValueError,
             match=r"^experimental_local_results: the value at \['a'\] holds 3 values, but "
             "this strategy has 2 local replicas$",
         ):
             strategy.experimental_local_results({"a": PerReplica([1, 2, 3])})
+
+    async def test_local_results_of_an_ordinary_variable(self) -> None:
+        """An ordinary variable's one copy stands for every replica, alone or nested; a
+        variable of the strategy gives its copies."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        ordinary = Variable(1.0)
+        with strategy.scope():
+            mirrored = Variable(2.0)
+        assert strategy.experimental_local_results(ordinary) == (1.0, 1.0)
+        assert strategy.experimental_local_results([ordinary, mirrored]) == ([1.0, 2.0],) * 2
+        assert strategy.experimental_local_results(mirrored) == mirrored.values
 
 
 class TestRunMisuse:

@@ -519,12 +519,17 @@ class TestCreatedInsideReplicas:
         rng = np.random.default_rng(3)
 
         async def step() -> Variable:
-            if not kept:
-                kept.append(Variable(lambda: rng.normal(size=3)))
             return Variable(0.0)
 
         first, second = await strategy.run(step), await strategy.run(step)
         assert first is not second
+
+        async def build() -> None:
+            if not kept:
+                kept.append(Variable(lambda: rng.normal(size=3)))
+
+        await strategy.run(build)
+        await strategy.run(build)
         assert len(kept) == 1
         np.testing.assert_array_equal(kept[0].values[0], kept[0].values[1])
 
@@ -566,22 +571,30 @@ class TestCreatedInsideReplicas:
     @pytest.mark.parametrize(
         ("second", "shown"),
         [
-            ({"name": "b"}, r"Variable 'b' \(synchronization AUTO, aggregation NONE\)"),
+            (
+                {"name": "b"},
+                r"Variable 'b' of shape \(\) \(synchronization AUTO, aggregation NONE\)",
+            ),
             (
                 {"name": "a", "aggregation": "sum"},
-                r"Variable 'a' \(synchronization AUTO, aggregation SUM\)",
+                r"Variable 'a' of shape \(\) \(synchronization AUTO, aggregation SUM\)",
             ),
             (
                 {"name": "a", "synchronization": "on_read", "aggregation": "sum"},
-                r"Variable 'a' \(synchronization ON_READ, aggregation SUM\)",
+                r"Variable 'a' of shape \(\) \(synchronization ON_READ, aggregation SUM\)",
+            ),
+            (
+                {"name": "a", "initial_value": np.zeros(3)},
+                r"Variable 'a' of shape \(3,\) \(synchronization AUTO, aggregation NONE\)",
             ),
         ],
     )
     async def test_replicas_that_ask_for_different_variables(
         self, second: dict[str, Any], shown: str
     ) -> None:
-        """Another name, synchronization or aggregation in the same place of the order is a
-        RuntimeError naming both replicas and both variables (TF: "mismatching name")."""
+        """Another name, synchronization, aggregation or initial shape in the same place of the
+        order is a RuntimeError naming both replicas and both variables (TF: "mismatching
+        name")."""
         strategy = MirroredStrategy(host_devices(2))
         made = anyio.Event()
 
@@ -591,16 +604,30 @@ class TestCreatedInsideReplicas:
                 made.set()
                 return v
             await made.wait()
-            return Variable(1.0, **second)
+            kwargs = dict(second)
+            return Variable(kwargs.pop("initial_value", 1.0), **kwargs)
 
         with pytest.raises(
             RuntimeError,
             match=rf"^replica 1 asked for {shown} as its variable #1 in this run, but replica 0 "
-            r"made MirroredVariable 'a' \(synchronization AUTO, aggregation NONE\) as its #1; "
+            r"made MirroredVariable 'a' of shape \(\) \(synchronization AUTO, aggregation "
+            r"NONE\) as its #1; "
             r"the replicas of a run share their variables, so every replica must create the "
             r"same variables in the same order\n",
         ):
             await strategy.run(step)
+
+    async def test_names_and_synchronizations_that_mean_the_same(self) -> None:
+        """An empty name is a name like any other; "auto" and "on_write" both make a mirrored
+        variable, so replicas spelling them differently share one."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step() -> Variable:
+            sync = "auto" if replica_id() == 0 else "on_write"
+            return Variable(0.0, name="", synchronization=sync)
+
+        made = await strategy.run(step)
+        assert (type(made), made.name) == (MirroredVariable, "")
 
     async def test_a_refused_initial_value_makes_nothing(self) -> None:
         """A bad initial value raises in the replica that passes it and leaves no variable
@@ -1669,16 +1696,31 @@ class TestUpdate:
         per_replica = PerReplica([2.0 + i for i in range(replicas)])
         args: tuple[Any, ...] = (per_replica,) if where == "args" else (2.0,)
         kwargs = {"shift": per_replica} if where == "kwargs" else {}
-        at = r"\[0\]\[0\]" if where == "args" else r"\[1\]\['shift'\]"
+        at = r"args\[0\]" if where == "args" else r"kwargs\['shift'\]"
         with pytest.raises(
             TypeError,
-            match=rf"^update\(\) of variable 'w': the argument at {at} is a PerReplica whose "
-            r"values differ between replicas, but a mirrored variable's copies stay equal; pass "
-            r"the same value on every replica \(plain, Mirrored, or a PerReplica of equal "
-            r"values\), or reduce it first$",
+            match=rf"^update\(\) of variable 'w': {at} is a PerReplica whose values differ "
+            r"between replicas, but a mirrored variable's copies stay equal; pass the same value "
+            r"on every replica \(plain, Mirrored, or a PerReplica of equal values\), or reduce "
+            r"it first$",
         ):
             await strategy.extended.update(v, scale_and_shift, args, kwargs)
         assert_all(v, [1.0, 2.0])
+
+    async def test_the_per_replica_arg_that_differs_is_named(self) -> None:
+        """Of several PerReplica arguments, the one whose values differ is named; equal NaNs
+        are equal values."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        same, nan, differs = (
+            PerReplica([1.0, 1.0]),
+            PerReplica([np.nan, np.nan]),
+            PerReplica([1.0, 2.0]),
+        )
+        with pytest.raises(TypeError, match=r"^update\(\) of variable 'w': args\[2\] is a "):
+            await strategy.extended.update(v, lambda c, x, y, z: c + x, (same, nan, differs))
+        await strategy.extended.update(v, lambda c, x, y: c + x, (same, nan))
+        assert_all(v, [2.0, 3.0])
 
     @pytest.mark.replicas(*REPLICAS)
     async def test_per_replica_args_that_agree(
@@ -1711,8 +1753,7 @@ class TestUpdate:
         assert_copies(v, [2.0, 4.0])
         with pytest.raises(
             ValueError,
-            match=r"the argument at \[0\]\[0\] is a PerReplica of 3 values, but the variable "
-            r"has 2 copies here$",
+            match=r"args\[0\] is a PerReplica of 3 values, but the variable has 2 copies here$",
         ):
             await strategy.extended.update(v, lambda c, x: x, (PerReplica([1.0, 2.0, 3.0]),))
         assert_copies(v, [2.0, 4.0])
