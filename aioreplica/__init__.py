@@ -23,6 +23,8 @@ from ._context import in_cross_replica_context as in_cross_replica_context
 from ._dataset import DistributedDataset as DistributedDataset
 from ._dataset import DistributedIterator as DistributedIterator
 from ._dataset import InputContext as InputContext
+from ._dataset import InputOptions as InputOptions
+from ._dataset import InputReplicationMode as InputReplicationMode
 from ._dataset import OptionalValue as OptionalValue
 from ._dataset import ValueContext as ValueContext
 from ._errors import AioreplicaInternalError as AioreplicaInternalError
@@ -67,6 +69,8 @@ __all__ = [
     "DistributedIterator",
     "DistributedValues",
     "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",

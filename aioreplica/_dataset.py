@@ -59,6 +59,7 @@ from ._backends import host_array
 from ._batched import BatchedIterator, batch_rows, batched
 from ._cluster import WorkersDisagree, error_line, worker_list
 from ._errors import ReplicaSyncError, as_integer
+from ._options import CaseInsensitiveStrEnum
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
@@ -74,8 +75,11 @@ __all__ = [
     "DistributedDataset",
     "DistributedIterator",
     "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
     "OptionalValue",
     "ValueContext",
+    "interleaved",
 ]
 
 T = TypeVar("T")
@@ -137,6 +141,134 @@ class InputContext:
                 f"{self.num_replicas_in_sync}"
             )
         return global_batch_size // self.num_replicas_in_sync
+
+
+class InputReplicationMode(CaseInsensitiveStrEnum):
+    """How input pipelines feed a worker's replicas, as TF's ``InputReplicationMode``.
+
+    ``PER_WORKER``: one pipeline per worker feeds all its replicas. ``PER_REPLICA``: one
+    pipeline per replica (``distribute_datasets_from_function`` only).
+
+    Example:
+        >>> InputReplicationMode.parse("PER_REPLICA")
+        <InputReplicationMode.PER_REPLICA: 'per_replica'>
+    """
+
+    PER_WORKER = "per_worker"
+    PER_REPLICA = "per_replica"
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class InputOptions:
+    """How a distributed dataset feeds the replicas, as TF's ``tf.distribute.InputOptions``.
+
+    Attributes:
+        experimental_fetch_to_device: place each replica's data on its device (``None``:
+            yes, unless ``experimental_place_dataset_on_device``); ``False`` leaves it as the
+            dataset made it (host arrays stay on the host).
+        experimental_replication_mode: an ``InputReplicationMode`` or its name.
+        experimental_place_dataset_on_device: TF's placing of each replica's pipeline on its
+            device, which needs ``PER_REPLICA`` and no fetching; here the replica's data is
+            placed on its device as it is made.
+        experimental_per_replica_buffer_size: elements made ahead (the ``prefetch`` of the
+            dataset functions, when they are not given one).
+
+    Raises:
+        ValueError: an unknown replication mode; a negative buffer size; placing the dataset
+            on the device with ``PER_WORKER``, or with ``experimental_fetch_to_device=True``
+            (as in TF).
+        TypeError: a flag that is not a bool, or a buffer size that is not an int.
+
+    Example:
+        >>> InputOptions(experimental_fetch_to_device=False).experimental_per_replica_buffer_size
+        1
+    """
+
+    experimental_fetch_to_device: bool | None = None
+    experimental_replication_mode: InputReplicationMode | str = InputReplicationMode.PER_WORKER
+    experimental_place_dataset_on_device: bool = False
+    experimental_per_replica_buffer_size: int = 1
+
+    def __post_init__(self) -> None:
+        mode = InputReplicationMode.parse(self.experimental_replication_mode)
+        object.__setattr__(self, "experimental_replication_mode", mode)
+        fetch = self.experimental_fetch_to_device
+        place = self.experimental_place_dataset_on_device
+        if fetch is not None and not isinstance(fetch, bool):
+            raise TypeError(f"experimental_fetch_to_device must be a bool or None, got {fetch!r}")
+        if not isinstance(place, bool):
+            raise TypeError(f"experimental_place_dataset_on_device must be a bool, got {place!r}")
+        size = as_integer(self.experimental_per_replica_buffer_size)
+        if size is None:
+            raise TypeError(
+                "experimental_per_replica_buffer_size must be an int, got "
+                f"{self.experimental_per_replica_buffer_size!r}"
+            )
+        if size < 0:
+            raise ValueError(f"experimental_per_replica_buffer_size must be >= 0, got {size}")
+        object.__setattr__(self, "experimental_per_replica_buffer_size", size)
+        if place and mode is InputReplicationMode.PER_WORKER:
+            raise ValueError(
+                "experimental_place_dataset_on_device=True needs "
+                "experimental_replication_mode=InputReplicationMode.PER_REPLICA, as in TF"
+            )
+        if place and fetch:
+            raise ValueError(
+                "experimental_place_dataset_on_device=True cannot go with "
+                "experimental_fetch_to_device=True, as in TF: leave fetching unset or False"
+            )
+
+    @property
+    def _placed(self) -> bool:
+        """Whether each replica's data goes to its device."""
+        fetch = self.experimental_fetch_to_device
+        return self.experimental_place_dataset_on_device or fetch is None or fetch
+
+
+def interleaved(datasets: Sequence[Any]) -> Any:
+    """One element of each of ``datasets`` in turn (a round per replica, for
+    ``PER_REPLICA`` input), until one of them ends: a generator, or an async generator when
+    any of them is asynchronous."""
+    if any(hasattr(dataset, "__aiter__") for dataset in datasets):
+        return _interleaved_async(datasets)
+    return _interleaved(datasets)
+
+
+def _interleaved(datasets: Sequence[Any]) -> Iterator[Any]:
+    iterators = [iter(dataset) for dataset in datasets]
+    try:
+        while True:
+            for iterator in iterators:
+                try:
+                    item = next(iterator)
+                except StopIteration:
+                    return
+                yield item
+    finally:  # the pipelines end with this one (a generator's ``finally`` runs now)
+        for iterator in iterators:
+            _close(iterator)
+
+
+async def _interleaved_async(datasets: Sequence[Any]) -> AsyncIterator[Any]:
+    iterators = [aiter(d) if hasattr(d, "__aiter__") else iter(d) for d in datasets]
+    try:
+        while True:
+            for iterator in iterators:
+                try:
+                    item = (
+                        await anext(iterator) if hasattr(iterator, "__anext__") else next(iterator)
+                    )
+                except (StopIteration, StopAsyncIteration):
+                    return
+                yield item
+    finally:
+        for iterator in iterators:
+            close_async = getattr(iterator, "aclose", None)
+            if close_async is not None:
+                await close_async()
+            else:
+                _close(iterator)
 
 
 @final
@@ -229,6 +361,7 @@ class DistributedDataset:
         input_context: InputContext,
         workers: Workers | None = None,
         first_replica: int = 0,
+        place: bool = True,
     ) -> None:
         count = checked_prefetch(prefetch)
         if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
@@ -244,6 +377,7 @@ class DistributedDataset:
         self._input_context = input_context
         self._workers = workers
         self._first_replica = first_replica
+        self._place = place
         # A one-shot iterator (a generator) is the same object on every pass, so every pass
         # shares its loader thread: a new pass must wait for a pull an earlier one gave up on.
         one_shot = isinstance(dataset, Iterator) and _pulled_on_a_thread(dataset)
@@ -263,6 +397,7 @@ class DistributedDataset:
                 self._workers.duplicate("a dataset pass") if self._workers is not None else None
             ),
             first_replica=self._first_replica,
+            place=self._place,
         )
         return DistributedIterator(puller, self._prefetch)
 
@@ -599,8 +734,14 @@ class _Puller:
         loader: _LoaderThread | None,
         workers: Workers | None = None,
         first_replica: int = 0,
+        place: bool = True,
     ) -> None:
         self._devices = devices
+        #: Each replica's data goes to its device (``InputOptions.experimental_fetch_to_device``;
+        #: else it stays as the dataset made it).
+        self._put: list[Callable[[Any], Any]] = [
+            device.asarray if place else _as_is for device in devices
+        ]
         self._workers = workers
         self._first_replica = first_replica
         self._per_replica = per_replica_source
@@ -762,10 +903,8 @@ class _Puller:
         """An element of zero-row slices shaped as ``spec`` (one host array per leaf)."""
         leaves, treedef = _tree.flatten(spec)
         if len(self._devices) == 1:
-            return treedef.unflatten([self._devices[0].asarray(leaf) for leaf in leaves])
-        return treedef.unflatten(
-            [PerReplica([device.asarray(leaf) for device in self._devices]) for leaf in leaves]
-        )
+            return treedef.unflatten([self._put[0](leaf) for leaf in leaves])
+        return treedef.unflatten([PerReplica([put(leaf) for put in self._put]) for leaf in leaves])
 
     async def _next_local(self) -> Any:
         """This worker's next element, or ``_END``."""
@@ -774,8 +913,7 @@ class _Puller:
             if parts is None:
                 return _END
             placed = [
-                _tree.map_structure(device.asarray, part)
-                for device, part in zip(self._devices, parts, strict=True)
+                _tree.map_structure(put, part) for put, part in zip(self._put, parts, strict=True)
             ]
             self._note_position()
             return regroup(placed, PerReplica)
@@ -818,10 +956,7 @@ class _Puller:
             start, stop = _share(rows, context.num_input_pipelines, context.input_pipeline_id)
             bounds = [(start + a, start + b) for a, b in _shares(stop - start, len(self._devices))]
         columns = [
-            [
-                device.asarray(leaf[a:b])
-                for device, (a, b) in zip(self._devices, bounds, strict=True)
-            ]
+            [put(leaf[a:b]) for put, (a, b) in zip(self._put, bounds, strict=True)]
             for leaf in leaves
         ]
         return treedef, columns
@@ -1050,6 +1185,11 @@ def _fingerprint(leaves: list[Any], treedef: _tree.TreeDef) -> int:
             sample = leaf[rows].reshape(len(rows), -1)[:, :_SAMPLED_VALUES]
             crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)
     return crc
+
+
+def _as_is(value: Any) -> Any:
+    """Where data is not fetched to the replicas' devices: the value the dataset made."""
+    return value
 
 
 def _empty_rows(leaf: Any) -> Any:

@@ -49,10 +49,15 @@ _T = TypeVar("_T")
 class Cluster:
     """Where this process stands among the workers of a ``MultiWorkerMirroredStrategy``.
 
+    It is also the strategy's ``cluster_resolver``, with the parts of TF's
+    ``ClusterResolver`` that mean something under MPI: ``task_type``, ``task_id``,
+    ``cluster_spec()``, ``master()`` and ``num_accelerators()``.
+
     Attributes:
         worker_index: this worker's index, from 0 (its MPI rank in the strategy's
             communicator).
         num_workers: how many workers (processes) run the strategy.
+        gpus: how many of this worker's replicas are on GPUs.
 
     Example:
         >>> Cluster(worker_index=0, num_workers=2).is_chief
@@ -61,6 +66,7 @@ class Cluster:
 
     worker_index: int
     num_workers: int
+    gpus: int = 0
 
     @property
     def is_chief(self) -> bool:
@@ -78,6 +84,39 @@ class Cluster:
     def task_id(self) -> int:
         """``worker_index``, under TF's name."""
         return self.worker_index
+
+    def cluster_spec(self) -> dict[str, list[str]]:
+        """TF's cluster spec as a dict: one ``"worker"`` job with one task per worker, named by
+        its MPI rank (workers under MPI have ranks, not the network addresses of TF's).
+
+        Example:
+            >>> Cluster(worker_index=0, num_workers=2).cluster_spec()
+            {'worker': ['rank 0', 'rank 1']}
+        """
+        return {"worker": [f"rank {i}" for i in range(self.num_workers)]}
+
+    def master(
+        self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
+    ) -> str:
+        """``""``: there is no gRPC master to connect to (TF's answer for a local cluster).
+
+        Example:
+            >>> Cluster(worker_index=0, num_workers=2).master()
+            ''
+        """
+        return ""
+
+    def num_accelerators(
+        self, task_type: str | None = None, task_id: int | None = None, config_proto: Any = None
+    ) -> dict[str, int]:
+        """This worker's accelerators, as TF's: ``{"GPU": n}`` for the GPUs its replicas use,
+        ``{}`` for host replicas (every worker has as many).
+
+        Example:
+            >>> Cluster(worker_index=0, num_workers=2, gpus=4).num_accelerators()
+            {'GPU': 4}
+        """
+        return {"GPU": self.gpus} if self.gpus else {}
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):
@@ -165,7 +204,8 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             raise
         workers = self._workers
         workers.default_timeout = sync_timeout
-        self._cluster = Cluster(workers.worker_index, workers.num_workers)
+        gpus = sum(device.kind == "gpu" for device in self._device_objects)
+        self._cluster = Cluster(workers.worker_index, workers.num_workers, gpus)
         share_cores(workers.workers_here)
         if workers.num_workers > 1:
             install_abort_on_uncaught(workers.mpi.COMM_WORLD)

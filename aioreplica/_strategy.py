@@ -42,9 +42,12 @@ from ._context import (
 from ._dataset import (
     DistributedDataset,
     InputContext,
+    InputOptions,
+    InputReplicationMode,
     ValueContext,
     checked_prefetch,
     distribute_values,
+    interleaved,
 )
 from ._errors import as_integer, as_real
 from ._options import CommunicationOptions, ReduceOp
@@ -66,6 +69,9 @@ if TYPE_CHECKING:
 __all__ = ["MirroredStrategy", "StrategyExtended", "get_strategy", "has_strategy"]
 
 _INTERLEAVES = ("ordered", "random")
+#: ``options=None`` of the dataset functions: TF's defaults, without its buffer size of 1 (the
+#: dataset functions' own ``prefetch`` default, 2, stands).
+_DEFAULT_INPUT_OPTIONS: Final = InputOptions()
 #: What leaving a scope resets: the context variable its entry set, and the token.
 _ScopeToken: TypeAlias = "tuple[contextvars.ContextVar[Any], contextvars.Token[Any]]"
 _T = TypeVar("_T")
@@ -724,15 +730,23 @@ class MirroredStrategy:
     # -- input --------------------------------------------------------------------------
 
     def distribute_dataset(
-        self, dataset: Any, *, drop_remainder: bool = False, prefetch: SupportsIndex = 2
+        self,
+        dataset: Any,
+        options: InputOptions | None = None,
+        *,
+        drop_remainder: bool = False,
+        prefetch: SupportsIndex | None = None,
     ) -> DistributedDataset:
         """Split each global batch of ``dataset`` across the replicas, prefetching ahead.
 
         Args:
             dataset: an iterable or async iterable of global batches: nested structures whose
                 leaves are arrays sharing a leading batch dimension, e.g. ``(x, y)``.
+            options: TF's ``InputOptions``: ``experimental_fetch_to_device=False`` leaves the
+                slices as the dataset made them; its buffer size is the default ``prefetch``.
             drop_remainder: drop a final global batch smaller than the first one.
-            prefetch: elements pulled, split and placed ahead (0: on demand).
+            prefetch: elements pulled, split and placed ahead (0: on demand); by default 2,
+                or the options' ``experimental_per_replica_buffer_size``.
 
         Returns:
             An async iterable whose elements are the replicas' slices regrouped (an array
@@ -742,8 +756,9 @@ class MirroredStrategy:
         Raises:
             TypeError: ``dataset`` is not iterable, or is a string (whose items are
                 characters, not batches); ``drop_remainder`` is not a bool; ``prefetch`` is not
-                an int.
-            ValueError: ``prefetch`` is negative.
+                an int; ``options`` is not an ``InputOptions``.
+            ValueError: ``prefetch`` is negative; ``options`` asks for ``PER_REPLICA`` input
+                (``distribute_datasets_from_function`` only, as in TF).
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -753,20 +768,33 @@ class MirroredStrategy:
             >>> anyio.run(sizes)
             [2, 0]
         """
+        options = _checked_input_options(options, "distribute_dataset")
+        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            raise ValueError(
+                "distribute_dataset: InputReplicationMode.PER_REPLICA is only for "
+                "distribute_datasets_from_function (as in TF), which makes one pipeline per "
+                "replica"
+            )
         _check_dataset_arguments(dataset, drop_remainder)
         return DistributedDataset(
             dataset,
             self._device_objects,
             per_replica_source=False,
             drop_remainder=drop_remainder,
-            prefetch=prefetch,
+            prefetch=_prefetch(prefetch, options),
+            place=options._placed,
             input_context=self._input_context(),
             workers=self._engine.cluster,
             first_replica=self._engine.first_replica,
         )
 
     def experimental_distribute_dataset(
-        self, dataset: Any, *, drop_remainder: bool = False, prefetch: SupportsIndex = 2
+        self,
+        dataset: Any,
+        options: InputOptions | None = None,
+        *,
+        drop_remainder: bool = False,
+        prefetch: SupportsIndex | None = None,
     ) -> DistributedDataset:
         """TF's name for ``distribute_dataset`` (the same thing).
 
@@ -780,10 +808,16 @@ class MirroredStrategy:
             >>> type(dist).__name__
             'DistributedDataset'
         """
-        return self.distribute_dataset(dataset, drop_remainder=drop_remainder, prefetch=prefetch)
+        return self.distribute_dataset(
+            dataset, options, drop_remainder=drop_remainder, prefetch=prefetch
+        )
 
     def distribute_datasets_from_function(
-        self, dataset_fn: Callable[[InputContext], Any], *, prefetch: SupportsIndex = 2
+        self,
+        dataset_fn: Callable[[InputContext], Any],
+        options: InputOptions | None = None,
+        *,
+        prefetch: SupportsIndex | None = None,
     ) -> DistributedDataset:
         """Build the input pipeline with ``dataset_fn(input_context)``; feed replicas from it.
 
@@ -791,13 +825,23 @@ class MirroredStrategy:
         yields per-replica batches: replica ``r`` gets the ``r``-th batch of each round. When it
         runs out in the middle of a round, the other replicas get zero-length batches. As in
         TF, its elements may also be values without a batch dimension (numbers, tuples of
-        them), which each replica gets as they are.
+        them), which each replica gets as they are. With ``options`` asking for
+        ``InputReplicationMode.PER_REPLICA``, ``dataset_fn`` is called once per replica, with
+        an ``InputContext`` whose pipeline is that replica (its id in sync, of
+        ``num_replicas_in_sync``), and each replica gets the elements of its own dataset.
+
+        Args:
+            dataset_fn: ``InputContext -> dataset`` (an iterable or async iterable).
+            options: TF's ``InputOptions`` (see ``distribute_dataset``; ``PER_REPLICA`` too).
+            prefetch: elements made ahead (0: on demand); by default 2, or the options'
+                ``experimental_per_replica_buffer_size``.
 
         Raises:
             TypeError: ``dataset_fn`` is not callable; what it returned is not iterable;
-                ``prefetch`` is not an int; (while iterating) elements without a batch
-                dimension ran out in the middle of a round, which leaves replicas without an
-                element (there are no empty ones of them).
+                ``prefetch`` is not an int; ``options`` is not an ``InputOptions``; (while
+                iterating) elements without a batch dimension ran out in the middle of a
+                round, which leaves replicas without an element (there are no empty ones of
+                them).
             ValueError: ``prefetch`` is negative.
 
         Example:
@@ -817,14 +861,25 @@ class MirroredStrategy:
                 f"dataset_fn must be callable (InputContext -> dataset), got "
                 f"{type(dataset_fn).__name__} {dataset_fn!r:.60}"
             )
-        prefetch = checked_prefetch(prefetch)  # before dataset_fn makes anything
-        dataset = dataset_fn(self._input_context())
+        options = _checked_input_options(options, "distribute_datasets_from_function")
+        count = checked_prefetch(_prefetch(prefetch, options))  # before dataset_fn makes any
+        if options.experimental_replication_mode is InputReplicationMode.PER_REPLICA:
+            first, size = self._engine.first_replica, self.num_replicas_in_sync
+            contexts = [
+                InputContext(num_input_pipelines=size, input_pipeline_id=first + j,
+                             num_replicas_in_sync=size)
+                for j in range(len(self._device_objects))
+            ]  # fmt: skip
+            dataset = interleaved([dataset_fn(context) for context in contexts])
+        else:
+            dataset = dataset_fn(self._input_context())
         return DistributedDataset(
             dataset,
             self._device_objects,
             per_replica_source=True,
             drop_remainder=False,
-            prefetch=prefetch,
+            prefetch=count,
+            place=options._placed,
             input_context=self._input_context(),
             workers=self._engine.cluster,
             first_replica=self._engine.first_replica,
@@ -1555,6 +1610,31 @@ def has_strategy() -> bool:
         False
     """
     return get_strategy() is not default_replica_context().strategy
+
+
+def _checked_input_options(options: InputOptions | None, what: str) -> InputOptions:
+    """``options``, or TF's defaults for ``None``.
+
+    Raises:
+        TypeError: ``options`` is not an ``InputOptions``.
+    """
+    if options is None:
+        return _DEFAULT_INPUT_OPTIONS
+    if not isinstance(options, InputOptions):
+        raise TypeError(
+            f"{what}: options must be an aioreplica.InputOptions or None, got "
+            f"{type(options).__name__} {options!r:.60}"
+        )
+    return options
+
+
+def _prefetch(prefetch: SupportsIndex | None, options: InputOptions) -> SupportsIndex:
+    """The elements made ahead: as given, else the options' buffer size, else 2."""
+    if prefetch is not None:
+        return prefetch
+    if options is _DEFAULT_INPUT_OPTIONS:
+        return 2
+    return options.experimental_per_replica_buffer_size
 
 
 def _held(leaf: Any) -> tuple[Any, ...] | None:

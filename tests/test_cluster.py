@@ -86,6 +86,23 @@ class TestOneWorker:
             "MultiWorkerMirroredStrategy(devices=['cpu:0', 'cpu:1'], worker 0 of 1)"
         )
 
+    def test_cluster_resolver_answers_as_tfs(self) -> None:
+        """TF's testClusterResolverProperty: the resolver is the cluster, with TF's
+        ClusterResolver methods."""
+        strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+        resolver = strategy.cluster_resolver
+        assert resolver is strategy.cluster
+        assert (resolver.task_type, resolver.task_id) == ("worker", 0)
+        assert resolver.cluster_spec() == {"worker": ["rank 0"]}
+        assert resolver.master() == ""
+        assert resolver.num_accelerators() == {}
+        assert aioreplica.Cluster(1, 3, gpus=2).num_accelerators() == {"GPU": 2}
+        assert aioreplica.Cluster(1, 3).cluster_spec() == {"worker": ["rank 0", "rank 1", "rank 2"]}
+
+    def test_gpus_count_the_workers_gpu_replicas(self, cp: Any) -> None:
+        strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+        assert strategy.cluster_resolver.num_accelerators() == {"GPU": 2}
+
     @pytest.mark.anyio
     async def test_the_same_results_as_one_process(self) -> None:
         """Collectives, a dataset pass and a variable give what MirroredStrategy gives."""

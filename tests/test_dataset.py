@@ -6,6 +6,7 @@ holds the value i, so each replica's slice says which rows it got.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -679,6 +680,145 @@ class TestDistributeDatasetsFromFunction:
             TypeError, match=r"dataset_fn must be callable \(InputContext -> dataset\), got list"
         ):
             strategy.distribute_datasets_from_function([np.arange(2)])  # type: ignore[arg-type]
+
+
+async def pulls_ahead(strategy: MirroredStrategy, make: Callable[[Any], Any]) -> int:
+    """How many elements a pass has pulled once its first is taken and its prefetching has
+    stopped: ``make(source)`` makes the distributed dataset."""
+    pulled: list[int] = []
+
+    async def numbers() -> AsyncIterator[Array]:
+        for i in range(20):
+            pulled.append(i)
+            yield np.arange(2)
+
+    iterator = aiter(make(numbers()))
+    await anext(iterator)
+    await anyio.wait_all_tasks_blocked()
+    await iterator.aclose()
+    return len(pulled)
+
+
+class TestInputOptions:
+    """TF's tf.distribute.InputOptions, passed as the dataset functions' ``options``."""
+
+    async def test_per_replica_pipelines(self) -> None:
+        """PER_REPLICA: dataset_fn is called once per replica, with that replica's pipeline,
+        and each replica gets its own dataset's elements (a shorter one gets empty batches)."""
+        strategy = MirroredStrategy(host_devices(3))
+        contexts: list[InputContext] = []
+
+        def dataset_fn(context: InputContext) -> list[Array]:
+            contexts.append(context)
+            r = context.input_pipeline_id
+            return [np.full(2, 10 * r + i) for i in range(3 if r < 2 else 2)]
+
+        options = aioreplica.InputOptions(
+            experimental_replication_mode=aioreplica.InputReplicationMode.PER_REPLICA
+        )
+        got = [
+            [part.tolist() for part in strategy.experimental_local_results(element)]
+            async for element in strategy.distribute_datasets_from_function(dataset_fn, options)
+        ]
+        assert [(c.num_input_pipelines, c.input_pipeline_id) for c in contexts] == [
+            (3, 0),
+            (3, 1),
+            (3, 2),
+        ]
+        assert got == [
+            [[0, 0], [10, 10], [20, 20]],
+            [[1, 1], [11, 11], [21, 21]],
+            [[2, 2], [12, 12], []],
+        ]
+
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_per_replica_pipelines_of_any_source(self, kind: str) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        dist = strategy.distribute_datasets_from_function(
+            lambda c: source(kind, [np.array([c.input_pipeline_id, i]) for i in range(2)]),
+            aioreplica.InputOptions(experimental_replication_mode="per_replica"),
+        )
+        got = [[p.tolist() for p in strategy.experimental_local_results(e)] async for e in dist]
+        assert got == [[[0, 0], [1, 0]], [[0, 1], [1, 1]]]
+
+    async def test_buffer_size_is_the_default_prefetch(self) -> None:
+        """experimental_per_replica_buffer_size makes as many elements ahead as the same
+        prefetch; an explicit prefetch wins; no options keep the default of 2."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        def with_options(size: int) -> Callable[[Any], Any]:
+            options = aioreplica.InputOptions(experimental_per_replica_buffer_size=size)
+            return lambda data: strategy.distribute_dataset(data, options)
+
+        def with_prefetch(size: int) -> Callable[[Any], Any]:
+            return lambda data: strategy.distribute_dataset(data, prefetch=size)
+
+        for size in (0, 1, 4):
+            assert await pulls_ahead(strategy, with_options(size)) == await pulls_ahead(
+                strategy, with_prefetch(size)
+            )
+        explicit = aioreplica.InputOptions(experimental_per_replica_buffer_size=4)
+        assert await pulls_ahead(
+            strategy, lambda data: strategy.distribute_dataset(data, explicit, prefetch=0)
+        ) == await pulls_ahead(strategy, lambda data: strategy.distribute_dataset(data, prefetch=0))
+        assert await pulls_ahead(strategy, strategy.distribute_dataset) == await pulls_ahead(
+            strategy, lambda data: strategy.distribute_dataset(data, prefetch=2)
+        )
+
+    async def test_fetch_to_device_on_simulated_gpus(self, cp: Any) -> None:
+        """By default each replica's slice is placed on its GPU; with
+        experimental_fetch_to_device=False it stays a host array."""
+        strategy = MirroredStrategy(["gpu:0", "gpu:1"])
+        batches = [np.arange(4.0)]
+        placed = [e async for e in strategy.experimental_distribute_dataset(batches)]
+        kept = [
+            e
+            async for e in strategy.experimental_distribute_dataset(
+                batches, aioreplica.InputOptions(experimental_fetch_to_device=False)
+            )
+        ]
+        assert [type(p).__module__.split(".")[0] for p in placed[0].values] == ["cupy"] * 2
+        assert [type(p) for p in kept[0].values] == [np.ndarray] * 2
+        assert [p.tolist() for p in kept[0].values] == [[0.0, 1.0], [2.0, 3.0]]
+
+    @pytest.mark.parametrize(
+        ("kwargs", "error", "message"),
+        [
+            (
+                {"experimental_place_dataset_on_device": True},
+                ValueError,
+                "needs experimental_replication_mode=InputReplicationMode.PER_REPLICA",
+            ),
+            (
+                {
+                    "experimental_place_dataset_on_device": True,
+                    "experimental_replication_mode": "per_replica",
+                    "experimental_fetch_to_device": True,
+                },
+                ValueError,
+                "cannot go with experimental_fetch_to_device=True",
+            ),
+            ({"experimental_replication_mode": "x"}, ValueError, "unknown input replication"),
+            ({"experimental_per_replica_buffer_size": -1}, ValueError, "must be >= 0, got -1"),
+            ({"experimental_per_replica_buffer_size": 1.5}, TypeError, "must be an int"),
+            ({"experimental_fetch_to_device": 1}, TypeError, "must be a bool or None, got 1"),
+        ],
+    )
+    def test_bad_options(self, kwargs: dict[str, Any], error: type, message: str) -> None:
+        with pytest.raises(error, match=re.escape(message)):
+            aioreplica.InputOptions(**kwargs)
+
+    def test_options_the_dataset_functions_refuse(self) -> None:
+        """PER_REPLICA is for distribute_datasets_from_function only; options of another
+        type are a TypeError; both before anything is pulled or made."""
+        strategy = MirroredStrategy(host_devices(2))
+        per_replica = aioreplica.InputOptions(experimental_replication_mode="per_replica")
+        with pytest.raises(ValueError, match=r"PER_REPLICA is only for distribute_datasets_from"):
+            strategy.experimental_distribute_dataset([np.arange(2)], per_replica)
+        calls: list[InputContext] = []
+        with pytest.raises(TypeError, match=r"options must be an aioreplica.InputOptions or None"):
+            strategy.distribute_datasets_from_function(calls.append, {"x": 1})  # type: ignore[arg-type]
+        assert calls == []
 
 
 class TestInputContext:

@@ -408,6 +408,30 @@ async def test_from_function_elements_without_a_batch_dimension(
     assert each_replica(strategy, await strategy.run(lambda: 1)) == [1] * local
 
 
+@pytest.mark.parametrize("local", [1, 2])
+async def test_from_function_per_replica_pipelines(make_strategy: MakeStrategy, local: int) -> None:
+    """InputReplicationMode.PER_REPLICA: dataset_fn runs once per local replica, with the
+    replica's global id as its pipeline of W * L, and each replica gets its own dataset's
+    batches."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    contexts: list[InputContext] = []
+
+    def dataset_fn(context: InputContext) -> Any:
+        contexts.append(context)
+        return [np.full(2, 100 * context.input_pipeline_id + i) for i in range(3)]
+
+    options = aioreplica.InputOptions(experimental_replication_mode="per_replica")
+    got = [
+        [v.tolist() for v in strategy.experimental_local_results(e)]
+        async for e in strategy.distribute_datasets_from_function(dataset_fn, options)
+    ]
+    assert [(c.num_input_pipelines, c.input_pipeline_id) for c in contexts] == [
+        (n, g) for g in global_ids(local)
+    ]
+    assert got == [[[100 * g + i] * 2 for g in global_ids(local)] for i in range(3)]
+
+
 async def test_run_steps_over_every_worker(make_strategy: MakeStrategy) -> None:
     """run_steps across workers: every worker's replicas get their slices of the same global
     batches, the step's collectives span every worker, and the workers stop together when the
