@@ -332,11 +332,16 @@ class ReductionEngine:
         the number of elements along ``axis`` over all replicas, so short and empty batches
         weigh what they hold.
 
+        ``MEAN`` of integers is a float64 mean, as NumPy's and TF's ``strategy.reduce`` are
+        (in replica context an integer mean stays refused: its result would change dtype).
+
         Raises:
             ValueError: shapes or dtypes that differ; ``axis`` out of range.
             TypeError: as ``all_reduce``.
         """
         leaves, treedef = self._leaves("reduce", value)
+        if op is ReduceOp.MEAN:
+            leaves = [await self._as_float64(leaf) for leaf in leaves]
         _check_op(op, leaves)
         if axis is None:
             self._check_same_shapes("reduce", leaves)
@@ -348,6 +353,17 @@ class ReductionEngine:
         if _trace.recorder is not None:
             along = self._traced(along, "reduce", op, leaves)
         return treedef.unflatten(await along)
+
+    async def _as_float64(self, leaf: _LeafArrays) -> _LeafArrays:
+        """An integer leaf's arrays as float64 for a mean, each made on its device (in its
+        stream's order); other leaves as they are."""
+        if getattr(leaf.arrays[0], "dtype", np.dtype(float)).kind not in "iu":
+            return leaf
+        arrays = [
+            await device.compute(array.nbytes, _float64, array)
+            for device, array in zip(self.devices, leaf.arrays, strict=True)
+        ]
+        return _LeafArrays(leaf.path, arrays)
 
     async def _reduce_leaves_along(
         self, op: ReduceOp, leaves: list[_LeafArrays], axis: Axes
@@ -841,10 +857,16 @@ def _describe_component(value: Any) -> str:
     return f"{shown} ({type(value).__name__})"
 
 
+def _float64(array: Any) -> Any:
+    return array.astype(np.float64)
+
+
 def _partial_reduction(xp: Any, inner: str, component: Any, axes: tuple[int, ...]) -> Any:
     """One replica's reduction along ``axes``; an empty batch gives the op's identity, so it
     changes nothing when the replicas' partials are combined."""
-    if all(component.shape[a] for a in axes) or inner in ("sum", "prod"):
+    if inner in ("sum", "prod"):  # in the component's dtype, as TF's (NumPy widens ints)
+        return getattr(xp, inner)(component, axis=axes, dtype=component.dtype)
+    if all(component.shape[a] for a in axes):
         return getattr(xp, inner)(component, axis=axes)
     shape = tuple(n for d, n in enumerate(component.shape) if d not in axes)
     dtype = component.dtype

@@ -615,6 +615,25 @@ class TestCrossReplica:
         with pytest.raises(ValueError, match=r"they may differ only along axes \(1, 2\)"):
             await strategy.reduce("sum", value, axis=(1, 2))
 
+    @pytest.mark.parametrize("replicas", [2, 3])
+    async def test_mean_of_integers_is_a_float_mean(self, replicas: int) -> None:
+        """TF's testReduceAxisToCpu with int32: strategy.reduce's MEAN of integers divides
+        truly (float64, as np.mean), with or without axis; SUM keeps the dtype."""
+        strategy = MirroredStrategy(host_devices(replicas))
+        rows = PerReplica([np.array([i] * (i + 1), np.int32) for i in range(replicas)])
+        total = sum(i * (i + 1) for i in range(replicas))
+        summed = await strategy.reduce("sum", rows, axis=0)
+        assert (summed, summed.dtype) == (total, np.dtype(np.int32))
+        mean = await strategy.reduce("mean", rows, axis=0)
+        assert mean.dtype == np.dtype(np.float64)
+        assert mean == pytest.approx(total / sum(i + 1 for i in range(replicas)))
+        pairs = PerReplica([np.array([i, 2 * i], np.int64) for i in range(replicas)])
+        np.testing.assert_array_equal(
+            await strategy.reduce("mean", pairs),
+            np.mean([[i, 2 * i] for i in range(replicas)], axis=0),
+            strict=True,
+        )
+
     async def test_reduce_along_axis_of_nothing(self) -> None:
         """MAX over batches that are all empty has nothing to reduce."""
         strategy = MirroredStrategy(host_devices(2))

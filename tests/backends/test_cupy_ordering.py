@@ -336,3 +336,20 @@ async def test_reduce_to_an_array_means_its_device(cp: Any) -> None:
     np.testing.assert_array_equal(cp.asnumpy(reduced), [3.0, 3.0])
     with pytest.raises(ValueError, match=r"a host value \(on 'cpu:0'\) is not one of"):
         await strategy.extended.reduce_to("sum", value, np.zeros(2))
+
+
+async def test_mean_of_integers_made_on_each_gpu(cp: Any) -> None:
+    """strategy.reduce's float mean of integers converts each replica's array on its own
+    GPU's stream, after the step that made it."""
+    strategy = aioreplica.MirroredStrategy(["gpu:0", "gpu:1"])
+
+    async def step() -> Any:
+        ctx = aioreplica.get_replica_context()
+        assert ctx is not None
+        return ctx.device.asarray(np.arange(3, dtype=np.int32) + ctx.replica_id_in_sync_group)
+
+    rows = await strategy.run(step)
+    summed = await strategy.reduce("sum", rows, axis=0)
+    assert (float(summed), summed.dtype) == (9.0, np.dtype(np.int32))
+    assert float(await strategy.reduce("mean", rows, axis=0)) == 1.5
+    assert (await strategy.reduce("mean", rows)).get().tolist() == [0.5, 1.5, 2.5]

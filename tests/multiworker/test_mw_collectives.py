@@ -488,6 +488,22 @@ async def test_strategy_reduce_along_several_axes(make_strategy: MakeStrategy, l
         np.testing.assert_allclose(got, want, rtol=1e-12, err_msg=op)
 
 
+@pytest.mark.parametrize("local", [1, 2])
+async def test_strategy_reduce_mean_of_integers(make_strategy: MakeStrategy, local: int) -> None:
+    """MEAN of integers over every worker's replicas is a float64 mean, as np.mean's."""
+    strategy = make_strategy(local)
+    n = WORKERS * local
+    rows = [np.arange(g + 1, dtype=np.int32) * 3 for g in range(n)]
+
+    async def step() -> Any:
+        return rows[replica_id()]
+
+    uneven = per_replica(local_results(strategy, await strategy.run(step)))
+    mean = await strategy.reduce("mean", uneven, axis=0)
+    assert mean.dtype == np.dtype(np.float64)
+    np.testing.assert_allclose(mean, np.concatenate(rows).mean(), rtol=1e-12)
+
+
 async def test_reduce_of_a_loss_from_one_local_replica(make_strategy: MakeStrategy) -> None:
     """With one local replica, run() returns the bare value; reducing it spans the workers."""
     strategy = make_strategy(1)
