@@ -506,8 +506,9 @@ class Variable(NDArrayOperatorsMixin):
 
         Raises:
             ValueError: ``value`` does not broadcast to the variable's shape; a
-                ``MirroredVariable`` with aggregation ``NONE`` written in replica context;
-                across workers, another worker refused its write (``WorkersDisagree``).
+                ``MirroredVariable`` with aggregation ``NONE`` (or an integer one with
+                ``MEAN``) given different values by the replicas in replica context; across
+                workers, another worker refused its write (``WorkersDisagree``).
             TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``).
             RuntimeError: written inside a replica of another strategy; across workers,
                 written outside a ``run()`` from another task while one is in progress.
@@ -674,8 +675,9 @@ class MirroredVariable(Variable):
     Writes in replica context (every replica must make the same write) take one merge round:
     the values of all replicas are combined with the variable's aggregation (``SUM``,
     ``MEAN``, or ``ONLY_FIRST_REPLICA``: replica 0's) and written to every copy. With
-    aggregation ``NONE`` such a write raises ``ValueError``, since replicas would otherwise
-    drift apart. Writes in cross-replica context write every copy. Every write is
+    aggregation ``NONE`` (or ``MEAN`` of an integer dtype) every replica must write the same
+    value, which every copy takes; different values raise ``ValueError``, since the copies
+    would otherwise drift apart. Writes in cross-replica context write every copy. Every write is
     all-or-nothing: if it fails or is cancelled, every copy keeps its old value.
 
     Raises:
@@ -703,13 +705,6 @@ class MirroredVariable(Variable):
             return self
         self._replica_id(replica, op)
         try:
-            if self._aggregation is _Agg.NONE:
-                raise ValueError(
-                    f"{op}() on MirroredVariable {self._name!r} in replica context needs an "
-                    "aggregation to combine the replicas' values, but its aggregation is NONE; "
-                    "create it with aggregation='sum', 'mean' or 'only_first_replica', or "
-                    "write it in cross-replica context (outside run())"
-                )
             local = self._checked(value, replica.device, replica.replica_id_in_sync_group)
         except (TypeError, ValueError) as exc:
             replica._engine.refusing(f"{op}() of variable {self._name!r}", exc)
@@ -983,15 +978,17 @@ async def _aggregate(variable: Variable, value: Any) -> list[Any]:
             return await engine.broadcast(value, 0)
         first = value.values[0] if isinstance(value, DistributedValues) else value
         return await engine.broadcast_to(first, devices)
-    if variable._aggregation is _Agg.MEAN and variable._dtype.kind not in "fc":
+    agg = variable._aggregation
+    if agg is _Agg.NONE or (agg is _Agg.MEAN and variable._dtype.kind not in "fc"):
         return await _the_one_value(variable, value)
     op = ReduceOp.SUM if variable._aggregation is _Agg.SUM else ReduceOp.MEAN
     return (await engine.batch_reduce_to(op, [(value, devices)]))[0]
 
 
 async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
-    """The mean an integer or bool variable can hold, as in TF: the value, when every replica
-    (of every worker) passed the same one.
+    """What a variable without an aggregation (or an integer or bool one with ``MEAN``,
+    whose mean its dtype cannot hold) takes in replica context: the value, when every replica
+    (of every worker) passed the same one, as TF writes each replica's own.
 
     Raises:
         ValueError: the replicas passed different values.
@@ -1001,12 +998,19 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
     devices = variable._devices
     high = (await engine.batch_reduce_to(ReduceOp.MAX, [(value, devices)]))[0]
     low = (await engine.batch_reduce_to(ReduceOp.MIN, [(value, devices)]))[0]
-    if not np.array_equal(host_array(high[0], devices[0]), host_array(low[0], devices[0])):
+    high_host, low_host = host_array(high[0], devices[0]), host_array(low[0], devices[0])
+    if not np.array_equal(high_host, low_host, equal_nan=high_host.dtype.kind in "fc"):
+        why = (
+            "which it has no aggregation to combine; pass the same value from every replica, "
+            "give it aggregation 'sum', 'mean' or 'only_first_replica'"
+            if variable._aggregation is _Agg.NONE
+            else "whose mean the dtype cannot hold (as in TF); pass the same value from every "
+            "replica, use a floating dtype"
+        )
         error = ValueError(
             f"cannot write MirroredVariable {variable._name!r} of dtype {variable._dtype} with "
-            "aggregation MEAN in replica context: the replicas passed different values, whose "
-            "mean the dtype cannot hold (as in TF); pass the same value from every replica, "
-            "use a floating dtype, or write it in cross-replica context"
+            f"aggregation {variable._aggregation.name} in replica context: the replicas "
+            f"passed different values, {why}, or write it in cross-replica context"
         )
         await engine.refuse("a write of a variable", error)  # every worker raises alike
         raise error

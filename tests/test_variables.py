@@ -1056,23 +1056,41 @@ class TestMirroredWrites:
 
     @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
-    async def test_replica_write_without_aggregation_refused(
+    async def test_replica_write_without_aggregation_takes_the_one_value(
         self, strategy_factory: StrategyFactory, replicas: int, op: str
     ) -> None:
-        """Aggregation NONE in replica context raises ValueError saying to choose one; no change."""
+        """Aggregation NONE in replica context (TF's testAssignMirroredVarReplicaContext-
+        WithoutAggregationType): the value every replica writes goes to every copy."""
+        strategy = strategy_factory()
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+
+        async def step() -> None:
+            await WRITES[op](v, np.float64(5.0))  # made in each replica alike
+
+        await strategy.run(step)
+        assert_all(v, expected_write(op, np.array([1.0, 2.0]), 5.0))
+
+    @pytest.mark.replicas(2, 4)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_replica_write_without_aggregation_of_different_values_refused(
+        self, strategy_factory: StrategyFactory, replicas: int, op: str
+    ) -> None:
+        """Different values, which a variable without aggregation cannot combine, raise
+        ValueError saying what to do; no copy changes."""
         strategy = strategy_factory()
         v = scoped(strategy, np.array([1.0, 2.0]), name="w")
         old = snapshot(v)
 
         async def step() -> None:
-            await WRITES[op](v, 1.0)
+            await WRITES[op](v, float(replica_id()))
 
         with pytest.raises(
             ValueError,
-            match=rf"^{op}\(\) on MirroredVariable 'w' in replica context needs an aggregation "
-            r"to combine the replicas' values, but its aggregation is NONE; create it with "
-            r"aggregation='sum', 'mean' or 'only_first_replica', or write it in cross-replica "
-            r"context \(outside run\(\)\)\n",
+            match=r"^cannot write MirroredVariable 'w' of dtype float64 with aggregation NONE in "
+            r"replica context: the replicas passed different values, which it has no "
+            r"aggregation to combine; pass the same value from every replica, give it "
+            r"aggregation 'sum', 'mean' or 'only_first_replica', or write it in cross-replica "
+            r"context",
         ):
             await strategy.run(step)
         assert_copies(v, old)

@@ -469,25 +469,26 @@ async def test_variables_made_inside_a_replica_are_refused(
     assert [int(g) for g in strategy.experimental_local_results(got)] == global_ids(local)
 
 
+@pytest.mark.parametrize(("dtype", "aggregation"), [(np.int64, "mean"), (np.float64, "none")])
 @pytest.mark.parametrize("local", [1, 2])
-async def test_integer_mean_variables_take_one_value_from_every_worker(
-    make_strategy: MakeStrategy, local: int
+async def test_variables_that_take_one_value_from_every_worker(
+    make_strategy: MakeStrategy, local: int, dtype: type, aggregation: str
 ) -> None:
-    """An integer MEAN variable written in replica context takes the value every replica of
-    every worker passed; values that differ on one worker only are refused on every worker
-    alike, changing nothing, and the strategy carries on."""
+    """An integer MEAN variable, or one without aggregation, written in replica context takes
+    the value every replica of every worker passed; values that differ on one worker only are
+    refused on every worker alike, changing nothing, and the strategy carries on."""
     strategy = make_strategy(local)
     with strategy.scope():
-        v = Variable(1, name="n", aggregation="mean", dtype=np.int64)
+        v = Variable(1, name="n", aggregation=aggregation, dtype=dtype)
 
     async def same() -> None:
-        await v.assign(np.int64(7))
+        await v.assign(dtype(7))
 
     await strategy.run(same)
     assert_copies_equal(v, 7)
 
     async def differs() -> None:
-        await v.assign(np.int64(9 if replica_id() == WORKERS * local - 1 else 8))
+        await v.assign(dtype(9 if replica_id() == WORKERS * local - 1 else 8))
 
     with pytest.raises(ValueError, match=r"the replicas passed different values"):
         await strategy.run(differs)
