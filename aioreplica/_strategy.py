@@ -1335,7 +1335,9 @@ class MirroredStrategy:
             becomes a ``PerReplica``; with one replica, the value itself.
 
         Raises:
-            RuntimeError: called inside a replica or inside ``merge_fn``.
+            RuntimeError: called inside a replica; in another strategy's scope or
+                ``merge_fn``; across workers, inside ``merge_fn`` (in one process a
+                ``merge_fn`` may run the replicas again, as in TF).
             TypeError: ``fn`` is not callable, ``args`` is not a sequence or ``kwargs`` not a
                 mapping; ``fn`` is an async generator function (it has a ``yield``).
             ValueError: a distributed value in the arguments has a different number of
@@ -1380,10 +1382,11 @@ class MirroredStrategy:
                 f"{replica.strategy!r}; replicas cannot start replicas: call run() from "
                 "cross-replica code, outside the step function"
             )
-        if state.merging:
+        if state.merging and self._engine.cluster is not None:
             raise RuntimeError(
-                "run() was called inside merge_fn; merge functions run once across replicas "
-                "and cannot start replicas: return from merge_fn and call run() afterwards"
+                "run() was called inside merge_fn; across workers a run cannot start inside "
+                "another's merge function, whose collectives it would interleave with: return "
+                "from merge_fn and call run() afterwards"
             )
         self._check_not_mixed("run()", state)
         if not callable(fn):

@@ -405,20 +405,31 @@ class TestRunMisuse:
         assert info.value.__notes__[0].startswith(f"raised in replica {replica[1]} of 2")
 
     async def test_run_inside_merge_fn(self) -> None:
-        """run() inside merge_fn raises RuntimeError saying why."""
+        """TF's testCallAndMergeExceptions: merge_fn may run the strategy's replicas again,
+        whose results and exceptions come out as run()'s do; another strategy's run() there
+        is refused, as mixing strategies is."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])
         inner = MirroredStrategy(["cpu:0"])
 
-        async def merge(s: MirroredStrategy) -> None:
+        async def again(s: MirroredStrategy) -> Any:
+            return s.experimental_local_results(await s.run(lambda: replica_id() * 10))
+
+        async def step() -> Any:
+            return await replica_context().merge_call(again)
+
+        assert strategy.experimental_local_results(await strategy.run(step)) == ((0, 10),) * 2
+
+        async def raises(s: MirroredStrategy) -> None:
+            await s.run(lambda: 1 / 0)
+
+        with pytest.raises(ZeroDivisionError):
+            await strategy.run(lambda: replica_context().merge_call(raises))
+
+        async def mixes(s: MirroredStrategy) -> None:
             await inner.run(lambda: None)
 
-        async def step() -> None:
-            ctx = get_replica_context()
-            assert ctx is not None
-            await ctx.merge_call(merge)
-
-        with pytest.raises(RuntimeError, match="run\\(\\) was called inside merge_fn"):
-            await strategy.run(step)
+        with pytest.raises(RuntimeError, match=r"run\(\) of .* was called in the scope of"):
+            await strategy.run(lambda: replica_context().merge_call(mixes))
 
     def test_run_outside_an_event_loop(self) -> None:
         """Driving run() without a running loop says how to run it."""

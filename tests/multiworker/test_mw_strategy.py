@@ -256,6 +256,18 @@ async def test_merge_fn_runs_once_per_worker_on_local_values(
     assert allgather(len(calls)) == [1] * WORKERS
 
 
+async def test_run_inside_merge_fn_is_refused(make_strategy: MakeStrategy) -> None:
+    """Across workers a merge function cannot run the replicas again (its collectives would
+    interleave with the enclosing run's): every worker raises the RuntimeError saying so."""
+    strategy = make_strategy(1)
+
+    async def again(s: MirroredStrategy) -> None:
+        await s.run(lambda: None)
+
+    with pytest.raises(RuntimeError, match=r"run\(\) was called inside merge_fn; across workers"):
+        await strategy.run(lambda: replica_context().merge_call(again))
+
+
 async def test_merge_fn_sees_its_own_workers_values(
     make_strategy: MakeStrategy,
 ) -> None:
