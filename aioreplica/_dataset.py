@@ -938,6 +938,11 @@ class _Puller:
         if batch is _END:
             return None
         leaves, treedef = _tree.flatten(batch)
+        if self._input_context.num_replicas_in_sync == 1 and _unbatched(leaves):
+            # One replica in all takes each element whole, as in TF: a batch dimension is only
+            # needed to cut one, so numbers and other unbatched elements pass as they are.
+            self._batches += 1
+            return treedef, [[self._put[0](leaf)] for leaf in leaves]
         rows = batch_rows(leaves, treedef, "distribute_dataset")
         self._batches += 1
         if self._workers is not None:

@@ -741,7 +741,8 @@ class MirroredStrategy:
 
         Args:
             dataset: an iterable or async iterable of global batches: nested structures whose
-                leaves are arrays sharing a leading batch dimension, e.g. ``(x, y)``.
+                leaves are arrays sharing a leading batch dimension, e.g. ``(x, y)`` (with one
+                replica in all, any elements: each goes whole, as in TF).
             options: TF's ``InputOptions``: ``experimental_fetch_to_device=False`` leaves the
                 slices as the dataset made them; its buffer size is the default ``prefetch``.
             drop_remainder: drop a final global batch smaller than the first one.

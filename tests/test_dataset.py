@@ -219,6 +219,21 @@ class TestDistributeDataset:
         ]
 
 
+class TestUnbatchedElements:
+    """Elements without a batch dimension (numbers, tuples of them)."""
+
+    @pytest.mark.parametrize("kind", SOURCES)
+    async def test_one_replica_takes_unbatched_elements_whole(self, kind: str) -> None:
+        """TF's testOneDeviceCPU: with one replica in all, distribute_dataset needs no batch
+        dimension (there is nothing to cut); with two, an unbatched element is refused."""
+        strategy = MirroredStrategy(host_devices(1))
+        dist = strategy.experimental_distribute_dataset(source(kind, list(range(4))))
+        assert [int(e) for e in await collect(dist)] == [0, 1, 2, 3]
+        two = MirroredStrategy(host_devices(2))
+        with pytest.raises(TypeError, match="which has no batch dimension"):
+            await collect(two.experimental_distribute_dataset(source(kind, list(range(4)))))
+
+
 class TestDatasetSources:
     @pytest.mark.parametrize("prefetch", [0, 2])
     @pytest.mark.parametrize("kind", SOURCES)
