@@ -26,7 +26,7 @@ from ._backends import array_module, host_array, host_device, is_array, is_cupy_
 from ._cluster import call_of
 from ._collectives import register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
-from ._errors import ReplicaSyncError
+from ._errors import ReplicaSyncError, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path
 from ._values import (
@@ -1010,11 +1010,29 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
         error = ValueError(
             f"cannot write MirroredVariable {variable._name!r} of dtype {variable._dtype} with "
             f"aggregation {variable._aggregation.name} in replica context: the replicas "
-            f"passed different values, {why}, or write it in cross-replica context"
+            f"passed different values{_which_differ(value, devices, engine.first_replica)}, "
+            f"{why}, or write it in cross-replica context"
         )
         await engine.refuse("a write of a variable", error)  # every worker raises alike
         raise error
     return list(high)
+
+
+def _which_differ(value: Any, devices: tuple[Device, ...], first_replica: int) -> str:
+    """Which of this process's replicas passed another value than its first, for a message
+    (``""`` when they agree here: the difference is another worker's)."""
+    if not isinstance(value, DistributedValues):
+        return ""
+    hosts = [host_array(v, d) for v, d in zip(value.values, devices, strict=True)]
+    odd = [
+        first_replica + i
+        for i, other in enumerate(hosts)
+        if not np.array_equal(other, hosts[0], equal_nan=other.dtype.kind in "fc")
+    ]
+    if not odd:
+        return ""
+    first = _short(hosts[0].tolist())
+    return f" ({replica_list(odd)} passed another than replica {first_replica}'s {first})"
 
 
 # -- updates (strategy.extended.update) -----------------------------------------------------

@@ -700,8 +700,8 @@ class TestIntegerMeanVariables:
         with pytest.raises(
             ValueError,
             match=r"^cannot write MirroredVariable 'n' of dtype int32 with aggregation MEAN in "
-            r"replica context: the replicas passed different values, whose mean the dtype "
-            r"cannot hold \(as in TF\)",
+            r"replica context: the replicas passed different values \(replica 1 passed another "
+            r"than replica 0's 0\), whose mean the dtype cannot hold \(as in TF\)",
         ):
             await strategy.run(step)
         assert_copies(v, [1, 1])
@@ -1087,7 +1087,8 @@ class TestMirroredWrites:
         with pytest.raises(
             ValueError,
             match=r"^cannot write MirroredVariable 'w' of dtype float64 with aggregation NONE in "
-            r"replica context: the replicas passed different values, which it has no "
+            r"replica context: the replicas passed different values \(replicas? [0-9, and]+ "
+            r"passed another than replica 0's \[0\.0, 0\.0\]\), which it has no "
             r"aggregation to combine; pass the same value from every replica, give it "
             r"aggregation 'sum', 'mean' or 'only_first_replica', or write it in cross-replica "
             r"context",
