@@ -597,7 +597,8 @@ class MirroredStrategy:
         divides by the number of elements along ``axis`` over all replicas, so replicas with
         short or empty batches count for what they hold. ``axis`` may be a tuple or list of
         axes, as in TF: ``axis=(0, 1)`` reduces both, and ``MEAN`` divides by the elements
-        of both over all replicas.
+        of both over all replicas. ``MEAN`` of integers is a float64 mean (NumPy's and TF's);
+        ``SUM`` and ``PROD`` keep the dtype.
 
         Args:
             reduce_op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name.

@@ -29,12 +29,7 @@ from ._context import ContextState, ReplicaContext, context_state, default_repli
 from ._errors import ReplicaSyncError, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path
-from ._values import (
-    DistributedValues,
-    PerReplica,
-    agreed,
-    select_replica,
-)
+from ._values import DistributedValues, PerReplica, agreed, select_replica
 from ._writes import (
     ADD,
     ASSIGN,
@@ -142,14 +137,14 @@ class Variable(NDArrayOperatorsMixin):
     Raises:
         ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
             valid ones); ``synchronization="none"`` inside a strategy scope.
-        TypeError: ``initial_value`` is not numeric or bool; ``aggregation="mean"`` with a
-            dtype that cannot be averaged (integers, bool); ``name`` is not a string or
-            ``trainable`` not a bool.
+        TypeError: ``initial_value`` is not numeric or bool; a sync-on-read variable with
+            ``aggregation="mean"`` and a dtype that cannot be averaged (integers, bool);
+            ``name`` is not a string or ``trainable`` not a bool.
         RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
-            class, synchronization or aggregation from the one another replica made as its
-            ``k``-th (every replica must make the same variables in the same order); inside a
-            replica of a ``MultiWorkerMirroredStrategy`` (make them in its scope, outside
-            ``run()``, where every worker starts them from the chief's value).
+            class, synchronization, aggregation or initial shape from the one another replica
+            made as its ``k``-th (every replica must make the same variables in the same
+            order); inside a replica of a ``MultiWorkerMirroredStrategy`` (make them in its
+            scope, outside ``run()``, where every worker starts them from the chief's value).
 
     Example:
         >>> v = Variable(np.zeros(3), name="bias")
