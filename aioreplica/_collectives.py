@@ -498,7 +498,7 @@ class ReductionEngine:
                     )
                 components = list(leaf.values)
             elif isinstance(leaf, _copied_types):  # a variable: each replica its own copy
-                components = _copies_of(what, path, leaf, size)
+                components = _copies_of(what, path, leaf, size, self)
             else:
                 components = [leaf] * size
             arrays = self._to_arrays(what, path, components, isinstance(leaf, DistributedValues))
@@ -519,7 +519,7 @@ class ReductionEngine:
                 # replica's own copy, as for one variable from every replica (``_leaves``).
                 size = len(components)
                 copies = [
-                    _copies_of(what, path, c, size)[i] if isinstance(c, _copied_types) else c
+                    _copies_of(what, path, c, size, self)[i] if isinstance(c, _copied_types) else c
                     for i, c in enumerate(components)
                 ]
                 return self._to_arrays(what, path, copies, per_replica)
@@ -943,22 +943,23 @@ def register_copied_type(cls: type) -> None:
     _copied_types = (*_copied_types, cls)
 
 
-def _copies_of(what: str, path: _tree.KeyPath, leaf: Any, size: int) -> list[Any]:
+def _copies_of(
+    what: str, path: _tree.KeyPath, leaf: Any, size: int, engine: ReductionEngine
+) -> list[Any]:
     """A variable's copies as a leaf's components: one per replica (an ordinary variable's
     one copy for every replica).
 
     Raises:
-        ValueError: the variable has copies on another number of devices (another strategy's).
+        ValueError: the variable belongs to another strategy (whose engine it keeps).
     """
+    owner = getattr(leaf, "_engine", None)
+    if owner is not None and owner is not engine:
+        raise ValueError(
+            f"{what}: the variable at {_tree.describe_path(path)} ({leaf.name!r}) belongs to "
+            f"another strategy; pass a variable of this strategy, or an ordinary one"
+        )
     copies = list(leaf.values)
-    if len(copies) == size:
-        return copies
-    if len(copies) == 1:
-        return copies * size
-    raise ValueError(
-        f"{what}: the variable at {_tree.describe_path(path)} has {len(copies)} copies, but "
-        f"this strategy has {size} replicas here; pass a variable of this strategy"
-    )
+    return copies if len(copies) == size else copies * size  # an ordinary variable: one copy
 
 
 #: The structure of a single leaf: what ``_leaves`` gives a value that is one leaf.

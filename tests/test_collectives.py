@@ -1044,20 +1044,21 @@ class TestVariablesInReplicaCollectives:
 
         assert local(strategy, await strategy.run(step)) == ((12.0, 101.0), (12.0, 101.0))
 
-    async def test_a_variable_of_another_strategy(self) -> None:
-        """A variable with copies on another number of devices is refused, naming both."""
+    @pytest.mark.parametrize("devices", [2, 3], ids=["other copies", "as many copies"])
+    async def test_a_variable_of_another_strategy(self, devices: int) -> None:
+        """Another strategy's variable is refused, whatever its number of copies, naming it."""
         strategy = MirroredStrategy(host_devices(3))
-        other = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(devices))
         with other.scope():
-            v = aioreplica.Variable(1.0)
+            v = aioreplica.Variable(1.0, name="theirs")
 
         async def step() -> Any:
             return await replica_context().all_reduce("sum", {"v": v})
 
         with pytest.raises(
             ValueError,
-            match=r"all_reduce: the variable at \['v'\] has 2 copies, but this strategy has 3 "
-            "replicas here; pass a variable of this strategy",
+            match=r"all_reduce: the variable at \['v'\] \('theirs'\) belongs to another "
+            "strategy; pass a variable of this strategy, or an ordinary one",
         ):
             await strategy.run(step)
 
