@@ -228,11 +228,46 @@ class InputOptions:
 
 def interleaved(datasets: Sequence[Any]) -> Any:
     """One element of each of ``datasets`` in turn (a round per replica, for
-    ``PER_REPLICA`` input), until one of them ends: a generator, or an async generator when
-    any of them is asynchronous."""
+    ``PER_REPLICA`` input), until one of them ends: an iterable, or an async iterable when
+    any of them is asynchronous, whose every pass starts the datasets over (a list's every
+    epoch, as for one dataset).
+
+    Raises:
+        TypeError: a dataset is not iterable, or is a string (characters, not batches).
+    """
+    for dataset in datasets:
+        if isinstance(dataset, str | bytes | bytearray) or not (
+            hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")
+        ):
+            raise TypeError(
+                "a dataset must be an iterable or async iterable of batches, got "
+                f"{type(dataset).__name__} {dataset!r:.60}"
+            )
     if any(hasattr(dataset, "__aiter__") for dataset in datasets):
-        return _interleaved_async(datasets)
-    return _interleaved(datasets)
+        return _AsyncInterleaved(datasets)
+    return _Interleaved(datasets)
+
+
+@final
+class _Interleaved:
+    __slots__ = ("_datasets",)
+
+    def __init__(self, datasets: Sequence[Any]) -> None:
+        self._datasets = tuple(datasets)
+
+    def __iter__(self) -> Iterator[Any]:
+        return _interleaved(self._datasets)
+
+
+@final
+class _AsyncInterleaved:
+    __slots__ = ("_datasets",)
+
+    def __init__(self, datasets: Sequence[Any]) -> None:
+        self._datasets = tuple(datasets)
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return _interleaved_async(self._datasets)
 
 
 def _interleaved(datasets: Sequence[Any]) -> Iterator[Any]:

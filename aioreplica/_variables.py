@@ -983,7 +983,8 @@ async def _aggregate(variable: Variable, value: Any) -> list[Any]:
 async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
     """What a variable without an aggregation (or an integer or bool one with ``MEAN``,
     whose mean its dtype cannot hold) takes in replica context: the value, when every replica
-    (of every worker) passed the same one, as TF writes each replica's own.
+    (of every worker) passed the same one, bit for bit (so NaNs and complex numbers compare
+    too, and the copies stay bitwise identical), as TF writes each replica's own.
 
     Raises:
         ValueError: the replicas passed different values.
@@ -991,10 +992,13 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
     engine = variable._engine
     assert engine is not None
     devices = variable._devices
-    high = (await engine.batch_reduce_to(ReduceOp.MAX, [(value, devices)]))[0]
-    low = (await engine.batch_reduce_to(ReduceOp.MIN, [(value, devices)]))[0]
-    high_host, low_host = host_array(high[0], devices[0]), host_array(low[0], devices[0])
-    if not np.array_equal(high_host, low_host, equal_nan=high_host.dtype.kind in "fc"):
+    parts = value.values if isinstance(value, DistributedValues) else (value,) * len(devices)
+    bits = PerReplica(
+        [await d.compute(p.nbytes, _bytes_of, p) for d, p in zip(devices, parts, strict=True)]
+    )
+    high = (await engine.batch_reduce_to(ReduceOp.MAX, [(bits, devices)]))[0]
+    low = (await engine.batch_reduce_to(ReduceOp.MIN, [(bits, devices)]))[0]
+    if not np.array_equal(host_array(high[0], devices[0]), host_array(low[0], devices[0])):
         why = (
             "which it has no aggregation to combine; pass the same value from every replica, "
             "give it aggregation 'sum', 'mean' or 'only_first_replica'"
@@ -1005,24 +1009,31 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
         error = ValueError(
             f"cannot write MirroredVariable {variable._name!r} of dtype {variable._dtype} with "
             f"aggregation {variable._aggregation.name} in replica context: the replicas "
-            f"passed different values{_which_differ(value, devices, engine.first_replica)}, "
+            f"passed different values{_which_differ(parts, devices, engine.first_replica)}, "
             f"{why}, or write it in cross-replica context"
         )
         await engine.refuse("a write of a variable", error)  # every worker raises alike
         raise error
-    return list(high)
+    return await engine.broadcast_to(parts[0], devices)  # replica 0's: every one's, bitwise
 
 
-def _which_differ(value: Any, devices: tuple[Device, ...], first_replica: int) -> str:
+def _bytes_of(array: Any) -> Any:
+    """``array``'s bytes, flat (MAX and MIN of them over the replicas tell equal bits); a
+    floating zero's sign does not count (``-0.0 + 0.0`` is ``0.0``)."""
+    if array.dtype.kind in "fc":
+        array = array + 0
+    return array_module(array).ascontiguousarray(array).reshape(-1).view("u1")
+
+
+def _which_differ(parts: Sequence[Any], devices: tuple[Device, ...], first_replica: int) -> str:
     """Which of this process's replicas passed another value than its first, for a message
     (``""`` when they agree here: the difference is another worker's)."""
-    if not isinstance(value, DistributedValues):
-        return ""
-    hosts = [host_array(v, d) for v, d in zip(value.values, devices, strict=True)]
+    hosts = [host_array(p, d) for p, d in zip(parts, devices, strict=True)]
+    ref = _bytes_of(hosts[0])
     odd = [
         first_replica + i
         for i, other in enumerate(hosts)
-        if not np.array_equal(other, hosts[0], equal_nan=other.dtype.kind in "fc")
+        if not np.array_equal(_bytes_of(other), ref)
     ]
     if not odd:
         return ""

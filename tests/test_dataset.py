@@ -756,6 +756,30 @@ class TestInputOptions:
         got = [[p.tolist() for p in strategy.experimental_local_results(e)] async for e in dist]
         assert got == [[[0, 0], [1, 0]], [[0, 1], [1, 1]]]
 
+    async def test_per_replica_pipelines_every_epoch(self) -> None:
+        """Each pass over a PER_REPLICA dataset starts every replica's dataset over, as a
+        PER_WORKER pass does."""
+        strategy = MirroredStrategy(host_devices(2))
+        dist = strategy.distribute_datasets_from_function(
+            lambda c: [np.full(1, 10 * c.input_pipeline_id + i) for i in range(2)],
+            aioreplica.InputOptions(experimental_replication_mode="per_replica"),
+        )
+        epochs = [[strategy.experimental_local_results(e) for e in await collect(dist)]]
+        epochs.append([strategy.experimental_local_results(e) for e in await collect(dist)])
+        assert [[[int(p[0]) for p in e] for e in epoch] for epoch in epochs] == [
+            [[0, 10], [1, 11]]
+        ] * 2
+
+    @pytest.mark.parametrize("made", [5, "ab"], ids=["a number", "a string"])
+    def test_per_replica_datasets_are_checked(self, made: Any) -> None:
+        """What dataset_fn returns for a replica is checked at once, as for one pipeline."""
+        strategy = MirroredStrategy(host_devices(2))
+        with pytest.raises(TypeError, match="a dataset must be an iterable or async iterable"):
+            strategy.distribute_datasets_from_function(
+                lambda c: made,
+                aioreplica.InputOptions(experimental_replication_mode="per_replica"),
+            )
+
     async def test_buffer_size_is_the_default_prefetch(self) -> None:
         """experimental_per_replica_buffer_size makes as many elements ahead as the same
         prefetch; an explicit prefetch wins; no options keep the default of 2."""

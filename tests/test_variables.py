@@ -1070,6 +1070,38 @@ class TestMirroredWrites:
         await strategy.run(step)
         assert_all(v, expected_write(op, np.array([1.0, 2.0]), 5.0))
 
+    @pytest.mark.parametrize(
+        ("dtype", "mine", "other", "same"),
+        [
+            (np.float64, np.nan, 1.0, False),
+            (np.float64, np.nan, np.nan, True),
+            (np.float64, -0.0, 0.0, True),
+            (np.complex128, 1 + 2j, 1 + 2j, True),
+            (np.complex128, 1 + 2j, 1 - 2j, False),
+        ],
+        ids=["nan vs number", "nan vs nan", "signed zeros", "complex", "complex differs"],
+    )
+    async def test_one_value_writes_compare_every_value(
+        self, dtype: type, mine: Any, other: Any, same: bool
+    ) -> None:
+        """Without aggregation, the replicas' values must be the same for every dtype: a NaN
+        beside a number differs, NaNs and zeros of either sign agree, complex numbers
+        compare."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(dtype(0), name="w", aggregation="none")
+
+        async def step() -> None:
+            await v.assign(dtype(mine if replica_id() == 0 else other))
+
+        if same:
+            await strategy.run(step)
+            assert [c.tobytes() for c in v.values] == [np.asarray(dtype(mine)).tobytes()] * 2
+        else:
+            with pytest.raises(ValueError, match=r"the replicas passed different values"):
+                await strategy.run(step)
+            assert_copies(v, [dtype(0)] * 2)
+
     @pytest.mark.replicas(2, 4)
     @pytest.mark.parametrize("op", OPS)
     async def test_replica_write_without_aggregation_of_different_values_refused(
