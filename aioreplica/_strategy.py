@@ -298,7 +298,7 @@ class StrategyExtended:
             try:
                 op = await strategy._begin_reduction("batch_reduce_to", reduce_op)
                 pairs = [
-                    (_variables_as_values(value, op), strategy._destinations(dest))
+                    (_variables_as_values(value, op, strategy), strategy._destinations(dest))
                     for value, dest in value_destination_pairs
                 ]
                 results = await engine.batch_reduce_to(op, pairs, options)
@@ -629,7 +629,7 @@ class MirroredStrategy:
         async with engine.call("strategy.reduce"):
             try:
                 op = await self._begin_reduction("reduce", reduce_op)
-                return await engine.reduce(op, _variables_as_values(value, op), axis)
+                return await engine.reduce(op, _variables_as_values(value, op, self), axis)
             except (TypeError, ValueError) as exc:
                 await engine.refuse("strategy.reduce", exc)
                 raise
@@ -1660,20 +1660,30 @@ def _component(leaf: Any, replica: int) -> Any:
     return held[replica] if len(held) > 1 else held[0]
 
 
-def _variables_as_values(value: Any, op: ReduceOp) -> Any:
+def _variables_as_values(value: Any, op: ReduceOp, strategy: MirroredStrategy) -> Any:
     """``value`` with each variable as the distributed value it stands for, as in TF: a
-    sync-on-read variable's copies are per replica; a mirrored variable's are one value."""
+    sync-on-read variable's copies are per replica; a mirrored variable's are one value.
+
+    Raises:
+        ValueError: a variable of another strategy; a mirrored variable with ``SUM`` or
+            ``PROD``.
+    """
     if isinstance(value, DistributedValues):  # the common case: no walk
         return value
     leaves, treedef = _tree.flatten(value)
     if not any(isinstance(leaf, Variable) for leaf in leaves):
         return value
-    return treedef.unflatten([_variable_as_value(leaf, op) for leaf in leaves])
+    return treedef.unflatten([_variable_as_value(leaf, op, strategy) for leaf in leaves])
 
 
-def _variable_as_value(leaf: Any, op: ReduceOp) -> Any:
+def _variable_as_value(leaf: Any, op: ReduceOp, strategy: MirroredStrategy) -> Any:
     if not isinstance(leaf, Variable):
         return leaf
+    if leaf._strategy is not None and leaf._strategy is not strategy:
+        raise ValueError(
+            f"variable {leaf.name!r} belongs to {leaf._strategy!r}, not {strategy!r}; reduce "
+            "it with its own strategy"
+        )
     if isinstance(leaf, SyncOnReadVariable):
         return PerReplica(list(leaf._copies))
     if leaf._strategy is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import re
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -633,6 +634,20 @@ class TestCrossReplica:
             np.mean([[i, 2 * i] for i in range(replicas)], axis=0),
             strict=True,
         )
+
+    async def test_a_variable_of_another_strategy_is_refused(self) -> None:
+        """reduce, reduce_to and batch_reduce_to refuse another strategy's variable, whatever
+        its number of copies, naming both strategies; its own strategy reduces it."""
+        strategy = MirroredStrategy(host_devices(2))
+        other = MirroredStrategy(host_devices(2))
+        with other.scope():
+            theirs = aioreplica.Variable(1.0, synchronization="on_read", aggregation="sum")
+        message = rf"^variable 'Variable' belongs to {re.escape(repr(other))}, not "
+        with pytest.raises(ValueError, match=message):
+            await strategy.reduce("sum", theirs)
+        with pytest.raises(ValueError, match=message):
+            await strategy.extended.reduce_to("sum", {"v": theirs}, "cpu:0")
+        assert await other.reduce("sum", theirs) == 2.0
 
     async def test_reduce_along_axis_of_nothing(self) -> None:
         """MAX over batches that are all empty has nothing to reduce."""
