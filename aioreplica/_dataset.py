@@ -79,7 +79,9 @@ __all__ = [
     "InputReplicationMode",
     "OptionalValue",
     "ValueContext",
+    "check_iterable",
     "interleaved",
+    "refuse_characters",
 ]
 
 T = TypeVar("T")
@@ -236,16 +238,38 @@ def interleaved(datasets: Sequence[Any]) -> Any:
         TypeError: a dataset is not iterable, or is a string (characters, not batches).
     """
     for dataset in datasets:
-        if isinstance(dataset, str | bytes | bytearray) or not (
-            hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")
-        ):
-            raise TypeError(
-                "a dataset must be an iterable or async iterable of batches, got "
-                f"{type(dataset).__name__} {dataset!r:.60}"
-            )
+        refuse_characters(dataset)
+        check_iterable(dataset)
     if any(hasattr(dataset, "__aiter__") for dataset in datasets):
         return _AsyncInterleaved(datasets)
     return _Interleaved(datasets)
+
+
+def check_iterable(dataset: Any) -> None:
+    """Refuse a dataset that cannot be iterated.
+
+    Raises:
+        TypeError: ``dataset`` is neither iterable nor async iterable.
+    """
+    if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
+        raise TypeError(
+            f"a dataset must be an iterable or async iterable of batches, got "
+            f"{type(dataset).__name__}"
+        )
+
+
+def refuse_characters(dataset: Any) -> None:
+    """Refuse a string as a dataset: it iterates as characters, not batches.
+
+    Raises:
+        TypeError: ``dataset`` is a ``str``, ``bytes`` or ``bytearray``.
+    """
+    if isinstance(dataset, str | bytes | bytearray):
+        raise TypeError(
+            "a dataset must be an iterable or async iterable of batches, got the "
+            f"{type(dataset).__name__} {dataset!r:.60}, whose items are characters, not "
+            "batches; pass a list of batches or aioreplica.batched(array, batch_size)"
+        )
 
 
 @final
@@ -399,11 +423,7 @@ class DistributedDataset:
         place: bool = True,
     ) -> None:
         count = checked_prefetch(prefetch)
-        if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
-            raise TypeError(
-                f"a dataset must be an iterable or async iterable of batches, got "
-                f"{type(dataset).__name__}"
-            )
+        check_iterable(dataset)
         self._dataset = dataset
         self._devices = tuple(devices)
         self._per_replica_source = per_replica_source

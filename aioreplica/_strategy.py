@@ -48,6 +48,7 @@ from ._dataset import (
     checked_prefetch,
     distribute_values,
     interleaved,
+    refuse_characters,
 )
 from ._errors import as_integer, as_real
 from ._options import CommunicationOptions, ReduceOp
@@ -681,9 +682,7 @@ class MirroredStrategy:
     def _check_not_mixed(self, what: str, state: ContextState) -> None:
         """Refuse a call made in the scope (or a ``merge_fn``) of another strategy, the
         default one's included, as TF refuses to mix strategies."""
-        current = state.strategy
-        if current is None and _in_default_scope.get():
-            current = default_replica_context().strategy
+        current = _scope_strategy(state)
         if current is not None and current is not self:
             raise RuntimeError(
                 f"{what} of {self!r} was called in the scope of {current!r}; strategies "
@@ -1180,16 +1179,13 @@ class MirroredStrategy:
         """
         state = context_state.get()
         replica = state.replica
-        current = replica.strategy if replica is not None else state.strategy
-        default = default_replica_context().strategy
-        if current is None and self is not default and _in_default_scope.get():
-            current = default  # its scope keeps the default replica context, but is current
+        current = replica.strategy if replica is not None else _scope_strategy(state)
         if current is not None and current is not self:
             raise RuntimeError(
                 f"cannot enter the scope of {self!r} while {current!r} is current; "
                 "strategies cannot be mixed: finish with one before using the other"
             )
-        if self is default:  # it keeps the default replica context, as in TF
+        if self is default_replica_context().strategy:  # it keeps the default replica context
             return None if replica is not None else (_in_default_scope, _in_default_scope.set(True))
         if replica is not None or current is self:
             return None
@@ -1513,12 +1509,7 @@ def _check_dataset_arguments(dataset: Any, drop_remainder: Any) -> None:
     """Refuse arguments of ``distribute_dataset`` that would be misread rather than fail:
     a string iterates as characters, ``"no"`` is true (``prefetch=True``, which counts as 1,
     the dataset refuses: ``checked_prefetch``)."""
-    if isinstance(dataset, str | bytes | bytearray):
-        raise TypeError(
-            "a dataset must be an iterable or async iterable of batches, got the "
-            f"{type(dataset).__name__} {dataset!r:.60}, whose items are characters, not "
-            "batches; pass a list of batches or aioreplica.batched(array, batch_size)"
-        )
+    refuse_characters(dataset)
     if not isinstance(drop_remainder, bool | np.bool_):
         raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
 
@@ -1560,6 +1551,15 @@ class _Scope:
 _entered: contextvars.ContextVar[tuple[tuple[_Scope, _ScopeToken | None], ...]] = (
     contextvars.ContextVar("aioreplica.scopes_entered", default=())
 )
+
+
+def _scope_strategy(state: ContextState) -> Any:
+    """The strategy whose scope (or ``merge_fn``) is current outside a replica: ``state``'s,
+    else the default strategy inside its own scope (which leaves ``state`` as it is), else
+    None."""
+    if state.strategy is None and _in_default_scope.get():
+        return default_replica_context().strategy
+    return state.strategy
 
 
 #: Whether the default strategy's scope is current. It keeps the default replica context
