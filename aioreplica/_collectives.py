@@ -132,10 +132,8 @@ class ReductionEngine:
         reducing = self._reduce_leaves(op, leaves, opts)
         if _trace.recorder is not None:
             reducing = self._traced(reducing, "all_reduce", op, leaves)
-        if opts.timeout_seconds is not None and self.cluster is not None:
-            with self.cluster.timeout(opts.timeout_seconds):
-                return self._per_replica(treedef, await reducing)
-        return self._per_replica(treedef, await reducing)
+        with self._timeout(opts):
+            return self._per_replica(treedef, await reducing)
 
     async def all_reduce_arrays(
         self, op: ReduceOp, arrays: Sequence[Sequence[Any]], options: CommunicationOptions
@@ -721,10 +719,11 @@ class ReductionEngine:
     @contextlib.contextmanager
     def _timeout(self, options: CommunicationOptions) -> Iterator[None]:
         """Bound the cross-worker waits in the block by ``options.timeout_seconds``."""
-        if self.cluster is None or options.timeout_seconds is None:
+        timeout = options._timeout
+        if self.cluster is None or timeout is None:
             yield
             return
-        with self.cluster.timeout(options.timeout_seconds):
+        with self.cluster.timeout(timeout):
             yield
 
     async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: Axes) -> Any:

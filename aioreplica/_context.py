@@ -284,7 +284,7 @@ class ReplicaContext:
             raise
         options = self._options("all_reduce", options)
         return await self._collective(
-            _merge_all_reduce, (engine, op, value, options), options.timeout_seconds
+            _merge_all_reduce, (engine, op, value, options), options._timeout
         )
 
     async def all_gather(
@@ -307,7 +307,7 @@ class ReplicaContext:
             array([0, 1, 1, 2])
         """
         engine = self._engine
-        timeout = self._options("all_gather", options).timeout_seconds
+        timeout = self._options("all_gather", options)._timeout
         return await self._collective(_merge_all_gather, (engine, value, axis), timeout)
 
     async def broadcast(
@@ -337,7 +337,7 @@ class ReplicaContext:
         except ValueError as exc:
             engine.refusing("broadcast", exc)
             raise
-        timeout = self._options("broadcast", options).timeout_seconds
+        timeout = self._options("broadcast", options)._timeout
         return await self._collective(_merge_broadcast, (engine, value, source_replica), timeout)
 
     async def reduce_scatter(
@@ -371,7 +371,7 @@ class ReplicaContext:
             raise
         options = self._options("reduce_scatter", options)
         return await self._collective(
-            _merge_reduce_scatter, (engine, op, value, axis, options), options.timeout_seconds
+            _merge_reduce_scatter, (engine, op, value, axis, options), options._timeout
         )
 
     async def barrier(self, options: CommunicationOptions | None = None) -> None:
@@ -391,7 +391,7 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             [0, 1]
         """
-        timeout = self._options("barrier", options).timeout_seconds
+        timeout = self._options("barrier", options)._timeout
         await self._collective(_merge_barrier, (self._engine,), timeout)
 
     def _options(self, what: str, options: Any) -> CommunicationOptions:

@@ -79,9 +79,7 @@ __all__ = [
     "InputReplicationMode",
     "OptionalValue",
     "ValueContext",
-    "check_iterable",
     "interleaved",
-    "refuse_characters",
 ]
 
 T = TypeVar("T")
@@ -238,7 +236,6 @@ def interleaved(datasets: Sequence[Any]) -> Any:
         TypeError: a dataset is not iterable, or is a string (characters, not batches).
     """
     for dataset in datasets:
-        refuse_characters(dataset)
         check_iterable(dataset)
     if any(hasattr(dataset, "__aiter__") for dataset in datasets):
         return _AsyncInterleaved(datasets)
@@ -246,11 +243,12 @@ def interleaved(datasets: Sequence[Any]) -> Any:
 
 
 def check_iterable(dataset: Any) -> None:
-    """Refuse a dataset that cannot be iterated.
+    """Refuse a dataset that cannot be iterated, or whose items are characters.
 
     Raises:
-        TypeError: ``dataset`` is neither iterable nor async iterable.
+        TypeError: ``dataset`` is neither iterable nor async iterable, or is a string.
     """
+    refuse_characters(dataset)
     if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
         raise TypeError(
             f"a dataset must be an iterable or async iterable of batches, got "

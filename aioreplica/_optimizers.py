@@ -27,7 +27,7 @@ from ._context import default_replica_context, get_replica_context
 from ._errors import ReplicaSyncError, as_integer
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
-from ._variables import Variable, slot_variable
+from ._variables import Variable, bits_differ, slot_variable, which_differ
 from ._writes import Turn, commit, compute_copies, taking_turns
 
 if TYPE_CHECKING:
@@ -191,7 +191,14 @@ class Optimizer:
         """
         return [slot for _, slots in self._slots.values() for slot in slots]
 
-    async def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Variable]]) -> int:
+    async def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[Any, Variable]],
+        name: str | None = None,
+        experimental_aggregate_gradients: bool = True,
+        *,
+        skip_gradients_aggregation: bool = False,
+    ) -> int:
         """Apply one step: sum every gradient across replicas, then update every variable.
 
         Call it from every replica (or outside any strategy, with ordinary variables) with
@@ -206,6 +213,13 @@ class Optimizer:
         Args:
             grads_and_vars: ``(gradient, variable)`` pairs; gradients are arrays of their
                 variable's shape on this replica's device.
+            name: TF's name of the operation, accepted and unused.
+            experimental_aggregate_gradients: ``False``: the gradients are aggregated
+                already (say by ``await ctx.all_reduce("sum", grads)``), so they are applied
+                as they are, not summed again. A variable's copies stay equal, so every
+                replica (of every worker) must then pass the same gradient, bit for bit.
+            skip_gradients_aggregation: Keras's name for
+                ``experimental_aggregate_gradients=False``.
 
         Returns:
             ``iterations`` after the step.
@@ -213,10 +227,11 @@ class Optimizer:
         Raises:
             ValueError: pairs whose gradients are all ``None``; a variable listed twice; a
                 gradient of the wrong shape (naming the variable and the replica); a variable
-                of another strategy.
+                of another strategy; without aggregation, gradients that differ between
+                replicas (naming the variables).
             TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
                 and ``aioreplica.Variable``; a gradient dtype that cannot be cast to its
-                variable's.
+                variable's; an aggregation flag that is not a bool.
             RuntimeError: called in cross-replica context (``strategy.scope()`` or a merge
                 function): call it inside ``strategy.run``.
 
@@ -239,6 +254,7 @@ class Optimizer:
                 "step function inside strategy.run(), where each replica passes its gradients"
             )
         try:
+            aggregate = _aggregating(experimental_aggregate_gradients, skip_gradients_aggregation)
             grads, variables = self._checked_pairs(ctx, grads_and_vars)
         except (TypeError, ValueError) as exc:
             ctx._engine.refusing("apply_gradients()", exc)  # on every worker alike
@@ -246,7 +262,7 @@ class Optimizer:
         if not variables:  # an empty list: nothing to apply (TF's no-op)
             return self._iterations
         iterations: int = await ctx.merge_call(
-            self._merge_apply, args=(ctx._engine, grads, variables)
+            self._merge_apply, args=(ctx._engine, grads, variables, aggregate)
         )
         return iterations
 
@@ -293,6 +309,7 @@ class Optimizer:
         engine: ReductionEngine,
         grads: list[Any],
         variables: list[Variable],
+        aggregate: Any,
     ) -> int:
         """The merge round: one packed all-reduce, every new copy computed, then one commit.
 
@@ -307,13 +324,14 @@ class Optimizer:
                 else agreed(variable, f"the variable of pair {i} of apply_gradients()")
                 for i, variable in enumerate(variables)
             ]
+            aggregate = agreed(aggregate, "whether apply_gradients() aggregates the gradients")
         except ReplicaSyncError as exc:
             await engine.refuse("apply_gradients()", exc)  # on every worker alike
             raise
         # Every turn at once, in the global order, so that no two steps or restores can wait
         # for each other; a slot made by a step that ran while this one waited included.
         async with taking_turns(lambda: self._turns(variables)):
-            return await self._apply(engine, grads, variables)
+            return await self._apply(engine, grads, variables, aggregate)
 
     def _turns(self, variables: list[Variable]) -> list[Turn]:
         """The turns a step of ``variables`` holds: the optimizer's, theirs and their slots'."""
@@ -327,7 +345,11 @@ class Optimizer:
         return turns
 
     async def _apply(
-        self, engine: ReductionEngine, grads: list[Any], variables: list[Variable]
+        self,
+        engine: ReductionEngine,
+        grads: list[Any],
+        variables: list[Variable],
+        aggregate: bool,
     ) -> int:
         step = self._iterations
         rate = self.current_learning_rate()
@@ -335,7 +357,10 @@ class Optimizer:
             grad.values if isinstance(grad, DistributedValues) else (grad,) * engine.size
             for grad in grads
         ]
-        summed = await engine.all_reduce_arrays(ReduceOp.SUM, per_replica, engine.options)
+        if aggregate:
+            summed = await engine.all_reduce_arrays(ReduceOp.SUM, per_replica, engine.options)
+        else:
+            summed = await _the_same_gradients(engine, per_replica, variables)
         made: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
         updates: list[tuple[Variable, list[Any]]] = []
         xp = engine.devices[0].xp  # one backend for every device of a strategy
@@ -789,6 +814,48 @@ def _check_variable(variable: Any) -> Variable:
             "parameters with aioreplica.Variable(...) (inside strategy.scope())"
         )
     return variable
+
+
+def _aggregating(experimental_aggregate_gradients: Any, skip_gradients_aggregation: Any) -> bool:
+    """Whether ``apply_gradients`` sums the gradients across replicas, from TF's and Keras's
+    flags.
+
+    Raises:
+        TypeError: a flag that is not a bool (``"no"`` would be true).
+    """
+    for flag, given in (
+        ("experimental_aggregate_gradients", experimental_aggregate_gradients),
+        ("skip_gradients_aggregation", skip_gradients_aggregation),
+    ):
+        if not isinstance(given, bool | np.bool_):
+            raise TypeError(f"apply_gradients(): {flag} must be True or False, got {given!r:.60}")
+    return bool(experimental_aggregate_gradients) and not skip_gradients_aggregation
+
+
+async def _the_same_gradients(
+    engine: ReductionEngine, per_replica: Sequence[Sequence[Any]], variables: list[Variable]
+) -> list[list[Any]]:
+    """The gradients of a step without aggregation: each replica's own, once every replica (of
+    every worker) is known to have passed the same bits, so that the copies stay equal (TF
+    would let them drift apart).
+
+    Raises:
+        ValueError: some replicas passed different gradients, naming the variables (and
+            this process's differing replicas); refused on every worker alike.
+    """
+    differ = await bits_differ(engine, per_replica)
+    if any(differ):
+        odd = [i for i, d in enumerate(differ) if d]
+        error = ValueError(
+            "apply_gradients() without aggregation: the replicas passed different gradients "
+            f"for {', '.join(repr(variables[i].name) for i in odd)}"
+            f"{which_differ(per_replica[odd[0]], engine)}; every replica must pass the same "
+            "gradient, since a variable's copies stay equal: all-reduce them first "
+            "(`await ctx.all_reduce('sum', grads)`), or let apply_gradients() sum them"
+        )
+        await engine.refuse("apply_gradients()", error)  # on every worker alike
+        raise error
+    return [list(grads) for grads in per_replica]
 
 
 def _check_pair(pair: Any) -> tuple[Any, Variable]:

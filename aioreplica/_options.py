@@ -100,13 +100,14 @@ class CommunicationOptions:
             reduced together; 0 lets aioreplica choose (``DEFAULT_PACK_BYTES``, 4 MiB).
         timeout_seconds: how long replicas wait at a collective for the others to arrive
             before the run fails with ``ReplicaSyncError`` naming the late replicas; ``None``
-            waits. The reduction's own work, once all have arrived, is never timed out.
+            or 0 waits (0, as in TF, also turns off a timeout that the strategy's options
+            set). The reduction's own work, once all have arrived, is never timed out.
         implementation: a ``CommunicationImplementation`` or its name, TF's hint for the
             transport (``AUTO`` by default); accepted so that TF programs run unchanged, and
             aioreplica chooses the transport itself (see ``CommunicationImplementation``).
 
     Raises:
-        ValueError: a negative ``bytes_per_pack``, a non-positive ``timeout_seconds`` or an
+        ValueError: a negative ``bytes_per_pack``, a negative ``timeout_seconds`` or an
             unknown ``implementation`` (the message lists the valid ones).
 
     Example:
@@ -129,13 +130,19 @@ class CommunicationOptions:
         object.__setattr__(self, "bytes_per_pack", packing)  # a NumPy integer as an int
         if self.timeout_seconds is not None:
             timeout = as_real(self.timeout_seconds)
-            if timeout is None or not timeout > 0:  # (NaN is not)
+            if timeout is None or not timeout >= 0:  # (NaN is not)
                 raise ValueError(
-                    f"timeout_seconds must be positive or None, got {self.timeout_seconds!r}"
+                    f"timeout_seconds must be a number of seconds >= 0 (0: no timeout) or "
+                    f"None, got {self.timeout_seconds!r}"
                 )
             object.__setattr__(self, "timeout_seconds", timeout)
         implementation = CommunicationImplementation.parse(self.implementation)
         object.__setattr__(self, "implementation", implementation)
+
+    @property
+    def _timeout(self) -> float | None:
+        """How long a collective waits, or ``None``: no bound (``timeout_seconds`` 0 too)."""
+        return self.timeout_seconds or None
 
     def override(self, other: CommunicationOptions | None) -> CommunicationOptions:
         """These options with the fields that ``other`` sets (non-default) taking precedence.

@@ -48,7 +48,6 @@ from ._dataset import (
     checked_prefetch,
     distribute_values,
     interleaved,
-    refuse_characters,
 )
 from ._errors import as_integer, as_real
 from ._options import CommunicationOptions, ReduceOp
@@ -103,6 +102,16 @@ class StrategyExtended:
     @property
     def parameter_devices(self) -> tuple[str, ...]:
         """Where variables are placed: on every one of this worker's replica devices."""
+        return self._strategy.devices
+
+    def non_slot_devices(self, var_list: Sequence[Any]) -> tuple[str, ...]:
+        """Where a variable that is not a slot of ``var_list``'s variables goes (TF 1's
+        question): on every one of this worker's replica devices, as ``parameter_devices``.
+
+        Example:
+            >>> MirroredStrategy(["cpu:0", "cpu:1"]).extended.non_slot_devices([])
+            ('cpu:0', 'cpu:1')
+        """
         return self._strategy.devices
 
     @property
@@ -218,10 +227,7 @@ class StrategyExtended:
         """The container that ``value`` belongs to: a variable or a distributed value is its
         own; any other value (such as one replica's copy, a plain array) is returned as it
         is, so ``value in experimental_local_results(value_container(value))`` holds for
-        values that are not containers.
-
-        Raises:
-            RuntimeError: called inside a replica.
+        values that are not containers. It works in any context, as TF's does.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -230,7 +236,6 @@ class StrategyExtended:
             >>> strategy.extended.value_container(v) is v
             True
         """
-        self._strategy._check_cross_replica("extended.value_container")
         return value
 
     async def reduce_to(
@@ -341,8 +346,9 @@ class StrategyExtended:
             The new copies, grouped as ``group`` says.
 
         Raises:
-            TypeError: ``var`` is not a variable, ``fn`` is not callable, or an argument of a
-                mirrored variable is a ``PerReplica`` whose components differ.
+            TypeError: ``var`` is not a variable, ``fn`` is not callable or is async (or
+                returns an awaitable), or an argument of a mirrored variable is a
+                ``PerReplica`` whose components differ.
             RuntimeError: called in another strategy's scope.
             ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
                 shape or dtype; across workers, another worker refused its update
@@ -776,7 +782,7 @@ class MirroredStrategy:
                 "distribute_datasets_from_function (as in TF), which makes one pipeline per "
                 "replica"
             )
-        _check_dataset_arguments(dataset, drop_remainder)
+        _check_drop_remainder(drop_remainder)
         return DistributedDataset(
             dataset,
             self._device_objects,
@@ -1505,11 +1511,10 @@ def _checked_slow_merge_warning(given: Any) -> float | None:
     return seconds
 
 
-def _check_dataset_arguments(dataset: Any, drop_remainder: Any) -> None:
-    """Refuse arguments of ``distribute_dataset`` that would be misread rather than fail:
-    a string iterates as characters, ``"no"`` is true (``prefetch=True``, which counts as 1,
-    the dataset refuses: ``checked_prefetch``)."""
-    refuse_characters(dataset)
+def _check_drop_remainder(drop_remainder: Any) -> None:
+    """Refuse a ``drop_remainder`` that would be misread rather than fail: ``"no"`` is true.
+    (A string dataset, which iterates as characters, is ``check_iterable``'s; a
+    ``prefetch=True``, which counts as 1, is ``checked_prefetch``'s.)"""
     if not isinstance(drop_remainder, bool | np.bool_):
         raise TypeError(f"drop_remainder must be True or False, got {drop_remainder!r}")
 

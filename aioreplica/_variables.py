@@ -17,7 +17,8 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, final
+import inspect
+from typing import TYPE_CHECKING, Any, Final, Literal, final, overload
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -46,7 +47,7 @@ from ._writes import (
 
 if TYPE_CHECKING:
     import contextlib
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from ._backends import Device
     from ._cluster import Workers
@@ -58,10 +59,12 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "bits_differ",
     "new_copies",
     "slot_variable",
     "snapshot",
     "update",
+    "which_differ",
 ]
 
 
@@ -414,6 +417,12 @@ class Variable(NDArrayOperatorsMixin):
             raise TypeError(f"len() of the 0-d variable {self._name!r}")
         return self._shape[0]
 
+    def __iter__(self) -> Iterator[Any]:
+        # Without it Python would iterate through __getitem__, and a 0-d one would seem empty.
+        if not self._shape:
+            raise TypeError(f"iteration over the 0-d variable {self._name!r}")
+        return iter(self.value())
+
     def __bool__(self) -> bool:
         return bool(self._host())
 
@@ -474,13 +483,29 @@ class Variable(NDArrayOperatorsMixin):
 
     # -- writes ---------------------------------------------------------------------------
 
+    @overload
+    async def assign(
+        self,
+        value: Any,
+        use_locking: bool = ...,
+        name: str | None = ...,
+        read_value: Literal[True] = ...,
+    ) -> Variable: ...
+    @overload
+    async def assign(
+        self, value: Any, use_locking: bool, name: str | None, read_value: bool
+    ) -> Variable | None: ...
+    @overload
+    async def assign(
+        self, value: Any, use_locking: bool = ..., name: str | None = ..., *, read_value: bool
+    ) -> Variable | None: ...
     async def assign(
         self,
         value: Any,
         use_locking: bool = False,
         name: str | None = None,
         read_value: bool = True,
-    ) -> Variable:
+    ) -> Variable | None:
         """Set the variable to ``value`` (broadcast to its shape, cast to its dtype).
 
         In replica context a ``MirroredVariable`` aggregates what every replica passes (one
@@ -494,10 +519,10 @@ class Variable(NDArrayOperatorsMixin):
             use_locking: TF's, accepted so that TF code runs: writes to one variable always
                 take turns, and each is all-or-nothing.
             name: TF's name of the write operation, accepted and unused.
-            read_value: TF's, accepted: the variable is returned either way.
+            read_value: ``False``: return ``None`` instead of the variable, as TF does.
 
         Returns:
-            The variable.
+            The variable (``None`` with ``read_value=False``).
 
         Raises:
             ValueError: ``value`` does not broadcast to the variable's shape; a
@@ -515,15 +540,31 @@ class Variable(NDArrayOperatorsMixin):
             >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
             array([1., 2.])
         """
-        return await self._written(ASSIGN, "assign()", value)
+        return await self._written(ASSIGN, "assign()", value, read_value)
 
+    @overload
+    async def assign_add(
+        self,
+        value: Any,
+        use_locking: bool = ...,
+        name: str | None = ...,
+        read_value: Literal[True] = ...,
+    ) -> Variable: ...
+    @overload
+    async def assign_add(
+        self, value: Any, use_locking: bool, name: str | None, read_value: bool
+    ) -> Variable | None: ...
+    @overload
+    async def assign_add(
+        self, value: Any, use_locking: bool = ..., name: str | None = ..., *, read_value: bool
+    ) -> Variable | None: ...
     async def assign_add(
         self,
         value: Any,
         use_locking: bool = False,
         name: str | None = None,
         read_value: bool = True,
-    ) -> Variable:
+    ) -> Variable | None:
         """Add ``value`` to the variable (see ``assign`` for the contexts and the other
         arguments).
 
@@ -538,15 +579,31 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_add, 2.0))
             3.0
         """
-        return await self._written(ADD, "assign_add()", value)
+        return await self._written(ADD, "assign_add()", value, read_value)
 
+    @overload
+    async def assign_sub(
+        self,
+        value: Any,
+        use_locking: bool = ...,
+        name: str | None = ...,
+        read_value: Literal[True] = ...,
+    ) -> Variable: ...
+    @overload
+    async def assign_sub(
+        self, value: Any, use_locking: bool, name: str | None, read_value: bool
+    ) -> Variable | None: ...
+    @overload
+    async def assign_sub(
+        self, value: Any, use_locking: bool = ..., name: str | None = ..., *, read_value: bool
+    ) -> Variable | None: ...
     async def assign_sub(
         self,
         value: Any,
         use_locking: bool = False,
         name: str | None = None,
         read_value: bool = True,
-    ) -> Variable:
+    ) -> Variable | None:
         """Subtract ``value`` from the variable (see ``assign`` for the contexts and the other
         arguments).
 
@@ -560,15 +617,16 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_sub, 0.25))
             0.75
         """
-        return await self._written(SUB, "assign_sub()", value)
+        return await self._written(SUB, "assign_sub()", value, read_value)
 
-    async def _written(self, op: str, what: str, value: Any) -> Variable:
+    async def _written(self, op: str, what: str, value: Any, read_value: bool) -> Variable | None:
         """``assign``, ``assign_add`` or ``assign_sub`` (``op``; ``what``: its name): across
         workers, one call of every worker's, after the variable's first sync."""
         async with _call(self, what):
             if self._unsynced:
                 await _sync_first(self)
-            return await self._write(op, value)
+            await self._write(op, value)
+        return self if read_value else None
 
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
@@ -993,12 +1051,7 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
     assert engine is not None
     devices = variable._devices
     parts = value.values if isinstance(value, DistributedValues) else (value,) * len(devices)
-    bits = PerReplica(
-        [await d.compute(p.nbytes, _bytes_of, p) for d, p in zip(devices, parts, strict=True)]
-    )
-    high = (await engine.batch_reduce_to(ReduceOp.MAX, [(bits, devices)]))[0]
-    low = (await engine.batch_reduce_to(ReduceOp.MIN, [(bits, devices)]))[0]
-    if not np.array_equal(host_array(high[0], devices[0]), host_array(low[0], devices[0])):
+    if (await bits_differ(engine, [parts]))[0]:
         why = (
             "which it has no aggregation to combine; pass the same value from every replica, "
             "give it aggregation 'sum', 'mean' or 'only_first_replica'"
@@ -1009,12 +1062,32 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
         error = ValueError(
             f"cannot write MirroredVariable {variable._name!r} of dtype {variable._dtype} with "
             f"aggregation {variable._aggregation.name} in replica context: the replicas "
-            f"passed different values{_which_differ(parts, devices, engine.first_replica)}, "
+            f"passed different values{which_differ(parts, engine)}, "
             f"{why}, or write it in cross-replica context"
         )
         await engine.refuse("a write of a variable", error)  # every worker raises alike
         raise error
     return await engine.broadcast_to(parts[0], devices)  # replica 0's: every one's, bitwise
+
+
+async def bits_differ(engine: ReductionEngine, values: Sequence[Sequence[Any]]) -> list[bool]:
+    """For each of ``values`` (one array per local replica, on its device), whether the
+    replicas (of every worker) hold different bits: two packed reductions, ``MAX`` and
+    ``MIN`` of the bytes, which agree only where every replica's bytes are equal."""
+    devices = engine.devices
+    bits = [
+        PerReplica(
+            [await d.compute(p.nbytes, _bytes_of, p) for d, p in zip(devices, parts, strict=True)]
+        )
+        for parts in values
+    ]
+    pairs = [(b, devices) for b in bits]
+    high = await engine.batch_reduce_to(ReduceOp.MAX, pairs)
+    low = await engine.batch_reduce_to(ReduceOp.MIN, pairs)
+    return [
+        not np.array_equal(host_array(h[0], devices[0]), host_array(lo[0], devices[0]))
+        for h, lo in zip(high, low, strict=True)
+    ]
 
 
 def _bytes_of(array: Any) -> Any:
@@ -1025,10 +1098,11 @@ def _bytes_of(array: Any) -> Any:
     return array_module(array).ascontiguousarray(array).reshape(-1).view("u1")
 
 
-def _which_differ(parts: Sequence[Any], devices: tuple[Device, ...], first_replica: int) -> str:
+def which_differ(parts: Sequence[Any], engine: ReductionEngine) -> str:
     """Which of this process's replicas passed another value than its first, for a message
     (``""`` when they agree here: the difference is another worker's)."""
-    hosts = [host_array(p, d) for p, d in zip(parts, devices, strict=True)]
+    first_replica = engine.first_replica
+    hosts = [host_array(p, d) for p, d in zip(parts, engine.devices, strict=True)]
     ref = _bytes_of(hosts[0])
     odd = [
         first_replica + i
@@ -1060,6 +1134,10 @@ async def update(
         raise TypeError(f"update() needs an aioreplica.Variable, got {type(variable).__name__}")
     if not callable(fn):
         raise TypeError(f"update() needs a callable fn, got {type(fn).__name__}")
+    if inspect.iscoroutinefunction(fn):
+        raise TypeError(
+            f"update() of variable {variable._name!r}: fn {fn!r:.60} is async; {_PLAIN_FN}"
+        )
     kwargs = dict(kwargs or {})
     replica = context_state.get().replica
     if replica is not None:
@@ -1109,7 +1187,16 @@ async def _update(
     what = f"update() of variable {variable._name!r}"
 
     def apply(copy: Any, selected: tuple[tuple[Any, ...], dict[str, Any]]) -> Any:
-        result = fn(copy, *selected[0], **selected[1])
+        try:
+            result = fn(copy, *selected[0], **selected[1])
+        except AttributeError as exc:
+            if exc.name in ("assign", "assign_add", "assign_sub"):
+                exc.add_note(
+                    "update()'s fn gets each copy's value (an array) and returns the copy's "
+                    "new value, where TF's assigns to a component variable: write "
+                    "`lambda v, g: v - g` for TF's `lambda v, g: v.assign_sub(g)`"
+                )
+            raise
         return _as_copy(variable, result, copy)
 
     async with variable._turn:
@@ -1205,8 +1292,22 @@ def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
     return True
 
 
+#: What ``update``'s ``fn`` must be, for the errors that refuse another.
+_PLAIN_FN: Final = (
+    "fn must be a plain (not async) function that returns the copy's new value; it runs once "
+    "per copy, on the copy's device"
+)
+
+
 def _as_copy(variable: Variable, result: Any, like: Any) -> Any:
     """``update``'s ``fn`` result as a new copy: an owned array of the variable's dtype/shape."""
+    if inspect.isawaitable(result):
+        if inspect.iscoroutine(result):
+            result.close()  # never awaited, and no warning that it was not
+        raise TypeError(
+            f"update() of variable {variable._name!r}: fn returned {type(result).__name__} "
+            f"{result!r:.60}; {_PLAIN_FN}"
+        )
     xp = array_module(like)
     array = xp.asarray(result)
     if tuple(array.shape) != variable._shape or not np.can_cast(

@@ -56,18 +56,21 @@ class TestReduceOp:
 
 class TestCommunicationOptions:
     def test_validation(self) -> None:
-        """Negative pack sizes and non-positive timeouts are refused."""
+        """Negative pack sizes and negative timeouts are refused; 0 is TF's "no timeout"."""
         with pytest.raises(ValueError, match="bytes_per_pack must be an int >= 0"):
             CommunicationOptions(bytes_per_pack=-1)
-        with pytest.raises(ValueError, match="timeout_seconds must be positive or None"):
-            CommunicationOptions(timeout_seconds=0)
+        with pytest.raises(ValueError, match=r"timeout_seconds must be a number of seconds >= 0"):
+            CommunicationOptions(timeout_seconds=-0.5)
+        with pytest.raises(ValueError, match=r"\(0: no timeout\) or None, got nan"):
+            CommunicationOptions(timeout_seconds=float("nan"))
+        assert CommunicationOptions(timeout_seconds=0).timeout_seconds == 0.0
 
     def test_bools_are_no_numbers(self) -> None:
         """True is an int to Python, not a pack size or a timeout."""
         packing = r"bytes_per_pack must be an int >= 0 \(0: automatic\), got True"
         with pytest.raises(ValueError, match=packing):
             CommunicationOptions(bytes_per_pack=True)
-        with pytest.raises(ValueError, match="timeout_seconds must be positive or None, got True"):
+        with pytest.raises(ValueError, match=r"timeout_seconds must .* or None, got True"):
             CommunicationOptions(timeout_seconds=True)
 
     async def test_options_of_another_type_are_refused(self) -> None:
@@ -333,6 +336,25 @@ class TestAllReduce:
             await strategy.run(step)
         assert (info.value.replicas, info.value.waiting) == ((1,), (0, 2))
         assert "waited 0.05 s" in str(info.value)
+
+    async def test_a_timeout_of_zero_turns_the_strategys_off(self) -> None:
+        """A collective's timeout_seconds=0 waits however late a replica is, even where the
+        strategy's options set a timeout (TF's "zero disables timeout"); without it the
+        strategy's timeout applies."""
+        options = CommunicationOptions(timeout_seconds=0.05)
+        strategy = MirroredStrategy(host_devices(2), communication_options=options)
+
+        async def step(per_call: CommunicationOptions | None) -> Any:
+            if replica_id() == 1:
+                await anyio.sleep(0.3)  # late, past the strategy's 0.05 s
+            return await replica_context().all_reduce("sum", np.ones(1), options=per_call)
+
+        off = CommunicationOptions(timeout_seconds=0)
+        result = await strategy.run(step, args=(off,))
+        assert [r.tolist() for r in strategy.experimental_local_results(result)] == [[2.0]] * 2
+        with pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step, args=(None,))
+        assert (info.value.replicas, info.value.waiting) == ((1,), (0,))
 
 
 class TestSettingsMustAgree:

@@ -770,14 +770,15 @@ class TestInputOptions:
             [[0, 10], [1, 11]]
         ] * 2
 
-    @pytest.mark.parametrize("made", [5, "ab"], ids=["a number", "a string"])
-    def test_per_replica_datasets_are_checked(self, made: Any) -> None:
-        """What dataset_fn returns for a replica is checked at once, as for one pipeline."""
+    @pytest.mark.parametrize("mode", ["per_worker", "per_replica"])
+    @pytest.mark.parametrize("made", [5, "ab", b"ab"], ids=["a number", "a string", "bytes"])
+    def test_what_dataset_fn_returns_is_checked(self, made: Any, mode: str) -> None:
+        """What dataset_fn returns (for each replica with PER_REPLICA) is checked at once:
+        something not iterable, or a string, whose items are characters, not batches."""
         strategy = MirroredStrategy(host_devices(2))
         with pytest.raises(TypeError, match="a dataset must be an iterable or async iterable"):
             strategy.distribute_datasets_from_function(
-                lambda c: made,
-                aioreplica.InputOptions(experimental_replication_mode="per_replica"),
+                lambda c: made, aioreplica.InputOptions(experimental_replication_mode=mode)
             )
 
     async def test_buffer_size_is_the_default_prefetch(self) -> None:

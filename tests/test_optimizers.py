@@ -772,6 +772,121 @@ class TestApplyGradients:
 # -- replica equivalence ------------------------------------------------------------------
 
 
+class TestWithoutAggregation:
+    """apply_gradients(experimental_aggregate_gradients=False) (Keras:
+    skip_gradients_aggregation=True) applies gradients aggregated already, as TF's does."""
+
+    @pytest.mark.parametrize(
+        "flag",
+        [
+            pytest.param({"experimental_aggregate_gradients": False}, id="tf"),
+            pytest.param({"skip_gradients_aggregation": True}, id="keras"),
+        ],
+    )
+    async def test_all_reduced_gradients_are_applied_once(self, flag: dict[str, Any]) -> None:
+        """Gradients all-reduced in the step, then applied without aggregation, give the
+        step that summing them in apply_gradients gives (not one N times as large)."""
+        strategy = MirroredStrategy(host_devices(3))
+        with strategy.scope():
+            own = Variable(np.zeros(2), name="own")
+            summed = Variable(np.zeros(2), name="summed")
+        opt_own, opt_summed = Adam(0.1), Adam(0.1)
+
+        async def step(grad: Any) -> None:
+            ctx = aioreplica.get_replica_context()
+            assert ctx is not None
+            reduced = await ctx.all_reduce("sum", grad)
+            await opt_own.apply_gradients([(reduced, own)], **flag)
+            await opt_summed.apply_gradients([(grad, summed)])
+
+        for k in range(3):
+            await strategy.run(step, args=(PerReplica([np.array([i + 1.0, k]) for i in range(3)]),))
+        np.testing.assert_array_equal(own.numpy(), summed.numpy(), strict=True)
+        assert opt_own.iterations == opt_summed.iterations == 3
+
+    async def test_gradients_that_differ_are_refused(self) -> None:
+        """Different gradients would make a variable's copies differ: ValueError naming the
+        variable and the odd replica; no variable, slot or step count changes."""
+        strategy = MirroredStrategy(host_devices(3))
+        with strategy.scope():
+            w = Variable(np.ones(2), name="w")
+            b = Variable(np.ones(1), name="b")
+        opt = SGD(0.1, momentum=0.9)
+
+        async def step(grad: Any) -> None:
+            await opt.apply_gradients(
+                [(grad, w), (np.ones(1), b)], experimental_aggregate_gradients=False
+            )
+
+        await strategy.run(step, args=(np.ones(2),))  # equal everywhere: applied once
+        assert (w.numpy().tolist(), b.numpy().tolist(), opt.iterations) == ([0.9, 0.9], [0.9], 1)
+        before = [v.numpy() for v in [w, b, *opt.variables()]]
+        grads = PerReplica([np.ones(2), np.ones(2), np.full(2, 2.0)])
+        with pytest.raises(
+            ValueError,
+            match=r"^apply_gradients\(\) without aggregation: the replicas passed different "
+            r"gradients for 'w' \(replica 2 passed another than replica 0's \[1\.0, 1\.0\]\); ",
+        ):
+            await strategy.run(step, args=(grads,))
+        for v, want in zip([w, b, *opt.variables()], before, strict=True):
+            np.testing.assert_array_equal(v.numpy(), want, strict=True)
+        assert opt.iterations == 1
+
+    async def test_replicas_must_agree_on_the_flag(self) -> None:
+        """One replica aggregating while another does not is ReplicaSyncError; nothing
+        changes."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        opt = SGD(0.1)
+
+        async def step() -> None:
+            ctx = aioreplica.get_replica_context()
+            assert ctx is not None
+            aggregate = ctx.replica_id_in_sync_group == 0
+            await opt.apply_gradients([(np.ones(2), w)], experimental_aggregate_gradients=aggregate)
+
+        with pytest.raises(ReplicaSyncError, match=r"whether apply_gradients\(\) aggregates"):
+            await strategy.run(step)
+        assert (w.numpy().tolist(), opt.iterations) == ([0.0, 0.0], 0)
+
+    @pytest.mark.parametrize(
+        "keyword", ["experimental_aggregate_gradients", "skip_gradients_aggregation"]
+    )
+    async def test_a_flag_that_is_no_bool_is_refused(self, keyword: str) -> None:
+        """\"no\" would be true: TypeError naming the flag."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        opt = SGD(0.1)
+
+        async def step() -> None:
+            flags: dict[str, Any] = {keyword: "no"}
+            await opt.apply_gradients([(np.ones(2), w)], **flags)
+
+        with pytest.raises(
+            TypeError, match=f"^apply_gradients\\(\\): {keyword} must be True or False"
+        ):
+            await strategy.run(step)
+        assert (w.numpy().tolist(), opt.iterations) == ([0.0, 0.0], 0)
+
+    @pytest.mark.parametrize("aggregate", [True, False])
+    async def test_one_replica_either_way(self, aggregate: bool) -> None:
+        """With one replica there is nothing to aggregate: both give the same step (TF's
+        test_custom_aggregation_one_device)."""
+        strategy = MirroredStrategy(host_devices(1))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+
+        async def step() -> None:
+            await SGD(0.1).apply_gradients(
+                [(np.ones(2), w)], "step", experimental_aggregate_gradients=aggregate
+            )
+
+        await strategy.run(step)
+        np.testing.assert_array_equal(w.numpy(), [-0.1, -0.1], strict=True)
+
+
 class TestReplicaEquivalence:
     @pytest.mark.parametrize(
         "make",

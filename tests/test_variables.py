@@ -711,19 +711,20 @@ class TestTFWriteArguments:
     @pytest.mark.parametrize("op", OPS)
     async def test_tfs_write_arguments_are_accepted(self, op: str) -> None:
         """TF code passes use_locking, name and read_value (by keyword or position): the write
-        happens as without them and returns the variable."""
+        happens as without them and returns the variable, or None with read_value=False (as
+        TF's eager writes do)."""
         strategy = MirroredStrategy(host_devices(2))
         v = scoped(strategy, np.ones(2), aggregation="mean")
         write = getattr(v, op)
-        assert await write(2.0, read_value=False, use_locking=True, name="w") is v
+        assert await write(2.0, read_value=False, use_locking=True, name="w") is None
         assert await write(2.0, False, None, True) is v
         want = expected_write(op, expected_write(op, np.ones(2), 2.0), 2.0)
         assert_all(v, want)
 
-        async def step() -> None:
-            await write(1.0, read_value=False)
+        async def step() -> Any:
+            return await write(1.0, False, None, False)
 
-        await strategy.run(step)
+        assert await strategy.run(step) is None
         assert_all(v, expected_write(op, want, 1.0))
 
 
@@ -963,6 +964,16 @@ class TestOperators:
         with pytest.raises(TypeError, match=r"^len\(\) of the 0-d variable 'z'$"):
             len(Variable(1.0, name="z"))
         assert (float(Variable(2.5)), int(Variable(7)), bool(Variable(0))) == (2.5, 7, False)
+
+    def test_iteration(self) -> None:
+        """A variable iterates as its value does; a 0-d one is not iterable (as a 0-d array),
+        rather than empty."""
+        assert [x.tolist() for x in Variable(np.arange(4).reshape(2, 2))] == [[0, 1], [2, 3]]
+        assert 2.0 in Variable([1.0, 2.0])
+        with pytest.raises(TypeError, match=r"^iteration over the 0-d variable 'z'$"):
+            list(Variable(1.0, name="z"))
+        with pytest.raises(TypeError):
+            1.0 in Variable(1.0)  # noqa: B015
 
     @pytest.mark.replicas(1, 2)
     def test_ufunc_out_refused(self, strategy_factory: StrategyFactory) -> None:
@@ -1663,6 +1674,38 @@ def scale_and_shift(copy: Array, factor: float, *, shift: float = 0.0) -> Array:
 
 
 class TestUpdate:
+    async def test_an_async_fn_is_refused(self) -> None:
+        """fn returns each copy's new value, so an async one (or one returning an awaitable)
+        is a TypeError saying so, its coroutine closed (no never-awaited warning, which the
+        suite makes an error); nothing changes."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+
+        async def fn(copy: Array) -> Array:
+            return copy + 1
+
+        with pytest.raises(
+            TypeError, match=r"^update\(\) of variable 'w': fn .* is async; fn must"
+        ):
+            await strategy.extended.update(v, fn)
+        with pytest.raises(TypeError, match=r"fn returned coroutine <coroutine object .*fn must"):
+            await strategy.extended.update(v, lambda copy: fn(copy))
+        assert_all(v, [1.0, 2.0])
+
+    async def test_tfs_assigning_fn_gets_a_hint(self) -> None:
+        """A TF update function that assigns to its component fails on the array it gets;
+        the AttributeError carries a note saying what to write instead."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.array([1.0, 2.0]), name="w")
+        with pytest.raises(AttributeError, match="assign_sub") as info:
+            await strategy.extended.update(v, lambda var, g: var.assign_sub(g), (1.0,))
+        assert info.value.__notes__ == [
+            "update()'s fn gets each copy's value (an array) and returns the copy's new value, "
+            "where TF's assigns to a component variable: write `lambda v, g: v - g` for TF's "
+            "`lambda v, g: v.assign_sub(g)`"
+        ]
+        assert_all(v, [1.0, 2.0])
+
     async def test_per_replica_partials_with_equal_arguments(self) -> None:
         """Each replica's own partial of one function with equal arguments is one update
         function: extended.update in replica context applies it once to every copy."""

@@ -566,3 +566,37 @@ async def test_bad_writes_change_nothing(
     await strategy.run(good)
     assert_same_on_every_worker(*v.values)  # the gradients are summed over every replica
     np.testing.assert_allclose(v.values[0], np.arange(3) - 0.5 * sum(range(2 * WORKERS)))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_an_optimizer_step_without_aggregation(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """Gradients all-reduced in the step and applied without aggregation step once on every
+    worker; gradients that differ only between workers are refused on every worker (no
+    replica of this process to name), nothing changes, and the strategy goes on working."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        v = Variable(np.zeros(3, np.float32), name="v")
+    optimizer = SGD(0.5)
+
+    async def step(differ: bool) -> None:
+        reduced = await replica_context().all_reduce("sum", np.full(3, replica_id(), np.float32))
+        if differ:  # the same on a worker's replicas, another on each worker
+            reduced = reduced + np.float32(RANK)
+        await optimizer.apply_gradients([(reduced, v)], experimental_aggregate_gradients=False)
+
+    total = sum(range(local * WORKERS))
+    await strategy.run(step, args=(False,))
+    assert_copies_equal(v, np.full(3, -0.5 * total))
+    with pytest.raises(
+        ValueError,
+        match=r"^apply_gradients\(\) without aggregation: the replicas passed different "
+        r"gradients for 'v'; every replica must pass the same gradient",
+    ):
+        await strategy.run(step, args=(True,))
+    assert optimizer.iterations == 1
+    assert_copies_equal(v, np.full(3, -0.5 * total))
+    await strategy.run(step, args=(False,))
+    assert optimizer.iterations == 2
+    assert_copies_equal(v, np.full(3, -1.0 * total))
