@@ -170,6 +170,57 @@ class StrategyExtended:
         """
         return False
 
+    def read_var(self, v: Variable) -> Any:
+        """The value of ``v`` in cross-replica context, as TF's ``read_var``: a sync-on-read
+        variable's aggregate over every replica (of every worker), a mirrored one's value.
+
+        Raises:
+            RuntimeError: called inside a replica.
+            TypeError: ``v`` is not an ``aioreplica.Variable``.
+            ValueError: ``v`` belongs to another strategy; a sync-on-read ``v`` has
+                aggregation ``NONE``.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     seen = aioreplica.Variable(0, synchronization="on_read", aggregation="sum")
+            >>> strategy.extended.read_var(seen)
+            array(0)
+        """
+        strategy = self._strategy
+        strategy._check_cross_replica("extended.read_var")
+        if not isinstance(v, Variable):
+            raise TypeError(
+                f"extended.read_var() takes an aioreplica.Variable, got {type(v).__name__} "
+                f"{v!r:.60}"
+            )
+        if v.distribute_strategy is not strategy:
+            raise ValueError(
+                f"extended.read_var() of {strategy!r} was given variable {v.name!r}, which "
+                f"belongs to {v.distribute_strategy!r}; read it through its own strategy"
+            )
+        return v.read_value()
+
+    async def call_for_each_replica(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        """``strategy.run(fn, args, kwargs)`` (TF 1's spelling).
+
+        Raises:
+            Exception: as ``run``.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> async def step(x):
+            ...     return x * 2
+            >>> anyio.run(strategy.extended.call_for_each_replica, step, (3,))
+            6
+        """
+        return await self._strategy.run(fn, args, kwargs)
+
     def variable_created_in_scope(self, v: Any) -> bool:
         """Whether ``v`` is a variable made in this strategy's ``scope()``: one this strategy
         owns, whose copies live on its devices.

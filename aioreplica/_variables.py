@@ -58,6 +58,7 @@ __all__ = [
     "SyncOnReadVariable",
     "Variable",
     "VariableAggregation",
+    "VariableRef",
     "VariableSynchronization",
     "bits_differ",
     "new_copies",
@@ -178,8 +179,23 @@ class Variable(NDArrayOperatorsMixin):
         "_unsynced",
     )
 
-    # Elementwise ``==`` (from the operator mixin) rules out a consistent hash, as for ndarray.
-    __hash__ = None  # type: ignore[assignment]
+    def __hash__(self) -> int:
+        # Elementwise ``==`` (from the operator mixin) rules out a consistent hash.
+        raise TypeError(
+            f"unhashable type: {type(self).__name__!r} ({self._name!r}): == is elementwise; "
+            "use v.ref() as a dict key or set member, as in TF"
+        )
+
+    def ref(self) -> VariableRef:
+        """A hashable reference to this variable, for dict keys and sets (TF's ``ref()``):
+        references to one variable are equal; ``deref()`` gives the variable back.
+
+        Example:
+            >>> v = Variable(1.0)
+            >>> {v.ref(): "weight"}[v.ref()], v.ref().deref() is v
+            ('weight', True)
+        """
+        return VariableRef(self)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Variable:
         replica = context_state.get().replica
@@ -271,6 +287,15 @@ class Variable(NDArrayOperatorsMixin):
         """The shape of every copy."""
         return self._shape
 
+    def get_shape(self) -> tuple[int, ...]:
+        """``shape`` (TF's spelling).
+
+        Example:
+            >>> Variable([1.0, 2.0]).get_shape()
+            (2,)
+        """
+        return self._shape
+
     @property
     def ndim(self) -> int:
         """The number of dimensions."""
@@ -305,6 +330,19 @@ class Variable(NDArrayOperatorsMixin):
     def devices(self) -> tuple[str, ...]:
         """The device of each copy, in replica order."""
         return tuple(device.name for device in self._devices)
+
+    @property
+    def device(self) -> str:
+        """The device of the copy the current context reads: a replica's own, else the first
+        (TF's primary).
+
+        Raises:
+            RuntimeError: read inside a replica of another strategy.
+        """
+        replica = context_state.get().replica
+        if replica is not None and self._strategy is not None:
+            return self._devices[self._replica_id(replica, "read the device of")].name
+        return self._devices[0].name
 
     @property
     def values(self) -> tuple[Any, ...]:
@@ -719,6 +757,36 @@ class Variable(NDArrayOperatorsMixin):
 
 
 @final
+class VariableRef:
+    """A hashable reference to a variable (``v.ref()``), equal to every other reference to
+    the same variable, as TF's.
+
+    Example:
+        >>> v = Variable(1.0)
+        >>> v.ref() == v.ref(), v.ref() == Variable(1.0).ref()
+        (True, False)
+    """
+
+    __slots__ = ("_variable",)
+
+    def __init__(self, variable: Variable) -> None:
+        self._variable = variable
+
+    def deref(self) -> Variable:
+        """The variable referred to."""
+        return self._variable
+
+    def __hash__(self) -> int:
+        return id(self._variable)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VariableRef) and other._variable is self._variable
+
+    def __repr__(self) -> str:
+        return f"<Reference to {self._variable!r}>"
+
+
+@final
 class MirroredVariable(Variable):
     """A variable whose copies, one per replica, are always equal.
 
@@ -972,16 +1040,17 @@ def snapshot(variable: Variable) -> tuple[Any, Device]:
     return variable._read_cross_replica(), variable._devices[0]
 
 
-def slot_variable(variable: Variable, name: str) -> Variable:
-    """A new zero variable beside ``variable``: same devices and strategy, mirrored.
+def slot_variable(variable: Variable, name: str, *, initial_value: float = 0.0) -> Variable:
+    """A new variable beside ``variable``: same devices and strategy, mirrored, every element
+    ``initial_value`` (zero unless given).
 
-    Optimizers keep their per-variable state (momentum, moments) in these.
+    Optimizers keep their per-variable state (momentum, moments, accumulators) in these.
     """
     slot = object.__new__(Variable if variable._strategy is None else MirroredVariable)
     slot._init(
         variable._strategy,
         variable._engine,
-        np.zeros(variable._shape, variable._dtype),
+        np.full(variable._shape, initial_value, variable._dtype),
         name,
         None,
         False,

@@ -643,6 +643,35 @@ class TestAsInTF:
         # In a replica too, as in TF (where it is a plain lookup).
         assert await strategy.run(step) is True
 
+    async def test_read_var_and_call_for_each_replica(self) -> None:
+        """extended.read_var reads in cross-replica context (a sync-on-read variable's
+        aggregate), refusing a replica, another strategy's variable and a non-variable;
+        call_for_each_replica is run."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        with strategy.scope():
+            seen = aioreplica.Variable(0, synchronization="on_read", aggregation="sum")
+            w = aioreplica.Variable(np.ones(2))
+        other = MirroredStrategy(["cpu:0"])
+        with other.scope():
+            foreign = aioreplica.Variable(1.0, name="foreign")
+
+        async def step(rows: int) -> int:
+            await seen.assign_add(rows)
+            with pytest.raises(RuntimeError, match=r"read_var\(\) was called inside replica"):
+                strategy.extended.read_var(seen)
+            ctx = aioreplica.get_replica_context()
+            assert ctx is not None
+            return ctx.replica_id_in_sync_group
+
+        ids = await strategy.extended.call_for_each_replica(step, (PerReplica([3, 4]),))
+        assert strategy.experimental_local_results(ids) == (0, 1)
+        assert int(strategy.extended.read_var(seen)) == 7
+        np.testing.assert_array_equal(strategy.extended.read_var(w), [1.0, 1.0], strict=True)
+        with pytest.raises(ValueError, match="given variable 'foreign', which belongs to"):
+            strategy.extended.read_var(foreign)
+        with pytest.raises(TypeError, match=r"takes an aioreplica\.Variable, got ndarray"):
+            strategy.extended.read_var(np.ones(1))  # type: ignore[arg-type]
+
     @pytest.mark.parametrize("op", ["sum", "prod"])
     async def test_a_mirrored_variable_cannot_be_summed(self, op: str) -> None:
         """It holds one value on every replica: summing it would count it once per replica

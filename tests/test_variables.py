@@ -955,8 +955,33 @@ class TestOperators:
         for v in (Variable([1, 5]), scoped(strategy, [1, 5])):
             np.testing.assert_array_equal(v == v, [True, True], strict=True)
             np.testing.assert_array_equal(v == np.array([1, 6]), [True, False], strict=True)
-            with pytest.raises(TypeError, match="unhashable type"):
+            with pytest.raises(TypeError, match=r"unhashable type: .*use v\.ref\(\) as a dict key"):
                 hash(v)
+
+    def test_ref_is_the_hashable_stand_in(self) -> None:
+        """v.ref() is hashable, equal for one variable and different for two; deref() gives
+        the variable back (TF's ref)."""
+        strategy = MirroredStrategy(host_devices(2))
+        a, b = scoped(strategy, [1.0]), Variable([1.0])
+        table = {a.ref(): "a", b.ref(): "b"}
+        assert (table[a.ref()], table[b.ref()]) == ("a", "b")
+        assert a.ref() == a.ref()
+        assert a.ref() != b.ref()
+        assert a.ref() != a
+        assert a.ref().deref() is a
+        assert len({a.ref(), a.ref(), b.ref()}) == 2
+
+    async def test_device_and_get_shape(self) -> None:
+        """v.device is the copy the context reads: each replica's own, else the first;
+        get_shape() is shape."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.zeros((2, 3)))
+        assert (v.get_shape(), v.device) == ((2, 3), "cpu:0")
+
+        async def step() -> str:
+            return v.device
+
+        assert strategy.experimental_local_results(await strategy.run(step)) == ("cpu:0", "cpu:1")
 
     def test_len_and_scalar_conversions(self) -> None:
         """len() of a vector is its length; of a 0-d variable TypeError; float/int/bool of 0-d."""
