@@ -11,8 +11,8 @@ variable, slot or counter has changed.
 Gradient clipping (``clipnorm``, ``global_clipnorm``) works on the summed gradients inside
 that merge round, on each copy's device, so every replica clips alike at no extra round.
 
-The update rules follow Keras' ``SGD``, ``Adam`` and ``AdamW`` exactly, so the same
-hyperparameters train the same way.
+The update rules follow Keras' ``SGD``, ``Adam``, ``AdamW``, ``Adagrad`` and ``RMSprop``
+exactly, so the same hyperparameters train the same way.
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SGD",
+    "Adagrad",
     "Adam",
     "AdamW",
     "Optimizer",
+    "RMSprop",
     "restore_state",
     "slot_table",
     "slots_to_restore",
@@ -52,7 +54,8 @@ class Optimizer:
     """The base of every optimizer: steps, learning rate, slot variables, ``apply_gradients``.
 
     A subclass names its slots in ``slot_names`` and implements ``_update_step``, a pure
-    function of one copy's arrays.
+    function of one copy's arrays; a slot that does not start at zero says so in
+    ``_slot_initial``.
 
     Args:
         learning_rate: a number, or a callable ``learning_rate(step) -> float`` of the step
@@ -426,8 +429,17 @@ class Optimizer:
         """One copy's new ``(var, *slots)`` from its arrays; ``step`` counts from 0."""
         raise NotImplementedError
 
+    def _slot_initial(self, slot_name: str) -> float:
+        """The value every element of a new slot ``slot_name`` starts at."""
+        return 0.0
+
     def _new_slots(self, variable: Variable) -> tuple[Variable, ...]:
-        return tuple(slot_variable(variable, f"{variable.name}/{name}") for name in self.slot_names)
+        return tuple(
+            slot_variable(
+                variable, f"{variable.name}/{name}", initial_value=self._slot_initial(name)
+            )
+            for name in self.slot_names
+        )
 
     def _check_owner(self, variable: Variable, strategy: Any) -> None:
         owner = variable._strategy
@@ -663,6 +675,175 @@ class AdamW(Adam):
             "beta_1": self._beta_1,
             "beta_2": self._beta_2,
             "epsilon": self._epsilon,
+            **self._clip_config(),
+        }
+
+
+@final
+class Adagrad(Optimizer):
+    """Adagrad, as Keras' ``Adagrad``: slot ``accumulator``, the running sum of squared
+    gradients.
+
+    The accumulator starts at ``initial_accumulator_value`` (not zero); each step,
+    ``accumulator += g**2``, then ``w -= lr * g / sqrt(accumulator + epsilon)``.
+
+    Args:
+        learning_rate: a number or a schedule ``step -> rate``.
+        initial_accumulator_value: the accumulator's starting value, ``>= 0``.
+        epsilon: added to the accumulator under the square root, ``> 0``.
+        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+
+    Raises:
+        ValueError: ``initial_accumulator_value < 0``, ``epsilon <= 0``, a non-finite number;
+            as ``Optimizer``.
+        TypeError: a hyperparameter that is not a number; as ``Optimizer``.
+
+    Example:
+        >>> w = aioreplica.Variable([1.0])
+        >>> opt = Adagrad(0.1)
+        >>> anyio.run(opt.apply_gradients, [(np.array([2.0]), w)])
+        1
+        >>> opt.get_slot(w, "accumulator").numpy()  # 0.1 + 2**2
+        array([4.1])
+        >>> w.numpy().round(6)  # 1 - 0.1 * 2 / sqrt(4.1 + 1e-7)
+        array([0.901227])
+    """
+
+    slot_names = ("accumulator",)
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.001,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        *,
+        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
+        self._initial_accumulator_value = _number(
+            "initial_accumulator_value", initial_accumulator_value
+        )
+        self._epsilon = _number("epsilon", epsilon)
+        if self._initial_accumulator_value < 0:
+            raise ValueError(
+                f"initial_accumulator_value must be >= 0, got {initial_accumulator_value!r}"
+            )
+        if self._epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+
+    def _slot_initial(self, slot_name: str) -> float:
+        return self._initial_accumulator_value
+
+    def _update_step(
+        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+    ) -> tuple[Any, ...]:
+        accumulator = slots[0] + grad * grad
+        return (var - rate * grad / xp.sqrt(accumulator + self._epsilon), accumulator)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "learning_rate": self._learning_rate,
+            "initial_accumulator_value": self._initial_accumulator_value,
+            "epsilon": self._epsilon,
+            **self._clip_config(),
+        }
+
+
+@final
+class RMSprop(Optimizer):
+    """RMSprop, as Keras' ``RMSprop``: slot ``velocity``, then ``momentum`` if
+    ``momentum > 0``, then ``average_gradient`` if ``centered``.
+
+    Each step, ``velocity = rho * velocity + (1 - rho) * g**2``. Centered:
+    ``average_gradient = rho * average_gradient + (1 - rho) * g`` and
+    ``denominator = velocity - average_gradient**2 + epsilon``; otherwise
+    ``denominator = velocity + epsilon``. With ``increment = lr * g / sqrt(denominator)``:
+    ``momentum > 0``: ``m = momentum * m + increment``, then ``w -= m``; otherwise
+    ``w -= increment``.
+
+    Args:
+        learning_rate: a number or a schedule ``step -> rate``.
+        rho: decay of the mean square (and of the mean gradient), in ``[0, 1)``.
+        momentum: in ``[0, 1]``; ``0`` keeps no ``momentum`` slot.
+        epsilon: added to the denominator under the square root, ``> 0``.
+        centered: divide by an estimate of the gradient's variance, not its mean square.
+        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+
+    Raises:
+        ValueError: ``rho`` outside ``[0, 1)``, ``momentum`` outside ``[0, 1]``,
+            ``epsilon <= 0``, a non-finite number; as ``Optimizer``.
+        TypeError: a hyperparameter that is not a number; as ``Optimizer``.
+
+    Example:
+        >>> w = aioreplica.Variable([1.0])
+        >>> opt = RMSprop(0.1)
+        >>> anyio.run(opt.apply_gradients, [(np.array([2.0]), w)])
+        1
+        >>> opt.get_slot(w, "velocity").numpy().round(6)  # (1 - 0.9) * 2**2
+        array([0.4])
+        >>> w.numpy().round(6)  # 1 - 0.1 * 2 / sqrt(0.4 + 1e-7)
+        array([0.683772])
+    """
+
+    def __init__(
+        self,
+        learning_rate: float | Callable[[int], float] = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        *,
+        clipnorm: float | None = None,
+        global_clipnorm: float | None = None,
+    ) -> None:
+        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
+        self._rho = _number("rho", rho)
+        self._momentum = _number("momentum", momentum)
+        self._epsilon = _number("epsilon", epsilon)
+        if not 0.0 <= self._rho < 1.0:
+            raise ValueError(f"rho must be in [0, 1), got {self._rho!r}")
+        if not 0.0 <= self._momentum <= 1.0:
+            raise ValueError(f"momentum must be in [0, 1], got {self._momentum!r}")
+        if self._epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        self._centered = bool(centered)
+        # An instance attribute: which slots RMSprop keeps depends on momentum and centered.
+        self.slot_names = (  # type: ignore[misc]
+            "velocity",
+            *(("momentum",) if self._momentum > 0 else ()),
+            *(("average_gradient",) if self._centered else ()),
+        )
+
+    def _update_step(
+        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+    ) -> tuple[Any, ...]:
+        rho = self._rho
+        velocity = rho * slots[0] + (1.0 - rho) * (grad * grad)
+        new_slots = [velocity]
+        if self._centered:
+            average_gradient = rho * slots[-1] + (1.0 - rho) * grad
+            denominator = velocity - average_gradient * average_gradient + self._epsilon
+        else:
+            denominator = velocity + self._epsilon
+        increment = rate * grad / xp.sqrt(denominator)
+        if self._momentum > 0:
+            momentum = self._momentum * slots[1] + increment
+            new_slots.append(momentum)
+            var = var - momentum
+        else:
+            var = var - increment
+        if self._centered:
+            new_slots.append(average_gradient)
+        return (var, *new_slots)
+
+    def get_config(self) -> dict[str, Any]:
+        return {
+            "learning_rate": self._learning_rate,
+            "rho": self._rho,
+            "momentum": self._momentum,
+            "epsilon": self._epsilon,
+            "centered": self._centered,
             **self._clip_config(),
         }
 

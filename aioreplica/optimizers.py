@@ -1,4 +1,5 @@
-"""Optimizers that update distributed variables: ``SGD``, ``Adam`` and ``AdamW``.
+"""Optimizers that update distributed variables: ``SGD``, ``Adam``, ``AdamW``, ``Adagrad``
+and ``RMSprop``.
 
 ``await opt.apply_gradients(grads_and_vars)`` from every replica sums the gradients across
 replicas in one packed all-reduce, clips them if asked (``clipnorm``, ``global_clipnorm``),
@@ -7,11 +8,13 @@ for the design.
 """
 
 from ._optimizers import SGD as SGD
+from ._optimizers import Adagrad as Adagrad
 from ._optimizers import Adam as Adam
 from ._optimizers import AdamW as AdamW
 from ._optimizers import Optimizer as Optimizer
+from ._optimizers import RMSprop as RMSprop
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer"]
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "Optimizer", "RMSprop"]
 
 
 def _fixup_module_metadata() -> None:

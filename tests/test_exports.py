@@ -187,9 +187,11 @@ class TestOptimizers:
         """``optimizers.__all__`` names the optimizer classes, in isort order."""
         assert optimizers.__all__ == [
             "SGD",
+            "Adagrad",
             "Adam",
             "AdamW",
             "Optimizer",
+            "RMSprop",
         ]  # isort order, as ruff keeps it
 
     def test_classes_show_the_public_module(self) -> None:

@@ -23,7 +23,7 @@ from aioreplica import (
     Variable,
 )
 from aioreplica._backends._numpy import HOST_BACKEND
-from aioreplica.optimizers import SGD, Adam, AdamW, Optimizer
+from aioreplica.optimizers import SGD, Adagrad, Adam, AdamW, Optimizer, RMSprop
 from aioreplica.testing import FakeDevice, StrategyFactory, host_devices
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ def assert_close(got: Any, want: Any) -> None:
 
 
 class Reference:
-    """Keras ``SGD``/``Adam``/``AdamW`` in plain float64 NumPy, applied to summed gradients.
+    """Keras ``SGD``/``Adam``/``AdamW``/``Adagrad``/``RMSprop`` in plain float64 NumPy, applied
+    to summed gradients.
 
     Clipping (``clipnorm`` or ``global_clipnorm`` in ``config``) scales the summed gradients
     by ``min(1, clip / norm)`` first; ``clipped`` records, per step, whether it scaled any.
@@ -70,7 +71,22 @@ class Reference:
     def slot_names(self) -> tuple[str, ...]:
         if self.kind in ("adam", "adamw"):
             return ("m", "v")
+        if self.kind == "adagrad":
+            return ("accumulator",)
+        if self.kind == "rmsprop":
+            names = ["velocity"]
+            if self.config.get("momentum", 0.0) > 0:
+                names.append("momentum")
+            if self.config.get("centered", False):
+                names.append("average_gradient")
+            return tuple(names)
         return ("momentum",) if self.config.get("momentum", 0.0) else ()
+
+    def slot_initial(self, slot: str) -> float:
+        """Keras' initial value of a slot: Adagrad's accumulator starts above zero."""
+        if slot == "accumulator":
+            return self.config.get("initial_accumulator_value", 0.1)
+        return 0.0
 
     def clip(self, grads: dict[str, Array]) -> dict[str, Array]:
         clipnorm = self.config.get("clipnorm")
@@ -93,7 +109,11 @@ class Reference:
         rate = self.learning_rate(step) if callable(self.learning_rate) else self.learning_rate
         for name, grad in self.clip(grads).items():
             slots = self.slots.setdefault(
-                name, {slot: np.zeros_like(self.params[name]) for slot in self.slot_names()}
+                name,
+                {
+                    slot: np.full_like(self.params[name], self.slot_initial(slot))
+                    for slot in self.slot_names()
+                },
             )
             w = self.params[name]
             if self.kind == "adamw":
@@ -108,6 +128,27 @@ class Reference:
                 slots["m"] = slots["m"] + (grad - slots["m"]) * (1.0 - beta_1)
                 slots["v"] = slots["v"] + (grad * grad - slots["v"]) * (1.0 - beta_2)
                 w = w - (slots["m"] * alpha) / (np.sqrt(slots["v"]) + epsilon)
+            elif self.kind == "adagrad":
+                epsilon = self.config.get("epsilon", 1e-7)
+                slots["accumulator"] = slots["accumulator"] + grad * grad
+                w = w - rate * grad / np.sqrt(slots["accumulator"] + epsilon)
+            elif self.kind == "rmsprop":
+                rho = self.config.get("rho", 0.9)
+                momentum = self.config.get("momentum", 0.0)
+                epsilon = self.config.get("epsilon", 1e-7)
+                slots["velocity"] = rho * slots["velocity"] + (1.0 - rho) * grad * grad
+                if self.config.get("centered", False):
+                    average = rho * slots["average_gradient"] + (1.0 - rho) * grad
+                    slots["average_gradient"] = average
+                    denominator = slots["velocity"] - average * average + epsilon
+                else:
+                    denominator = slots["velocity"] + epsilon
+                increment = rate * grad / np.sqrt(denominator)
+                if momentum > 0:
+                    slots["momentum"] = momentum * slots["momentum"] + increment
+                    w = w - slots["momentum"]
+                else:
+                    w = w - increment
             else:
                 momentum = self.config.get("momentum", 0.0)
                 if momentum == 0.0:
@@ -205,11 +246,31 @@ OPTIMIZERS: list[Any] = [
         {"weight_decay": 0.3, "beta_1": 0.5, "beta_2": 0.75, "epsilon": 1e-3},
         id="adamw-custom",
     ),
+    pytest.param("adagrad", 0.1, {}, id="adagrad"),
+    pytest.param(
+        "adagrad", 0.3, {"initial_accumulator_value": 0.5, "epsilon": 1e-3}, id="adagrad-custom"
+    ),
+    pytest.param("adagrad", 0.1, {"initial_accumulator_value": 0.0}, id="adagrad-zero-start"),
+    pytest.param("rmsprop", 0.01, {}, id="rmsprop"),
+    pytest.param("rmsprop", 0.02, {"rho": 0.5, "momentum": 0.9}, id="rmsprop-momentum"),
+    pytest.param("rmsprop", 0.01, {"centered": True, "epsilon": 1e-3}, id="rmsprop-centered"),
+    pytest.param(
+        "rmsprop",
+        0.05,
+        {"rho": 0.8, "momentum": 0.5, "centered": True},
+        id="rmsprop-centered-momentum",
+    ),
 ]
 
 
 def make_optimizer(kind: str, learning_rate: Rate, config: dict[str, Any]) -> Optimizer:
-    cls: type[Optimizer] = {"sgd": SGD, "adam": Adam, "adamw": AdamW}[kind]
+    cls: type[Optimizer] = {
+        "sgd": SGD,
+        "adam": Adam,
+        "adamw": AdamW,
+        "adagrad": Adagrad,
+        "rmsprop": RMSprop,
+    }[kind]
     return cls(learning_rate, **config)
 
 
@@ -395,6 +456,212 @@ class TestAdamW:
         assert (other_w.numpy().tolist(), adam.iterations, adam.variables()) == ([0.0, 0.0], 0, [])
 
 
+# -- Adagrad and RMSprop -------------------------------------------------------------------
+
+
+async def train_like_reference(
+    opt: Optimizer, ref: Reference, replicas: int, steps: int, seed: int
+) -> None:
+    """``steps`` steps on ``replicas`` replicas, matching ``ref`` after every one."""
+    rng = np.random.default_rng(seed)
+    strategy = MirroredStrategy(host_devices(replicas))
+    variables = make_variables(strategy, rng, SHAPES)
+    for v in variables:
+        ref.add(v.name, v.numpy())
+    for _ in range(steps):
+        grads = random_grads(rng, replicas, list(SHAPES.values()))
+        await train_step(strategy, opt, variables, grads)
+        ref.apply(summed(grads, list(SHAPES)))
+        assert_matches(opt, variables, ref)
+
+
+class TestAdagrad:
+    @pytest.mark.parametrize(
+        ("learning_rate", "config"),
+        [
+            pytest.param(0.001, {}, id="defaults"),
+            pytest.param(0.2, {"initial_accumulator_value": 2.0, "epsilon": 0.5}, id="custom"),
+            pytest.param(halving, {"initial_accumulator_value": 0.0}, id="schedule"),
+        ],
+    )
+    async def test_matches_keras_reference_step_by_step(
+        self, learning_rate: Rate, config: dict[str, Any]
+    ) -> None:
+        """Six steps on four replicas match Keras' Adagrad formula after every step."""
+        opt = Adagrad(learning_rate, **config)
+        await train_like_reference(opt, Reference("adagrad", learning_rate, **config), 4, 6, 41)
+
+    async def test_known_values(self) -> None:
+        """The accumulator starts at its initial value and sums the squared gradients.
+
+        5 + 2**2 = 9, so the first step is 0.3 * 2 / 3; 9 + 4**2 = 25, so the second is
+        0.3 * 4 / 5. An accumulator starting at 0 would make the first step 0.3.
+        """
+        w = Variable(np.array([1.0]), name="w")
+        opt = Adagrad(0.3, initial_accumulator_value=5.0, epsilon=1e-12)
+        values = []
+        for grad in (2.0, 4.0):
+            await opt.apply_gradients([(np.array([grad]), w)])
+            values.append([w.numpy(), opt.get_slot(w, "accumulator").numpy()])
+        assert_close(values, [[[0.8], [9.0]], [[0.56], [25.0]]])
+
+    @pytest.mark.parametrize("initial", [0.1, 0.0, 2.5])
+    async def test_accumulator_starts_at_initial_value(self, initial: float) -> None:
+        """``build`` makes the accumulator, mirrored beside its variable, at
+        ``initial_accumulator_value`` in the variable's dtype; the first step adds ``g**2``."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            w = Variable(np.ones((2, 3), dtype=np.float32), name="w")
+        opt = Adagrad(0.1, initial_accumulator_value=initial)
+        opt.build([w])
+        accumulator = opt.get_slot(w, "accumulator")
+        assert isinstance(accumulator, MirroredVariable)
+        assert (accumulator.name, accumulator.shape, accumulator.dtype) == (
+            "w/accumulator",
+            (2, 3),
+            np.dtype(np.float32),
+        )
+        assert accumulator.distribute_strategy is strategy
+        for copy in accumulator.values:
+            np.testing.assert_array_equal(copy, np.full((2, 3), initial, np.float32), strict=True)
+        await train_step(strategy, opt, [w], [[np.ones((2, 3))], [np.ones((2, 3))]])
+        assert opt.get_slot(w, "accumulator") is accumulator
+        for copy in accumulator.values:
+            np.testing.assert_allclose(copy, np.full((2, 3), initial + 4.0), rtol=1e-6)
+
+    def test_ordinary_variable_accumulator_starts_at_initial_value(self) -> None:
+        """Outside any strategy, the accumulator is an ordinary variable at its initial value."""
+        w = Variable(np.zeros(3), name="w")
+        opt = Adagrad()
+        opt.build([w])
+        slot = opt.get_slot(w, "accumulator")
+        assert type(slot) is Variable
+        assert slot.numpy().tolist() == [0.1, 0.1, 0.1]
+
+
+class TestRMSprop:
+    @pytest.mark.parametrize(
+        ("learning_rate", "config"),
+        [
+            pytest.param(0.001, {}, id="defaults"),
+            pytest.param(0.05, {"momentum": 1.0, "rho": 0.0}, id="full-momentum-no-decay"),
+            pytest.param(
+                halving, {"rho": 0.7, "momentum": 0.3, "centered": True}, id="schedule-centered"
+            ),
+        ],
+    )
+    async def test_matches_keras_reference_step_by_step(
+        self, learning_rate: Rate, config: dict[str, Any]
+    ) -> None:
+        """Six steps on four replicas match Keras' RMSprop formula after every step."""
+        opt = RMSprop(learning_rate, **config)
+        await train_like_reference(opt, Reference("rmsprop", learning_rate, **config), 4, 6, 42)
+
+    @pytest.mark.parametrize(
+        ("config", "want"),
+        [
+            # velocity 0.25 * 2**2 = 1: a step of 0.1 * 2 / 1; then a zero gradient, no step.
+            pytest.param({"rho": 0.75}, [0.8, 0.8], id="plain"),
+            # velocity 0.5 * 2**2 = 2: a step of 0.1 * 2 / sqrt(2).
+            pytest.param({"rho": 0.5}, [1 - 0.2 / math.sqrt(2), 1 - 0.2 / math.sqrt(2)], id="rho"),
+            # The momentum (0.2, then 0.5 * 0.2) keeps moving the weight on a zero gradient.
+            pytest.param({"rho": 0.75, "momentum": 0.5}, [0.8, 0.7], id="momentum"),
+            # velocity 2, average 1: denominator 2 - 1 = 1, a step of 0.2.
+            pytest.param({"rho": 0.5, "centered": True}, [0.8, 0.8], id="centered"),
+            pytest.param(
+                {"rho": 0.5, "momentum": 0.5, "centered": True}, [0.8, 0.7], id="centered-momentum"
+            ),
+        ],
+    )
+    async def test_known_values(self, config: dict[str, Any], want: list[float]) -> None:
+        """Hand-computed weights after a gradient of 2, then one of 0."""
+        w = Variable(np.array([1.0]), name="w")
+        opt = RMSprop(0.1, epsilon=1e-12, **config)
+        values = []
+        for grad in (2.0, 0.0):
+            await opt.apply_gradients([(np.array([grad]), w)])
+            values.append(float(w.numpy()[0]))
+        assert_close(values, want)
+
+    async def test_slots_hold_keras_values(self) -> None:
+        """After one step of a gradient of 2 with rho 0.5: velocity 2, momentum the step,
+        average gradient 1."""
+        w = Variable(np.array([1.0]), name="w")
+        opt = RMSprop(0.1, rho=0.5, momentum=0.5, epsilon=1e-12, centered=True)
+        await opt.apply_gradients([(np.array([2.0]), w)])
+        slots = [opt.get_slot(w, name).numpy() for name in opt.slot_names]
+        assert_close(slots, [[2.0], [0.2], [1.0]])
+
+    async def test_checkpoint_with_other_slots_is_refused(self, tmp_path: Path) -> None:
+        """A centered RMSprop's checkpoint is not restored into one that is not; nothing
+        changes."""
+        w = Variable(np.ones(2), name="w")
+        opt = RMSprop(0.1, centered=True)
+        await opt.apply_gradients([(np.ones(2), w)])
+        path = await Checkpoint(w=w, optimizer=opt).save(tmp_path / "rmsprop.npz")
+        other_w = Variable(np.zeros(2), name="w")
+        plain = RMSprop(0.1)
+        with pytest.raises(CheckpointError) as caught:
+            await Checkpoint(w=other_w, optimizer=plain).restore(path)
+        assert caught.value.problems == (
+            "optimizer: the checkpoint holds a RMSprop optimizer with slots ['velocity', "
+            "'average_gradient'], this is a RMSprop with slots ['velocity']",
+        )
+        assert (other_w.numpy().tolist(), plain.iterations, plain.variables()) == (
+            [0.0, 0.0],
+            0,
+            [],
+        )
+
+
+class TestSlotCheckpoints:
+    @pytest.mark.parametrize(
+        ("kind", "config"),
+        [
+            pytest.param("adam", {"beta_1": 0.5, "clipnorm": 1.0}, id="adam"),
+            pytest.param(
+                "adagrad", {"initial_accumulator_value": 0.3, "clipnorm": 1.0}, id="adagrad"
+            ),
+            pytest.param("rmsprop", {"rho": 0.8, "global_clipnorm": 1.5}, id="rmsprop"),
+            pytest.param(
+                "rmsprop",
+                {"momentum": 0.5, "centered": True, "global_clipnorm": 1.5},
+                id="rmsprop-centered-momentum",
+            ),
+        ],
+    )
+    async def test_round_trip(self, tmp_path: Path, kind: str, config: dict[str, Any]) -> None:
+        """Saved after three steps on two replicas and restored into a fresh optimizer on four,
+        the slots and step count come back, and the next steps match the reference."""
+        rng = np.random.default_rng(43)
+        strategy = MirroredStrategy(host_devices(2))
+        variables = make_variables(strategy, rng, SHAPES)
+        opt = make_optimizer(kind, halving, config)
+        ref = Reference(kind, halving, **config)
+        for v in variables:
+            ref.add(v.name, v.numpy())
+        for _ in range(3):
+            grads = random_grads(rng, 2, list(SHAPES.values()))
+            await train_step(strategy, opt, variables, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+        model = {v.name: v for v in variables}
+        path = await Checkpoint(model=model, optimizer=opt).save(tmp_path / f"{kind}.npz")
+
+        strategy_4 = MirroredStrategy(host_devices(4))
+        with strategy_4.scope():
+            restored_vars = [Variable(np.zeros(shape), name=name) for name, shape in SHAPES.items()]
+        restored = type(opt)(**opt.get_config())
+        model_4 = {v.name: v for v in restored_vars}
+        await Checkpoint(model=model_4, optimizer=restored).restore(path)
+        assert_matches(restored, restored_vars, ref)
+        assert restored.slot_names == opt.slot_names
+        for _ in range(2):
+            grads = random_grads(rng, 4, list(SHAPES.values()))
+            await train_step(strategy_4, restored, restored_vars, grads)
+            ref.apply(summed(grads, list(SHAPES)))
+            assert_matches(restored, restored_vars, ref)
+
+
 # -- gradient clipping ---------------------------------------------------------------------
 
 
@@ -403,6 +670,8 @@ CLIPPED: list[Any] = [
     pytest.param("sgd", 0.05, {"momentum": 0.8, "nesterov": True}, id="nesterov"),
     pytest.param("adam", 0.05, {}, id="adam"),
     pytest.param("adamw", 0.05, {"weight_decay": 0.2}, id="adamw"),
+    pytest.param("adagrad", 0.1, {}, id="adagrad"),
+    pytest.param("rmsprop", 0.05, {"momentum": 0.5, "centered": True}, id="rmsprop"),
 ]
 
 
@@ -897,6 +1166,13 @@ class TestReplicaEquivalence:
             pytest.param(lambda: AdamW(0.05, weight_decay=0.1), id="adamw"),
             pytest.param(lambda: SGD(0.05, momentum=0.9, clipnorm=0.2), id="sgd-clipnorm"),
             pytest.param(lambda: Adam(0.05, global_clipnorm=0.2), id="adam-global-clipnorm"),
+            pytest.param(lambda: Adagrad(0.05), id="adagrad"),
+            pytest.param(lambda: Adagrad(0.05, clipnorm=0.2), id="adagrad-clipnorm"),
+            pytest.param(lambda: RMSprop(0.01, momentum=0.5), id="rmsprop-momentum"),
+            pytest.param(
+                lambda: RMSprop(0.01, centered=True, global_clipnorm=0.2),
+                id="rmsprop-centered-global-clipnorm",
+            ),
         ],
     )
     async def test_four_replicas_train_like_one(self, make: Callable[[], Optimizer]) -> None:
@@ -1031,6 +1307,20 @@ class TestSlots:
         assert SGD(0.1, momentum=0.0, nesterov=True).slot_names == ()
         assert Adam().slot_names == ("m", "v")
         assert AdamW().slot_names == ("m", "v")
+
+    def test_slot_names_of_adagrad_and_rmsprop(self) -> None:
+        """Adagrad keeps "accumulator"; RMSprop "velocity", then "momentum" if momentum > 0,
+        then "average_gradient" if centered."""
+        assert Adagrad().slot_names == ("accumulator",)
+        assert RMSprop().slot_names == ("velocity",)
+        assert RMSprop(momentum=0.9).slot_names == ("velocity", "momentum")
+        assert RMSprop(centered=True).slot_names == ("velocity", "average_gradient")
+        assert RMSprop(momentum=0.1, centered=True).slot_names == (
+            "velocity",
+            "momentum",
+            "average_gradient",
+        )
+        assert RMSprop(momentum=0.0, centered=False).slot_names == ("velocity",)
 
     async def test_created_on_first_step_beside_variable(self) -> None:
         """The first step makes mirrored slots on the variable's devices, of its strategy."""
@@ -1437,6 +1727,43 @@ class TestErrors:
             (SGD, {"clipnorm": math.inf}, ValueError, "clipnorm must be finite, got inf"),
             (AdamW, {"global_clipnorm": math.nan}, ValueError, "global_clipnorm must be finite"),
             (Adam, {"clipnorm": "1"}, TypeError, "clipnorm must be a number, got str '1'"),
+            (
+                Adagrad,
+                {"initial_accumulator_value": -0.1},
+                ValueError,
+                "initial_accumulator_value must be >= 0, got -0.1",
+            ),
+            (
+                Adagrad,
+                {"initial_accumulator_value": math.inf},
+                ValueError,
+                "initial_accumulator_value must be finite, got inf",
+            ),
+            (
+                Adagrad,
+                {"initial_accumulator_value": "0.1"},
+                TypeError,
+                "initial_accumulator_value must be a number, got str '0.1'",
+            ),
+            (Adagrad, {"epsilon": 0}, ValueError, "epsilon must be > 0, got 0"),
+            (Adagrad, {"epsilon": -1e-7}, ValueError, "epsilon must be > 0, got -1e-07"),
+            (Adagrad, {"epsilon": math.nan}, ValueError, "epsilon must be finite, got nan"),
+            (Adagrad, {"learning_rate": None}, TypeError, "learning_rate must be a number"),
+            (Adagrad, {"clipnorm": -1}, ValueError, "clipnorm must be > 0 (or None: no clipping)"),
+            (RMSprop, {"rho": 1.0}, ValueError, "rho must be in [0, 1), got 1.0"),
+            (RMSprop, {"rho": -0.1}, ValueError, "rho must be in [0, 1), got -0.1"),
+            (RMSprop, {"rho": math.nan}, ValueError, "rho must be finite, got nan"),
+            (RMSprop, {"momentum": 1.5}, ValueError, "momentum must be in [0, 1], got 1.5"),
+            (RMSprop, {"momentum": -0.5}, ValueError, "momentum must be in [0, 1], got -0.5"),
+            (RMSprop, {"momentum": None}, TypeError, "momentum must be a number, got NoneType"),
+            (RMSprop, {"epsilon": 0.0}, ValueError, "epsilon must be > 0, got 0.0"),
+            (RMSprop, {"epsilon": -1}, ValueError, "epsilon must be > 0, got -1"),
+            (
+                RMSprop,
+                {"clipnorm": 1.0, "global_clipnorm": 1.0},
+                ValueError,
+                "clipnorm=1.0 and global_clipnorm=1.0 were both given; pick one",
+            ),
         ],
     )
     def test_invalid_hyperparameters(
@@ -1647,6 +1974,12 @@ class TestConfig:
             "AdamW(learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, "
             "epsilon=1e-07)"
         )
+        assert repr(Adagrad()) == (
+            "Adagrad(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-07)"
+        )
+        assert repr(RMSprop()) == (
+            "RMSprop(learning_rate=0.001, rho=0.9, momentum=0.0, epsilon=1e-07, centered=False)"
+        )
 
     def test_repr_shows_clipping_when_set(self) -> None:
         """Clipping shows in the repr only when it is on."""
@@ -1684,6 +2017,24 @@ class TestConfig:
             "clipnorm": None,
             "global_clipnorm": 3.0,
         }
+        assert Adagrad(0.5, initial_accumulator_value=0, epsilon=1, clipnorm=2).get_config() == {
+            "learning_rate": 0.5,
+            "initial_accumulator_value": 0.0,
+            "epsilon": 1.0,
+            "clipnorm": 2.0,
+            "global_clipnorm": None,
+        }
+        assert RMSprop(
+            0.01, rho=0, momentum=1, epsilon=0.5, centered=True, global_clipnorm=3
+        ).get_config() == {
+            "learning_rate": 0.01,
+            "rho": 0.0,
+            "momentum": 1.0,
+            "epsilon": 0.5,
+            "centered": True,
+            "clipnorm": None,
+            "global_clipnorm": 3.0,
+        }
 
     def test_config_round_trips(self) -> None:
         """An optimizer rebuilt from its config has the same config; schedules are kept."""
@@ -1696,13 +2047,20 @@ class TestConfig:
             SGD(0.1, clipnorm=0.5),
             Adam(0.2, epsilon=1e-3, global_clipnorm=4.0),
             AdamW(schedule, weight_decay=0.01, beta_1=0.8, clipnorm=1.0),
+            Adagrad(schedule, initial_accumulator_value=0.0, epsilon=1e-3),
+            Adagrad(0.2, initial_accumulator_value=3.0, global_clipnorm=1.0),
+            RMSprop(schedule, rho=0.5, momentum=0.9, centered=True, clipnorm=0.5),
+            RMSprop(0.1, epsilon=1e-3),
         ]
         for opt in optimizers:
             rebuilt = type(opt)(**opt.get_config())
             assert rebuilt.get_config() == opt.get_config()
             assert repr(rebuilt) == repr(opt)
+            assert rebuilt.slot_names == opt.slot_names
         assert SGD(schedule).get_config()["learning_rate"] is schedule
         assert AdamW(schedule).get_config()["learning_rate"] is schedule
+        assert Adagrad(schedule).get_config()["learning_rate"] is schedule
+        assert RMSprop(schedule).get_config()["learning_rate"] is schedule
 
     def test_public_names(self) -> None:
         """The classes are public as ``aioreplica.optimizers.*``."""
@@ -1714,3 +2072,7 @@ class TestConfig:
         assert AdamW.__module__ == "aioreplica.optimizers"
         # As in Keras, AdamW is an Adam (with decoupled weight decay).
         assert issubclass(AdamW, Adam)
+        for cls in (Adagrad, RMSprop):
+            assert getattr(aioreplica.optimizers, cls.__name__) is cls
+            assert issubclass(cls, Optimizer)
+            assert cls.__module__ == "aioreplica.optimizers"
