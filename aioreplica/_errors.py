@@ -6,6 +6,7 @@ working, and builds its message from fields that tests and callers can read.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ __all__ = [
     "AioreplicaInternalError",
     "CheckpointError",
     "ReplicaSyncError",
+    "add_note",
     "as_integer",
     "as_real",
     "replica_list",
@@ -59,6 +61,19 @@ def yielding_step(step: str, generator: AsyncGeneratorType[Any, Any]) -> TypeErr
         f"{step} is an async generator function ({generator.__qualname__}: it contains "
         "`yield`), so none of its code ran; a step function returns its result: write `return`"
     )
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, unless the exception's own code made ``__notes__`` something
+    other than a list: it is raised as it is then, not replaced by ``add_note``'s TypeError.
+
+    >>> error = ValueError("x")
+    >>> error.__notes__ = ("its own",)
+    >>> add_note(error, "more"); error.__notes__
+    ('its own',)
+    """
+    with contextlib.suppress(TypeError):
+        exc.add_note(note)
 
 
 def replica_list(ids: Sequence[int]) -> str:

@@ -153,8 +153,10 @@ class Optimizer:
             >>> opt.get_slot(w, "momentum").numpy()
             array([0., 0.])
         """
-        for variable in var_list:
+        variables = list(var_list)
+        for variable in variables:  # all checked before any slot is made
             _check_variable(variable)
+        for variable in variables:
             if id(variable) not in self._slots:
                 self._slots[id(variable)] = (variable, self._new_slots(variable))
 
@@ -416,12 +418,20 @@ class Optimizer:
         # results are cast back, since Python-float hyperparameters may promote them.
         results = self._update_step(xp, var, grad, slots, rate, step)
         dtype = var.dtype
-        return tuple(
+        cast = tuple(
             [
                 r if type(r) is np.ndarray and r.dtype == dtype else xp.asarray(r).astype(dtype)
                 for r in results
             ]
         )
+        if len(cast) != 1 + len(slots) or any(r.shape != var.shape for r in cast):
+            raise ValueError(
+                f"{type(self).__name__}._update_step returned {len(cast)} arrays of shapes "
+                f"{[tuple(r.shape) for r in cast]}, but it must return the new variable and "
+                f"its {len(slots)} slots, each of the variable's shape {tuple(var.shape)}; "
+                "nothing was changed"
+            )
+        return cast
 
     def _update_step(
         self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int

@@ -93,13 +93,20 @@ import anyio
 
 from . import _loops, _trace
 from ._context import ContextState, ReplicaContext, context_state
-from ._errors import AioreplicaInternalError, ReplicaSyncError, replica_list, yielding_step
+from ._errors import (
+    AioreplicaInternalError,
+    ReplicaSyncError,
+    add_note,
+    replica_list,
+    yielding_step,
+)
 from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest, VariableCreations
 from ._values import (
     DistributedValues,
     Mirrored,
     PerReplica,
     agreed,
+    misfit,
     regroup,
     select_replica,
     select_replicas,
@@ -717,6 +724,21 @@ class _Run:
                 rnd.parts = result.values
         elif type(result) in _SPLIT_RESULTS:
             rnd.parts = select_replicas(result, self.size)
+        if rnd.parts is None and result is not None:
+            found = misfit(result, self.size)
+            if found is not None:  # no replica could take its own part
+                where, leaf = found
+                merge_fn = rnd.requests[0][FN]  # type: ignore[index]  # all filed
+                self.fail(
+                    ValueError(
+                        f"merge_fn {_describe_fn(merge_fn)} returned a {type(leaf).__name__} "
+                        f"of {len(leaf.values)} values{f' at {where}' if where else ''}, but "
+                        f"merge_call has {self.size} replicas here; return one value per "
+                        "replica, or a plain value that every replica gets"
+                    ),
+                    f"detected in merge_call #{rnd.number}, in cross-replica context",
+                )
+                return self._park_failed()
         rnd.done = True
         self.round = self._new_round(rnd.number + 1)
         self.fast_path = self.sync_timeout is None and not self.failures and not self.finished
@@ -1006,9 +1028,9 @@ class Scheduler:
             run.tasks = _NOT_STARTED  # the tasks' contexts hold the replicas
         if run.failures:
             first, note, _ = run.failures[0]
-            first.add_note(note)
+            add_note(first, note)
             for line in _later_failures(first, run.failures[1:]):
-                first.add_note(line)
+                add_note(first, line)
             raise first
         self.steps += 1
         results, run.results = run.results, []

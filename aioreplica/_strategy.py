@@ -57,6 +57,7 @@ from ._values import (
     DistributedValues,
     Mirrored,
     PerReplica,
+    misfit,
     regroup,
     select_replica,
     select_replicas,
@@ -1523,12 +1524,11 @@ class MirroredStrategy:
         return parts
 
     def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        size = len(self._device_objects)
-        for path, leaf in _tree.flatten_with_path((args, kwargs))[0]:
-            if isinstance(leaf, DistributedValues) and len(leaf.values) != size:
-                where = _tree.format_path(path)
-                name = "args" + where[3:] if where.startswith("[0]") else "kwargs" + where[3:]
-                raise self._wrong_length(name, leaf)
+        found = misfit((args, kwargs), len(self._device_objects))
+        if found is not None:
+            where, leaf = found
+            name = "args" + where[3:] if where.startswith("[0]") else "kwargs" + where[3:]
+            raise self._wrong_length(name, leaf)
 
     def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
         """The error for the argument ``name``, a distributed value of the wrong length."""

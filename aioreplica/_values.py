@@ -36,6 +36,7 @@ from ._tree import (
     find_mismatch,
     flatten,
     flatten_with_path,
+    format_path,
     is_leaf,
 )
 
@@ -44,6 +45,7 @@ __all__ = [
     "Mirrored",
     "PerReplica",
     "agreed",
+    "misfit",
     "register_current_replica",
     "regroup",
     "select_replica",
@@ -384,6 +386,20 @@ def select_replicas(structure: Any, size: int) -> list[Any] | None:
         return _split_plain(structure, size)
     except _NotPlain:
         return None
+
+
+def misfit(structure: Any, size: int) -> tuple[str, DistributedValues[Any]] | None:
+    """The first distributed value in ``structure`` that does not hold ``size`` values, with
+    its path as messages show it (``""``: ``structure`` itself), or ``None``.
+
+    Example:
+        >>> misfit({"a": PerReplica([1, 2]), "b": PerReplica([1, 2, 3])}, 2)
+        ("['b']", PerReplica({0: 1, 1: 2, 2: 3}))
+    """
+    for path, leaf in flatten_with_path(structure)[0]:
+        if isinstance(leaf, DistributedValues) and len(leaf.values) != size:
+            return format_path(path), leaf
+    return None
 
 
 def _split_plain(structure: Any, size: int) -> list[Any]:

@@ -27,7 +27,7 @@ from ._backends import array_module, host_array, host_device, is_array, is_cupy_
 from ._cluster import call_of
 from ._collectives import register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
-from ._errors import ReplicaSyncError, replica_list
+from ._errors import ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path
 from ._values import DistributedValues, PerReplica, agreed, select_replica
@@ -1260,10 +1260,11 @@ async def _update(
             result = fn(copy, *selected[0], **selected[1])
         except AttributeError as exc:
             if exc.name in ("assign", "assign_add", "assign_sub"):
-                exc.add_note(
+                add_note(
+                    exc,
                     "update()'s fn gets each copy's value (an array) and returns the copy's "
                     "new value, where TF's assigns to a component variable: write "
-                    "`lambda v, g: v - g` for TF's `lambda v, g: v.assign_sub(g)`"
+                    "`lambda v, g: v - g` for TF's `lambda v, g: v.assign_sub(g)`",
                 )
             raise
         return _as_copy(variable, result, copy)

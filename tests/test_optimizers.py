@@ -1299,6 +1299,40 @@ class TestLearningRate:
 # -- slots -----------------------------------------------------------------------------
 
 
+class TestCustomOptimizers:
+    @pytest.mark.parametrize("returned", ["a wrong shape", "a slot too few"])
+    async def test_an_update_step_of_the_wrong_shape_is_refused(self, returned: str) -> None:
+        """A subclass's _update_step must return the variable and each slot in the
+        variable's shape: anything else is a ValueError, and nothing changes (the variable
+        is not silently reshaped)."""
+
+        class Bad(Optimizer):
+            slot_names = ("m",)
+
+            def _update_step(
+                self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
+            ) -> tuple[Any, ...]:
+                if returned == "a wrong shape":
+                    return (xp.zeros(7), slots[0])
+                return (var - rate * grad,)
+
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            w = Variable(np.zeros(3), name="w")
+        opt = Bad(0.1)
+
+        async def step() -> int:
+            return await opt.apply_gradients([(np.ones(3), w)])
+
+        with pytest.raises(
+            ValueError, match=r"^Bad\._update_step returned .* each of the variable's shape \(3,\)"
+        ):
+            await strategy.run(step)
+        assert (w.shape, opt.iterations) == ((3,), 0)
+        for copy in w.values:
+            np.testing.assert_array_equal(copy, np.zeros(3), strict=True)
+
+
 class TestSlots:
     def test_slot_names(self) -> None:
         """SGD with momentum keeps "momentum", without none; Adam keeps "m" and "v"."""
@@ -1381,12 +1415,13 @@ class TestSlots:
         assert_matches(opt, [w, b], ref)
 
     def test_build_rejects_non_variables(self) -> None:
-        """``build`` takes aioreplica Variables only."""
+        """``build`` takes aioreplica Variables only, and makes no slot when one item is
+        not (not even for the variables before it)."""
         opt = Adam()
         with pytest.raises(
             TypeError, match=re.escape("expected an aioreplica.Variable, got ndarray")
         ):
-            opt.build([np.zeros(2)])  # type: ignore[list-item]
+            opt.build([Variable(np.ones(2), name="w"), np.zeros(2)])  # type: ignore[list-item]
         assert opt.variables() == []
 
     def test_ordinary_variable_gets_ordinary_slots(self) -> None:

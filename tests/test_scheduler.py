@@ -231,6 +231,44 @@ class TestMergeCall:
         assert any("merge_call #1" in note for note in info.value.__notes__)
 
 
+class TestMergeResults:
+    @pytest.mark.parametrize("count", [2, 4])
+    @pytest.mark.parametrize("nested", [False, True], ids=["alone", "in a dict"])
+    async def test_a_result_of_another_replica_count_is_refused(
+        self, count: int, nested: bool
+    ) -> None:
+        """A merge_fn result holding a PerReplica of another length than the replicas is a
+        ValueError naming merge_fn, on every replica: not cut to the first values, nor an
+        IndexError blamed on a replica; no replica goes on past the merge."""
+        strategy = MirroredStrategy(host_devices(3))
+        went_on: list[int] = []
+
+        def merge_fn(strategy: Any) -> Any:
+            wrong = PerReplica(list(range(count)))
+            return {"x": wrong} if nested else wrong
+
+        async def step() -> None:
+            await replica_context().merge_call(merge_fn)
+            went_on.append(replica_id())
+
+        where = r" at \['x'\]" if nested else ""
+        with pytest.raises(
+            ValueError,
+            match=rf"^merge_fn TestMergeResults\..*merge_fn \(.*\) returned a PerReplica of "
+            rf"{count} values{where}, but merge_call has 3 replicas here; return one value per "
+            r"replica, or a plain value that every replica gets",
+        ) as info:
+            await strategy.run(step)
+        assert info.value.__notes__ == ["detected in merge_call #1, in cross-replica context"]
+        assert went_on == []
+
+        async def good() -> Any:
+            return await replica_context().merge_call(lambda s: {"x": PerReplica([0, 1, 2])})
+
+        result = await strategy.run(good)  # the strategy goes on
+        assert strategy.experimental_local_results(result) == ({"x": 0}, {"x": 1}, {"x": 2})
+
+
 class TestArguments:
     async def test_args_that_are_not_a_tuple_name_the_replica(self) -> None:
         """An array as ``args`` used to fail with "truth value of an array is ambiguous"."""
@@ -528,6 +566,22 @@ class TestReplicaSync:
 
 
 class TestFailures:
+    async def test_an_exception_with_notes_of_its_own_comes_out_as_it_is(self) -> None:
+        """An exception whose own code made __notes__ a tuple cannot take a note: run()
+        raises that very exception, not add_note's TypeError."""
+        strategy = MirroredStrategy(host_devices(2))
+        error = ValueError("odd notes")
+        error.__notes__ = ("its own",)  # type: ignore[assignment]
+
+        async def step() -> None:
+            if replica_id() == 1:
+                raise error
+
+        with pytest.raises(ValueError, match=r"^odd notes") as info:
+            await strategy.run(step)
+        assert info.value is error
+        assert getattr(info.value, "__notes__", None) == ("its own",)
+
     async def test_replica_exception_comes_out_unwrapped(self) -> None:
         """run() raises the failing replica's own exception, noted, after cancelling the rest."""
         strategy = MirroredStrategy(host_devices(3))

@@ -43,6 +43,25 @@ class TestRunSteps:
         assert isinstance(result, PerReplica)
         assert result.values == (17.0, 21.0)
 
+    async def test_an_element_of_another_replica_count_is_refused(self) -> None:
+        """An element holding a PerReplica of another length than the replicas (from
+        another strategy's dataset, say) is a ValueError naming run_steps; the step before
+        it ran, the step with it did not."""
+        strategy = MirroredStrategy(host_devices(3))
+        seen: list[Any] = []
+
+        async def elements() -> Any:
+            yield PerReplica([1, 2, 3])
+            yield (PerReplica([4, 5]),)
+
+        with pytest.raises(
+            ValueError,
+            match=r"^run_steps\(\): the iterator gave a PerReplica of 2 values at \[0\], but "
+            r"MirroredStrategy\(.*\) has 3 replicas here; iterate a dataset distributed by",
+        ):
+            await strategy.run_steps(seen.append, elements(), 2)
+        assert sorted(seen) == [1, 2, 3]
+
     async def test_an_async_generator_step_fn_is_refused(self) -> None:
         """A step_fn with a ``yield`` runs none of its code: the first step fails naming it,
         instead of the loop handing back a generator object as the last step's result."""

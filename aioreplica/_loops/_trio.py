@@ -92,7 +92,8 @@ def _first_of(group: BaseExceptionGroup[BaseException]) -> BaseException:
             leaves.append(exc)
     first = leaves[0]
     for other in leaves[1:]:
-        first.add_note(f"also raised: {type(other).__name__}: {other}")
+        with contextlib.suppress(TypeError):  # its own code made __notes__ no list: as it is
+            first.add_note(f"also raised: {type(other).__name__}: {other}")
     return first
 
 
