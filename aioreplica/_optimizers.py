@@ -266,8 +266,9 @@ class Optimizer:
             raise
         if not variables:  # an empty list: nothing to apply (TF's no-op)
             return self._iterations
-        iterations: int = await ctx.merge_call(
-            self._merge_apply, args=(ctx._engine, grads, variables, aggregate)
+        engine = ctx._engine  # a collective, bounded as one by timeout_seconds
+        iterations: int = await ctx._collective(
+            self._merge_apply, (engine, grads, variables, aggregate), engine.options._timeout
         )
         return iterations
 

@@ -98,8 +98,10 @@ class CommunicationOptions:
     Attributes:
         bytes_per_pack: small tensors are fused into packs of at most this many bytes and
             reduced together; 0 lets aioreplica choose (``DEFAULT_PACK_BYTES``, 4 MiB).
-        timeout_seconds: how long replicas wait at a collective for the others to arrive
-            before the run fails with ``ReplicaSyncError`` naming the late replicas; ``None``
+        timeout_seconds: how long replicas wait at a collective (the context's collectives,
+            and a variable write, ``update()`` or an optimizer step in a replica) for the
+            others to arrive before the run fails with ``ReplicaSyncError`` naming the late
+            replicas; ``None``
             or 0 waits (0, as in TF, also turns off a timeout that the strategy's options
             set). The reduction's own work, once all have arrived, is never timed out.
         implementation: a ``CommunicationImplementation`` or its name, TF's hint for the

@@ -831,7 +831,9 @@ class MirroredVariable(Variable):
             replica._engine.refusing(f"{op}() of variable {self._name!r}", exc)
             raise
         local = replica.device.xp.broadcast_to(local.astype(self._dtype, copy=False), self._shape)
-        await replica.merge_call(_merge_write, args=(self, op, local, value))
+        # A collective: the strategy's CommunicationOptions.timeout_seconds bounds its wait.
+        timeout = replica._engine.options._timeout
+        await replica._collective(_merge_write, (self, op, local, value), timeout)
         return self
 
 
@@ -1214,8 +1216,8 @@ async def update(
             raise RuntimeError(
                 f"update() of {strategy!r} was called in a replica of {replica.strategy!r}"
             )
-        copies: tuple[Any, ...] = await replica.merge_call(
-            _merge_update, args=(variable, fn, args, kwargs)
+        copies: tuple[Any, ...] = await replica._collective(
+            _merge_update, (variable, fn, args, kwargs), replica._engine.options._timeout
         )
         return copies
     async with _call(variable, "update()"):

@@ -337,6 +337,36 @@ class TestAllReduce:
         assert (info.value.replicas, info.value.waiting) == ((1,), (0, 2))
         assert "waited 0.05 s" in str(info.value)
 
+    @pytest.mark.parametrize("write", ["assign", "update", "apply_gradients"])
+    async def test_the_strategys_timeout_bounds_writes_and_steps(self, write: str) -> None:
+        """A variable write, update() and an optimizer step in a replica are collectives:
+        the strategy's timeout_seconds bounds their wait for a replica that never comes,
+        naming it, and nothing changes."""
+        options = CommunicationOptions(timeout_seconds=0.1)
+        strategy = MirroredStrategy(host_devices(3), communication_options=options)
+        with strategy.scope():
+            v = aioreplica.Variable(np.zeros(2), name="v")
+        optimizer = aioreplica.optimizers.SGD(0.1)
+        never = anyio.Event()
+
+        async def step() -> None:
+            if replica_id() == 2:
+                await never.wait()
+            if write == "assign":
+                await v.assign(np.ones(2))
+            elif write == "update":
+                await strategy.extended.update(v, lambda copy: copy + 1)
+            else:
+                await optimizer.apply_gradients([(np.ones(2), v)])
+
+        with anyio.fail_after(10), pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.replicas, info.value.waiting) == ((2,), (0, 1))
+        assert "waited 0.1 s" in str(info.value)
+        assert optimizer.iterations == 0
+        for copy in v.values:
+            np.testing.assert_array_equal(copy, np.zeros(2), strict=True)
+
     async def test_a_timeout_of_zero_turns_the_strategys_off(self) -> None:
         """A collective's timeout_seconds=0 waits however late a replica is, even where the
         strategy's options set a timeout (TF's "zero disables timeout"); without it the
