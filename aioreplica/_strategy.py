@@ -314,8 +314,8 @@ class StrategyExtended:
             (host devices share one read-only array).
 
         Raises:
-            ValueError: a destination is not one of the strategy's devices; shapes differ; a
-                mirrored variable reduced with ``SUM`` or ``PROD``.
+            ValueError: a destination is not one of the strategy's devices, or is listed
+                twice; shapes differ; a mirrored variable reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do.
             RuntimeError: called inside a replica; across workers, called from another task while
                 a ``run()`` is in progress there.
@@ -340,7 +340,7 @@ class StrategyExtended:
 
         Raises:
             ValueError: as ``reduce_to``.
-            TypeError: as ``reduce_to``.
+            TypeError: as ``reduce_to``; an item that is not a ``(value, destinations)`` pair.
             RuntimeError: called inside a replica; across workers, called from another task while
                 a ``run()`` is in progress there.
 
@@ -357,7 +357,7 @@ class StrategyExtended:
                 op = await strategy._begin_reduction("batch_reduce_to", reduce_op)
                 pairs = [
                     (_variables_as_values(value, op, strategy), strategy._destinations(dest))
-                    for value, dest in value_destination_pairs
+                    for value, dest in _value_destination_pairs(value_destination_pairs)
                 ]
                 results = await engine.batch_reduce_to(op, pairs, options)
             except (TypeError, ValueError) as exc:
@@ -772,6 +772,11 @@ class MirroredStrategy:
                 raise ValueError(
                     f"destination {_shown_destination(item, name)} is not one of this "
                     f"strategy's devices {list(by_name)}"
+                )
+            if by_name[name] in devices:
+                raise ValueError(
+                    f"destination {_shown_destination(item, name)} is listed twice in "
+                    f"{destinations!r:.80}; name each device once"
                 )
             devices.append(by_name[name])
         if not devices:
@@ -1560,6 +1565,28 @@ def _checked_slow_merge_warning(given: Any) -> float | None:
             f"disable the warning), got {given!r}"
         )
     return seconds
+
+
+def _value_destination_pairs(pairs: Any) -> list[tuple[Any, Any]]:
+    """``batch_reduce_to``'s pairs, each checked to be a ``(value, destinations)`` pair.
+
+    Raises:
+        TypeError: ``pairs`` is not an iterable of 2-item pairs (naming the first item that
+            is not one).
+    """
+    if not hasattr(pairs, "__iter__") or isinstance(pairs, str | bytes | Mapping):
+        raise TypeError(
+            f"batch_reduce_to() takes a list of (value, destinations) pairs, got "
+            f"{type(pairs).__name__} {pairs!r:.60}"
+        )
+    pairs = list(pairs)
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise TypeError(
+                f"batch_reduce_to(): item {i} must be a (value, destinations) pair, got "
+                f"{type(pair).__name__} {pair!r:.60}"
+            )
+    return [(value, destinations) for value, destinations in pairs]
 
 
 def _check_drop_remainder(drop_remainder: Any) -> None:

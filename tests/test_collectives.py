@@ -755,6 +755,25 @@ class TestCrossReplica:
         assert isinstance(both, Mirrored)
         assert len(both.values) == 2
 
+    async def test_bad_pairs_and_destinations_are_refused(self) -> None:
+        """batch_reduce_to's pairs must be (value, destinations) pairs, and destinations name
+        each device once: TypeError / ValueError saying which, nothing reduced."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.array([1.0]), np.array([2.0])])
+        batch = strategy.extended.batch_reduce_to
+        with pytest.raises(TypeError, match=r"^batch_reduce_to\(\): item 1 must be a \(value, "):
+            await batch("sum", [(value, "cpu:0"), (value,)])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"^batch_reduce_to\(\): item 0 must be a \(value, "):
+            await batch("sum", [5])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match=r"^batch_reduce_to\(\) takes a list of \(value, "):
+            await batch("sum", 5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^destination 'cpu:1' is listed twice in"):
+            await strategy.extended.reduce_to("sum", value, ["cpu:1", "cpu:0", "cpu:1"])
+        pairs = zip([value, value], ["cpu:0", "cpu:1"], strict=True)  # any iterable of pairs
+        first, second = await batch("sum", pairs)  # type: ignore[arg-type]
+        np.testing.assert_array_equal(first, [3.0])
+        np.testing.assert_array_equal(second, [3.0])
+
     async def test_batch_reduce_to_nested_values(self) -> None:
         """batch_reduce_to keeps each value's structure, each leaf on its destinations."""
         strategy = MirroredStrategy(host_devices(3))
