@@ -54,12 +54,14 @@ def as_real(value: object) -> float | None:
     return float(value)
 
 
-def yielding_step(step: str, generator: AsyncGeneratorType[Any, Any]) -> TypeError:
-    """The error for a step function (``step``: which one) with a ``yield``: calling it made
-    ``generator``, and none of its code ran."""
+def yielding_step(
+    step: str, generator: AsyncGeneratorType[Any, Any], kind: str = "a step function"
+) -> TypeError:
+    """The error for a step function (``step``: which one; ``kind``: what it is) with a
+    ``yield``: calling it made ``generator``, and none of its code ran."""
     return TypeError(
         f"{step} is an async generator function ({generator.__qualname__}: it contains "
-        "`yield`), so none of its code ran; a step function returns its result: write `return`"
+        f"`yield`), so none of its code ran; {kind} returns its result: write `return`"
     )
 
 

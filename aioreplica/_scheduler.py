@@ -659,6 +659,10 @@ class _Run:
             context_state.reset(token)
         if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
             return self._complete_awaiting(rnd, last, merge_fn, result, started)
+        if type(result) is types.AsyncGeneratorType:  # a ``yield`` in merge_fn
+            error = yielding_step(f"merge_fn {_describe_fn(merge_fn)}", result, "a merge_fn")
+            self._merge_failed(error, merge_fn, rnd)
+            return self._park_failed()
         if track is not None:
             self._record_merge(track, merge_fn, started, rnd)
         return self._finish_round(rnd, last, result)

@@ -656,7 +656,8 @@ def _describe_value(value: Any) -> str:
         return f"{name} ({code.co_filename}:{code.co_firstlineno})"
     if _is_variable(value):
         return f"variable {value.name!r}"
-    return f"{_safe_repr(value):.60}"
+    text = _safe_repr(value)
+    return text if len(text) <= 60 else f"{text[:60]}..."
 
 
 def _variable_facts(variable: Any) -> list[str]:

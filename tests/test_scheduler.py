@@ -268,6 +268,26 @@ class TestMergeResults:
         result = await strategy.run(good)  # the strategy goes on
         assert strategy.experimental_local_results(result) == ({"x": 0}, {"x": 1}, {"x": 2})
 
+    async def test_an_async_generator_merge_fn_is_named(self) -> None:
+        """A merge_fn with a ``yield`` runs none of its code: a TypeError naming merge_fn, not
+        the step function of the replica that got the generator back."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def merge_fn(strategy: Any) -> Any:
+            yield 1
+
+        async def step() -> Any:
+            return await replica_context().merge_call(merge_fn)
+
+        with pytest.raises(
+            TypeError,
+            match=r"^merge_fn TestMergeResults\..*merge_fn \(.*\) is an async generator "
+            r"function \(.*: it contains `yield`\), so none of its code ran; a merge_fn "
+            r"returns its result: write `return`",
+        ) as info:
+            await strategy.run(step)
+        assert info.value.__notes__[0].startswith("raised by merge_fn TestMergeResults.")
+
 
 class TestArguments:
     async def test_args_that_are_not_a_tuple_name_the_replica(self) -> None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aioreplica import MirroredStrategy, ReplicaSyncError, Variable, _values
+from aioreplica import CommunicationOptions, MirroredStrategy, ReplicaSyncError, Variable, _values
 from aioreplica._tree import flatten, register_node
 from aioreplica._values import (
     DistributedValues,
@@ -663,6 +663,16 @@ class TestAgreed:
         message = str(disagreement(["x" * 80 + "a", "x" * 80 + "b"]))
         xs = "x" * 40
         assert f"replica 1 passed ...{xs}b', while replica 0 passed ...{xs}a';" in message
+
+    def test_long_values_that_differ_early_are_marked_as_cut(self) -> None:
+        """A long value shortened to its first 60 characters ends in "...", so the message
+        does not read as if the value stopped there."""
+        options = [CommunicationOptions(timeout_seconds=t) for t in (5.0, 5.0, 6.0)]
+        message = str(disagreement(options, "the options"))
+        start = "CommunicationOptions(bytes_per_pack=0, timeout_seconds="
+        assert (
+            f"replica 2 passed {start}6.0, ..., while replicas 0 and 1 passed {start}5.0, ...; "
+        ) in message
 
     @pytest.mark.anyio
     async def test_a_write_to_a_different_variable_with_the_same_name(self) -> None:
