@@ -563,11 +563,13 @@ class Variable(NDArrayOperatorsMixin):
             The variable (``None`` with ``read_value=False``).
 
         Raises:
-            ValueError: ``value`` does not broadcast to the variable's shape; a
+            ValueError: ``value`` does not broadcast to the variable's shape, or holds an
+                integer the variable's integer dtype cannot hold; a
                 ``MirroredVariable`` with aggregation ``NONE`` (or an integer one with
                 ``MEAN``) given different values by the replicas in replica context; across
                 workers, another worker refused its write (``WorkersDisagree``).
-            TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``).
+            TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``), or
+                is no number (an int too large for 64 bits).
             RuntimeError: written inside a replica of another strategy; across workers,
                 written outside a ``run()`` from another task while one is in progress.
             ReplicaSyncError: across workers, outside a ``run()``: a worker failed, or was
@@ -681,6 +683,12 @@ class Variable(NDArrayOperatorsMixin):
         """``value`` on ``device``, in this variable's dtype, or a clear error."""
         where = "" if replica is None else f" from replica {replica}"
         array = value if is_array(value) else np.asarray(value)
+        if array.dtype == object:
+            raise TypeError(
+                f"cannot write {value!r:.60} to variable {self._name!r} of dtype "
+                f"{self._dtype}{where}: it is no array of numbers (an integer too large for "
+                "64 bits, or values of mixed types, make a NumPy array of objects)"
+            )
         if array.dtype.kind not in "biufc" or not np.can_cast(
             array.dtype, self._dtype, casting="same_kind"
         ):
@@ -688,6 +696,8 @@ class Variable(NDArrayOperatorsMixin):
                 f"cannot write a value of dtype {array.dtype} to variable {self._name!r} of "
                 f"dtype {self._dtype}{where}; cast it first (e.g. value.astype({self._dtype}))"
             )
+        if array.size and array.dtype.kind in "iu" and self._dtype.kind in "iu":
+            _check_integer_range(array, self._dtype, f"variable {self._name!r}{where}")
         try:
             shape = np.broadcast_shapes(tuple(array.shape), self._shape)
         except ValueError:
@@ -1362,6 +1372,24 @@ def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
         if not same:
             return False
     return True
+
+
+def _check_integer_range(array: Any, dtype: np.dtype[Any], what: str) -> None:
+    """Refuse integers that ``dtype`` cannot hold, which a cast would wrap around silently.
+
+    Raises:
+        ValueError: a value of ``array`` is out of ``dtype``'s range.
+    """
+    if np.can_cast(array.dtype, dtype, casting="safe"):
+        return  # every value fits
+    info = np.iinfo(dtype)
+    low, high = int(array.min()), int(array.max())
+    if low < info.min or high > info.max:
+        bad = low if low < info.min else high
+        raise ValueError(
+            f"cannot write {bad} to {what} of dtype {dtype}, which holds {info.min} to "
+            f"{info.max}; the cast would wrap it around"
+        )
 
 
 #: What ``update``'s ``fn`` must be, for the errors that refuse another.

@@ -1315,6 +1315,35 @@ class TestMirroredWrites:
             await WRITES[op](v, "a")
         assert_copies(v, old)
 
+    @pytest.mark.replicas(*REPLICAS)
+    @pytest.mark.parametrize("op", OPS)
+    async def test_integers_out_of_range_refused(
+        self, strategy_factory: StrategyFactory, op: str
+    ) -> None:
+        """An integer the variable's dtype cannot hold would wrap around in the cast: a
+        ValueError naming it (in both contexts); an int too large for NumPy's int64 is a
+        TypeError saying so; values in range are written; no change on refusal."""
+        strategy = strategy_factory()
+        v = scoped(strategy, np.array([1, 2], np.int32), name="n", aggregation="sum")
+        old = snapshot(v)
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write 1099511627776 to variable 'n' of dtype int32, which holds "
+            r"-2147483648 to 2147483647; the cast would wrap it around$",
+        ):
+            await WRITES[op](v, np.array([2**40, 1]))
+        with pytest.raises(ValueError, match=r"^cannot write -2147483649 to variable 'n' from"):
+            await strategy.run(lambda: WRITES[op](v, -(2**31) - 1))
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot write 1180591620717411303424 to variable 'n' of dtype int32: it is "
+            r"no array of numbers \(an integer too large for 64 bits",
+        ):
+            await WRITES[op](v, 2**70)
+        assert_copies(v, old)
+        await v.assign(np.array([2**31 - 1, -(2**31)], np.int64))  # in range: written
+        assert_all(v, np.array([2**31 - 1, -(2**31)], np.int32))
+
     async def test_replica_of_other_strategy_refused(self) -> None:
         """Writing inside a replica of another strategy raises RuntimeError; nothing changes."""
         owner = MirroredStrategy(host_devices(2))
