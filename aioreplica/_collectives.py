@@ -524,7 +524,16 @@ class ReductionEngine:
             _refuse_components(
                 what, path, components, per_replica, backend.name, self.first_replica
             )
-        return [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
+        arrays = [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
+        for replica, array in enumerate(arrays, start=self.first_replica):
+            if array.dtype.kind == "O":
+                raise TypeError(
+                    f"{what}: replica {replica}'s value at {_tree.describe_path(path)} is no "
+                    f"number or array of numbers ({components[replica - self.first_replica]!r:.60}"
+                    " makes a NumPy array of objects: an int too large for 64 bits, or values "
+                    "of mixed types?)"
+                )
+        return arrays
 
     def _check_same_shapes(self, what: str, leaves: list[_LeafArrays]) -> None:
         base = self.first_replica  # replicas are named by their ids in sync

@@ -321,6 +321,23 @@ class TestAllReduce:
         ):
             await strategy.run(step)
 
+    async def test_an_int_too_large_for_numpy_is_named_on_its_replica(self) -> None:
+        """A Python int beyond 64 bits from one replica is a TypeError naming that replica and
+        saying why, not a shape or dtype mismatch blamed on the others."""
+        strategy = MirroredStrategy(host_devices(3))
+
+        async def step() -> Any:
+            value = 2**70 if replica_id() == 1 else 1
+            return await replica_context().all_reduce("sum", {"n": value})
+
+        with pytest.raises(
+            TypeError,
+            match=r"^all_reduce: replica 1's value at \['n'\] is no number or array of numbers "
+            r"\(1180591620717411303424 makes a NumPy array of objects: an int too large for 64 "
+            r"bits, or values of mixed types\?\)",
+        ):
+            await strategy.run(step)
+
     async def test_timeout_names_late_replicas(self) -> None:
         """timeout_seconds fails the run with ReplicaSyncError naming who was late."""
         strategy = MirroredStrategy(host_devices(3))
