@@ -38,32 +38,50 @@ Saving is atomic
     ``.<name>.<host>.<pid>.<random>.tmp``, flushed and fsynced, then renamed over the target
     (and the directory fsynced). A crash at any point leaves the previous checkpoint whole: at
     worst the temporary stays behind. The values written are those at the moment of the call.
+    Where ``<name>`` is too long for the temporary's name to fit the file system's limit
+    (255 bytes), it is cut short and followed by ``~``: ``.<start of name>~.<host>...``.
+
+    Every save checks the objects first, as ``Checkpoint(...)`` does (the dicts and lists
+    given to it may have changed since): it never writes a file that ``restore`` could not
+    restore into the same objects.
 
 Numbered checkpoints
     A ``CheckpointManager``'s saves run one at a time, in the order they were called: each
     gets its own number, and pruning old files never races with a write. A save cancelled
     before its file is written leaves nothing; once the write has started, the save finishes,
     including the deletion of checkpoints beyond ``max_to_keep``, and the cancellation then
-    takes effect. A file on disk is deleted before the manager forgets it, so a save that
-    fails while deleting leaves the rest for the next save to delete. At most ``max_to_keep``
-    checkpoints stay, plus, while a save runs, the temporary it writes.
+    takes effect. A file on disk is deleted before the manager forgets it. One that cannot be
+    deleted (it became a folder, or the OS refuses) is forgotten all the same, with a
+    ``RuntimeWarning`` naming it: the new checkpoint is written and listed, and the manager
+    lists at most ``max_to_keep``. Otherwise at most ``max_to_keep`` checkpoints stay, plus,
+    while a save runs, the temporary it writes. A save's default number is one more than the
+    highest kept, so it never replaces a kept checkpoint.
 
     A writer killed mid-write (``SIGKILL``, a power cut) leaves its temporary. The first save
     of a manager removes the stale temporaries of its own checkpoints: those of a process of
     this host that has ended, and those of another host (or of unknown origin) older than
     ``STALE_AFTER`` seconds (an hour), whose writer cannot be asked. A temporary of a live
-    process of this host, this one included, always stays.
+    process of this host, this one included, always stays. A temporary whose name was cut
+    short counts as the manager's when what is left of the name could be one of its
+    checkpoints' (so a stale one of a manager whose name begins the same may go too).
 
 Restoring changes nothing unless everything fits
-    The file is read whole (with ``allow_pickle=False``: a checkpoint never runs code; ZIP
-    checksums catch corruption), the manifest is checked field by field, every entry is
-    checked against the objects (names, kinds, dtypes, shapes), and only then are the new
-    copies computed and everything committed in one synchronous step. Any problem raises
-    ``CheckpointError`` listing every problem by object path or manifest entry, with every
-    object unchanged. The new copies are computed and committed holding the write turns of
-    every variable, slot and optimizer restored (invariant 8), so a write or an optimizer
-    step called meanwhile applies after the restore, on the restored values, and one that
-    was under way when the restore took its turns finishes first.
+    The objects are checked first, as ``Checkpoint(...)`` does (the dicts and lists given to
+    it may have changed since): one that a restore could not set raises the constructor's
+    ``TypeError`` (or ``ValueError``), before the file is read. The file is read whole (with
+    ``allow_pickle=False``: a checkpoint never runs code; ZIP checksums catch corruption; an
+    array whose header claims more bytes than its member holds, or a member more than the
+    file holds, is refused before anything is allocated), the manifest is checked field by
+    field, every entry is checked against the objects (names, kinds, dtypes, shapes), and only
+    then are the new copies computed and everything committed in one synchronous step. Any
+    problem with the file, whatever reading or parsing it raised, raises ``CheckpointError``
+    listing every problem by object path or manifest entry, with every object unchanged. The
+    objects are checked once more just before the commit: a restore whose objects changed
+    while it waited for its turn raises ``CheckpointError`` too, changing nothing. The new
+    copies are computed and committed holding the write turns of every variable, slot and
+    optimizer restored (invariant 8), so a write or an optimizer step called meanwhile applies
+    after the restore, on the restored values, and one that was under way when the restore
+    took its turns finishes first.
 
     A partial restore (``restore(path, partial=True)``) restores every object whose path,
     kind, dtype and shape (class and slots for an optimizer, dataset for an iterator) match,
@@ -81,12 +99,14 @@ import contextlib
 import errno
 import inspect
 import json
+import math
 import os
 import re
 import secrets
 import socket
 import sys
 import time
+import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -182,7 +202,7 @@ class Checkpoint:
 
     def __init__(self, **objects: Any) -> None:
         for name, value in objects.items():
-            _check_objects(name, value)
+            _check_objects("Checkpoint", name, value)
         object.__setattr__(self, "_objects", dict(objects))
 
     def __getattr__(self, name: str) -> Any:
@@ -194,7 +214,7 @@ class Checkpoint:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
             raise AttributeError(f"Checkpoint object names cannot start with '_': {name!r}")
-        _check_objects(name, value)
+        _check_objects("Checkpoint", name, value)
         self._objects[name] = value
 
     def __repr__(self) -> str:
@@ -207,6 +227,10 @@ class Checkpoint:
         while other tasks keep training). The file is written in a worker thread, and once
         started it finishes even if the caller is cancelled.
 
+        The objects are checked again first, as ``Checkpoint(...)`` checks them: a dict or
+        list given to the checkpoint may have changed since, and a save never writes what
+        ``restore`` could not restore. A refused save writes nothing.
+
         Args:
             path: the file to write (``.npz`` by convention); its directory must exist.
 
@@ -216,8 +240,12 @@ class Checkpoint:
         Raises:
             RuntimeError: called inside a replica (save from cross-replica code, after
                 ``run()``).
-            ValueError: an optimizer has slots for a variable that is not in this checkpoint.
-            TypeError: ``path`` is not a path (a str, bytes or ``os.PathLike``).
+            ValueError: an optimizer has slots for a variable that is not in this checkpoint;
+                an int does not fit in 64 bits; ``path`` is empty or ends with a path
+                separator.
+            TypeError: ``path`` is not a path (a str, bytes or ``os.PathLike``); a container
+                of the checkpoint now holds an object of another kind (a str, None, ...), a
+                number inside a tuple, or a dict key that is not a string.
             OSError: the file cannot be written; any previous file at ``path`` is intact.
 
         Example:
@@ -228,35 +256,68 @@ class Checkpoint:
         _check_not_in_replica("Checkpoint.save")
         workers = self._workers()
         if workers is None:
-            return await self._snapshot().write(_path_of("Checkpoint.save", path))
+            target = _file_path_of("Checkpoint.save", path, writing=True)
+            return await self._snapshot("Checkpoint.save").write(target)
         async with workers.call("Checkpoint.save"):
             try:
-                target = _path_of("Checkpoint.save", path)
-            except TypeError as exc:  # refused on every worker, in step
+                target = _file_path_of("Checkpoint.save", path, writing=True)
+                self._check("Checkpoint.save")
+            except (TypeError, ValueError) as exc:  # refused on every worker, in step
                 await workers.refuse_in_step("Checkpoint.save", exc)
                 raise
-            snap = await self._collective_snapshot(workers)
+            snap = await self._collective_snapshot(workers, "Checkpoint.save")
             return await _chief_writes(workers, lambda: snap.write(target), None)
 
+    def _check(self, caller: str) -> None:
+        """Check the objects as they are now, as ``Checkpoint(...)`` does: a dict or list
+        given to the checkpoint may have changed since.
+
+        Raises:
+            TypeError: an object of another kind, a number inside a tuple, a dict key that is
+                not a string (each message begins with ``caller``).
+            ValueError: an int outside 64 bits.
+        """
+        for name, value in self._objects.items():
+            _check_objects(caller, name, value)
+
+    def _structure(self) -> list[tuple[Path, Any]]:
+        """Each object's path with the object's identity (a number's: its type), to tell
+        whether the checkpoint's containers changed while a restore waited."""
+        return [
+            (path, type(obj) if _kind(obj) == "number" else id(obj)) for path, obj in self._leaves()
+        ]
+
     def _workers(self) -> Workers | None:
-        """The workers of a multi-worker strategy whose variables this checkpoint holds."""
-        for _, obj in self._leaves():
+        """The workers of a multi-worker strategy whose variables this checkpoint holds.
+
+        ``None`` too for objects nested in themselves, which ``_check`` then refuses on each
+        worker (alike, with no collective: the objects are found on none).
+        """
+        try:
+            leaves = list(self._leaves())
+        except RecursionError:
+            return None
+        for _, obj in leaves:
             engine = getattr(obj, "_engine", None) if isinstance(obj, Variable) else None
             if engine is not None and engine.cluster is not None:
                 workers: Workers = engine.cluster
                 return workers
         return None
 
-    async def _collective_snapshot(self, workers: Workers) -> _Snapshot:
+    async def _collective_snapshot(self, workers: Workers, caller: str) -> _Snapshot:
         """The snapshot of a save on several workers: once every worker is here, new
         variables take the chief's values, and sync-on-read ones are read over all workers."""
         await workers.barrier("Checkpoint.save")
         if workers.pending:
             await sync_variables(workers)
-        return self._snapshot()
+        return self._snapshot(caller)
 
-    def _snapshot(self) -> _Snapshot:
-        """Every value to save, taken at once with no await in between: a consistent snapshot."""
+    def _snapshot(self, caller: str) -> _Snapshot:
+        """Every value to save, taken at once with no await in between: a consistent snapshot.
+
+        The objects are checked first (``_check``), with no await in between either.
+        """
+        self._check(caller)
         snap = _Snapshot()
         variable_paths = {id(v): p for p, v in self._leaves() if isinstance(v, Variable)}
         for obj_path, obj in self._leaves():
@@ -269,7 +330,6 @@ class Checkpoint:
                 state = obj._input_state()
                 snap.entries.append({"path": list(obj_path), "kind": "iterator", **state})
             else:
-                _check_int_range("Checkpoint.save", _show(obj_path), obj)
                 snap.entries.append(
                     {
                         "path": list(obj_path),
@@ -288,7 +348,10 @@ class Checkpoint:
         Every entry is checked first: each object must be in the file with the same kind,
         dtype and shape, and the file must hold nothing else. The number of replicas and the
         kind of device may differ from when it was saved. An optimizer without slots yet
-        gets them from the file. An iterator continues where the saved one was.
+        gets them from the file. An iterator continues where the saved one was. The objects
+        themselves are checked again too, as ``Checkpoint(...)`` checks them (a dict or list
+        given to the checkpoint may have changed since), before anything changes, and once
+        more just before the restore commits.
 
         With ``partial=True`` the objects that do not fit are skipped instead: every object
         whose path, kind, dtype and shape match is restored (an optimizer of the same class
@@ -322,14 +385,17 @@ class Checkpoint:
         Raises:
             CheckpointError: the file is truncated, corrupted or not a checkpoint; an
                 optimizer has slots for a variable outside this checkpoint; a distributed
-                iterator has pulled ahead; or (unless ``partial``) an object does not match.
+                iterator has pulled ahead; the checkpoint's dicts or lists changed while the
+                restore waited for its turn; or (unless ``partial``) an object does not match.
                 ``problems`` names each object concerned. Nothing changed.
             FileNotFoundError: there is no such file.
-            TypeError: ``partial`` is not a bool; ``path`` is not a path or None.
-            RuntimeError: called inside a replica.
-            ValueError: (several workers) another worker could not read or check its file,
-                or read another checkpoint, or had none (``WorkersDisagree``, naming it).
+            TypeError: ``partial`` is not a bool; ``path`` is not a path or None; a container
+                of the checkpoint now holds an object it cannot restore (as ``save``).
                 Nothing changed.
+            RuntimeError: called inside a replica.
+            ValueError: ``path`` is empty; an int does not fit in 64 bits. (Several
+                workers) another worker could not read or check its file, or read another
+                checkpoint, or had none (``WorkersDisagree``, naming it). Nothing changed.
             ReplicaSyncError: (several workers) a worker failed, or was late past the
                 strategy's ``sync_timeout``.
 
@@ -375,8 +441,11 @@ class Checkpoint:
         try:
             if not isinstance(partial, bool):
                 raise TypeError(f"partial must be True or False, got {partial!r}")
-            path = _path_of("Checkpoint.restore", where)
+            path = _file_path_of("Checkpoint.restore", where)
+            self._check("Checkpoint.restore")
             manifest, arrays, fingerprint = await anyio.to_thread.run_sync(_read, path)
+            self._check("Checkpoint.restore")  # again: the containers may change meanwhile
+            structure = self._structure()
             plan = _Plan(path, manifest, arrays, partial=partial)
             for obj_path, obj in self._leaves():
                 plan.expect(obj_path, obj, self._leaves)
@@ -394,8 +463,28 @@ class Checkpoint:
         # and the restore starts over.
         while True:
             async with taking_turns(plan.turns):
-                if await plan.commit(self._set_number):
+                if await plan.commit(
+                    self._set_number, lambda: self._check_unchanged(path, structure)
+                ):
                     return plan.report()
+
+    def _check_unchanged(self, path: str, structure: list[tuple[Path, Any]]) -> None:
+        """Raise ``CheckpointError`` unless the objects are still those that a restore of
+        ``path`` planned for (``structure``), and still fit a checkpoint. A restore calls it
+        with no await before its commit, so what it checks holds at the commit."""
+        changed = "the checkpoint's objects changed while the restore waited for its turn"
+        try:
+            self._check("Checkpoint.restore")
+        except (TypeError, ValueError) as exc:
+            raise CheckpointError(path, [f"{changed}: {exc}; nothing was restored"]) from exc
+        if self._structure() != structure:
+            raise CheckpointError(
+                path,
+                [
+                    f"{changed} (an object added, removed or replaced in one of its dicts or "
+                    "lists); nothing was restored: restore again"
+                ],
+            )
 
     async def _restore_nothing(self, workers: Workers | None) -> RestoreReport:
         """``restore(None)``: there is no checkpoint (``manager.latest`` before the first
@@ -498,19 +587,27 @@ class CheckpointManager:
     ``latest_checkpoint``, TF's name; ``None`` before the first save):
     ``restore_or_initialize()`` restores it, or calls ``init_fn`` when there is none.
 
+    A checkpoint beyond ``max_to_keep`` that cannot be deleted (it became a folder, or the
+    OS refuses) does not fail the save that pruned it, whose file is written and listed: a
+    ``RuntimeWarning`` names it and the OS error, and the manager stops listing it, so
+    ``checkpoints`` still holds at most ``max_to_keep``. It stays on disk until removed by
+    hand; a manager made later over the directory finds it again, and tries again to delete
+    it when it is beyond ``max_to_keep``.
+
     Args:
         checkpoint: the ``Checkpoint`` to save.
         directory: where the files go (created on the first save).
         max_to_keep: how many to keep, oldest deleted first; ``None`` keeps all.
-        checkpoint_name: the file name prefix.
+        checkpoint_name: the file name prefix, a str.
         init_fn: what ``restore_or_initialize`` calls when there is no checkpoint yet (to
             start from pretrained weights, say): a function of no arguments, plain or async.
 
     Raises:
         TypeError: ``checkpoint`` is not a ``Checkpoint``; ``directory`` is not a path;
-            ``init_fn`` is not callable.
+            ``checkpoint_name`` is not a str; ``init_fn`` is not callable.
         ValueError: ``max_to_keep`` is not a positive int or None; ``checkpoint_name`` is
-            empty or holds a path separator.
+            empty or holds a path separator (or a NUL); ``directory`` is empty (give ``"."``
+            for the current folder).
 
     Example:
         >>> manager = CheckpointManager(Checkpoint(step=1), tmp / "run", max_to_keep=2)
@@ -538,12 +635,23 @@ class CheckpointManager:
         keep = None if max_to_keep is None else as_integer(max_to_keep)
         if max_to_keep is not None and (keep is None or keep < 1):
             raise ValueError(f"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}")
-        if not checkpoint_name or os.sep in checkpoint_name or "/" in checkpoint_name:
+        if not isinstance(checkpoint_name, str):
+            raise TypeError(
+                "checkpoint_name must be a str, the file name prefix (such as 'ckpt'), got "
+                f"{type(checkpoint_name).__name__} {checkpoint_name!r:.60}"
+            )
+        if not checkpoint_name or any(c in checkpoint_name for c in {os.sep, "/", "\0"}):
             raise ValueError(
-                f"checkpoint_name must be a non-empty file name prefix, got {checkpoint_name!r}"
+                "checkpoint_name must be a non-empty file name prefix, with no path separator, "
+                f"such as 'ckpt'; got {checkpoint_name!r}"
             )
         self._checkpoint = checkpoint
         self._directory = _path_of("CheckpointManager", directory)
+        if not self._directory:
+            raise ValueError(
+                "CheckpointManager: directory is empty; give the folder of the checkpoints "
+                "('.' for the current one)"
+            )
         self._max_to_keep = keep
         self._name = checkpoint_name
         self._init_fn = init_fn
@@ -633,14 +741,21 @@ class CheckpointManager:
         has started, it finishes, old checkpoints' deletion included. The first save also
         removes stale temporaries that killed writers left (see the module's documentation).
 
+        A kept checkpoint beyond ``max_to_keep`` that cannot be deleted is reported as a
+        ``RuntimeWarning`` and no longer listed; the save itself succeeds (see the class).
+
         Args:
-            checkpoint_number: the number to save as; default one more than the newest.
+            checkpoint_number: the number to save as (a kept checkpoint of that number is
+                replaced); by default one more than the highest number kept, so that it
+                never replaces a kept checkpoint (1 when there is none).
 
         Returns:
             The path written.
 
         Raises:
             ValueError: ``checkpoint_number`` is not an int >= 0; as ``Checkpoint.save``.
+            TypeError: as ``Checkpoint.save``: a container of the checkpoint now holds an
+                object it cannot save. Nothing is written.
             RuntimeError: called inside a replica.
             OSError: as ``Checkpoint.save``; older checkpoints are kept.
 
@@ -652,9 +767,14 @@ class CheckpointManager:
         _check_not_in_replica("CheckpointManager.save")
         workers = self._checkpoint._workers()
         number = None if checkpoint_number is None else as_integer(checkpoint_number)
-        error = None
+        error: Exception | None = None
         if checkpoint_number is not None and (number is None or number < 0):
             error = ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
+        elif workers is not None:
+            try:  # as Checkpoint.save: refused before any collective, on every worker alike
+                self._checkpoint._check("CheckpointManager.save")
+            except (TypeError, ValueError) as exc:
+                error = exc
         if workers is not None:
             async with workers.call("CheckpointManager.save"):
                 if error is not None:  # refused on every worker, in step
@@ -663,7 +783,8 @@ class CheckpointManager:
                 return await self._save_on_workers(workers, number)
         if error is not None:
             raise error
-        values = self._checkpoint._snapshot()  # references only: copies never change in place
+        # References only (copies never change in place); the objects are checked first.
+        values = self._checkpoint._snapshot("CheckpointManager.save")
         async with self._turn:
             return await self._save(values, number)
 
@@ -674,7 +795,7 @@ class CheckpointManager:
         another directory, a temporary one as in TF's multi-worker programs, say, then names
         the chief's files, which it never writes)."""
         async with self._turn:
-            values = await self._checkpoint._collective_snapshot(workers)
+            values = await self._checkpoint._collective_snapshot(workers, "CheckpointManager.save")
             path = await _chief_writes(
                 workers, lambda: self._save(values, checkpoint_number), self._numbers
             )
@@ -685,8 +806,8 @@ class CheckpointManager:
     async def _save(self, values: _Snapshot, checkpoint_number: int | None) -> str:
         """Number, write, record and prune one checkpoint (holding the manager's turn)."""
         number = checkpoint_number
-        if number is None:
-            number = self._numbers[-1] + 1 if self._numbers else 1
+        if number is None:  # never one kept: ``_numbers`` is in save order, not sorted
+            number = max(self._numbers) + 1 if self._numbers else 1
         await anyio.to_thread.run_sync(_make_directory, self._directory)
         if not self._swept:
             await anyio.to_thread.run_sync(_remove_stale_temporaries, self._directory, self._name)
@@ -718,13 +839,25 @@ class CheckpointManager:
                 outcome.append(path)
 
     async def _prune(self) -> None:
-        """Delete the checkpoints beyond ``max_to_keep``, oldest first."""
+        """Delete the checkpoints beyond ``max_to_keep``, oldest first.
+
+        One that cannot be deleted is forgotten all the same, with a ``RuntimeWarning``: the
+        checkpoint just written is safe, and ``max_to_keep`` still bounds the list.
+        """
         if self._max_to_keep is None or len(self._numbers) <= self._max_to_keep:
             return
         drop = self._numbers[: -self._max_to_keep]
-        # Delete, then forget: a failure in between leaves them listed, for the next save.
-        await anyio.to_thread.run_sync(_remove, [self._path(n) for n in drop])
+        # Delete, then forget: a save cancelled in between leaves them listed, for the next.
+        failures = await anyio.to_thread.run_sync(_remove, [self._path(n) for n in drop])
         del self._numbers[: len(drop)]
+        for path, error in failures:  # warned once forgotten: a warning made an error is safe
+            warnings.warn(
+                f"CheckpointManager: could not delete old checkpoint {path!r} ({error}); it "
+                f"stays on disk but is no longer listed among the kept checkpoints (remove it "
+                "by hand); the new checkpoint was saved",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _path(self, number: int) -> str:
         return os.path.join(self._directory, f"{self._name}-{number}.npz")
@@ -759,6 +892,28 @@ def _path_of(what: str, path: Any) -> str:
             f"{what} needs a file path (a str or os.PathLike), got {type(path).__name__} "
             f"{path!r:.60}"
         ) from None
+
+
+def _file_path_of(what: str, path: Any, *, writing: bool = False) -> str:
+    """``path`` as a str (``_path_of``), refused if it cannot name a checkpoint file.
+
+    Raises:
+        TypeError: ``path`` is not a path.
+        ValueError: ``path`` is empty; (``writing``) it ends with a path separator, naming a
+            folder, not a file.
+    """
+    text = _path_of(what, path)
+    if not text:
+        raise ValueError(
+            f"{what}: the path is empty; give the checkpoint file's path, such as "
+            "'checkpoints/model.npz'"
+        )
+    if writing and not os.path.basename(text):
+        raise ValueError(
+            f"{what}: the path {text!r} ends with a path separator, so it names a folder; "
+            "give the file to write in it, such as 'model.npz'"
+        )
+    return text
 
 
 async def _refuse_restore(workers: Workers, error: BaseException) -> None:
@@ -899,7 +1054,9 @@ def _optimizer_entry(
 def _write_atomic(path: str, manifest: bytes, arrays: list[tuple[str, Any]]) -> None:
     """Write the archive under a temporary name, fsync it, rename it over ``path``."""
     directory = os.path.dirname(os.path.abspath(path))
-    temporary = os.path.join(directory, _temporary_name(os.path.basename(path)))
+    temporary = os.path.join(
+        directory, _temporary_name(os.path.basename(path), _name_max(directory))
+    )
     fd = _create(temporary, path)
     try:
         with os.fdopen(fd, "wb") as file:
@@ -918,14 +1075,43 @@ def _write_atomic(path: str, manifest: bytes, arrays: list[tuple[str, Any]]) -> 
     _fsync_directory(directory)
 
 
-def _temporary_name(name: str) -> str:
-    """``.<name>.<host>.<pid>.<random>.tmp``: who writes it, so that a stale one can be told."""
-    return f".{name}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+def _temporary_name(name: str, name_max: int) -> str:
+    """``.<name>.<host>.<pid>.<random>.tmp``: who writes it, so that a stale one can be told.
+
+    A name that would make it longer than ``name_max`` bytes (the file system's limit) is cut
+    short and ends with ``~`` (``.<start of name>~.<host>...``), which no host name holds:
+    the writer's host and process stay whole, for ``_remove_stale_temporaries``.
+    """
+    writer = f".{_host()}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    if _length(f".{name}{writer}") <= name_max:
+        return f".{name}{writer}"
+    room = max(name_max - _length(f".~{writer}"), 0)
+    name = name[:room]  # a character takes a byte at least
+    while _length(name) > room:
+        name = name[:-1]
+    return f".{name}~{writer}"
+
+
+def _length(name: str) -> int:
+    """The length of a file name as the file system counts it, in bytes."""
+    return len(os.fsencode(name))
+
+
+def _name_max(directory: str) -> int:
+    """The longest file name, in bytes, that the file system of ``directory`` takes."""
+    try:
+        return min(os.pathconf(directory, "PC_NAME_MAX"), _NAME_MAX)
+    except (AttributeError, ValueError, OSError):  # no pathconf (Windows), or no answer
+        return _NAME_MAX
+
+
+#: The longest file name most file systems take, in bytes (or, on Windows, UTF-16 units).
+_NAME_MAX: Final = 255
 
 
 def _host() -> str:
-    """This host's name, as it appears in temporary file names."""
-    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname()) or "unknown"
+    """This host's name, as it appears in temporary file names (at most 64 characters)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unknown"
 
 
 def _create(temporary: str, path: str) -> int:
@@ -948,7 +1134,13 @@ def _make_directory(directory: str) -> None:
 
 
 def _remove_stale_temporaries(directory: str, name: str) -> None:
-    """Remove the temporaries of ``<name>-<number>.npz`` files whose writer is gone."""
+    """Remove the temporaries of ``<name>-<number>.npz`` files whose writer is gone.
+
+    A temporary whose target name was cut short (``_temporary_name``) counts when what is
+    left of the name begins ``<name>-<number>.npz``, or is the start of ``<name>-``: then it
+    may be another manager's, of a name that begins the same, but only a stale one is
+    removed, whose writer is gone.
+    """
     pattern = re.compile(
         rf"\.{re.escape(name)}-\d+\.npz\.(?:(?P<host>.+)\.(?P<pid>\d+)\.)?[0-9a-f]{{8}}\.tmp"
     )
@@ -956,11 +1148,34 @@ def _remove_stale_temporaries(directory: str, name: str) -> None:
     now = time.time()
     with os.scandir(directory) as found:
         for entry in found:
-            match = pattern.fullmatch(entry.name)
+            match = pattern.fullmatch(entry.name) or _cut_short(entry.name, name)
             # Gone meanwhile, or not ours to remove: leave it, this is only housekeeping.
             with contextlib.suppress(OSError):
                 if match is not None and _stale(match, here, entry, now):
                     os.unlink(entry.path)
+
+
+#: A temporary whose target name was cut short: ``.<start of name>~.<host>.<pid>.<hex>.tmp``
+#: (a host name holds no ``~``, so the last ``~.`` ends the name).
+_CUT_SHORT: Final = re.compile(
+    r"\.(?P<start>.*)~\.(?P<host>[A-Za-z0-9._-]+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp"
+)
+
+
+def _cut_short(temporary: str, name: str) -> re.Match[str] | None:
+    """The match of ``temporary`` if it is a cut-short temporary of a ``<name>-<number>.npz``."""
+    match = _CUT_SHORT.fullmatch(temporary)
+    if match is None:
+        return None
+    start, head = match["start"], f"{name}-"
+    if len(start) <= len(head):
+        return match if start and head.startswith(start) else None
+    rest = start[len(head) :]
+    return (
+        match
+        if start.startswith(head) and re.fullmatch(r"\d+(?:\.(?:n(?:pz?)?)?)?", rest)
+        else None
+    )
 
 
 def _stale(match: re.Match[str], here: str, entry: os.DirEntry[str], now: float) -> bool:
@@ -1002,10 +1217,17 @@ def _fsync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def _remove(paths: list[str]) -> None:
+def _remove(paths: list[str]) -> list[tuple[str, OSError]]:
+    """Delete each file (gone already is fine); those that cannot be deleted, with why."""
+    failures = []
     for path in paths:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # a folder now, no permission, busy (Windows)...
+            failures.append((path, exc))
+    return failures
 
 
 # -- restoring ------------------------------------------------------------------------------
@@ -1017,29 +1239,36 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]], i
     holds), so that workers can tell whether they read the same checkpoint."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
-    member = _MANIFEST
+    what = "the manifest"
     try:
-        # Our own file object: np.load leaves the file it opens open when ZipFile refuses it.
-        with open(path, "rb") as file, np.load(file, allow_pickle=False) as npz:
-            members = sorted((i.filename, i.file_size, i.CRC) for i in npz.zip.infolist())
+        with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
+            infos = archive.infolist()
+            members = sorted((i.filename, i.file_size, i.CRC) for i in infos)
             fingerprint = zlib.crc32(repr(members).encode())
-            raw = npz[_MANIFEST]
-            if not isinstance(raw, bytes):
-                raise ValueError("the manifest is not a JSON document")
-            manifest = json.loads(raw)
+            size = os.fstat(file.fileno()).st_size
+            for info in infos:  # before anything is read, so before anything is allocated
+                if info.file_size > _room(info, size):
+                    what = f"member {info.filename!r}"
+                    raise ValueError(
+                        f"its size is given as {info.file_size} bytes, more than its "
+                        f"{info.compress_size} bytes in a file of {size} can hold"
+                    )
+            what = "the manifest"
+            manifest = json.loads(archive.read(_MANIFEST))
             _check_manifest(manifest)
-            arrays = {}
+            arrays: dict[str, np.ndarray[Any, Any]] = {}
+            names = set(archive.namelist())
             for member in _members(manifest):
-                array = npz[member]
-                if not isinstance(array, np.ndarray):
-                    raise ValueError("not an array")
-                arrays[member] = array
+                what = f"array {member!r}"
+                if member not in arrays:  # once, however many entries name it
+                    arrays[member] = _read_array(archive, names, member)
     except _MalformedManifestError as exc:
         raise CheckpointError(path, [problem + _MALFORMED for problem in exc.problems]) from None
-    except (zipfile.BadZipFile, zlib.error, EOFError, KeyError, ValueError, OSError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
-        what = "the manifest" if member == _MANIFEST else f"array {member!r}"
+    except (FileNotFoundError, MemoryError):
+        # Gone since it was found, or short of memory for arrays that fit in the file:
+        # nothing wrong with the file itself (absurd sizes are refused above).
+        raise
+    except Exception as exc:  # whatever reading or parsing the file raised: it is unusable
         if isinstance(exc, KeyError):
             detail = "it is missing"
         elif "pickle" in str(exc):
@@ -1054,6 +1283,50 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]], i
             ],
         ) from exc
     return manifest, arrays, fingerprint
+
+
+#: The most a compressed ZIP member can expand (deflate's largest ratio), to bound the size a
+#: corrupted file may state for one. A checkpoint's own members are stored, not compressed.
+_MOST_EXPANSION: Final = 1032
+
+
+def _room(info: zipfile.ZipInfo, size: int) -> int:
+    """The most bytes the member ``info`` can hold in a ZIP file of ``size`` bytes."""
+    stored = min(info.compress_size, size)
+    return stored if info.compress_type == zipfile.ZIP_STORED else stored * _MOST_EXPANSION
+
+
+def _read_array(archive: zipfile.ZipFile, names: set[str], member: str) -> np.ndarray[Any, Any]:
+    """The array of ``member`` (its ``.npy`` file, as ``np.load`` names it), never a pickle.
+
+    Its ``.npy`` header is read first: an array larger than its ZIP member can hold is
+    refused before NumPy allocates it.
+
+    Raises:
+        KeyError: there is no such member.
+        ValueError: it is not an array, or its header claims more than the member holds.
+    """
+    info = archive.getinfo(member if member in names else f"{member}.npy")
+    with archive.open(info) as data:
+        if data.read(len(np.lib.format.MAGIC_PREFIX)) != np.lib.format.MAGIC_PREFIX:
+            raise ValueError("not an array")
+        data.seek(0)
+        version = np.lib.format.read_magic(data)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(data)
+        elif version in {(2, 0), (3, 0)}:  # 3.0 differs only in its header's encoding
+            shape, _, dtype = np.lib.format.read_array_header_2_0(data)
+        else:
+            raise ValueError(f".npy format version {version}, which NumPy does not read")
+        claimed = math.prod(shape) * dtype.itemsize
+        held = info.file_size - data.tell()
+        if claimed > held:
+            raise ValueError(
+                f"its header claims shape {shape} of dtype {dtype}, {claimed} bytes, but the "
+                f"member holds {max(held, 0)}"
+            )
+        data.seek(0)
+        return np.lib.format.read_array(data, allow_pickle=False)
 
 
 def _members(manifest: dict[str, Any]) -> list[str]:
@@ -1492,16 +1765,20 @@ class _Plan:
             turns |= restore.turns()
         return turns
 
-    async def commit(self, set_number: Callable[[Path, int | float], None]) -> bool:
+    async def commit(
+        self, set_number: Callable[[Path, int | float], None], unchanged: Callable[[], None]
+    ) -> bool:
         """Compute every new copy, then change everything in one synchronous step.
 
         Call it holding ``turns()``. Returns ``False``, having changed nothing, if an
         optimizer got slots from elsewhere (``build``) while the new copies were computed.
+        ``unchanged()`` is called just before the commit, with no await in between: it
+        raises if the objects restored are no longer those the plan was made for.
 
         Raises:
             CheckpointError: while this restore waited for its turns, an optimizer got slots
-                that the restore must refuse, or a distributed iterator pulled ahead.
-                Nothing changed.
+                that the restore must refuse, a distributed iterator pulled ahead, or (from
+                ``unchanged()``) the objects changed. Nothing changed.
         """
         problems: list[str] = []
         slots_left: list[str] = []  # of a partial restore: reported once it is done
@@ -1529,6 +1806,7 @@ class _Plan:
         ]
         if busy:
             raise CheckpointError(self.path, busy)
+        unchanged()  # every number's place is still a dict or list: set_number cannot fail
         # The all-or-nothing point: nothing above changed any state.
         commit(updates)
         for restore, made in zip(self.optimizers, slots, strict=True):
@@ -1643,19 +1921,26 @@ class _OptimizerRestore:
 # -- checks ---------------------------------------------------------------------------------
 
 
-def _check_objects(name: str, value: Any) -> None:
-    pairs, _ = _tree.flatten_with_path(value)
+def _check_objects(caller: str, name: str, value: Any) -> None:
+    """Raise unless ``value``, given as ``name``, is something a checkpoint saves and
+    restores; each message begins with ``caller`` (``Checkpoint``, ``Checkpoint.save``...)."""
+    try:
+        pairs, _ = _tree.flatten_with_path(value)
+    except RecursionError:
+        raise TypeError(
+            f"{caller}: {name} nests too deeply, or a dict or list inside it holds itself"
+        ) from None
     for key_path, leaf in pairs:
         where = _show((name, *_plain_path(key_path)))
         for key in key_path:
             if isinstance(key, _tree.MappingKey) and not isinstance(key.key, str):
                 raise TypeError(
-                    f"Checkpoint: the dict key {key.key!r} at {where} is not a string; "
+                    f"{caller}: the dict key {key.key!r} at {where} is not a string; "
                     "checkpoint paths are made of string keys and list indices"
                 )
             if isinstance(key, _tree.AttrKey):
                 raise TypeError(
-                    f"Checkpoint: {where} is inside a {type(value).__name__}; use dicts, "
+                    f"{caller}: {where} is inside a {type(value).__name__}; use dicts, "
                     "lists and tuples to group objects"
                 )
         if isinstance(leaf, Variable | Optimizer) or _is_input(leaf):
@@ -1663,12 +1948,12 @@ def _check_objects(name: str, value: Any) -> None:
         if isinstance(leaf, int | float) and not isinstance(leaf, bool):
             if key_path and not _restorable(value, key_path):
                 raise TypeError(
-                    f"Checkpoint: the number at {where} is inside a tuple, where it cannot be "
+                    f"{caller}: the number at {where} is inside a tuple, where it cannot be "
                     "restored in place; use a list or a dict"
                 )
-            _check_int_range("Checkpoint", where, leaf)
+            _check_int_range(caller, where, leaf)
             continue
-        raise TypeError(f"Checkpoint: {where} is {_refused(leaf)}")
+        raise TypeError(f"{caller}: {where} is {_refused(leaf)}")
 
 
 _INT64: Final = np.iinfo(np.int64)
@@ -1695,9 +1980,10 @@ def _refused(leaf: Any) -> str:
         )
     if hasattr(leaf, "__next__") or hasattr(leaf, "__anext__"):
         return f"an iterator ({kind}) with no position to save; {_SAVED_ITERATORS}"
+    article = "an" if kind[:1].lower() in {"a", "e", "i", "o", "u"} else "a"
     return (
-        f"a {kind}; a checkpoint holds variables, optimizers, ints and floats, in dicts, lists "
-        "and tuples, and iterators over aioreplica.batched datasets"
+        f"{article} {kind}; a checkpoint holds variables, optimizers, ints and floats, in dicts, "
+        "lists and tuples, and iterators over aioreplica.batched datasets"
     )
 
 

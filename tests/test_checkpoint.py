@@ -9,6 +9,7 @@ import io
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import zipfile
@@ -36,6 +37,7 @@ from aioreplica.optimizers import SGD, Adam, Optimizer
 from aioreplica.testing import host_devices
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 pytestmark = pytest.mark.anyio
@@ -637,6 +639,35 @@ class TestAtomicSave:
         )
         assert os.listdir(tmp_path) == []
 
+    async def test_long_file_name(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        """A file name of 244 characters saves: its temporary's name, which adds the host, pid
+        and more, used to pass the 255-byte limit (ENAMETOOLONG). It is cut short, ending in
+        ``~`` and keeping the writer's host and pid whole."""
+        name = "c" * 240 + ".npz"
+        path = tmp_path / name
+        ckpt = Checkpoint(w=Variable(np.arange(3.0), name="w"), epoch=4)
+        resume = threading.Event()
+        writing = hold_writes(monkeypatch, resume)
+        temporaries: list[str] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ckpt.save, path)
+            assert await anyio.to_thread.run_sync(writing.wait, 10)
+            temporaries = os.listdir(tmp_path)
+            resume.set()
+
+        [temporary] = temporaries
+        assert len(os.fsencode(temporary)) <= 255
+        host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())
+        match = re.fullmatch(
+            rf"\.(c+)~\.{re.escape(host)}\.{os.getpid()}\.[0-9a-f]{{8}}\.tmp", temporary
+        )
+        assert match is not None, temporary
+        assert os.listdir(tmp_path) == [name]
+        assert saved(path) == {"w": [0.0, 1.0, 2.0], "epoch": 4}
+        ckpt.epoch = 0
+        await ckpt.restore(path)
+        assert ckpt.epoch == 4
+
 
 class TestRefusedRestore:
     async def refusal(self, saved_model: Saved, path: Path) -> tuple[str, ...]:
@@ -768,6 +799,68 @@ class TestRefusedRestore:
         bad = tmp_path / "bad.npz"
         rewrite(saved_model.path, bad, {"manifest.json": json.dumps(document).encode()})
         await self.expect_refused(saved_model, bad, problems)
+
+    @pytest.mark.parametrize(
+        ("offset", "value", "error"),
+        [
+            (8, 0x41, "strong encryption (flag bit 6)"),
+            (8, 0xFF, "compressed patched data (flag bit 5)"),
+            (10, 0x41, "That compression method is not supported"),
+            (6, 0x41, "zip file version 6.5"),
+        ],
+        ids=["encryption flag", "patched data flag", "compression method", "version"],
+    )
+    async def test_changed_byte_in_the_central_directory(
+        self, tmp_path: Path, offset: int, value: int, error: str
+    ) -> None:
+        """One byte changed in the ZIP central directory (the manifest's entry, the first) is
+        a CheckpointError caused by zipfile's error; it used to escape as NotImplementedError."""
+        saved_model = await saved_then_changed(tmp_path)
+        data = bytearray(saved_model.path.read_bytes())
+        data[data.index(b"PK\x01\x02") + offset] = value
+        bad = tmp_path / "bad.npz"
+        bad.write_bytes(bytes(data))
+        await self.expect_refused(
+            saved_model,
+            bad,
+            [f"the manifest cannot be read (NotImplementedError: {error})" + UNREADABLE],
+        )
+        with pytest.raises(CheckpointError) as caught:
+            await saved_model.ckpt.restore(bad)
+        assert isinstance(caught.value.__cause__, NotImplementedError)
+
+    async def test_deeply_nested_manifest(self, tmp_path: Path) -> None:
+        """A manifest nested too deeply to parse is a CheckpointError (was RecursionError)."""
+        saved_model = await saved_then_changed(tmp_path)
+        bad = tmp_path / "bad.npz"
+        rewrite(saved_model.path, bad, {"manifest.json": b"[" * 100_000 + b"]" * 100_000})
+        await self.expect_unreadable(
+            saved_model, bad, r"the manifest cannot be read \(RecursionError: .*\)"
+        )
+        with pytest.raises(CheckpointError) as caught:
+            await saved_model.ckpt.restore(bad)
+        assert isinstance(caught.value.__cause__, RecursionError)
+
+    async def test_array_header_larger_than_its_member(self, tmp_path: Path) -> None:
+        """An array whose ``.npy`` header claims shape (10**12,), 8 TB, is refused from its
+        header and its member's size, before NumPy allocates it (that was a MemoryError)."""
+        saved_model = await saved_then_changed(tmp_path)
+        member = member_of(saved_model.path, ["model", "w"])
+        header = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            header, {"descr": "<f8", "fortran_order": False, "shape": (10**12,)}
+        )
+        huge = tmp_path / "huge.npz"
+        rewrite(saved_model.path, huge, {f"{member}.npy": header.getvalue() + bytes(48)})
+        await self.expect_refused(
+            saved_model,
+            huge,
+            [
+                f"array {member!r} cannot be read (ValueError: its header claims shape "
+                "(1000000000000,) of dtype float64, 8000000000000 bytes, but the member holds "
+                "48)" + UNREADABLE
+            ],
+        )
 
     async def test_missing_manifest(self, tmp_path: Path) -> None:
         """A plain ``.npz`` without a manifest is refused."""
@@ -987,6 +1080,30 @@ class TestConstruction:
         ckpt = Checkpoint(pair=(Variable(0.0), Variable(1.0)))
         assert repr(ckpt) == "Checkpoint(pair)"
 
+    @pytest.mark.parametrize("method", ["save", "restore"])
+    async def test_empty_path(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+    ) -> None:
+        """An empty path is a ValueError saying so. A save used to raise FileNotFoundError
+        about a temporary file it had made in the parent folder; a restore, "no checkpoint at
+        ''"."""
+        monkeypatch.chdir(tmp_path / ".")
+        ckpt = Checkpoint(step=1)
+        with pytest.raises(
+            ValueError,
+            match=rf"^Checkpoint\.{method}: the path is empty; give the checkpoint file's path",
+        ):
+            await getattr(ckpt, method)("")
+        assert (os.listdir(tmp_path), ckpt.step) == ([], 1)
+
+    async def test_save_to_a_folder_path(self, tmp_path: Path) -> None:
+        """A path ending with a separator names a folder: refused, nothing written."""
+        folder = tmp_path / "run"
+        folder.mkdir()
+        with pytest.raises(ValueError, match=r"ends with a path separator, so it names a folder"):
+            await Checkpoint(step=1).save(f"{folder}{os.sep}")
+        assert (os.listdir(tmp_path), os.listdir(folder)) == (["run"], [])
+
     async def test_optimizer_slots_for_foreign_variable(self, tmp_path: Path) -> None:
         """Saving an optimizer with slots for a variable not in the checkpoint is refused."""
         w = Variable(np.zeros(2), name="w")
@@ -1017,6 +1134,77 @@ class TestConstruction:
             r"cross-replica code, outside strategy\.run\(\)",
         ):
             await strategy.run(step)
+
+
+def _set_t(value: Any) -> Callable[[dict[Any, Any]], None]:
+    def change(cfg: dict[Any, Any]) -> None:
+        cfg["t"] = value
+
+    return change
+
+
+def _int_key(cfg: dict[Any, Any]) -> None:
+    cfg[1] = 2
+
+
+#: A change made to a dict of the checkpoint after ``Checkpoint(...)``, and what a save or a
+#: restore then says (after its ``Checkpoint.save: `` or ``Checkpoint.restore: ``).
+CHANGED_LATER: dict[str, tuple[Callable[[dict[Any, Any]], None], str]] = {
+    "number in a tuple": (
+        _set_t((5,)),
+        "the number at cfg/t/0 is inside a tuple, where it cannot be restored in place; use a "
+        "list or a dict",
+    ),
+    "str": (_set_t("five"), "cfg/t is a str; a checkpoint holds variables, optimizers"),
+    "bool": (_set_t(True), "cfg/t is a bool; a checkpoint holds"),
+    "None": (_set_t(None), "cfg/t is a NoneType; a checkpoint holds"),
+    "object": (_set_t(object()), "cfg/t is an object; a checkpoint holds"),
+    "int key": (_int_key, "the dict key 1 at cfg/1 is not a string"),
+    "itself": (lambda cfg: _set_t(cfg)(cfg), "cfg nests too deeply, or a dict or list inside"),
+}
+
+
+class TestChangedAfterConstruction:
+    """A dict or list given to ``Checkpoint(...)`` changes later: every save and restore checks
+    the objects as they are then, with the constructor's errors, and changes nothing."""
+
+    @pytest.mark.parametrize("change", list(CHANGED_LATER))
+    async def test_save_refuses(self, tmp_path: Path, change: str) -> None:
+        """Such a save used to write a file that no restore could read back ("the file is
+        corrupted"), or fail with NumPy's "Object arrays cannot be saved"."""
+        apply, message = CHANGED_LATER[change]
+        cfg: dict[Any, Any] = {"epoch": 1}
+        ckpt = Checkpoint(w=Variable(np.zeros(2), name="w"), cfg=cfg)
+        apply(cfg)
+        with pytest.raises(TypeError, match=rf"^Checkpoint\.save: {re.escape(message)}"):
+            await ckpt.save(tmp_path / "c.npz")
+        manager = CheckpointManager(ckpt, tmp_path / "run")
+        with pytest.raises(TypeError, match=rf"^CheckpointManager\.save: {re.escape(message)}"):
+            await manager.save()
+        assert (os.listdir(tmp_path), manager.checkpoints) == ([], [])
+
+    @pytest.mark.parametrize("change", list(CHANGED_LATER))
+    async def test_restore_refuses_changing_nothing(self, tmp_path: Path, change: str) -> None:
+        """With a number in a tuple, such a restore used to commit the variables and the
+        numbers before it, then fail with "'tuple' object does not support item
+        assignment"."""
+        apply, message = CHANGED_LATER[change]
+        path = await Checkpoint(
+            w=Variable(np.arange(2.0), name="w"), cfg={"epoch": 1, "t": [5]}
+        ).save(tmp_path / "c.npz")
+        w = Variable(np.full(2, 7.0), name="w")
+        cfg: dict[Any, Any] = {"epoch": 9}
+        ckpt = Checkpoint(w=w, cfg=cfg)
+        apply(cfg)
+        before = dict(cfg)
+        for partial in (False, True):
+            with pytest.raises(TypeError, match=rf"^Checkpoint\.restore: {re.escape(message)}"):
+                await ckpt.restore(path, partial=partial)
+            assert (w.numpy().tolist(), cfg.keys(), cfg["epoch"]) == (
+                [7.0, 7.0],
+                before.keys(),
+                9,
+            )
 
 
 class TestCheckpointManager:
@@ -1218,11 +1406,91 @@ class TestCheckpointManager:
         assert await manager.save() == str(tmp_path / "ckpt-5.npz")
         assert manager.checkpoints == [str(tmp_path / "ckpt-5.npz")]
 
-    @pytest.mark.parametrize("name", ["", "a/b"])
+    @pytest.mark.parametrize("name", ["", "a/b", f"a{os.sep}b", "a\0b"])
     def test_bad_checkpoint_name(self, tmp_path: Path, name: str) -> None:
-        """An empty prefix or one with a path separator is refused."""
+        """An empty prefix or one with a path separator (or a NUL) is refused."""
         with pytest.raises(ValueError, match="checkpoint_name must be a non-empty file name"):
             CheckpointManager(Checkpoint(step=0), tmp_path, checkpoint_name=name)
+
+    @pytest.mark.parametrize(
+        ("name", "shown"), [(5, "int 5"), (b"ckpt", "bytes b'ckpt'"), (None, "NoneType None")]
+    )
+    def test_checkpoint_name_of_another_type(self, tmp_path: Path, name: Any, shown: str) -> None:
+        """A prefix that is not a str is a TypeError naming the argument; it used to be
+        "argument of type 'int' is not iterable" or "a bytes-like object is required"."""
+        with pytest.raises(
+            TypeError,
+            match=rf"^checkpoint_name must be a str, the file name prefix \(such as 'ckpt'\), "
+            rf"got {re.escape(shown)}$",
+        ):
+            CheckpointManager(Checkpoint(step=0), tmp_path, checkpoint_name=name)
+
+    def test_empty_directory(self, tmp_path: Path) -> None:
+        """An empty directory is refused when the manager is made (its first save used to
+        fail in os.makedirs)."""
+        with pytest.raises(ValueError, match=r"directory is empty; .*\('\.' for the current"):
+            CheckpointManager(Checkpoint(step=0), "")
+
+    async def test_default_number_never_replaces_a_kept_checkpoint(self, tmp_path: Path) -> None:
+        """After ``save(1)`` beside a kept ``ckpt-2``, ``save()`` writes ``ckpt-3``: one more
+        than the highest kept, not than the latest save (which overwrote ``ckpt-2``)."""
+        ckpt = Checkpoint(step=2)
+        await CheckpointManager(ckpt, tmp_path).save(2)
+        manager = CheckpointManager(ckpt, tmp_path)
+        ckpt.step = 1
+        assert await manager.save(1) == str(tmp_path / "ckpt-1.npz")
+        assert manager.latest == str(tmp_path / "ckpt-1.npz")
+        ckpt.step = 3
+        assert await manager.save() == str(tmp_path / "ckpt-3.npz")
+        assert [saved(tmp_path / f"ckpt-{n}.npz") for n in (1, 2, 3)] == [
+            {"step": 1},
+            {"step": 2},
+            {"step": 3},
+        ]
+        assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (2, 1, 3)]
+
+    @pytest.mark.parametrize("why", ["folder", "refused"])
+    async def test_checkpoint_that_cannot_be_deleted(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str
+    ) -> None:
+        """An old checkpoint that cannot be pruned (now a folder, or its deletion refused) is a
+        RuntimeWarning naming it, not a failed save: the new checkpoint is written and listed,
+        the old one is no longer listed, and later saves prune as usual. Such saves used to
+        raise IsADirectoryError, every one after it too, and keep more than max_to_keep."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=2)
+        await manager.save()
+        await manager.save()
+        stuck = tmp_path / "ckpt-1.npz"
+        if why == "folder":
+            stuck.unlink()
+            stuck.mkdir()
+            (stuck / "inside").write_bytes(b"")
+            error = "Is a directory" if sys.platform != "win32" else ""
+        else:
+            real = os.unlink
+
+            def refuse(path: Any, *args: Any, **kwargs: Any) -> None:
+                if os.fspath(path) == str(stuck):
+                    raise PermissionError(13, "Permission denied", str(stuck))
+                real(path, *args, **kwargs)
+
+            monkeypatch.setattr(os, "unlink", refuse)
+            error = "Permission denied"
+        with pytest.warns(RuntimeWarning) as warned:
+            assert await manager.save() == str(tmp_path / "ckpt-3.npz")
+        [warning] = warned
+        assert str(warning.message).startswith(
+            f"CheckpointManager: could not delete old checkpoint {str(stuck)!r} ("
+        )
+        assert error in str(warning.message)
+        assert str(warning.message).endswith(
+            "it stays on disk but is no longer listed among the kept checkpoints (remove it by "
+            "hand); the new checkpoint was saved"
+        )
+        assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (2, 3)]
+        assert await manager.save() == str(tmp_path / "ckpt-4.npz")
+        assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (3, 4)]
+        assert sorted(os.listdir(tmp_path)) == ["ckpt-1.npz", "ckpt-3.npz", "ckpt-4.npz"]
 
     def test_not_a_checkpoint(self, tmp_path: Path) -> None:
         """The first argument must be a Checkpoint."""
@@ -1294,3 +1562,72 @@ class TestConsistentSnapshot:
 
         assert os.listdir(tmp_path) == ["c.npz"]
         assert saved(path) == {"w": [0.0, 1.0, 2.0]}
+
+
+class FakeWorkers:
+    """The workers of a MultiWorkerMirroredStrategy, as a checkpoint sees them, recording the
+    collectives a call makes (no MPI): ``refuse_in_step`` is how a save refuses its arguments
+    on every worker alike, a ``Checkpoint.restore refusing the file`` barrier how a restore
+    does; any other collective means the refusal came too late, after the workers met."""
+
+    is_chief = True
+    broken = False
+    pending = False
+
+    def __init__(self) -> None:
+        self.collectives: list[str] = []
+
+    def call(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+    async def refuse_in_step(self, what: str, error: BaseException) -> None:
+        self.collectives.append(f"{what} refusing its arguments: {type(error).__name__}")
+
+    async def barrier(self, what: str) -> None:
+        self.collectives.append(what.split(": ")[0])
+
+    async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
+        self.collectives.append("broadcast")
+        return data
+
+
+class TestRefusedOnEveryWorker:
+    """Across workers, the new refusals happen before the workers meet, as the others do: in
+    step on every worker alike, never leaving one waiting in a collective for another."""
+
+    @pytest.fixture
+    def workers(self, monkeypatch: pytest.MonkeyPatch) -> FakeWorkers:
+        fake = FakeWorkers()
+        monkeypatch.setattr(Checkpoint, "_workers", lambda self: fake)
+        return fake
+
+    async def test_save(self, tmp_path: Path, workers: FakeWorkers) -> None:
+        cfg: dict[str, Any] = {"epoch": 1}
+        ckpt = Checkpoint(w=Variable(np.zeros(2), name="w"), cfg=cfg)
+        cfg["t"] = "five"
+        with pytest.raises(TypeError, match=r"^Checkpoint\.save: cfg/t is a str"):
+            await ckpt.save(tmp_path / "c.npz")
+        with pytest.raises(TypeError, match=r"^CheckpointManager\.save: cfg/t is a str"):
+            await CheckpointManager(ckpt, tmp_path / "run").save()
+        del cfg["t"]
+        with pytest.raises(ValueError, match=r"^Checkpoint\.save: the path is empty"):
+            await ckpt.save("")
+        assert workers.collectives == [
+            "Checkpoint.save refusing its arguments: TypeError",
+            "CheckpointManager.save refusing its arguments: TypeError",
+            "Checkpoint.save refusing its arguments: ValueError",
+        ]
+        assert os.listdir(tmp_path) == []
+
+    async def test_restore(self, tmp_path: Path, workers: FakeWorkers) -> None:
+        path = await Checkpoint(epoch=1, cfg={"t": [5]}).save(tmp_path / "c.npz")
+        workers.collectives.clear()
+        cfg: dict[str, Any] = {"t": [0]}
+        ckpt = Checkpoint(epoch=9, cfg=cfg)
+        cfg["t"] = (0,)
+        with pytest.raises(TypeError, match=r"^Checkpoint\.restore: the number at cfg/t/0"):
+            await ckpt.restore(path)
+        with pytest.raises(ValueError, match=r"^Checkpoint\.restore: the path is empty"):
+            await ckpt.restore("")
+        assert workers.collectives == ["Checkpoint.restore refusing the file"] * 2
+        assert (ckpt.epoch, cfg) == (9, {"t": (0,)})

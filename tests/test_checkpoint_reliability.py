@@ -348,6 +348,57 @@ class TestStaleTemporaries:
         assert listing(tmp_path) == ["ckpt-1.npz", "ckpt-2.npz"]
         assert saved(tmp_path / "ckpt-1.npz") == {"w": [0.0, 1.0, 2.0, 3.0]}
 
+    async def test_long_checkpoint_name(self, tmp_path: Path) -> None:
+        """A manager whose file names leave no room in a temporary's name for the host and pid
+        (a 240-character ``checkpoint_name``) saves: the temporary's name is cut short, ending
+        in ``~``, within 255 bytes (its saves used to fail with ENAMETOOLONG). A writer killed
+        mid-write leaves such a temporary; the next run's first save recognises it as its
+        own and removes it, and keeps a live writer's and another name's."""
+        name = "n" * 240
+        script = """if True:
+            import os, signal, sys
+            import anyio, numpy as np
+            import aioreplica
+            print(os.getpid(), flush=True)
+            w = aioreplica.Variable(np.arange(4.0), name="w")
+            manager = aioreplica.CheckpointManager(
+                aioreplica.Checkpoint(w=w), sys.argv[1], checkpoint_name=sys.argv[2]
+            )
+            anyio.run(manager.save)
+            real = np.lib.format.write_array
+            def killed(*args, **kwargs):
+                real(*args, **kwargs)
+                os.kill(os.getpid(), signal.SIGKILL)
+            np.lib.format.write_array = killed
+            anyio.run(manager.save)
+        """
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+        with anyio.fail_after(20):
+            result = await anyio.run_process(
+                [sys.executable, "-c", script, str(tmp_path), name], check=False, env=env
+            )
+        assert (result.returncode, result.stderr) == (-signal.SIGKILL, b"")
+        pid = int(result.stdout)
+        host = socket.gethostname()
+        [temporary] = [n for n in listing(tmp_path) if n != f"{name}-1.npz"]
+        assert len(os.fsencode(temporary)) <= 255
+        start = temporary[1 : temporary.index(f"~.{host}.{pid}.")]
+        assert start
+        assert f"{name}-2.npz".startswith(start)
+        assert temporary.endswith(".tmp")
+        alive = f".{start}~.{host}.{os.getpid()}.0a1b2c3d.tmp"
+        another = f".m{start[1:]}~.{host}.{pid}.0a1b2c3d.tmp"
+        for other in (alive, another):
+            (tmp_path / other).write_bytes(b"partial")
+
+        w = Variable(np.zeros(4), name="w")
+        manager = CheckpointManager(Checkpoint(w=w), tmp_path, checkpoint_name=name)
+        assert await manager.save() == str(tmp_path / f"{name}-2.npz")
+
+        assert listing(tmp_path) == sorted([f"{name}-1.npz", f"{name}-2.npz", alive, another])
+        assert saved(tmp_path / f"{name}-1.npz") == {"w": [0.0, 1.0, 2.0, 3.0]}
+
 
 # -- restores racing with writes ---------------------------------------------------------------
 
@@ -507,6 +558,56 @@ class TestRestoreTakesTurns:
 
         assert events == ["write called", "restore let go on", "restored", "written"]
         assert model.state() == reference.state()
+
+    @pytest.mark.parametrize(
+        ("change", "problem"),
+        [
+            ("tuple", "Checkpoint.restore: the number at cfg/t/0 is inside a tuple"),
+            ("added", "(an object added, removed or replaced in one of its dicts or lists)"),
+            ("replaced", "(an object added, removed or replaced in one of its dicts or lists)"),
+        ],
+    )
+    async def test_objects_changed_while_the_restore_waits(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str, problem: str
+    ) -> None:
+        """A dict of the checkpoint changed while the restore, checked already, computes its
+        new copies: the restore raises CheckpointError and changes nothing. A number moved
+        into a tuple used to fail the commit halfway, with the variables restored and a bare
+        TypeError."""
+        model = await trained(BIG, steps=1)
+        cfg: dict[str, Any] = {"t": [5]}
+        model.ckpt.cfg = cfg
+        path = str(tmp_path / "ckpt.npz")
+        await model.ckpt.save(path)
+        await step(model)
+        cfg["t"] = [6]
+        before = model.state()
+        held = HeldCompute(monkeypatch)
+
+        async def restore() -> None:
+            with pytest.raises(CheckpointError) as caught:
+                await model.ckpt.restore(path)
+            [message] = caught.value.problems
+            assert message.startswith(
+                "the checkpoint's objects changed while the restore waited for its turn"
+            )
+            assert problem in message
+
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                held.armed = True
+                tg.start_soon(restore)
+                await held.entered.wait()
+                if change == "tuple":
+                    cfg["t"] = (6,)
+                elif change == "added":
+                    cfg["u"] = 1
+                else:
+                    model.ckpt.model["b"] = Variable(np.zeros(3), name="b")
+                held.release.set()
+
+        assert model.state() == before
+        assert cfg["t"] == ((6,) if change == "tuple" else [6])
 
 
 # -- malformed manifests and clear messages ---------------------------------------------------

@@ -341,8 +341,28 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         WORLD.Barrier()
 
 
+def changed_after_construction(ckpt: Checkpoint, bad: bool) -> Checkpoint:
+    """A checkpoint of ``ckpt``'s weight and a dict, which gets a str (no checkpoint value)
+    after the checkpoint is made, where ``bad``."""
+    config: dict[str, Any] = {"epoch": 3}
+    changed = Checkpoint(w=ckpt.w, config=config)
+    if bad:
+        config["note"] = "a str"
+    return changed
+
+
 #: Bad arguments to a save or a restore, by the call they go to.
 BAD_CHECKPOINT_CALLS: dict[str, tuple[Callable[[Any, Any, str, bool], Awaitable[Any]], type]] = {
+    "save of a changed dict": (
+        lambda ckpt, manager, path, bad: changed_after_construction(ckpt, bad).save(path),
+        TypeError,
+    ),
+    "restore into a changed dict": (
+        lambda ckpt, manager, path, bad: changed_after_construction(ckpt, bad).restore(
+            path.replace("good.npz", "changed.npz")  # its objects, before the change
+        ),
+        TypeError,
+    ),
     "save path": (lambda ckpt, manager, path, bad: ckpt.save(7 if bad else path), TypeError),
     "manager number": (lambda ckpt, manager, path, bad: manager.save(-1 if bad else 3), ValueError),
     "restore partial": (
@@ -366,6 +386,8 @@ async def test_bad_checkpoint_arguments_refused_in_step(
     bad = everywhere or RANK == WORKERS - 1
     with shared_directory() as directory:
         path = await model.checkpoint().save(os.path.join(directory, "good.npz"))
+        unchanged = changed_after_construction(model.checkpoint(), bad=False)
+        await unchanged.save(os.path.join(directory, "changed.npz"))
         manager = CheckpointManager(model.checkpoint(), os.path.join(directory, "run"))
         before = sorted(os.listdir(directory))
         with pytest.raises((TypeError, ValueError)) as caught:
