@@ -265,6 +265,36 @@ async def dead_pid() -> int:
     return process.pid
 
 
+async def killed_writer(directory: Path, name: str) -> int:
+    """Run a process whose manager (``checkpoint_name=name``) saves once into ``directory``,
+    then is killed (SIGKILL) in the middle of its second save; return its pid."""
+    script = """if True:
+        import os, signal, sys
+        import anyio, numpy as np
+        import aioreplica
+        print(os.getpid(), flush=True)
+        w = aioreplica.Variable(np.arange(4.0), name="w")
+        manager = aioreplica.CheckpointManager(
+            aioreplica.Checkpoint(w=w), sys.argv[1], checkpoint_name=sys.argv[2]
+        )
+        anyio.run(manager.save)
+        real = np.lib.format.write_array
+        def killed(*args, **kwargs):
+            real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        np.lib.format.write_array = killed
+        anyio.run(manager.save)
+    """
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    with anyio.fail_after(20):
+        result = await anyio.run_process(
+            [sys.executable, "-c", script, str(directory), name], check=False, env=env
+        )
+    assert (result.returncode, result.stderr) == (-signal.SIGKILL, b"")
+    return int(result.stdout)
+
+
 class TestStaleTemporaries:
     async def test_first_save_removes_only_stale_ones(self, tmp_path: Path) -> None:
         """The first save removes this manager's temporaries whose writer is gone.
@@ -312,29 +342,7 @@ class TestStaleTemporaries:
     ) -> None:
         """A writer killed mid-write leaves one temporary named after its host and pid; the next
         run's first save removes it, and numbering resumes after the last whole checkpoint."""
-        script = """if True:
-            import os, signal, sys
-            import anyio, numpy as np
-            import aioreplica
-            print(os.getpid(), flush=True)
-            w = aioreplica.Variable(np.arange(4.0), name="w")
-            manager = aioreplica.CheckpointManager(aioreplica.Checkpoint(w=w), sys.argv[1])
-            anyio.run(manager.save)
-            real = np.lib.format.write_array
-            def killed(*args, **kwargs):
-                real(*args, **kwargs)
-                os.kill(os.getpid(), signal.SIGKILL)
-            np.lib.format.write_array = killed
-            anyio.run(manager.save)
-        """
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-        with anyio.fail_after(20):
-            result = await anyio.run_process(
-                [sys.executable, "-c", script, str(tmp_path)], check=False, env=env
-            )
-        assert (result.returncode, result.stderr) == (-signal.SIGKILL, b"")
-        pid = int(result.stdout)
+        pid = await killed_writer(tmp_path, "ckpt")
         host = socket.gethostname()
         [temporary] = [name for name in listing(tmp_path) if name != "ckpt-1.npz"]
         assert temporary.startswith(f".ckpt-2.npz.{host}.{pid}.")
@@ -355,31 +363,7 @@ class TestStaleTemporaries:
         mid-write leaves such a temporary; the next run's first save recognises it as its
         own and removes it, and keeps a live writer's and another name's."""
         name = "n" * 240
-        script = """if True:
-            import os, signal, sys
-            import anyio, numpy as np
-            import aioreplica
-            print(os.getpid(), flush=True)
-            w = aioreplica.Variable(np.arange(4.0), name="w")
-            manager = aioreplica.CheckpointManager(
-                aioreplica.Checkpoint(w=w), sys.argv[1], checkpoint_name=sys.argv[2]
-            )
-            anyio.run(manager.save)
-            real = np.lib.format.write_array
-            def killed(*args, **kwargs):
-                real(*args, **kwargs)
-                os.kill(os.getpid(), signal.SIGKILL)
-            np.lib.format.write_array = killed
-            anyio.run(manager.save)
-        """
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
-        with anyio.fail_after(20):
-            result = await anyio.run_process(
-                [sys.executable, "-c", script, str(tmp_path), name], check=False, env=env
-            )
-        assert (result.returncode, result.stderr) == (-signal.SIGKILL, b"")
-        pid = int(result.stdout)
+        pid = await killed_writer(tmp_path, name)
         host = socket.gethostname()
         [temporary] = [n for n in listing(tmp_path) if n != f"{name}-1.npz"]
         assert len(os.fsencode(temporary)) <= 255

@@ -68,6 +68,12 @@ class Reference:
     def add(self, name: str, value: Any) -> None:
         self.params[name] = np.array(value, dtype=np.float64)
 
+    def tracking(self, variables: Sequence[Variable]) -> Reference:
+        """This reference, starting from the current values of ``variables``."""
+        for v in variables:
+            self.add(v.name, v.numpy())
+        return self
+
     def slot_names(self) -> tuple[str, ...]:
         if self.kind in ("adam", "adamw"):
             return ("m", "v")
@@ -287,9 +293,7 @@ class TestUpdateRules:
         strategy = MirroredStrategy(host_devices(2))
         variables = make_variables(strategy, rng, SHAPES)
         opt = make_optimizer(kind, learning_rate, config)
-        ref = Reference(kind, learning_rate, **config)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference(kind, learning_rate, **config).tracking(variables)
         for _ in range(5):
             grads = random_grads(rng, 2, list(SHAPES.values()))
             await train_step(strategy, opt, variables, grads)
@@ -365,9 +369,7 @@ class TestAdamW:
         strategy = MirroredStrategy(host_devices(4))
         variables = make_variables(strategy, rng, SHAPES)
         opt = AdamW(learning_rate, **config)
-        ref = Reference("adamw", learning_rate, **config)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference("adamw", learning_rate, **config).tracking(variables)
         for _ in range(6):
             grads = random_grads(rng, 4, list(SHAPES.values()))
             await train_step(strategy, opt, variables, grads)
@@ -419,9 +421,7 @@ class TestAdamW:
         strategy = MirroredStrategy(host_devices(2))
         variables = make_variables(strategy, rng, SHAPES)
         opt = AdamW(halving, **config)
-        ref = Reference("adamw", halving, **config)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference("adamw", halving, **config).tracking(variables)
         for _ in range(3):
             grads = random_grads(rng, 2, list(SHAPES.values()))
             await train_step(strategy, opt, variables, grads)
@@ -466,8 +466,7 @@ async def train_like_reference(
     rng = np.random.default_rng(seed)
     strategy = MirroredStrategy(host_devices(replicas))
     variables = make_variables(strategy, rng, SHAPES)
-    for v in variables:
-        ref.add(v.name, v.numpy())
+    ref.tracking(variables)
     for _ in range(steps):
         grads = random_grads(rng, replicas, list(SHAPES.values()))
         await train_step(strategy, opt, variables, grads)
@@ -637,9 +636,7 @@ class TestSlotCheckpoints:
         strategy = MirroredStrategy(host_devices(2))
         variables = make_variables(strategy, rng, SHAPES)
         opt = make_optimizer(kind, halving, config)
-        ref = Reference(kind, halving, **config)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference(kind, halving, **config).tracking(variables)
         for _ in range(3):
             grads = random_grads(rng, 2, list(SHAPES.values()))
             await train_step(strategy, opt, variables, grads)
@@ -738,9 +735,7 @@ class TestClipping:
         strategy = strategy_factory()
         variables = make_variables(strategy, rng, SHAPES)
         opt = make_optimizer(kind, learning_rate, {**config, **clip})
-        ref = Reference(kind, learning_rate, **config, **clip)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference(kind, learning_rate, **config, **clip).tracking(variables)
         for step in range(6):
             size = (0.1, 2.0)[step % 2]
             grads = [
@@ -852,9 +847,7 @@ class TestClipping:
         unclipped = collections.Counter(xp.calls)
         xp.calls.clear()
         opt = SGD(0.1, **clipping(clip, 0.5))
-        ref = Reference("sgd", 0.1, **clipping(clip, 0.5))
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference("sgd", 0.1, **clipping(clip, 0.5)).tracking(variables)
         await train_step(strategy, opt, variables, grads)
         ref.apply(summed(grads, list(SHAPES)))
         assert_matches(opt, variables, ref)
@@ -872,9 +865,7 @@ class TestApplyGradients:
         strategy = MirroredStrategy(host_devices(4))
         variables = make_variables(strategy, rng, SHAPES)
         opt = SGD(0.1, momentum=0.9)
-        ref = Reference("sgd", 0.1, momentum=0.9)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference("sgd", 0.1, momentum=0.9).tracking(variables)
         for _ in range(3):
             grads = random_grads(rng, 4, list(SHAPES.values()))
             await train_step(strategy, opt, variables, grads)
@@ -952,9 +943,7 @@ class TestApplyGradients:
         monkeypatch.setattr(HOST_BACKEND, "all_reduce_packed", recording_packed)
         monkeypatch.setattr(HOST_BACKEND, "all_reduce", recording)
         opt = SGD(0.1, momentum=0.5, **clip)
-        ref = Reference("sgd", 0.1, momentum=0.5, **clip)
-        for v in variables:
-            ref.add(v.name, v.numpy())
+        ref = Reference("sgd", 0.1, momentum=0.5, **clip).tracking(variables)
         rounds = []
         for _ in range(3):
             grads = random_grads(rng, 3, list(shapes.values()))
