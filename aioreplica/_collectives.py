@@ -185,7 +185,8 @@ class ReductionEngine:
         if cluster is None:
             return local
         staged = np.moveaxis(await self._staged(local[0]), axis, 0)
-        whole = np.moveaxis(await cluster.allgather_rows(staged, _where(path)), 0, axis)
+        where = " ".join(filter(None, (_where(path), f"along axis {axis}")))
+        whole = np.moveaxis(await cluster.allgather_rows(staged, where), 0, axis)
         return await self._placed(np.asarray(whole, order="C"))
 
     async def broadcast(
@@ -228,7 +229,7 @@ class ReductionEngine:
             _check_crossing("broadcast", leaves, local)
         results = []
         for leaf in leaves:
-            where = " ".join(filter(None, (what, _where(leaf.path))))
+            where = " ".join(filter(None, (what, f"of replica {source}", _where(leaf.path))))
             mine: np.ndarray[Any, Any] | None = None  # another worker's: ignored ...
             if sending:
                 mine = await self._staged(leaf.arrays[local], local)
@@ -675,7 +676,7 @@ class ReductionEngine:
                 # thread as the backend reduces so few bytes (no output of their own first).
                 out = HOST_BACKEND.output(first.shape, first.dtype)
                 send = first if len(inputs) == 1 else [np.asarray(x) for x in inputs]
-                await self.cluster.allreduce(_local_op(op), send, out, _where(path))
+                await self.cluster.allreduce(_local_op(op), send, out, _layout(op, _where(path)))
                 if op == "mean":
                     np.divide(out, self.num_replicas, out=out)
                 return [HOST_BACKEND.publish(out)] * self.size
@@ -696,14 +697,14 @@ class ReductionEngine:
             out = local[0]
             out.flags.writeable = True  # the pool's fresh output: nobody else holds it yet
             try:
-                await self.cluster.allreduce(_local_op(op), None, out, layout)
+                await self.cluster.allreduce(_local_op(op), None, out, _layout(op, layout))
                 if op == "mean":
                     np.divide(out, self.num_replicas, out=out)
             finally:
                 out.flags.writeable = False
             return local
         staged = await self._staged(local[0])
-        await self.cluster.allreduce(_local_op(op), None, staged, layout)
+        await self.cluster.allreduce(_local_op(op), None, staged, _layout(op, layout))
         if op == "mean":
             np.divide(staged, self.num_replicas, out=staged)
         return await self._placed(staged)
@@ -787,6 +788,12 @@ def _where(path: _tree.KeyPath) -> str:
     """Where a leaf is in a collective's value, as the workers compare it ("" for the value
     itself): ``{"a": x}`` on one worker and ``{"b": x}`` on another must not combine."""
     return f"at {_tree.format_path(path)}" if path else ""
+
+
+def _layout(op: str, layout: str) -> str:
+    """``layout`` as the workers compare it for ``op``: a mean travels as a sum (``_local_op``),
+    so a mean on one worker must not meet a sum on another unnoticed."""
+    return f"{layout} (a mean)" if op == "mean" else layout
 
 
 def _local_op(op: str) -> str:

@@ -634,6 +634,8 @@ DISAGREEMENTS: dict[str, tuple[Callable[[], tuple[str, Any]], str]] = {
     "dtype": (lambda: ("sum", np.ones(2, [np.float32, np.float64][RANK % 2])), "float64"),
     "large shape": (lambda: ("sum", np.ones(1000 + RANK)), r"\(1000,\).*\(1001,\)"),
     "op": (lambda: (["sum", "max"][RANK % 2], np.ones(2)), r"\(sum\).*\(max\)"),
+    "sum and mean": (lambda: (["mean", "sum"][RANK % 2], np.ones(2)), r"\(a mean\)"),
+    "large sum and mean": (lambda: (["mean", "sum"][RANK % 2], np.ones(1000)), r"\(a mean\)"),
     "packed leaves": (
         lambda: ("sum", {"a": np.ones(2 + RANK), "b": np.ones(3 - RANK)}),
         r"leaves at \['a'\] \(2,\), at \['b'\] \(3,\).*leaves at \['a'\] \(3,\)",
@@ -716,6 +718,40 @@ async def test_gather_and_broadcast_workers_disagree(
     np.testing.assert_array_equal(
         await strategy.run(agreed), np.repeat(np.arange(WORKERS), 2).reshape(WORKERS, 2)
     )
+
+
+@pytest.mark.parametrize("collective", ["all_gather", "gather", "broadcast"])
+async def test_another_axis_or_source_on_one_worker_is_refused(
+    make_strategy: MakeStrategy, collective: str
+) -> None:
+    """Workers gathering along other axes, or broadcasting from other source replicas (both
+    sources on worker 0), get the same ValueError on every worker instead of an array laid
+    out wrongly or another replica's value; the strategy goes on."""
+    strategy = make_strategy(2)
+    value = np.full((2, 2), float(RANK))
+
+    async def step() -> Any:
+        ctx = replica_context()
+        if collective == "all_gather":
+            return await ctx.all_gather(value, axis=RANK % 2)
+        return await ctx.broadcast(value, source_replica=RANK % 2)
+
+    async def call() -> Any:
+        if collective == "gather":
+            return await strategy.gather(PerReplica([value, value]), axis=RANK % 2)
+        return await strategy.run(step)
+
+    with pytest.raises(ValueError, match="the workers passed different values") as caught:
+        await call()
+    shown = "of replica 0.*of replica 1" if collective == "broadcast" else "axis 0.*axis 1"
+    assert re.search(shown, str(caught.value)), str(caught.value)
+    assert len(set(allgather(str(caught.value)))) == 1
+
+    async def agreed() -> Any:
+        return await replica_context().all_gather(np.full((1, 2), RANK), axis=0)
+
+    result = strategy.experimental_local_results(await strategy.run(agreed))[0]
+    np.testing.assert_array_equal(result, np.repeat(np.arange(WORKERS), 4).reshape(-1, 2))
 
 
 @pytest.mark.parametrize("size", [2, 1000])
