@@ -164,8 +164,25 @@ def call_of(workers: Workers | None, what: str) -> contextlib.AbstractAsyncConte
 
 def error_line(error: BaseException) -> str:
     """``error`` in one line for a peer: its type, and its message's first line (cut)."""
-    text = str(error).splitlines()[0][:500] if str(error) else ""
+    try:
+        message = str(error)
+    except Exception:  # a __str__ that raises: the type still says something
+        message = "(its message could not be shown)"
+    text = message.splitlines()[0][:500] if message else ""
     return f"{type(error).__name__}{': ' + text if text else ''}"
+
+
+def _notice_bytes(notice: dict[str, Any]) -> bytes:
+    """``notice`` as JSON within ``_NOTICE_BYTES``, its ``reason`` cut short (ending in
+    ``...``) where it is too long, so that the peers can always read it."""
+    reason: str = notice["reason"]
+    cut = reason
+    while True:
+        data = json.dumps(notice, ensure_ascii=False).encode("utf-8", "replace")
+        if len(data) <= _NOTICE_BYTES or not cut:
+            return data[:_NOTICE_BYTES]
+        cut = cut[: max(0, len(cut) - (len(data) - _NOTICE_BYTES) - 3)]  # a char is >= 1 byte
+        notice = {**notice, "reason": cut + "..."}
 
 
 def import_mpi() -> Any:
@@ -462,7 +479,7 @@ class Workers:
             return
         side.failure = f"worker {self.worker_index} failed: {reason}"
         notice = {"worker": self.worker_index, "reason": reason, "replicas": list(replicas)}
-        side.send_all(json.dumps(notice).encode()[:_NOTICE_BYTES], _NOTICE)
+        side.send_all(_notice_bytes(notice), _NOTICE)
 
     def _peer_failure(self, what: str) -> ReplicaSyncError | None:
         """The failure a peer announced, as the error to raise here in ``what``, or ``None``

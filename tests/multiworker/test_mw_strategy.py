@@ -669,3 +669,52 @@ def test_a_worker_refusing_its_arguments_refuses_every_worker(
         assert strategy.cluster.num_workers == WORKERS
     finally:
         strategy.close()
+
+
+class _UnprintableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("its __str__ raised")
+
+
+#: Failures of the last worker whose notice is hard to send: a message far beyond the
+#: notice's size in JSON (each emoji an escape of 12 bytes), and one that cannot be shown.
+HARD_FAILURES: dict[str, tuple[Callable[[], BaseException], str]] = {
+    "long message": (
+        lambda: ValueError("\N{GRINNING FACE}" * 2000),
+        "ValueError: \N{GRINNING FACE}",
+    ),
+    "unprintable message": (
+        _UnprintableError,
+        "_UnprintableError: (its message could not be shown)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(HARD_FAILURES))
+async def test_a_failure_hard_to_describe_still_names_its_worker(case: str) -> None:
+    """The failing worker raises its own exception; every other one a ReplicaSyncError naming
+    it (not "worker -1"), with the exception's type and what can be shown of its message,
+    within seconds (not a hang)."""
+    make_error, shown = HARD_FAILURES[case]
+    error = make_error()
+    strategy = MultiWorkerMirroredStrategy(["cpu:0"])
+    failing = WORKERS - 1
+
+    async def step() -> Any:
+        if failing == RANK:
+            raise error
+        return await replica_context().all_reduce("sum", 1.0)
+
+    try:
+        with anyio.fail_after(20):
+            if failing == RANK:
+                with pytest.raises(type(error)) as own:
+                    await strategy.run(step)
+                assert own.value is error
+            else:
+                with pytest.raises(aioreplica.ReplicaSyncError) as caught:
+                    await strategy.run(step)
+                assert caught.value.workers == (failing,)
+                assert f"worker {failing} failed: {shown}" in str(caught.value)
+    finally:
+        strategy.close()
