@@ -944,7 +944,7 @@ async def _chief_writes(
         try:
             outcome["path"] = await write()
         except Exception as exc:
-            outcome["error"] = f"{type(exc).__name__}: {exc}"
+            outcome["error"] = error_line(exc)
             outcome["exception"] = exc
         if numbers is not None:
             outcome["numbers"] = numbers

@@ -280,7 +280,7 @@ class _Call:
             return  # within the run() or the call in progress: its collectives go ahead
         if workers.broken:
             return  # no more collectives: each says so, and what is this worker's own goes on
-        await workers._enter_call(self.what)
+        await workers._enter_call(self.what)  # cancelled while waiting: it made no collective
         self.holding = True
         self._reset = current_call.set(self)
 
@@ -290,6 +290,12 @@ class _Call:
             self._reset = None
             self.holding = False
             self.workers.let_go()
+            stopped = exc_info[1]
+            if isinstance(stopped, BaseException) and not isinstance(stopped, Exception):
+                # Cancelled (or interrupted) once under way: this worker fails, as a cancelled
+                # run() does; the others are, or will be, in collectives MPI cannot take back.
+                # (An exception is the call's own, raised in step.)
+                self.workers.announce(f"its {self.what} was stopped by {type(stopped).__name__}")
 
 
 @final

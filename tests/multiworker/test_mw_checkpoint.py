@@ -16,7 +16,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aioreplica import Checkpoint, CheckpointManager, Variable
+from aioreplica import Checkpoint, CheckpointManager, ReplicaSyncError, Variable
 from aioreplica.optimizers import Adam
 from aioreplica.testing import replica_id
 from multiworker.mwtools import (
@@ -401,3 +401,28 @@ async def test_bad_checkpoint_arguments_refused_in_step(
         await model.train(1.0)  # in step
         assert_same_on_every_worker(*model.state())
         WORLD.Barrier()
+
+
+async def test_a_save_cancelled_on_the_chief_fails_the_others(make_strategy: MakeStrategy) -> None:
+    """A save cancelled on the chief before it writes counts as the chief failing: the others,
+    waiting for its answer, raise ReplicaSyncError naming it at once instead of waiting on
+    (past their own deadlines), and no file is written."""
+    strategy = make_strategy(1)
+    model = Model(strategy)
+    ckpt = model.checkpoint()
+    with shared_directory() as directory:
+        path = os.path.join(directory, "cancelled.npz")
+        with anyio.fail_after(20):
+            if RANK == 0:
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    await ckpt.save(path)
+                assert scope.cancelled_caught
+            else:
+                with pytest.raises(ReplicaSyncError) as caught:
+                    await ckpt.save(path)
+                assert caught.value.workers == (0,)
+                shown = r"worker 0 failed: its .*Checkpoint\.save was (stopped|interrupted) by"
+                assert re.search(shown, str(caught.value)), str(caught.value)
+        WORLD.Barrier()
+        assert "cancelled.npz" not in os.listdir(directory)
