@@ -417,7 +417,7 @@ class StrategyExtended:
         state = context_state.get()
         if state.replica is None:
             self._strategy._check_not_mixed("extended.update()", state)
-        copies = await update(self._strategy, var, fn, tuple(args), kwargs)
+        copies = await update(self._strategy, var, fn, args, kwargs)
         if not group:
             return copies
         replica = context_state.get().replica

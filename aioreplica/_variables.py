@@ -18,13 +18,14 @@ sync-on-read variable's aggregate.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, final, overload
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
-from ._cluster import call_of
+from ._cluster import call_of, error_line
 from ._collectives import register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._errors import ReplicaSyncError, add_note, replica_list
@@ -47,7 +48,7 @@ from ._writes import (
 
 if TYPE_CHECKING:
     import contextlib
-    from collections.abc import Callable, Iterator, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Sequence
 
     from ._backends import Device
     from ._cluster import Workers
@@ -1191,13 +1192,46 @@ async def update(
     strategy: Any,
     variable: Variable,
     fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: Mapping[str, Any] | None,
+    args: Any,
+    kwargs: Any,
 ) -> tuple[Any, ...]:
     """``strategy.extended.update``: the new value of every copy is ``fn(copy, *args)``.
 
     Returns the new copies, one per replica (in replica context every replica gets them all,
-    after one merge round); the facade groups them as its caller asked.
+    after one merge round); the facade groups them as its caller asked. Across workers,
+    outside a ``run()``, arguments refused on one worker are refused on every worker.
+    """
+    replica = context_state.get().replica
+    if replica is not None:
+        args, kwargs = _update_call(variable, fn, args, kwargs)
+        if replica.strategy is not strategy:
+            raise RuntimeError(
+                f"update() of {strategy!r} was called in a replica of {replica.strategy!r}"
+            )
+        copies: tuple[Any, ...] = await replica._collective(
+            _merge_update, (variable, fn, args, kwargs), replica._engine.options._timeout
+        )
+        return copies
+    engine: ReductionEngine = strategy._engine
+    async with call_of(engine.cluster, "update()"):
+        try:
+            args, kwargs = _update_call(variable, fn, args, kwargs)
+        except TypeError as exc:
+            workers = engine.cluster
+            if workers is not None and not workers.broken and not workers.in_step:
+                await engine.refuse("update()", exc)  # on every worker alike
+            raise
+        return await _update(strategy, variable, fn, args, kwargs)
+
+
+def _update_call(
+    variable: Any, fn: Any, args: Any, kwargs: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``update``'s arguments checked: the positional ones as a tuple, the keywords a dict.
+
+    Raises:
+        TypeError: ``variable`` is no variable; ``fn`` is not callable or is async; ``args``
+            is not iterable, or ``kwargs`` not a mapping.
     """
     if not isinstance(variable, Variable):
         raise TypeError(f"update() needs an aioreplica.Variable, got {type(variable).__name__}")
@@ -1207,19 +1241,17 @@ async def update(
         raise TypeError(
             f"update() of variable {variable._name!r}: fn {fn!r:.60} is async; {_PLAIN_FN}"
         )
-    kwargs = dict(kwargs or {})
-    replica = context_state.get().replica
-    if replica is not None:
-        if replica.strategy is not strategy:
-            raise RuntimeError(
-                f"update() of {strategy!r} was called in a replica of {replica.strategy!r}"
-            )
-        copies: tuple[Any, ...] = await replica._collective(
-            _merge_update, (variable, fn, args, kwargs), replica._engine.options._timeout
+    if not isinstance(args, list | tuple):
+        raise TypeError(
+            f"update() of variable {variable._name!r}: args must be a tuple of fn's "
+            f"positional arguments, got {type(args).__name__} {args!r:.60}"
         )
-        return copies
-    async with _call(variable, "update()"):
-        return await _update(strategy, variable, fn, args, kwargs)
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise TypeError(
+            f"update() of variable {variable._name!r}: kwargs must be a mapping of fn's "
+            f"keyword arguments or None, got {type(kwargs).__name__} {kwargs!r:.60}"
+        )
+    return tuple(args), dict(kwargs or {})
 
 
 async def _merge_update(
@@ -1273,9 +1305,10 @@ async def _update(
         try:
             per_copy_args = _update_arguments(strategy, variable, args, kwargs)
             new = await compute_update(variable, apply, per_copy_args)
-        except (TypeError, ValueError) as exc:
-            if engine is not None:
-                await engine.refuse(what, exc)
+        except Exception as exc:  # bad arguments, or whatever fn raised
+            if engine is not None:  # the others learn of it too: a refusal they raise in step
+                shown = exc if isinstance(exc, TypeError | ValueError | RuntimeError) else None
+                await engine.refuse(what, shown or ValueError(f"fn raised {error_line(exc)}"))
             raise
         if engine is not None:
             chief = await engine.broadcast(PerReplica(list(new)), 0, what)

@@ -170,7 +170,38 @@ BAD_CROSS_REPLICA_WRITES: dict[str, tuple[Any, type[Exception]]] = {
         TypeError,
     ),
     "SUM assign_add": (lambda v, m, bad: m.assign_add(1.0) if bad else m.assign(1.0), ValueError),
+    "update fn not callable": (
+        lambda v, m, bad: v.distribute_strategy.extended.update(v, None if bad else np.negative),
+        TypeError,
+    ),
+    "update fn async": (
+        lambda v, m, bad: v.distribute_strategy.extended.update(
+            v, _async_negative if bad else np.negative
+        ),
+        TypeError,
+    ),
+    "update args": (
+        lambda v, m, bad: v.distribute_strategy.extended.update(
+            v, np.multiply, 5 if bad else (2.0,)
+        ),
+        TypeError,
+    ),
+    "update fn raising": (
+        lambda v, m, bad: v.distribute_strategy.extended.update(
+            v, _missing_key if bad else np.negative
+        ),
+        KeyError,
+    ),
 }
+
+
+async def _async_negative(copy: Any) -> Any:
+    return -copy
+
+
+def _missing_key(copy: Any) -> Any:
+    found: dict[str, Any] = {}
+    return found["missing"]
 
 
 @pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
