@@ -185,6 +185,30 @@ def _notice_bytes(notice: dict[str, Any]) -> bytes:
         notice = {**notice, "reason": cut + "..."}
 
 
+#: The ops whose MPI version need not propagate a NaN (MPICH's ``MAX`` and ``MIN`` compare
+#: with ``>``), with NumPy's, which do; made into MPI ops on first use (``_nan_keeping_op``).
+_NAN_KEEPING: Final = {"max": np.maximum, "min": np.minimum}
+_nan_keeping_ops: dict[str, Any] = {}
+
+
+def _nan_keeping_op(mpi: Any, op: str) -> Any:
+    """An MPI op for ``op`` on floating arrays that keeps a NaN, as NumPy's (and the reduction
+    of data small enough for the records) does: a NaN on any worker is the result's NaN."""
+    made = _nan_keeping_ops.get(op)
+    if made is None:
+        from mpi4py.util import dtlib
+
+        ufunc = _NAN_KEEPING[op]
+
+        def combine(incoming: Any, inout: Any, datatype: Any) -> None:
+            dtype = dtlib.to_numpy_dtype(datatype)
+            result = np.frombuffer(inout, dtype)
+            ufunc(np.frombuffer(incoming, dtype), result, out=result)
+
+        made = _nan_keeping_ops[op] = mpi.Op.Create(combine, commute=True)
+    return made
+
+
 def import_mpi() -> Any:
     """``mpi4py.MPI``, imported now, or an ``ImportError`` that says what to install.
 
@@ -1223,6 +1247,8 @@ class Workers:
         return plan
 
     def _op(self, op: str, dtype: np.dtype[Any]) -> Any:
+        if dtype.kind == "f" and op in _NAN_KEEPING:  # MPI's own may drop a NaN
+            return _nan_keeping_op(self.mpi, op)
         name = _BOOL_OPS[op] if dtype.kind == "b" else _REDUCE_OPS[op]
         return getattr(self.mpi, name)
 

@@ -1119,3 +1119,25 @@ async def test_records_in_an_allgather_beyond_the_direct_workers(
     with pytest.raises(ValueError, match="the workers passed different values"):
         await strategy.run(disagree)
     await _still_in_step(strategy)
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+@pytest.mark.parametrize("size", [3, 5000], ids=["in the records", "large"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+async def test_max_and_min_keep_a_nan_from_any_worker(
+    make_strategy: MakeStrategy, op: str, size: int, dtype: type[np.floating[Any]]
+) -> None:
+    """A NaN on one worker is a NaN in the MAX or MIN, as NumPy's and the one-process
+    reduction give, whatever the size (MPI's own ops may drop it); the other elements are
+    reduced as usual."""
+    strategy = make_strategy(1)
+    value = np.full(size, float(RANK), dtype)
+    value[RANK % size] = np.nan  # each worker's NaN at its own place
+
+    async def step() -> Any:
+        return await replica_context().all_reduce(op, value)
+
+    result = await strategy.run(step)
+    want = np.full(size, float(WORKERS - 1 if op == "max" else 0), dtype)
+    want[: min(WORKERS, size)] = np.nan
+    np.testing.assert_array_equal(result, want, strict=True)
