@@ -1213,6 +1213,8 @@ class Workers:
             return False
         if self._checksums.tolist().count(header.checksum) != self.num_workers:
             raise _disagreement(what, self._gathered)  # (``_check_agreed``, written out)
+        if self.default_timeout is not None or collective_timeout.get() is not None:
+            self._check_nobody_gave_up(what)
         return True
 
     def _check_agreed(self, what: str, header: _Header) -> None:
@@ -1220,9 +1222,26 @@ class Workers:
 
         Raises:
             WorkersDisagree: as ``_exchange``.
+            ReplicaSyncError: under a timeout, a peer gave up on this worker meanwhile.
         """
         if self._checksums.tolist().count(header.checksum) != self.num_workers:
             raise _disagreement(what, self._gathered)
+        if self.default_timeout is not None or collective_timeout.get() is not None:
+            self._check_nobody_gave_up(what)
+
+    def _check_nobody_gave_up(self, what: str) -> None:
+        """Under a timeout, once this worker's record met every peer's: raise the failure a
+        peer announced meanwhile. A peer that timed out waiting for this worker had already
+        sent its record (MPI cannot take it back), so the exchange completes here; this
+        worker must raise too rather than go on alone (and, say, write what the others did
+        not). A peer whose program ended after this collective is no failure of it.
+
+        Raises:
+            ReplicaSyncError: the failure a peer announced.
+        """
+        failure = self._peer_failure(what)
+        if failure is not None and not self._side.peer_left:
+            raise failure
 
     def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
         """How this worker all-reduces ``out``: its header, and for data small enough to

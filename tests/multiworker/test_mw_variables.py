@@ -8,9 +8,11 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 import pytest
 
+import aioreplica
 from aioreplica import MirroredVariable, PerReplica, SyncOnReadVariable, Variable
 from aioreplica.optimizers import SGD, Adam, Optimizer
 from aioreplica.testing import replica_context, replica_id
@@ -631,3 +633,34 @@ async def test_an_optimizer_step_without_aggregation(
     await strategy.run(step, args=(False,))
     assert optimizer.iterations == 2
     assert_copies_equal(v, np.full(3, -1.0 * total))
+
+
+@pytest.mark.parametrize("write", ["assign", "update"])
+async def test_a_write_reached_late_under_sync_timeout_changes_nothing_anywhere(
+    make_strategy: MakeStrategy, write: str
+) -> None:
+    """Outside run(), under sync_timeout, a worker reaching a write after the others gave up
+    on it raises too, naming the worker that gave up, instead of writing alone: every copy
+    on every worker keeps its value."""
+    strategy = make_strategy(1, sync_timeout=1.0)
+    with strategy.scope():
+        v = Variable(np.zeros(3), name="v")
+    await strategy.run(lambda: None)
+    late = WORKERS - 1
+    if late == RANK:
+        await anyio.sleep(2.5)  # past the others' sync_timeout
+
+    async def call() -> Any:
+        if write == "assign":
+            return await v.assign(np.full(3, 7.0))
+        return await strategy.extended.update(v, lambda copy: copy + 7.0)
+
+    with anyio.fail_after(20), pytest.raises(aioreplica.ReplicaSyncError) as caught:
+        await call()
+    if late == RANK:  # told by a worker that gave up on it
+        assert caught.value.workers
+        assert late not in caught.value.workers
+    else:
+        assert caught.value.workers == (late,)
+    for copy in v.values:
+        np.testing.assert_array_equal(copy, np.zeros(3), strict=True)
