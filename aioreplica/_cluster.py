@@ -169,7 +169,8 @@ def error_line(error: BaseException) -> str:
     except Exception:  # a __str__ that raises: the type still says something
         message = "(its message could not be shown)"
     text = message.splitlines()[0][:500] if message else ""
-    return f"{type(error).__name__}{': ' + text if text else ''}"
+    line = f"{type(error).__name__}{': ' + text if text else ''}"
+    return line if len(line) <= 600 else f"{line[:600]}..."  # a type's name may be long too
 
 
 def _notice_bytes(notice: dict[str, Any]) -> bytes:
@@ -193,7 +194,9 @@ _nan_keeping_ops: dict[str, Any] = {}
 
 def _nan_keeping_op(mpi: Any, op: str) -> Any:
     """An MPI op for ``op`` on floating arrays that keeps a NaN, as NumPy's (and the reduction
-    of data small enough for the records) does: a NaN on any worker is the result's NaN."""
+    of data small enough for the records) does: a NaN on any worker is the result's NaN. Not
+    commutative to MPI, which then combines the workers' arrays in one order everywhere, so
+    every worker gets the same bits (the sign of a zero included)."""
     made = _nan_keeping_ops.get(op)
     if made is None:
         from mpi4py.util import dtlib
@@ -205,7 +208,7 @@ def _nan_keeping_op(mpi: Any, op: str) -> Any:
             result = np.frombuffer(inout, dtype)
             ufunc(np.frombuffer(incoming, dtype), result, out=result)
 
-        made = _nan_keeping_ops[op] = mpi.Op.Create(combine, commute=True)
+        made = _nan_keeping_ops[op] = mpi.Op.Create(combine, commute=False)
     return made
 
 

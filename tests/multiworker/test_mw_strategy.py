@@ -687,6 +687,7 @@ HARD_FAILURES: dict[str, tuple[Callable[[], BaseException], str]] = {
         _UnprintableError,
         "_UnprintableError: (its message could not be shown)",
     ),
+    "long type name": (lambda: type("E" * 5000, (ValueError,), {})(), "E" * 100),
 }
 
 
@@ -716,5 +717,6 @@ async def test_a_failure_hard_to_describe_still_names_its_worker(case: str) -> N
                     await strategy.run(step)
                 assert caught.value.workers == (failing,)
                 assert f"worker {failing} failed: {shown}" in str(caught.value)
+                assert " was raised in replica " in str(caught.value)  # not cut off
     finally:
         strategy.close()
