@@ -37,6 +37,7 @@ is a span named after the collective, with args ``op``, ``bytes`` (one replica's
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import math
 from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, SupportsIndex, TypeVar
 
@@ -258,11 +259,16 @@ class ReductionEngine:
         for leaf in leaves:
             _check_axis("reduce_scatter", leaf, axis)
         opts = self.options.override(options)
-        reducing = self._reduce_leaves(op, leaves, opts)
-        if _trace.recorder is not None:
-            reducing = self._traced(reducing, "reduce_scatter", op, leaves)
-        with self._timeout(opts):
-            results = await reducing
+        # Across workers, what travels is an all-reduce's: named so that it meets no other.
+        token = _reduction_of.set(f"(for a reduce_scatter along axis {int(axis)})")
+        try:
+            reducing = self._reduce_leaves(op, leaves, opts)
+            if _trace.recorder is not None:
+                reducing = self._traced(reducing, "reduce_scatter", op, leaves)
+            with self._timeout(opts):
+                results = await reducing
+        finally:
+            _reduction_of.reset(token)
         size, first, chunks = self.size, self.first_replica, self.num_replicas
         scattered = [
             [
@@ -790,10 +796,17 @@ def _where(path: _tree.KeyPath) -> str:
     return f"at {_tree.format_path(path)}" if path else ""
 
 
+#: What a cross-worker all-reduce is for, where it is not an ``all_reduce`` (say so in its
+#: layout, which the workers compare): set by ``reduce_scatter``.
+_reduction_of: contextvars.ContextVar[str] = contextvars.ContextVar("_reduction_of", default="")
+
+
 def _layout(op: str, layout: str) -> str:
     """``layout`` as the workers compare it for ``op``: a mean travels as a sum (``_local_op``),
-    so a mean on one worker must not meet a sum on another unnoticed."""
-    return f"{layout} (a mean)" if op == "mean" else layout
+    so a mean on one worker must not meet a sum on another unnoticed; nor a reduce_scatter's
+    reduction (``_reduction_of``) an all_reduce."""
+    tagged = " ".join(filter(None, (layout, "(a mean)" if op == "mean" else "")))
+    return " ".join(filter(None, (tagged, _reduction_of.get())))
 
 
 def _local_op(op: str) -> str:

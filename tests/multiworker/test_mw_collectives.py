@@ -1152,3 +1152,33 @@ async def test_max_and_min_keep_a_nan_from_any_worker(
     np.testing.assert_array_equal(result[:-1], want[:-1], strict=True)
     assert result[-1] == 0.0
     assert_same_on_every_worker(result)
+
+
+@pytest.mark.parametrize("other", ["all_reduce", "another axis"])
+async def test_a_reduce_scatter_meets_only_its_like(
+    make_strategy: MakeStrategy, other: str
+) -> None:
+    """A reduce_scatter on one worker meeting an all_reduce, or a reduce_scatter along
+    another axis, on another gets the same ValueError on every worker, as in one process,
+    instead of each worker keeping a result of its own kind; the strategy goes on."""
+    strategy = make_strategy(1)
+    value = np.arange(16.0).reshape(4, 4)
+
+    async def step() -> Any:
+        ctx = replica_context()
+        if RANK % 2 == 0:
+            return await ctx.reduce_scatter("sum", value, axis=0)
+        if other == "all_reduce":
+            return await ctx.all_reduce("sum", value)
+        return await ctx.reduce_scatter("sum", value, axis=1)
+
+    with pytest.raises(ValueError, match="the workers passed different values") as caught:
+        await strategy.run(step)
+    assert "reduce_scatter along axis 0" in str(caught.value)
+    assert len(set(allgather(str(caught.value)))) == 1
+
+    async def agreed() -> Any:
+        return await replica_context().reduce_scatter("sum", value, axis=0)
+
+    result = await strategy.run(agreed)
+    np.testing.assert_array_equal(result, np.array_split(WORKERS * value, WORKERS)[RANK])
