@@ -805,8 +805,10 @@ def _layout(op: str, layout: str) -> str:
     """``layout`` as the workers compare it for ``op``: a mean travels as a sum (``_local_op``),
     so a mean on one worker must not meet a sum on another unnoticed; nor a reduce_scatter's
     reduction (``_reduction_of``) an all_reduce."""
-    tagged = " ".join(filter(None, (layout, "(a mean)" if op == "mean" else "")))
-    return " ".join(filter(None, (tagged, _reduction_of.get())))
+    scatter = _reduction_of.get()
+    if op != "mean" and not scatter:
+        return layout  # the common case, at once
+    return " ".join(filter(None, (layout, "(a mean)" if op == "mean" else "", scatter)))
 
 
 def _local_op(op: str) -> str:
