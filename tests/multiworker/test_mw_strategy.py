@@ -719,4 +719,5 @@ async def test_a_failure_hard_to_describe_still_names_its_worker(case: str) -> N
                 assert f"worker {failing} failed: {shown}" in str(caught.value)
                 assert " was raised in replica " in str(caught.value)  # not cut off
     finally:
+        WORLD.Barrier()  # both done with the strategy before either frees its communicators
         strategy.close()

@@ -16,7 +16,14 @@ import aioreplica
 from aioreplica import MirroredVariable, PerReplica, SyncOnReadVariable, Variable
 from aioreplica.optimizers import SGD, Adam, Optimizer
 from aioreplica.testing import replica_context, replica_id
-from multiworker.mwtools import RANK, WORKERS, allgather, assert_same_on_every_worker, global_ids
+from multiworker.mwtools import (
+    RANK,
+    WORKERS,
+    WORLD,
+    allgather,
+    assert_same_on_every_worker,
+    global_ids,
+)
 
 if TYPE_CHECKING:
     from multiworker.mwtools import MakeStrategy
@@ -664,3 +671,6 @@ async def test_a_write_reached_late_under_sync_timeout_changes_nothing_anywhere(
         assert caught.value.workers == (late,)
     for copy in v.values:
         np.testing.assert_array_equal(copy, np.zeros(3), strict=True)
+    # Both done with this strategy before either closes it (its communicators are freed),
+    # so that no worker frees them under a call the other still makes.
+    WORLD.Barrier()
