@@ -110,6 +110,7 @@ from ._values import (
     regroup,
     select_replica,
     select_replicas,
+    shown_misfit,
 )
 
 if TYPE_CHECKING:
@@ -731,12 +732,10 @@ class _Run:
         if rnd.parts is None and result is not None:
             found = misfit(result, self.size)
             if found is not None:  # no replica could take its own part
-                where, leaf = found
                 merge_fn = rnd.requests[0][FN]  # type: ignore[index]  # all filed
                 self.fail(
                     ValueError(
-                        f"merge_fn {_describe_fn(merge_fn)} returned a {type(leaf).__name__} "
-                        f"of {len(leaf.values)} values{f' at {where}' if where else ''}, but "
+                        f"merge_fn {_describe_fn(merge_fn)} returned {shown_misfit(found)}, but "
                         f"merge_call has {self.size} replicas here; return one value per "
                         "replica, or a plain value that every replica gets"
                     ),

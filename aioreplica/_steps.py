@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 from . import _tree
 from ._context import context_state, default_replica_context, get_replica_context
 from ._errors import as_integer, yielding_step
-from ._values import DistributedValues, misfit
+from ._values import DistributedValues, misfit, shown_misfit
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Mapping
@@ -84,12 +84,10 @@ class _Feed:
         self.remaining -= 1
         found = misfit(element, strategy._engine.size)
         if found is not None:
-            where, leaf = found
             raise ValueError(
-                f"run_steps(): the iterator gave a {type(leaf).__name__} of "
-                f"{len(leaf.values)} values{f' at {where}' if where else ''}, but "
-                f"{strategy!r} has {strategy._engine.size} replicas here; iterate a dataset "
-                "distributed by this strategy"
+                f"run_steps(): the iterator gave {shown_misfit(found)}, but {strategy!r} has "
+                f"{strategy._engine.size} replicas here; iterate a dataset distributed by this "
+                "strategy"
             )
         return element
 

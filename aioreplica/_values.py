@@ -51,6 +51,7 @@ __all__ = [
     "select_replica",
     "select_replica_mirrored",
     "select_replicas",
+    "shown_misfit",
 ]
 
 T = TypeVar("T")
@@ -400,6 +401,12 @@ def misfit(structure: Any, size: int) -> tuple[str, DistributedValues[Any]] | No
         if isinstance(leaf, DistributedValues) and len(leaf.values) != size:
             return format_path(path), leaf
     return None
+
+
+def shown_misfit(found: tuple[str, DistributedValues[Any]]) -> str:
+    """What ``misfit`` found, for a message: ``a PerReplica of 4 values at ['b']``."""
+    where, leaf = found
+    return f"a {type(leaf).__name__} of {len(leaf.values)} values{f' at {where}' if where else ''}"
 
 
 def _split_plain(structure: Any, size: int) -> list[Any]:

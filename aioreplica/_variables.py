@@ -1217,9 +1217,9 @@ async def update(
         try:
             args, kwargs = _update_call(variable, fn, args, kwargs)
         except TypeError as exc:
-            workers = engine.cluster
-            if workers is not None and not workers.broken and not workers.in_step:
-                await engine.refuse("update()", exc)  # on every worker alike
+            agreeing = _agreeing(engine)
+            if agreeing is not None:
+                await agreeing.refuse("update()", exc)  # on every worker alike
             raise
         return await _update(strategy, variable, fn, args, kwargs)
 
@@ -1326,10 +1326,16 @@ def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManag
 
 
 def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:
-    """The engine through which a cross-replica write of ``variable`` takes the chief's value:
-    across workers, outside a ``run()``'s step, while the workers are in step; else ``None``
-    (one process, a ``merge_fn``, a broken cluster: the write is this worker's own)."""
-    engine = variable._engine
+    """The engine through which a cross-replica write of ``variable`` takes the chief's value
+    (``_agreeing``)."""
+    return _agreeing(variable._engine)
+
+
+def _agreeing(engine: ReductionEngine | None) -> ReductionEngine | None:
+    """``engine``, where a call outside a step makes its collectives with the other workers
+    (and refuses its arguments on every worker): across workers, outside a ``run()``'s step,
+    while the workers are in step; else ``None`` (one process, a ``merge_fn``, a broken
+    cluster: the call is this worker's own)."""
     workers = engine.cluster if engine is not None else None
     if workers is None or workers.broken or workers.in_step:
         return None
