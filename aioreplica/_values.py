@@ -626,6 +626,8 @@ def _same(a: Any, b: Any) -> bool:
     """Whether two replicas' values count as the same (see ``agreed``)."""
     if a is b:
         return True
+    if _is_variable(a) or _is_variable(b):
+        return False  # two variables, even of equal values (their == compares elementwise)
     if isinstance(a, functools.partial):
         return (
             isinstance(b, functools.partial)

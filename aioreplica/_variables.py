@@ -110,6 +110,16 @@ _Sync = VariableSynchronization
 _Agg = VariableAggregation
 
 
+def _sync_of(value: VariableSynchronization | str | None) -> VariableSynchronization:
+    """``synchronization`` as a member; ``None`` is the default, ``AUTO``, as in TF."""
+    return _Sync.AUTO if value is None else _Sync.parse(value)
+
+
+def _agg_of(value: VariableAggregation | str | None) -> VariableAggregation:
+    """``aggregation`` as a member; ``None`` is the default, ``NONE``, as in TF."""
+    return _Agg.NONE if value is None else _Agg.parse(value)
+
+
 class Variable(NDArrayOperatorsMixin):
     """State that keeps its value between steps; one copy per replica under a strategy.
 
@@ -136,8 +146,8 @@ class Variable(NDArrayOperatorsMixin):
         dtype: the dtype to store; default: ``initial_value``'s (Python floats: float64).
         trainable: whether optimizers should train it (recorded, as in TF); by default
             ``True``, except with ``synchronization="on_read"`` (``False``, as in TF).
-        synchronization: a ``VariableSynchronization`` or its name.
-        aggregation: a ``VariableAggregation`` or its name.
+        synchronization: a ``VariableSynchronization`` or its name; ``None`` means ``AUTO``.
+        aggregation: a ``VariableAggregation`` or its name; ``None`` means ``NONE``.
 
     Raises:
         ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
@@ -206,7 +216,7 @@ class Variable(NDArrayOperatorsMixin):
         # ``Variable(...)`` picks its class from the context, as ``tf.Variable`` does; the
         # subclasses' own constructors check the context instead.
         if cls is Variable and _scope(kwargs.get("name") or "Variable")[0] is not None:
-            sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
+            sync = _sync_of(kwargs.get("synchronization"))
             cls = SyncOnReadVariable if sync is _Sync.ON_READ else MirroredVariable
         return object.__new__(cls)
 
@@ -217,13 +227,13 @@ class Variable(NDArrayOperatorsMixin):
         name: str | None = None,
         dtype: Any = None,
         trainable: bool | None = None,
-        synchronization: VariableSynchronization | str = "auto",
-        aggregation: VariableAggregation | str = "none",
+        synchronization: VariableSynchronization | str | None = "auto",
+        aggregation: VariableAggregation | str | None = "none",
     ) -> None:
         if context_state.get().replica is not None:
             return  # ``__new__`` has returned the replicas' shared variable, made already
-        sync = _Sync.parse(synchronization)
-        agg = _Agg.parse(aggregation)
+        sync = _sync_of(synchronization)
+        agg = _agg_of(aggregation)
         if name is None:
             name = "Variable"
         if not isinstance(name, str):
@@ -1524,8 +1534,8 @@ def _check_same_creation(
     Raises:
         RuntimeError: naming both replicas and both variables.
     """
-    sync = _Sync.parse(kwargs.get("synchronization", _Sync.AUTO))
-    agg = _Agg.parse(kwargs.get("aggregation", _Agg.NONE))
+    sync = _sync_of(kwargs.get("synchronization"))
+    agg = _agg_of(kwargs.get("aggregation"))
     on_read = sync is _Sync.ON_READ  # AUTO and ON_WRITE both make a mirrored variable
     try:
         shape = None if callable(initial) else tuple(np.shape(initial))

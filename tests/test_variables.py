@@ -165,6 +165,24 @@ class TestEnums:
 
 
 class TestCreation:
+    async def test_none_means_the_default_synchronization_and_aggregation(self) -> None:
+        """``synchronization=None`` and ``aggregation=None`` are TF's spelling of the defaults
+        (AUTO, NONE), in a scope, inside a replica and outside any strategy."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            scoped_v = Variable(1.0, synchronization=None, aggregation=None)
+        plain = Variable(1.0, synchronization=None, aggregation=None)
+
+        async def step() -> Variable:
+            return Variable(2.0, name="made", synchronization=None, aggregation=None)
+
+        made = await strategy.run(step)
+        assert [(type(v), v.synchronization, v.aggregation) for v in (scoped_v, plain, made)] == [
+            (MirroredVariable, VariableSynchronization.AUTO, VariableAggregation.NONE),
+            (Variable, VariableSynchronization.AUTO, VariableAggregation.NONE),
+            (MirroredVariable, VariableSynchronization.AUTO, VariableAggregation.NONE),
+        ]
+
     @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize(
         "sync",
@@ -1163,6 +1181,30 @@ class TestMirroredWrites:
         ):
             await strategy.run(step)
         assert_copies(v, old)
+
+    @pytest.mark.parametrize("agg", ["none", "sum", "mean", "only_first_replica"])
+    @pytest.mark.parametrize("how", ["assign_add", "update"])
+    async def test_replicas_writing_different_variables_of_equal_value_refused(
+        self, agg: str, how: str
+    ) -> None:
+        """Two variables are two, even when their values are equal (a 0-d variable's == is a
+        plain True then): replicas writing different ones raise ReplicaSyncError naming the
+        odd replica, and neither variable changes (the write must not land in replica 0's)."""
+        strategy = MirroredStrategy(host_devices(2))
+        a = scoped(strategy, 0.0, name="a", aggregation=agg)
+        b = scoped(strategy, 0.0, name="b", aggregation=agg)
+
+        async def step() -> None:
+            mine = a if replica_id() == 0 else b
+            if how == "update":
+                await strategy.extended.update(mine, np.add, (1.0,))
+            else:
+                await mine.assign_add(np.float64(1.0))
+
+        with pytest.raises(ReplicaSyncError, match="disagree on the variable") as info:
+            await strategy.run(step)
+        assert info.value.replicas == (1,)
+        assert [a.numpy().tolist(), b.numpy().tolist()] == [0.0, 0.0]
 
     @pytest.mark.replicas(*REPLICAS)
     @pytest.mark.parametrize("op", OPS)
