@@ -514,8 +514,7 @@ class Variable(NDArrayOperatorsMixin):
 
     def __repr__(self) -> str:
         try:
-            value, device = snapshot(self)
-            shown = repr(host_array(value, device))
+            shown = self._shown()
         except Exception:  # a repr must not raise
             shown = "<unreadable>"
             if isinstance(self, SyncOnReadVariable) and self._aggregation is _Agg.NONE:
@@ -524,6 +523,11 @@ class Variable(NDArrayOperatorsMixin):
             f"<aioreplica.{type(self).__name__} {self._name!r} shape={self._shape} "
             f"dtype={self._dtype}{self._placement()} value={shown}>"
         )
+
+    def _shown(self) -> str:
+        """The value a repr shows (its cross-replica read)."""
+        value, device = snapshot(self)
+        return repr(host_array(value, device))
 
     def _placement(self) -> str:
         if self._strategy is None:
@@ -901,6 +905,17 @@ class SyncOnReadVariable(Variable):
         devices = self._devices
         return frozen(devices[0].backend.reduce_to_first(op, copies, devices))
 
+    def _shown(self) -> str:
+        """Across workers, this worker's copies: its cross-replica read is a collective, which
+        a repr (a log line on the chief alone, say) must not make."""
+        engine = self._engine
+        if engine is None or engine.cluster is None:
+            return super()._shown()
+        copies = ", ".join(
+            repr(host_array(c, d)) for c, d in zip(self._copies, self._devices, strict=True)
+        )
+        return f"<aggregated over every worker when read; this worker's copies: {copies}>"
+
     def _read_all_workers(self, workers: Workers) -> Any:
         """The aggregate over every worker's copies (a collective every worker makes):
         ``ONLY_FIRST_REPLICA`` is the chief's first copy."""
@@ -1213,7 +1228,11 @@ async def update(
     """
     replica = context_state.get().replica
     if replica is not None:
-        args, kwargs = _update_call(variable, fn, args, kwargs)
+        try:
+            args, kwargs = _update_call(variable, fn, args, kwargs)
+        except TypeError as exc:
+            replica._engine.refusing("update()", exc)  # on every worker alike
+            raise
         if replica.strategy is not strategy:
             raise RuntimeError(
                 f"update() of {strategy!r} was called in a replica of {replica.strategy!r}"
@@ -1271,13 +1290,13 @@ async def _merge_update(
     args: Any,
     kwargs: Any,
 ) -> tuple[Any, ...]:
-    return await _update(
-        strategy,
-        agreed(variable, "the variable to update"),
-        agreed(fn, "the update function"),
-        args,
-        kwargs,
-    )
+    try:
+        variable = agreed(variable, "the variable to update")
+        fn = agreed(fn, "the update function")
+    except ReplicaSyncError as exc:
+        await strategy._engine.refuse("update()", exc)  # on every worker alike
+        raise
+    return await _update(strategy, variable, fn, args, kwargs, in_replicas=True)
 
 
 async def _update(
@@ -1286,12 +1305,17 @@ async def _update(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    *,
+    in_replicas: bool = False,
 ) -> tuple[Any, ...]:
-    """``update`` in cross-replica context: every copy computed, then all committed.
+    """``update`` in cross-replica context (``in_replicas``: the merge of one the replicas
+    made): every copy computed, then all committed.
 
     Across workers, outside a ``run()``, a mirrored variable takes the chief's new value on
     every worker, as a write does: ``fn``'s results are broadcast from the chief before any
-    copy changes, and arguments refused on one worker are refused on every worker.
+    copy changes. From the replicas of a ``run()``, every worker must compute the same bits,
+    as a write without aggregation must pass them: else every worker raises and nothing
+    changes. Either way, arguments refused on one worker are refused on every worker.
     """
     # None: the update is this worker's own (see _writing_as_the_chief).
     engine = _writing_as_the_chief(variable) if isinstance(variable, MirroredVariable) else None
@@ -1316,15 +1340,44 @@ async def _update(
             per_copy_args = _update_arguments(strategy, variable, args, kwargs)
             new = await compute_update(variable, apply, per_copy_args)
         except Exception as exc:  # bad arguments, or whatever fn raised
-            if engine is not None:  # the others learn of it too: a refusal they raise in step
-                shown = exc if isinstance(exc, TypeError | ValueError | RuntimeError) else None
+            # The others learn of it too: a refusal they raise in step. (In a run(), what else
+            # fn raises fails this worker's run(), as a replica's exception does.)
+            shown = exc if isinstance(exc, TypeError | ValueError | RuntimeError) else None
+            if engine is not None:
                 await engine.refuse(what, shown or ValueError(f"fn raised {error_line(exc)}"))
+            elif in_replicas and shown is not None:
+                await strategy._engine.refuse(what, shown)
             raise
         if engine is not None:
             chief = await engine.broadcast(PerReplica(list(new)), 0, what)
             new = await compute_update(variable, writer(ASSIGN), chief)
+        elif in_replicas and isinstance(variable, MirroredVariable):
+            await _check_every_worker_computed(strategy._engine, variable, new)
         commit([(variable, new)])
     return new
+
+
+async def _check_every_worker_computed(
+    engine: ReductionEngine, variable: Variable, new: Sequence[Any]
+) -> None:
+    """Across workers, check that every worker computed the same new copies of ``variable``
+    (its copies stay bitwise identical everywhere); nothing to do in one process.
+
+    Raises:
+        ValueError: the workers computed different values (on every worker alike).
+    """
+    workers = engine.cluster
+    if workers is None or workers.broken:
+        return
+    if (await bits_differ(engine, [new]))[0]:
+        error = ValueError(
+            f"update() of MirroredVariable {variable._name!r} in replica context computed "
+            "different values on different workers (fn's arguments, or fn itself, differ "
+            "between them), but a mirrored variable's copies stay equal on every worker; "
+            "pass the same arguments on every worker, or reduce them first"
+        )
+        await engine.refuse("update()", error)  # every worker raises alike
+        raise error
 
 
 def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManager[None]:

@@ -571,7 +571,37 @@ BAD_WRITES: dict[str, tuple[Any, type[Exception], str]] = {
         ValueError,
         "apply_gradients()",
     ),
+    "update fn not callable": (
+        lambda v, opt, bad: v.distribute_strategy.extended.update(v, None if bad else np.negative),
+        TypeError,
+        "update()",
+    ),
+    "update fn async": (
+        lambda v, opt, bad: v.distribute_strategy.extended.update(
+            v, _async_negative if bad else np.negative
+        ),
+        TypeError,
+        "update()",
+    ),
+    "update args": (
+        lambda v, opt, bad: v.distribute_strategy.extended.update(
+            v, np.multiply, 5 if bad else (2.0,)
+        ),
+        TypeError,
+        "update()",
+    ),
+    "update result shape": (
+        lambda v, opt, bad: v.distribute_strategy.extended.update(
+            v, _four_ones if bad else np.negative
+        ),
+        ValueError,
+        "update() of variable 'v'",
+    ),
 }
+
+
+def _four_ones(copy: Any) -> Any:
+    return np.ones(4, np.float32)
 
 
 @pytest.mark.parametrize("everywhere", [True, False], ids=["every worker", "one worker"])
@@ -606,6 +636,71 @@ async def test_bad_writes_change_nothing(
     await strategy.run(good)
     assert_same_on_every_worker(*v.values)  # the gradients are summed over every replica
     np.testing.assert_allclose(v.values[0], np.arange(3) - 0.5 * sum(range(2 * WORKERS)))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_an_update_in_run_computing_other_values_on_a_worker_is_refused(
+    make_strategy: MakeStrategy, local: int
+) -> None:
+    """``extended.update`` in a replica whose arguments differ between workers (so fn computes
+    other copies on each) raises ValueError on every worker and changes no copy: a mirrored
+    variable's copies stay bitwise identical everywhere. The same arguments then work."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        v = Variable(np.zeros(3), name="v")
+
+    async def step(shift: float) -> None:
+        await strategy.extended.update(v, lambda copy, d: copy + d, args=(shift,))
+
+    with pytest.raises(ValueError, match="computed different values on different workers"):
+        await strategy.run(step, args=(RANK + 1.0,))
+    assert_copies_equal(v, np.zeros(3))
+    await strategy.run(step, args=(2.0,))
+    assert_copies_equal(v, np.full(3, 2.0))
+
+
+async def test_an_update_in_run_whose_fn_raises_on_a_worker_changes_nothing(
+    make_strategy: MakeStrategy,
+) -> None:
+    """fn raising in a replica's ``extended.update`` on one worker fails that worker's run()
+    with its exception, the others' with a ReplicaSyncError naming it; no worker commits
+    its update (the others wait for every worker's new copies before they change any)."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        v = Variable(np.zeros(3), name="v")
+    failing = WORKERS - 1
+
+    async def step() -> None:
+        fn = _missing_key if failing == RANK else np.negative
+        await strategy.extended.update(v, fn)
+
+    with pytest.raises(KeyError if failing == RANK else aioreplica.ReplicaSyncError) as caught:
+        await strategy.run(step)
+    if failing != RANK:
+        assert f"worker {failing} failed: KeyError" in str(caught.value)
+    for copy in v.values:
+        np.testing.assert_array_equal(copy, np.zeros(3), strict=True)
+    WORLD.Barrier()  # both done before either closes the strategy
+
+
+@pytest.mark.parametrize("synced", [False, True])
+async def test_a_sync_on_read_repr_on_the_chief_alone_makes_no_collective(
+    make_strategy: MakeStrategy, synced: bool
+) -> None:
+    """repr() and str() of a sync-on-read variable (a log line on the chief alone) show this
+    worker's copies and make no collective, so the workers stay in step."""
+    strategy = make_strategy(2)
+    with strategy.scope():
+        m = Variable(np.ones(2), name="m", synchronization="on_read", aggregation="sum")
+    if synced:
+        await strategy.run(lambda: None)
+    if RANK == 0:
+        shown = [repr(m), str(m)]
+        assert all(
+            "this worker's copies: array([1., 1.]), array([1., 1.])>" in text for text in shown
+        ), shown
+    np.testing.assert_array_equal(await strategy.reduce("sum", m), np.full(2, 2.0 * WORKERS))
+    np.testing.assert_array_equal(m.numpy(), np.full(2, 2.0 * WORKERS))
 
 
 @pytest.mark.parametrize("local", [1, 2])
