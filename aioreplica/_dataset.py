@@ -4,9 +4,11 @@
 into an async iterable of per-replica batches (users' guide: README.md, "Distributed input"):
 
 - **split**: each global batch of B rows is cut along axis 0 into one slice per replica, sizes
-  differing by at most one, larger slices first, in replica order. Host slices are views; each
-  slice is placed with its replica's ``device.asarray`` (an asynchronous copy on its stream for
-  a GPU). An element is ``regroup`` of the replicas' slices.
+  differing by at most one, larger slices first, in replica order. Host slices are read-only
+  views (a step's in-place edit cannot reach the dataset's arrays); each slice is placed with
+  its replica's ``device.asarray`` (an asynchronous copy on its stream for a GPU). An element
+  is ``regroup`` of the replicas' slices. With prefetching, the arrays an iterator yields are
+  copied as they come: it may refill the same buffer while earlier elements are in use.
 - **uneven ends**: replicas that get no rows of the last batch get zero-length arrays of the
   right trailing shape and dtype, so every replica takes the same number of steps and none waits
   forever; iteration ends when the dataset does.
@@ -451,6 +453,7 @@ class DistributedDataset:
             ),
             first_replica=self._first_replica,
             place=self._place,
+            copy_items=self._prefetch > 0,
         )
         return DistributedIterator(puller, self._prefetch)
 
@@ -509,6 +512,8 @@ class DistributedIterator:
         self._background: _loops.Background | None = None
         self._receive: MemoryObjectReceiveStream[Any] | None = None
         self._consumed = 0  # batches of a ``batched`` source handed out, for a checkpoint
+        #: With ``prefetch=0``: the pull of the task asking, one at a time (made on first use).
+        self._pulling: anyio.Lock | None = None
 
     # -- the iterator protocol --------------------------------------------------------------
 
@@ -529,17 +534,10 @@ class DistributedIterator:
         if self._closed:
             raise StopAsyncIteration
         if self._prefetch == 0:
-            pulling = self._puller.next_element()
-            recorder = _trace.recorder
-            if recorder is not None:  # made on demand: on the track of the task asking
-                pulling = recorder.timed(pulling, "dataset prefetch", {"ahead": 0})
-            element = await pulling
-            if element is _END:
-                self._closed = True
-                await self._puller.finish()
-                raise StopAsyncIteration
-            self._hand_on()
-            return element
+            if self._pulling is None:
+                self._pulling = anyio.Lock()
+            async with self._pulling:  # several tasks asking take their elements in turn
+                return await self._pull_now()
         if self._receive is None:
             send, self._receive = anyio.create_memory_object_stream[Any](self._prefetch)
             puller = self._puller
@@ -563,6 +561,22 @@ class DistributedIterator:
         if error is not None:
             raise error  # the dataset's own exception, untouched (raised outside any except)
         raise StopAsyncIteration
+
+    async def _pull_now(self) -> Any:
+        """``__anext__`` with ``prefetch=0``: the next element, pulled by the task asking."""
+        if self._closed:  # another task's pull met the end meanwhile
+            raise StopAsyncIteration
+        pulling = self._puller.next_element()
+        recorder = _trace.recorder
+        if recorder is not None:  # made on demand: on the track of the task asking
+            pulling = recorder.timed(pulling, "dataset prefetch", {"ahead": 0})
+        element = await pulling
+        if element is _END:
+            self._closed = True
+            await self._puller.finish()
+            raise StopAsyncIteration
+        self._hand_on()
+        return element
 
     async def get_next(self) -> Any:
         """The next element.
@@ -788,13 +802,17 @@ class _Puller:
         workers: Workers | None = None,
         first_replica: int = 0,
         place: bool = True,
+        copy_items: bool = False,
     ) -> None:
         self._devices = devices
         #: Each replica's data goes to its device (``InputOptions.experimental_fetch_to_device``;
-        #: else it stays as the dataset made it).
+        #: else it stays as the dataset made it), read-only where it is host memory.
         self._put: list[Callable[[Any], Any]] = [
-            device.asarray if place else _as_is for device in devices
+            _read_only_after(device.asarray if place else _as_is) for device in devices
         ]
+        #: Whether the arrays an iterator yields are copied as they come: pulled ahead of the
+        #: step, they must not change when it yields again (refilling one buffer, say).
+        self._copy_items = copy_items
         self._workers = workers
         self._first_replica = first_replica
         self._per_replica = per_replica_source
@@ -845,12 +863,15 @@ class _Puller:
             return _END
         if self._async is not None:
             try:
-                return await anext(self._async)
+                item = await anext(self._async)
             except StopAsyncIteration:
                 self._exhausted = True
                 return _END
+            return _tree.map_structure(_owned, item) if self._copy_items else item
         if self._loader is not None:
             item = await self._loader.pull()
+            if self._copy_items and item is not _END:
+                item = _tree.map_structure(_owned, item)
         elif self._sync is not None:
             await anyio.lowlevel.checkpoint()
             item = next(self._sync, _END)
@@ -1248,6 +1269,25 @@ def _fingerprint(leaves: list[Any], treedef: _tree.TreeDef) -> int:
 def _as_is(value: Any) -> Any:
     """Where data is not fetched to the replicas' devices: the value the dataset made."""
     return value
+
+
+def _read_only_after(put: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``put``, handing a replica host memory as a read-only view: a step's in-place edit of
+    its input must not reach the dataset's arrays (TF's tensors are immutable)."""
+
+    def handed(value: Any) -> Any:
+        placed = put(value)
+        if isinstance(placed, np.ndarray) and placed.flags.writeable:
+            placed = placed.view()
+            placed.flags.writeable = False
+        return placed
+
+    return handed
+
+
+def _owned(value: Any) -> Any:
+    """A host array an iterator yielded, copied (see ``_Puller._copy_items``)."""
+    return value.copy() if isinstance(value, np.ndarray) else value
 
 
 def _empty_rows(leaf: Any) -> Any:

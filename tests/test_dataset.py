@@ -343,6 +343,58 @@ class TestDatasetErrors:
             await collect(strategy.distribute_dataset([np.arange(2)], prefetch=-1))
 
 
+class TestReplicasDataIsTheirs:
+    @pytest.mark.parametrize("how", ["batched", "list", "from function", "one replica"])
+    async def test_a_step_cannot_edit_the_datasets_arrays(self, how: str) -> None:
+        """Host data reaches a replica as a read-only view: an in-place edit in the step raises
+        NumPy's ValueError instead of changing the dataset's arrays (TF's tensors are
+        immutable), so the next epoch sees the same data."""
+        replicas = 1 if how == "one replica" else 2
+        strategy = MirroredStrategy(host_devices(replicas))
+        data = np.arange(8.0)
+        if how == "batched":
+            dist = strategy.distribute_dataset(aioreplica.batched(data, 4))
+        elif how == "from function":
+            dist = strategy.distribute_datasets_from_function(lambda ctx: [data[:2], data[2:4]])
+        else:
+            dist = strategy.distribute_dataset([data[:4], data[4:]])
+
+        async def step(x: Array) -> None:
+            x *= 10
+
+        async with aiter(dist) as it:
+            batch = await it.get_next()
+            with pytest.raises(ValueError, match="read-only"):
+                await strategy.run(step, args=(batch,))
+        np.testing.assert_array_equal(data, np.arange(8.0))
+        assert data.flags.writeable  # the dataset's own arrays keep their flags
+
+    @pytest.mark.parametrize("kind", ["generator", "async generator"])
+    async def test_an_iterator_refilling_one_buffer_is_read_as_it_was(self, kind: str) -> None:
+        """With prefetching, elements are pulled while earlier ones are still in use: what an
+        iterator yields is copied as it comes, so one that refills the same buffer each time
+        still gives every element its own rows."""
+        strategy = MirroredStrategy(host_devices(2))
+        buffer = np.zeros(2)
+
+        def refilled() -> Iterator[Array]:
+            for i in range(5):
+                buffer[:] = i
+                yield buffer
+
+        async def refilled_async() -> AsyncIterator[Array]:
+            for item in refilled():
+                yield item
+
+        dataset = refilled() if kind == "generator" else refilled_async()
+        seen: list[list[list[int]]] = []
+        async with aiter(strategy.distribute_dataset(dataset, prefetch=2)) as it:
+            async for batch in it:
+                await anyio.wait_all_tasks_blocked()  # the prefetcher pulls ahead meanwhile
+                seen.append(rows_of(batch, 2))
+        assert seen == [[[float(i)], [float(i)]] for i in range(5)]
+
+
 class TestPrefetch:
     @pytest.mark.parametrize("prefetch", [0, 2])
     @pytest.mark.parametrize("kind", SOURCES)
@@ -512,6 +564,40 @@ class TestDistributedIterator:
             await it.get_next()
         await it.aclose()
         assert [rows_of(y, 2) for _, y in (first, second)] == [[[0, 1], [2, 3]], [[4], [5]]]
+
+    @pytest.mark.parametrize("prefetch", [0, 2])
+    @pytest.mark.parametrize("kind", [*SOURCES, "batched"])
+    async def test_tasks_sharing_an_iterator_take_each_element_once(
+        self, kind: str, prefetch: int
+    ) -> None:
+        """Several tasks calling get_next on one iterator each get whole elements, every
+        element once, and all of them StopAsyncIteration at the end (with prefetch=0 they pull
+        in turn rather than into one another's pull)."""
+        strategy = MirroredStrategy(host_devices(2))
+        if kind == "batched":
+            data: Any = aioreplica.batched(table(12), 2)
+        else:
+            data = source(kind, global_batches(12, 2))
+        it = aiter(strategy.distribute_dataset(data, prefetch=prefetch))
+        got: list[list[list[int]]] = []
+        ended: list[str] = []
+
+        async def take(name: str) -> None:
+            while True:
+                try:
+                    _, y = await it.get_next()
+                except StopAsyncIteration:
+                    ended.append(name)
+                    return
+                got.append(rows_of(y, 2))
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            for name in ("a", "b", "c"):
+                tg.start_soon(take, name)
+        await it.aclose()
+        assert sorted(ended) == ["a", "b", "c"]
+        assert sorted(got) == [[[i], [i + 1]] for i in range(0, 12, 2)]
 
     async def test_get_next_as_optional(self) -> None:
         """get_next_as_optional holds each element, then an empty optional."""
