@@ -30,7 +30,8 @@ Mapping keys
     Key order does not matter: two mappings match when their keys are equal as sets. Leaves
     come out ordered by sorted key, so two replicas that build the same dict in different
     orders flatten to the same leaf order; when the keys are not mutually orderable (say
-    ``1`` and ``'a'``) they are sorted by ``(type(k).__qualname__, repr(k))``. Rebuilding
+    ``1`` and ``'a'``) they are sorted by ``(type(k).__qualname__, repr(k))``, and two of them
+    alike by both are a ``TypeError`` (no order would be canonical). Rebuilding
     keeps the insertion order of the reference (first) structure. Two ``TreeDef`` objects
     compare equal when they describe the same structure; insertion order and a
     ``defaultdict``'s ``default_factory`` only affect rebuilding and are not compared.
@@ -61,6 +62,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
@@ -408,10 +410,24 @@ def _fallback_key(key: Any) -> tuple[str, str]:
 
 
 def _sorted_keys(keys: list[Any]) -> list[Any]:
+    """``keys`` in canonical order: sorted, else (not comparable) by type name and repr.
+
+    Raises:
+        TypeError: two keys are not comparable and alike by type name and repr, so no order
+            is canonical (two dicts' values would pair by insertion order).
+    """
     try:
         return sorted(keys)
     except TypeError:
-        return sorted(keys, key=_fallback_key)
+        ordered = sorted(keys, key=_fallback_key)
+    for a, b in itertools.pairwise(ordered):
+        if _fallback_key(a) == _fallback_key(b):
+            raise TypeError(
+                f"dict keys {a!r} and {b!r} cannot be put in order: they do not compare, and "
+                "their types and reprs are the same; use keys of one sortable type, or keys "
+                "whose reprs differ"
+            ) from None
+    return ordered
 
 
 def _split(x: Any, kind: int, t: type) -> tuple[Sequence[Any], Any, Any]:

@@ -150,6 +150,23 @@ class TestFlatten:
         leaves, _ = flatten({"b": "str b", 2: "int 2", "a": "str a", 1: "int 1"})
         assert leaves == ["int 1", "int 2", "str a", "str b"]
 
+    def test_unorderable_keys_alike_in_type_and_repr_are_refused(self) -> None:
+        """Keys that neither compare nor differ by (type name, repr) have no canonical order:
+        TypeError naming them, rather than pairing two dicts' values by insertion order."""
+
+        @dataclasses.dataclass(frozen=True)
+        class Key:
+            name: str
+            shard: int = dataclasses.field(repr=False)
+
+        first, second = Key("k", 0), Key("k", 1)
+        with pytest.raises(
+            TypeError,
+            match=r"^dict keys .*Key\(name='k'\) and .*Key\(name='k'\) cannot be put in order",
+        ):
+            flatten({first: 1, second: 2})
+        assert flatten({first: 1})[0] == [1]
+
     def test_empty_containers_are_not_leaves(self) -> None:
         """Empty containers have no leaves but are kept in the treedef."""
         leaves, treedef = flatten([[], (), {}])
