@@ -202,6 +202,7 @@ class Checkpoint:
 
     def __init__(self, **objects: Any) -> None:
         for name, value in objects.items():
+            _check_name(name)
             _check_objects("Checkpoint", name, value)
         object.__setattr__(self, "_objects", dict(objects))
 
@@ -214,6 +215,7 @@ class Checkpoint:
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
             raise AttributeError(f"Checkpoint object names cannot start with '_': {name!r}")
+        _check_name(name)
         _check_objects("Checkpoint", name, value)
         self._objects[name] = value
 
@@ -586,6 +588,12 @@ class CheckpointManager:
     found when the manager is made, so a restarted program resumes from ``latest`` (also
     ``latest_checkpoint``, TF's name; ``None`` before the first save):
     ``restore_or_initialize()`` restores it, or calls ``init_fn`` when there is none.
+    Files found so are listed by number (there is no state file beside them, as TF's
+    ``checkpoint`` file): with the default numbering, or any increasing one (the step), that
+    is the order they were saved in. A program that saves a lower number than one already on
+    disk (resuming from an earlier point with numbers taken from the step, say) has it as
+    ``latest`` until it ends, but a manager made later over the directory names the higher
+    one: remove the abandoned checkpoints, or let the manager number the saves.
 
     A checkpoint beyond ``max_to_keep`` that cannot be deleted (it became a folder, or the
     OS refuses) does not fail the save that pruned it, whose file is written and listed: a
@@ -871,7 +879,13 @@ class CheckpointManager:
         numbers = []
         for name in names:
             middle = name[len(prefix) : -len(".npz")]
-            if name.startswith(prefix) and name.endswith(".npz") and middle.isdigit():
+            if (
+                name.startswith(prefix)
+                and name.endswith(".npz")
+                and middle.isascii()
+                and middle.isdigit()
+                and str(int(middle)) == middle  # the name a save gives it: no leading zeros
+            ):
                 numbers.append(int(middle))
         return numbers
 
@@ -1919,6 +1933,19 @@ class _OptimizerRestore:
 
 
 # -- checks ---------------------------------------------------------------------------------
+
+
+def _check_name(name: str) -> None:
+    """Refuse an object name that ``Checkpoint``'s own attributes hide (``ckpt.save``).
+
+    Raises:
+        ValueError: ``name`` is one of ``Checkpoint``'s methods.
+    """
+    if name in ("save", "restore"):
+        raise ValueError(
+            f"Checkpoint cannot hold an object named {name!r}: ckpt.{name} is its method, so "
+            "the object could not be read back; choose another name"
+        )
 
 
 def _check_objects(caller: str, name: str, value: Any) -> None:

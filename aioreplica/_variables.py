@@ -481,6 +481,20 @@ class Variable(NDArrayOperatorsMixin):
     def __int__(self) -> int:
         return int(self._host())
 
+    def __index__(self) -> int:
+        """A 0-d integer variable as an index (``range(v)``, ``save(checkpoint_number=v)``),
+        as NumPy's 0-d integer arrays and TF's integer variables are.
+
+        Raises:
+            TypeError: the variable is not 0-d, or not of an integer dtype.
+        """
+        if self._shape or self._dtype.kind not in "iu":
+            raise TypeError(
+                f"variable {self._name!r} of shape {self._shape} and dtype {self._dtype} is no "
+                "index: only a 0-d integer variable is"
+            )
+        return int(self._host())
+
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new variable of the same kind, strategy and devices, holding copies of the values.
 

@@ -1052,6 +1052,17 @@ class TestConstruction:
             ckpt.epoch = "one"
         assert ckpt.epoch == 1
 
+    @pytest.mark.parametrize("name", ["save", "restore"])
+    def test_names_of_its_methods_are_refused(self, name: str) -> None:
+        """An object named as a Checkpoint method could not be read back (``ckpt.save`` is
+        the method): refused, at construction and by assignment, changing nothing."""
+        with pytest.raises(ValueError, match=rf"^Checkpoint cannot hold an object named '{name}'"):
+            Checkpoint(**{name: 3})
+        ckpt = Checkpoint(epoch=1)
+        with pytest.raises(ValueError, match=rf"^Checkpoint cannot hold an object named '{name}'"):
+            setattr(ckpt, name, 3)
+        assert repr(ckpt) == "Checkpoint(epoch)"
+
     def test_number_inside_tuple(self) -> None:
         """A number inside a tuple cannot be restored in place, so it is refused."""
         with pytest.raises(TypeError, match="the number at pair/1 is inside a tuple"):
@@ -1491,6 +1502,31 @@ class TestCheckpointManager:
         assert await manager.save() == str(tmp_path / "ckpt-4.npz")
         assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (3, 4)]
         assert sorted(os.listdir(tmp_path)) == ["ckpt-1.npz", "ckpt-3.npz", "ckpt-4.npz"]
+
+    async def test_checkpoint_number_from_an_integer_variable(self, tmp_path: Path) -> None:
+        """A 0-d integer variable (a step counter, as in TF) numbers a save; one of another
+        dtype or shape is refused and nothing is written."""
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path)
+        step = Variable(np.int64(4), name="step")
+        assert await manager.save(checkpoint_number=step) == str(tmp_path / "ckpt-4.npz")
+        for bad in (Variable(4.0, name="f"), Variable(np.arange(2), name="v")):
+            with pytest.raises(ValueError, match="checkpoint_number must be an int >= 0"):
+                await manager.save(checkpoint_number=bad)
+        assert os.listdir(tmp_path) == ["ckpt-4.npz"]
+
+    @pytest.mark.parametrize("name", ["ckpt-007.npz", "ckpt-\u0663.npz", "ckpt-\u00b2.npz"])
+    async def test_files_named_otherwise_than_a_save_names_them_are_left_alone(
+        self, tmp_path: Path, name: str
+    ) -> None:
+        """A file whose number is not written as a save writes one (leading zeros, other
+        digits) is no checkpoint of the manager's: not listed, never pruned, no error."""
+        (tmp_path / name).write_bytes(b"not mine")
+        manager = CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=1)
+        assert (manager.checkpoints, manager.latest) == ([], None)
+        await manager.save()
+        await manager.save()
+        assert manager.checkpoints == [str(tmp_path / "ckpt-2.npz")]
+        assert sorted(os.listdir(tmp_path)) == sorted(["ckpt-2.npz", name])
 
     def test_not_a_checkpoint(self, tmp_path: Path) -> None:
         """The first argument must be a Checkpoint."""
