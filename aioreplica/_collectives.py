@@ -27,7 +27,9 @@ directly with their device objects. Every call goes through one core:
    local reduction and the local result.
 
 A value passed in is a regrouped structure: a ``PerReplica`` leaf holds one component per
-replica, any other leaf stands for the same value on every replica.
+replica, any other leaf stands for the same value on every replica. A distributed leaf whose
+components are structures, wherever it is, stands for the structure of per-replica values they
+make (``_regrouped``).
 
 While a trace is recorded (``aioreplica._trace``), each call's data movement (after the checks)
 is a span named after the collective, with args ``op``, ``bytes`` (one replica's input) and
@@ -48,7 +50,7 @@ from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
 from ._cluster import call_of
 from ._errors import as_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
-from ._values import DistributedValues, regroup
+from ._values import DistributedValues, Mirrored, regroup
 
 if TYPE_CHECKING:
     from collections.abc import Coroutine, Iterator, Sequence
@@ -146,14 +148,17 @@ class ReductionEngine:
             Per leaf, one result per replica.
         """
         leaves = [_LeafArrays((), list(per_replica)) for per_replica in arrays]
+        reducing = self._reduce_leaves(op, leaves, options)
         if _trace.recorder is not None:
-            return await self._traced(
-                self._reduce_leaves(op, leaves, options), "all_reduce", op, leaves
-            )
-        return await self._reduce_leaves(op, leaves, options)
+            reducing = self._traced(reducing, "all_reduce", op, leaves)
+        with self._timeout(options):
+            return await reducing
 
-    async def all_gather(self, value: Any, axis: SupportsIndex) -> list[Any]:
-        """Concatenate every replica's ``value`` along ``axis``; once per replica.
+    async def all_gather(
+        self, value: Any, axis: SupportsIndex, options: CommunicationOptions | None = None
+    ) -> list[Any]:
+        """Concatenate every replica's ``value`` along ``axis``; once per replica (``options``
+        over the engine's: their timeout bounds the cross-worker waits).
 
         Raises:
             ValueError: structures, dtypes or shapes off ``axis`` differ; ``axis`` out of range.
@@ -165,7 +170,8 @@ class ReductionEngine:
         gathering = self._gather_leaves("all_gather", leaves, axes)
         if _trace.recorder is not None:
             gathering = self._traced(gathering, "all_gather", None, leaves)
-        return self._per_replica(treedef, await gathering)
+        with self._timeout(self.options.override(options)):
+            return self._per_replica(treedef, await gathering)
 
     async def _gather_leaves(
         self, what: str, leaves: list[_LeafArrays], axes: list[int]
@@ -191,13 +197,19 @@ class ReductionEngine:
         return await self._placed(np.asarray(whole, order="C"))
 
     async def broadcast(
-        self, value: Any, source: int, what: str = "", matching: bool = True
+        self,
+        value: Any,
+        source: int,
+        what: str = "",
+        matching: bool = True,
+        options: CommunicationOptions | None = None,
     ) -> list[Any]:
         """Replica ``source``'s component of ``value``, once per replica on its device.
         ``what``: what the value is, which the workers compare too (a variable's write).
         ``matching``: whether every worker's leaves must have the shapes and dtypes of the
         source's (the workers compare them: a variable's value); else, as in one process,
-        the other replicas' arrays are ignored (``ReplicaContext.broadcast``).
+        the other replicas' arrays are ignored (``ReplicaContext.broadcast``). ``options``
+        over the engine's: their timeout bounds the cross-worker waits.
 
         Raises:
             ValueError: ``source`` is not a replica id.
@@ -212,7 +224,8 @@ class ReductionEngine:
             sending = self._broadcast_leaves([leaf.arrays[source] for leaf in leaves], self.devices)
         if _trace.recorder is not None:
             sending = self._traced(sending, "broadcast", None, leaves)
-        return self._per_replica(treedef, await sending)
+        with self._timeout(self.options.override(options)):
+            return self._per_replica(treedef, await sending)
 
     async def _broadcast_leaves(
         self, arrays: list[Any], destinations: Sequence[Device]
@@ -345,23 +358,37 @@ class ReductionEngine:
             TypeError: as ``all_reduce``.
         """
         leaves, treedef = self._leaves("reduce", value)
-        if op is ReduceOp.MEAN:
-            leaves = [await self._as_float64(leaf) for leaf in leaves]
-        _check_op(op, leaves)
+        axes = []
         if axis is None:
             self._check_same_shapes("reduce", leaves)
+        else:
+            axes = [self._check_along(leaf, axis) for leaf in leaves]
+        _check_op(op, leaves, integer_mean=True)
+        if op is ReduceOp.MEAN:
+            leaves = [await self._as_float64(leaf) for leaf in leaves]
+        if axis is None:
             reducing = self._reduce_leaves(op, leaves, self.options)
             if _trace.recorder is not None:
                 reducing = self._traced(reducing, "reduce", op, leaves)
-            return treedef.unflatten([replicas[0] for replicas in await reducing])
-        along = self._reduce_leaves_along(op, leaves, axis)
+            with self._timeout(self.options):
+                return treedef.unflatten([replicas[0] for replicas in await reducing])
+        along = self._reduce_leaves_along(op, leaves, axes)
         if _trace.recorder is not None:
             along = self._traced(along, "reduce", op, leaves)
-        return treedef.unflatten(await along)
+        with self._timeout(self.options):
+            return treedef.unflatten(await along)
+
+    def _check_along(self, leaf: _LeafArrays, axis: Axes) -> tuple[tuple[int, ...], str]:
+        """``strategy.reduce``'s ``axis`` for one leaf: its axes, checked, and how messages
+        show them; every replica's component may differ along them only."""
+        axes = _check_axes("reduce", leaf, axis)
+        shown = f"axes {tuple(axis)}" if isinstance(axis, tuple | list) else f"axis {axis}"
+        self._check_shapes_off("reduce", leaf, axes, shown)
+        return axes, shown
 
     async def _as_float64(self, leaf: _LeafArrays) -> _LeafArrays:
-        """An integer leaf's arrays as float64 for a mean, each made on its device (in its
-        stream's order); other leaves as they are."""
+        """An integer leaf's arrays (of one dtype: checked) as float64 for a mean, each made
+        on its device (in its stream's order); other leaves as they are."""
         if getattr(leaf.arrays[0], "dtype", np.dtype(float)).kind not in "iu":
             return leaf
         arrays = [
@@ -371,9 +398,12 @@ class ReductionEngine:
         return _LeafArrays(leaf.path, arrays)
 
     async def _reduce_leaves_along(
-        self, op: ReduceOp, leaves: list[_LeafArrays], axis: Axes
+        self, op: ReduceOp, leaves: list[_LeafArrays], axes: list[tuple[tuple[int, ...], str]]
     ) -> list[Any]:
-        return [await self._reduce_along(op, leaf, axis) for leaf in leaves]
+        return [
+            await self._reduce_along(op, leaf, *along)
+            for leaf, along in zip(leaves, axes, strict=True)
+        ]
 
     async def gather(self, value: Any, axis: SupportsIndex) -> Any:
         """Concatenate ``value``'s components along ``axis``, on the first device.
@@ -387,7 +417,39 @@ class ReductionEngine:
         gathering = self._gather_leaves("gather", leaves, axes)
         if _trace.recorder is not None:
             gathering = self._traced(gathering, "gather", None, leaves)
-        return treedef.unflatten([whole[0] for whole in await gathering])
+        with self._timeout(self.options):
+            return treedef.unflatten([whole[0] for whole in await gathering])
+
+    async def reduce_to(
+        self,
+        op: ReduceOp,
+        value: Any,
+        destinations: Sequence[Device],
+        options: CommunicationOptions | None = None,
+    ) -> list[Any]:
+        """Reduce ``value`` across replicas; place it on ``destinations``.
+
+        ``MEAN`` of integers is a float64 mean, as ``reduce``'s.
+
+        Args:
+            op: how to combine the replicas' components.
+            value: the value to reduce (described in messages as ``reduce`` describes its
+                value: the root is the value itself).
+            destinations: where the result goes; every one is one of ``devices``.
+            options: overrides the engine's options for this call.
+
+        Returns:
+            One result structure per destination, in the order given. Each destination takes
+            the result the backend left on its own device (ordered there by the backend), not
+            a copy of the first one's.
+
+        Raises:
+            ValueError: as ``all_reduce``.
+            TypeError: as ``all_reduce``, but for ``MEAN`` of integers.
+        """
+        per_replica = await self._reduce_to("reduce_to", op, value, options)
+        index = {device.name: i for i, device in enumerate(self.devices)}
+        return [per_replica[index[device.name]] for device in destinations]
 
     async def batch_reduce_to(
         self,
@@ -403,39 +465,48 @@ class ReductionEngine:
             options: overrides the engine's options for this call.
 
         Returns:
-            Per pair, one result structure per destination, in the order given. Each
-            destination takes the result the backend left on its own device (ordered there by
-            the backend), not a copy of the first one's.
+            Per pair, what ``reduce_to`` returns for it, in the order given.
 
         Raises:
-            ValueError: as ``all_reduce``.
-            TypeError: as ``all_reduce``.
+            ValueError: as ``reduce_to`` (messages name value ``k`` at ``[k]``).
+            TypeError: as ``reduce_to``.
         """
-        leaves, treedef = self._leaves("reduce_to", [value for value, _ in pairs])
-        self._check_same_shapes("reduce_to", leaves)
-        _check_op(op, leaves)
+        values = [value for value, _ in pairs]
+        per_replica = await self._reduce_to("batch_reduce_to", op, values, options)
+        index = {device.name: i for i, device in enumerate(self.devices)}
+        return [
+            [per_replica[index[device.name]][k] for device in destinations]
+            for k, (_, destinations) in enumerate(pairs)
+        ]
+
+    async def _reduce_to(
+        self, what: str, op: ReduceOp, value: Any, options: CommunicationOptions | None
+    ) -> list[Any]:
+        """``reduce_to``'s reduction (``what``, for messages): the result once per replica."""
+        leaves, treedef = self._leaves(what, value)
+        self._check_same_shapes(what, leaves)
+        _check_op(op, leaves, integer_mean=True)
+        if op is ReduceOp.MEAN:
+            leaves = [await self._as_float64(leaf) for leaf in leaves]
         opts = self.options.override(options)
         reducing = self._reduce_leaves(op, leaves, opts)
         if _trace.recorder is not None:
             reducing = self._traced(reducing, "reduce_to", op, leaves)
         with self._timeout(opts):
             results = await reducing
-        index = {device.name: i for i, device in enumerate(self.devices)}
-        per_replica = self._per_replica(treedef, results)
-        return [
-            [per_replica[index[device.name]][k] for device in destinations]
-            for k, (_, destinations) in enumerate(pairs)
-        ]
+        return self._per_replica(treedef, results)
 
     async def broadcast_to(self, value: Any, destinations: Sequence[Device]) -> list[Any]:
-        """``value`` placed on every destination device, one structure per destination.
+        """``value`` placed on every destination device, one structure per destination. A
+        ``Mirrored`` leaf, one value on every replica, counts as that value.
 
         Raises:
-            TypeError: a leaf that is not an array or scalar.
+            TypeError: a leaf that is no number or array (``None``, a string), or a
+                ``PerReplica`` (one value per replica: which one to place?); nothing is placed.
         """
-        leaves, treedef = _tree.flatten(value)
+        pairs, treedef = _tree.flatten_with_path(value)
         first = destinations[0]
-        arrays = [first.asarray(leaf) for leaf in leaves]
+        arrays = [self._placeable("broadcast_to", path, leaf, first) for path, leaf in pairs]
         sending = self._broadcast_leaves(arrays, destinations)
         if _trace.recorder is not None:
             recorder = _trace.recorder
@@ -445,6 +516,35 @@ class ReductionEngine:
         return [
             treedef.unflatten([results[d] for results in placed]) for d in range(len(destinations))
         ]
+
+    def _placeable(self, what: str, path: _tree.KeyPath, leaf: Any, device: Device) -> Any:
+        """One leaf of a value to place (``broadcast_to``) as an array on ``device``.
+
+        Raises:
+            TypeError: the leaf is no number or array, or is a ``PerReplica``.
+        """
+        at = f" at {_tree.format_path(path)}" if path else ""
+        if isinstance(leaf, Mirrored):
+            leaf = leaf.values[0]  # one value on every replica: it, as TF reads one
+        elif isinstance(leaf, DistributedValues):
+            raise TypeError(
+                f"{what}: the value{at} is a {type(leaf).__name__} of {len(leaf.values)} "
+                f"values, one per replica, but {what} places one value on every destination: "
+                "reduce it first (strategy.extended.reduce_to), or pick one replica's "
+                "(strategy.experimental_local_results(value)[i])"
+            )
+        if array_kind(leaf) != "scalar" and not hasattr(leaf, "shape"):
+            raise TypeError(
+                f"{what}: the value{at} is {_describe_component(leaf)}; {what} places numbers "
+                f"and arrays: pass a number or a {self.backend.name} array instead"
+            )
+        array = device.asarray(leaf)
+        if array.dtype.kind == "O":
+            raise TypeError(
+                f"{what}: the value{at} is no number or array of numbers ({leaf!r:.60} makes a "
+                "NumPy array of objects)"
+            )
+        return array
 
     # -- the core -------------------------------------------------------------------------
 
@@ -478,10 +578,6 @@ class ReductionEngine:
         """Split a (regrouped) value into leaves with one array per replica, on its device."""
         size = len(self.devices)
         pairs: list[tuple[_tree.KeyPath, Any]]
-        if isinstance(value, DistributedValues) and not _tree.is_leaf(value.values[0]):
-            # One structure per replica (``experimental_distribute_values_from_function``
-            # returning a dict, say): the structure of per-replica values it stands for.
-            value = _regrouped(what, value, self.first_replica)
         if isinstance(value, DistributedValues) or _tree.is_leaf(value):
             pairs, treedef = [((), value)], _LEAF  # the common case: one array per replica
         else:
@@ -489,6 +585,11 @@ class ReductionEngine:
         leaves = []
         for path, leaf in pairs:
             if isinstance(leaf, DistributedValues):
+                if not _tree.is_leaf(leaf.values[0]):
+                    # One structure per replica (``experimental_distribute_values_from_function``
+                    # returning a dict, say): the structure of per-replica values it stands
+                    # for, there; then the value again, leaf by leaf.
+                    return self._leaves(what, _regrouped(what, pairs, treedef, self.first_replica))
                 if len(leaf.values) != size:
                     local = (
                         f" on this worker ({self.num_replicas} over all workers: a distributed "
@@ -742,15 +843,15 @@ class ReductionEngine:
         with self.cluster.timeout(timeout):
             yield
 
-    async def _reduce_along(self, op: ReduceOp, leaf: _LeafArrays, axis: Axes) -> Any:
-        """``strategy.reduce`` with ``axis``: within each replica, then across replicas.
+    async def _reduce_along(
+        self, op: ReduceOp, leaf: _LeafArrays, axes: tuple[int, ...], shown: str
+    ) -> Any:
+        """``strategy.reduce`` with ``axis`` (checked: ``axes``, shown as ``shown``): within
+        each replica, then across replicas.
 
-        ``MEAN`` divides the total by the number of elements along ``axis`` (or the axes) over
-        all replicas, so short and empty batches weigh what they hold.
+        ``MEAN`` divides the total by the number of elements along ``axes`` over all
+        replicas, so short and empty batches weigh what they hold.
         """
-        axes = _check_axes("reduce", leaf, axis)
-        shown = f"axes {tuple(axis)}" if isinstance(axis, tuple | list) else f"axis {axis}"
-        self._check_shapes_off("reduce", leaf, axes, shown)
         inner = {"sum": "sum", "mean": "sum", "max": "max", "min": "min", "prod": "prod"}[op]
         rows = sum(math.prod(c.shape[a] for a in axes) for c in leaf.arrays)
         if self.cluster is not None:
@@ -771,23 +872,33 @@ class ReductionEngine:
         # Across replicas through the backend, which orders the devices' streams.
         result = (await self._reduce_arrays(inner, partials, leaf.path))[0]
         if op is ReduceOp.MEAN:
-            result = await self.devices[0].compute(result.nbytes, _divide, result, rows)
+            first = self.devices[0]
+            result = await first.compute(result.nbytes, _divide, first.xp, result, rows)
         return result
 
 
-def _regrouped(what: str, value: DistributedValues[Any], first_replica: int) -> Any:
-    """A distributed value whose components are structures, as the structure of per-replica
-    values it stands for (identical leaves stay as they are; ``first_replica``: the first
-    component's replica id, for messages).
+def _regrouped(
+    what: str, pairs: list[tuple[_tree.KeyPath, Any]], treedef: _tree.TreeDef, first_replica: int
+) -> Any:
+    """A value (flattened: ``pairs``, ``treedef``) with each distributed leaf whose components
+    are structures as the structure of per-replica values it stands for (identical leaves stay
+    as they are; ``first_replica``: the first component's replica id, for messages).
 
     Raises:
-        ValueError: the replicas' structures differ (naming both and where).
+        ValueError: the replicas' structures differ (naming both, the distributed value's
+            place and where in it).
         TypeError: containers of different types at the same place.
     """
-    try:
-        return regroup(value.values, first_replica=first_replica)
-    except (TypeError, ValueError) as exc:
-        raise type(exc)(f"{what}: {exc}") from None
+    leaves = []
+    for path, leaf in pairs:
+        if isinstance(leaf, DistributedValues) and not _tree.is_leaf(leaf.values[0]):
+            try:
+                leaf = regroup(leaf.values, first_replica=first_replica)
+            except (TypeError, ValueError) as exc:
+                at = f"in the {type(leaf).__name__} at {_tree.format_path(path)}, " if path else ""
+                raise type(exc)(f"{what}: {at}{exc}") from None
+        leaves.append(leaf)
+    return treedef.unflatten(leaves)
 
 
 def _where(path: _tree.KeyPath) -> str:
@@ -910,10 +1021,11 @@ def _partial_reduction(xp: Any, inner: str, component: Any, axes: tuple[int, ...
     return xp.full(shape, identity, dtype=dtype)
 
 
-def _divide(value: Any, by: int) -> Any:
+def _divide(xp: Any, value: Any, by: int) -> Any:
+    """``value / by`` as an array of ``xp`` (NumPy makes a 0-d quotient a scalar)."""
     if by == 0:
-        return value * float("nan")  # nothing to average: NaN, as np.mean of nothing
-    return value / by
+        return xp.asarray(value * float("nan"))  # nothing to average: NaN, as np.mean
+    return xp.asarray(value / by)
 
 
 def _check_axis(what: str, leaf: _LeafArrays, axis: SupportsIndex) -> int:
@@ -996,14 +1108,15 @@ def _copies_of(
 _LEAF: Final = _tree.flatten(None)[1]
 
 
-def _check_op(op: ReduceOp, leaves: list[_LeafArrays]) -> None:
-    """Refuse a reduction the dtype cannot do, before anything is computed."""
+def _check_op(op: ReduceOp, leaves: list[_LeafArrays], integer_mean: bool = False) -> None:
+    """Refuse a reduction the dtype cannot do, before anything is computed (``integer_mean``:
+    the caller takes ``MEAN`` of integers as a float64 mean, ``_as_float64``)."""
     for leaf in leaves:
         dtype = leaf.arrays[0].dtype
         kind = dtype.kind
         if kind in "biufc" and not (
             (kind == "b" and op not in (ReduceOp.MAX, ReduceOp.MIN))
-            or (kind in "iu" and op is ReduceOp.MEAN)
+            or (kind in "iu" and op is ReduceOp.MEAN and not integer_mean)
             or (kind == "c" and op in (ReduceOp.MAX, ReduceOp.MIN))
         ):
             continue

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ._options import CommunicationOptions
 
 __all__ = [
+    "COLLECTIVE_VALUES",
     "ContextState",
     "ReplicaContext",
     "context_state",
@@ -308,7 +309,7 @@ class ReplicaContext:
         """
         engine = self._engine
         timeout = self._options("all_gather", options)._timeout
-        return await self._collective(_merge_all_gather, (engine, value, axis), timeout)
+        return await self._collective(_merge_all_gather, (engine, value, axis, options), timeout)
 
     async def broadcast(
         self,
@@ -338,7 +339,9 @@ class ReplicaContext:
             engine.refusing("broadcast", exc)
             raise
         timeout = self._options("broadcast", options)._timeout
-        return await self._collective(_merge_broadcast, (engine, value, source_replica), timeout)
+        return await self._collective(
+            _merge_broadcast, (engine, value, source_replica, options), timeout
+        )
 
     async def reduce_scatter(
         self,
@@ -435,23 +438,24 @@ async def _merge_all_reduce(
 
 
 async def _merge_all_gather(
-    strategy: Any, engine: ReductionEngine, value: Any, axis: Any
+    strategy: Any, engine: ReductionEngine, value: Any, axis: Any, options: Any
 ) -> PerReplica[Any]:
     try:
-        return PerReplica(
-            await engine.all_gather(value, _agreed(engine, axis, "the axis of all_gather"))
-        )
+        axis = _agreed(engine, axis, "the axis of all_gather")
+        options = _agreed(engine, options, "the communication options of all_gather")
+        return PerReplica(await engine.all_gather(value, axis, options))
     except _REFUSALS as exc:
         await engine.refuse("all_gather", exc)
         raise
 
 
 async def _merge_broadcast(
-    strategy: Any, engine: ReductionEngine, value: Any, source: Any
+    strategy: Any, engine: ReductionEngine, value: Any, source: Any, options: Any
 ) -> PerReplica[Any]:
     try:
         source = _agreed(engine, source, "the source_replica of broadcast")
-        return PerReplica(await engine.broadcast(value, source, matching=False))
+        options = _agreed(engine, options, "the communication options of broadcast")
+        return PerReplica(await engine.broadcast(value, source, matching=False, options=options))
     except _REFUSALS as exc:
         await engine.refuse("broadcast", exc)
         raise
@@ -468,6 +472,17 @@ async def _merge_reduce_scatter(
     except _REFUSALS as exc:
         await engine.refuse("reduce_scatter", exc)
         raise
+
+
+#: The built-in collectives' merge functions, by the name a replica calls, and which of their
+#: arguments (after the strategy) is the replicas' value: a structure that differs between
+#: replicas is then named from that value's root (``_scheduler``).
+COLLECTIVE_VALUES: dict[Callable[..., Any], tuple[str, int]] = {
+    _merge_all_reduce: ("all_reduce", 2),
+    _merge_all_gather: ("all_gather", 1),
+    _merge_broadcast: ("broadcast", 1),
+    _merge_reduce_scatter: ("reduce_scatter", 2),
+}
 
 
 #: What a collective's checks raise on bad arguments: across workers, the merge functions

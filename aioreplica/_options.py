@@ -101,9 +101,11 @@ class CommunicationOptions:
         timeout_seconds: how long replicas wait at a collective (the context's collectives,
             and a variable write, ``update()`` or an optimizer step in a replica) for the
             others to arrive before the run fails with ``ReplicaSyncError`` naming the late
-            replicas; ``None``
-            or 0 waits (0, as in TF, also turns off a timeout that the strategy's options
-            set). The reduction's own work, once all have arrived, is never timed out.
+            replicas; across workers, the strategy's also bounds the wait for a late worker
+            in its cross-replica calls (``strategy.reduce``, ``gather``, ``reduce_to``, a
+            write outside ``run()``). ``None`` or 0 waits (0, as in TF, also turns off a
+            timeout that the strategy's options set). The reduction's own work, once all have
+            arrived, is never timed out.
         implementation: a ``CommunicationImplementation`` or its name, TF's hint for the
             transport (``AUTO`` by default); accepted so that TF programs run unchanged, and
             aioreplica chooses the transport itself (see ``CommunicationImplementation``).

@@ -311,12 +311,13 @@ class StrategyExtended:
 
         Returns:
             The reduced value on the one destination device, or a ``Mirrored`` over several
-            (host devices share one read-only array).
+            (host devices share one read-only array). ``MEAN`` of integers is a float64 mean,
+            as ``strategy.reduce``'s.
 
         Raises:
             ValueError: a destination is not one of the strategy's devices, or is listed
                 twice; shapes differ; a mirrored variable reduced with ``SUM`` or ``PROD``.
-            TypeError: an op the dtype cannot do.
+            TypeError: an op the dtype cannot do; a leaf that is no number or array.
             RuntimeError: called inside a replica; across workers, called from another task while
                 a ``run()`` is in progress there.
 
@@ -327,8 +328,18 @@ class StrategyExtended:
             ... )
             array(3.)
         """
-        async with self._strategy._engine.call("extended.reduce_to"):
-            return (await self.batch_reduce_to(reduce_op, [(value, destinations)], options))[0]
+        strategy = self._strategy
+        engine = strategy._engine
+        async with engine.call("extended.reduce_to"):
+            try:
+                op = await strategy._begin_reduction("extended.reduce_to", reduce_op)
+                value = _variables_as_values(value, op, strategy)
+                devices = strategy._destinations(destinations)
+                results = await engine.reduce_to(op, value, devices, options)
+            except (TypeError, ValueError) as exc:
+                await engine.refuse("extended.reduce_to", exc)
+                raise
+        return _grouped(results)
 
     async def batch_reduce_to(
         self,
@@ -337,6 +348,8 @@ class StrategyExtended:
         options: CommunicationOptions | None = None,
     ) -> list[Any]:
         """``reduce_to`` for several values at once, packed into as few reductions as possible.
+
+        Error messages name value ``k`` of the list at ``[k]``.
 
         Raises:
             ValueError: as ``reduce_to``.
@@ -354,14 +367,14 @@ class StrategyExtended:
         engine = strategy._engine
         async with engine.call("extended.batch_reduce_to"):
             try:
-                op = await strategy._begin_reduction("batch_reduce_to", reduce_op)
+                op = await strategy._begin_reduction("extended.batch_reduce_to", reduce_op)
                 pairs = [
                     (_variables_as_values(value, op, strategy), strategy._destinations(dest))
                     for value, dest in _value_destination_pairs(value_destination_pairs)
                 ]
                 results = await engine.batch_reduce_to(op, pairs, options)
             except (TypeError, ValueError) as exc:
-                await engine.refuse("batch_reduce_to", exc)
+                await engine.refuse("extended.batch_reduce_to", exc)
                 raise
         return [_grouped(per_destination) for per_destination in results]
 
@@ -474,8 +487,14 @@ class StrategyExtended:
     async def broadcast_to(self, value: Any, destinations: Any) -> Any:
         """Place ``value`` on every destination device (host devices share one read-only copy).
 
+        ``value`` is one value (a number, an array, or a nested structure of them): a
+        ``Mirrored`` leaf counts as its value, which every replica holds, but a ``PerReplica``
+        is refused (reduce it first with ``reduce_to``, or pick one replica's component).
+
         Raises:
             ValueError: a destination is not one of the strategy's devices.
+            TypeError: a leaf that is no number or array (``None``, a string), or a
+                ``PerReplica``; nothing is placed.
             RuntimeError: called inside a replica.
 
         Example:
@@ -484,7 +503,7 @@ class StrategyExtended:
             Mirrored({0: array([0., 0.]), 1: array([0., 0.])})
         """
         strategy = self._strategy
-        strategy._check_cross_replica("broadcast_to")
+        strategy._check_cross_replica("extended.broadcast_to")
         devices = strategy._destinations(destinations)
         return _grouped(await strategy._engine.broadcast_to(value, devices))
 
@@ -949,6 +968,29 @@ class MirroredStrategy:
             first_replica=self._engine.first_replica,
         )
 
+    def experimental_distribute_datasets_from_function(
+        self,
+        dataset_fn: Callable[[InputContext], Any],
+        options: InputOptions | None = None,
+        *,
+        prefetch: SupportsIndex | None = None,
+    ) -> DistributedDataset:
+        """TF's older name for ``distribute_datasets_from_function`` (the same thing).
+
+        Raises:
+            TypeError: as ``distribute_datasets_from_function``.
+            ValueError: as ``distribute_datasets_from_function``.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dist = strategy.experimental_distribute_datasets_from_function(
+            ...     lambda context: aioreplica.batched(np.arange(4), 2)
+            ... )
+            >>> type(dist).__name__
+            'DistributedDataset'
+        """
+        return self.distribute_datasets_from_function(dataset_fn, options, prefetch=prefetch)
+
     def experimental_distribute_values_from_function(
         self, value_fn: Callable[[ValueContext], Any]
     ) -> PerReplica[Any]:
@@ -956,7 +998,8 @@ class MirroredStrategy:
 
         ``value_fn`` may return a structure (a dict, a tuple): ``run()`` passes each replica
         its own, and ``reduce``, ``gather`` and the other collectives take the ``PerReplica``
-        of structures as the structure of per-replica values, leaf by leaf.
+        of structures as the structure of per-replica values, leaf by leaf, wherever it sits
+        in their value (as TF's dict of ``PerReplica`` values).
 
         Raises:
             TypeError: ``value_fn`` is not callable.

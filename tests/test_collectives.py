@@ -273,15 +273,30 @@ class TestAllReduce:
         with pytest.raises(ValueError, match=r"dtype float32, replica 0's has shape .* float64"):
             await strategy.run(step)
 
-    async def test_structure_mismatch(self) -> None:
-        """Different structures are a ValueError naming the replicas and the path."""
+    @pytest.mark.parametrize(
+        "collective", ["all_reduce", "all_gather", "broadcast", "reduce_scatter"]
+    )
+    async def test_structure_mismatch(self, collective: str) -> None:
+        """Different structures are a ValueError naming the collective, the replicas and the
+        place in the value passed to it (from its root, not among the collective's own
+        arguments)."""
         strategy = MirroredStrategy(host_devices(2))
 
         async def step() -> Any:
-            value = [np.zeros(2)] * (replica_id() + 1)
-            return await replica_context().all_reduce("sum", value)
+            value = {"x": [np.zeros(2)] * (replica_id() + 1)}
+            ctx = replica_context()
+            if collective == "all_reduce":
+                return await ctx.all_reduce("sum", value)
+            if collective == "reduce_scatter":
+                return await ctx.reduce_scatter("sum", value)
+            return await getattr(ctx, collective)(value)
 
-        with pytest.raises(ValueError, match="replica 1's value differs from replica 0's"):
+        with pytest.raises(
+            ValueError,
+            match=rf"^{collective}: replica 1's value differs from replica 0's at \['x'\]: "
+            r"replica 0 has a list of 1 item, replica 1 a list of 2 items; every replica must "
+            r"pass the same structure\n",
+        ):
             await strategy.run(step)
 
     @pytest.mark.parametrize(
@@ -704,6 +719,61 @@ class TestCrossReplica:
             strict=True,
         )
 
+    async def test_reduce_mean_along_axis_gives_an_array_as_the_other_ops(self) -> None:
+        """Every op with axis, MEAN included, gives a 0-d ndarray where the result has no
+        dimension left, as MEAN without axis does (not a NumPy scalar)."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.array([1.0, 2.0], np.float32), np.array([3.0], np.float32)])
+        got = {op: await strategy.reduce(op, value, axis=0) for op in ("sum", "mean", "max")}
+        got["mean of nothing"] = await strategy.reduce(
+            "mean", PerReplica([np.array([]), np.array([])]), axis=0
+        )
+        got["mean without axis"] = await strategy.reduce("mean", PerReplica([1.0, 2.0]))
+        shown = {op: (type(r), r.shape) for op, r in got.items()}
+        assert shown == dict.fromkeys(got, (np.ndarray, ()))
+        assert got["mean"] == 2.0
+        assert got["mean"].dtype == np.float32
+        assert np.isnan(got["mean of nothing"])
+
+    @pytest.mark.parametrize("replicas", [1, 2, 3])
+    async def test_reduce_to_takes_a_mean_of_integers_as_reduce_does(self, replicas: int) -> None:
+        """reduce_to and batch_reduce_to take MEAN of integers as strategy.reduce does: a
+        float64 mean, on every destination."""
+        strategy = MirroredStrategy(host_devices(replicas))
+        value = PerReplica([np.array([i, 2 * i + 1], np.int32) for i in range(replicas)])
+        want = await strategy.reduce("mean", value)
+        assert want.dtype == np.float64
+        one = await strategy.extended.reduce_to("mean", value, "cpu:0")
+        (batched,) = await strategy.extended.batch_reduce_to("mean", [(value, value)])
+        every = strategy.experimental_local_results(batched)
+        for got in (one, *every):
+            np.testing.assert_array_equal(got, want, strict=True)
+
+    async def test_mean_of_integers_and_floats_is_refused(self) -> None:
+        """A MEAN of one replica's integers with another's floats is refused as for any other
+        op (the integers are not made floats first), naming both dtypes."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.array([1], np.int32), np.array([2.0], np.float32)])
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: strategy.reduce("mean", value),
+            lambda: strategy.reduce("mean", value, axis=0),
+            lambda: strategy.extended.reduce_to("mean", value, "cpu:0"),
+        ]
+        messages = []
+        for call in calls:
+            with pytest.raises(ValueError, match=r"^reduce") as info:
+                await call()
+            messages.append(str(info.value))
+        differ = (
+            "replica 1's value at <root> has shape (1,) and dtype float32, replica 0's has "
+            "shape (1,) and dtype int32; "
+        )
+        assert messages == [
+            f"reduce: {differ}every replica must pass the same shape and dtype",
+            f"reduce: {differ}they may differ only along axis 0",
+            f"reduce_to: {differ}every replica must pass the same shape and dtype",
+        ]
+
     async def test_a_variable_of_another_strategy_is_refused(self) -> None:
         """reduce, reduce_to and batch_reduce_to refuse another strategy's variable, whatever
         its number of copies, naming both strategies; its own strategy reduces it."""
@@ -734,6 +804,61 @@ class TestCrossReplica:
 
         with pytest.raises(RuntimeError, match=r"strategy.reduce\(\) was called inside replica"):
             await strategy.run(step)
+
+    async def test_extended_calls_inside_a_replica_name_themselves(self) -> None:
+        """reduce_to, batch_reduce_to and broadcast_to inside a replica each raise a
+        RuntimeError naming that call by its path, strategy.extended (one replica: which
+        replica raises first is the loop's choice)."""
+        strategy = MirroredStrategy(host_devices(1))
+        extended = strategy.extended
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {
+            "reduce_to": lambda: extended.reduce_to("sum", 1.0, "cpu:0"),
+            "batch_reduce_to": lambda: extended.batch_reduce_to("sum", [(1.0, "cpu:0")]),
+            "broadcast_to": lambda: extended.broadcast_to(1.0, "cpu:0"),
+        }
+        messages = []
+        for call in calls.values():
+
+            async def step(call: Callable[[], Awaitable[Any]] = call) -> None:
+                await call()
+
+            with pytest.raises(RuntimeError) as info:
+                await strategy.run(step)
+            messages.append(str(info.value).partition(";")[0])
+        assert messages == [
+            f"strategy.extended.{name}() was called inside replica 0" for name in calls
+        ]
+
+    async def test_reduce_to_describes_its_value_as_reduce_does(self) -> None:
+        """reduce_to's errors describe the value passed as reduce's do: the value itself is
+        the root, not an item of a list; batch_reduce_to's name the item of its list."""
+        strategy = MirroredStrategy(host_devices(2))
+        extended = strategy.extended
+        three = PerReplica([1.0, 2.0, 3.0])
+        flags = PerReplica([np.True_, np.False_])
+        calls: list[tuple[type[Exception], Callable[[], Awaitable[Any]]]] = [
+            (ValueError, lambda: strategy.reduce("sum", three)),
+            (ValueError, lambda: extended.reduce_to("sum", three, "cpu:0")),
+            (ValueError, lambda: extended.batch_reduce_to("sum", [(1.0, "cpu:0"), (three, 0.0)])),
+            (TypeError, lambda: strategy.reduce("mean", flags)),
+            (TypeError, lambda: extended.reduce_to("mean", flags, "cpu:0")),
+            (TypeError, lambda: extended.reduce_to("mean", {"ok": flags}, "cpu:0")),
+        ]
+        messages = []
+        for error, call in calls:
+            with pytest.raises(error) as info:
+                await call()
+            messages.append(str(info.value).partition(";")[0])
+        length = "the value at {} is a PerReplica of 3 values, but the strategy has 2 replicas"
+        bools = "cannot MEAN values of dtype bool (at {}): bool values reduce with MAX (any) or MIN"
+        assert messages == [
+            "reduce: " + length.format("<root>"),
+            "reduce_to: " + length.format("<root>"),
+            "batch_reduce_to: " + length.format("[1]"),
+            bools.format("<root>") + " (all)",
+            bools.format("<root>") + " (all)",
+            bools.format("['ok']") + " (all)",
+        ]
 
     async def test_gather(self) -> None:
         """strategy.gather concatenates the components along the axis."""
@@ -815,6 +940,55 @@ class TestCrossReplica:
             np.testing.assert_array_equal(got, [0, 1, 2])
             assert not got.flags.writeable
 
+    @pytest.mark.parametrize(
+        ("value", "message"),
+        [
+            (
+                None,
+                "the value is None (NoneType); broadcast_to places numbers and arrays: pass a "
+                "number or a numpy array instead",
+            ),
+            (
+                "hello",
+                "the value is 'hello' (str); broadcast_to places numbers and arrays: pass a number",
+            ),
+            (
+                (1.0, None),
+                "the value at [1] is None (NoneType); broadcast_to places numbers and arrays",
+            ),
+            (np.array([1, None]), "the value is no number or array of numbers (array([1, None]"),
+            (
+                {"w": PerReplica([1.0, 2.0])},
+                "the value at ['w'] is a PerReplica of 2 values, one per replica, but "
+                "broadcast_to places one value on every destination: reduce it first "
+                "(strategy.extended.reduce_to), or pick one replica's "
+                "(strategy.experimental_local_results(value)[i])",
+            ),
+        ],
+        ids=["None", "str", "None-in-a-tuple", "objects", "per-replica"],
+    )
+    async def test_broadcast_to_refuses_what_it_cannot_place(
+        self, value: Any, message: str
+    ) -> None:
+        """broadcast_to takes one value of numbers and arrays: None, a string, an array of
+        objects or a PerReplica is a TypeError saying where it is and what to pass."""
+        strategy = MirroredStrategy(host_devices(2))
+        with pytest.raises(TypeError) as info:
+            await strategy.extended.broadcast_to(value, ["cpu:0", "cpu:1"])
+        assert str(info.value).startswith(f"broadcast_to: {message}")
+
+    async def test_broadcast_to_takes_a_mirrored_as_its_value(self) -> None:
+        """A Mirrored holds one value on every replica (a reduce_to result, say): broadcast_to
+        places that value, as TF reads a mirrored value in cross-replica context."""
+        strategy = MirroredStrategy(host_devices(2))
+        value = PerReplica([np.array([1.0, 2.0]), np.array([3.0, 4.0])])
+        mirrored = await strategy.extended.reduce_to("sum", value, ["cpu:0", "cpu:1"])
+        assert isinstance(mirrored, Mirrored)
+        placed = await strategy.extended.broadcast_to({"m": mirrored}, "cpu:1")
+        assert list(placed) == ["m"]
+        assert type(placed["m"]) is np.ndarray
+        assert placed["m"].tolist() == [4.0, 6.0]
+
     async def test_several_destinations_give_mirrored(self) -> None:
         """With several destinations, broadcast_to and reduce_to return a Mirrored with one
         component per destination (as in TF), even where host destinations share one array;
@@ -831,6 +1005,72 @@ class TestCrossReplica:
         np.testing.assert_array_equal(summed.values[2], [3.0, 3.0])
         one = await strategy.extended.reduce_to("sum", value, "cpu:1")
         assert type(one) is np.ndarray
+
+
+class TestPerReplicaOfStructures:
+    """A PerReplica whose components are structures (``value_fn`` of
+    ``experimental_distribute_values_from_function`` returning a dict) stands for the
+    structure of per-replica values, wherever it is in the value a collective takes."""
+
+    @staticmethod
+    def values(strategy: MirroredStrategy) -> PerReplica[Any]:
+        return strategy.experimental_distribute_values_from_function(
+            lambda ctx: {"x": np.full(1, float(ctx.replica_id_in_sync_group)), "y": (np.ones(2),)}
+        )
+
+    @pytest.mark.parametrize("replicas", [1, 3])
+    async def test_every_cross_replica_call_takes_it_anywhere(self, replicas: int) -> None:
+        """reduce, reduce_to and batch_reduce_to reduce it leaf by leaf, and gather gathers
+        it, as the value itself and inside a structure alike."""
+        strategy = MirroredStrategy(host_devices(replicas))
+        value = self.values(strategy)
+        extended = strategy.extended
+        reduced = {
+            "reduce": await strategy.reduce("sum", value),
+            "reduce, in a dict": (await strategy.reduce("sum", {"a": value}))["a"],
+            "reduce_to": await extended.reduce_to("sum", value, "cpu:0"),
+            "reduce_to, in a list": (await extended.reduce_to("sum", [value], "cpu:0"))[0],
+            "batch_reduce_to": (await extended.batch_reduce_to("sum", [(value, "cpu:0")]))[0],
+        }
+        shown = {how: (got["x"].tolist(), got["y"][0].tolist()) for how, got in reduced.items()}
+        total = float(sum(range(replicas)))
+        assert shown == {how: ([total], [float(replicas)] * 2) for how in reduced}
+        gathered = {
+            "gather": await strategy.gather(value),
+            "gather, in a list": (await strategy.gather([value]))[0],
+        }
+        shown = {how: (got["x"].tolist(), got["y"][0].tolist()) for how, got in gathered.items()}
+        rows = [float(i) for i in range(replicas)]
+        assert shown == {how: (rows, [1.0] * 2 * replicas) for how in gathered}
+
+    async def test_errors_name_the_place_inside_it(self) -> None:
+        """Replicas' structures that differ name the PerReplica's place; a leaf's error names
+        the whole path, through the PerReplica into its components."""
+        strategy = MirroredStrategy(host_devices(2))
+        keys = PerReplica([{"x": 1.0}, {"z": 1.0}])
+        shapes = PerReplica([{"x": np.ones(1)}, {"x": np.ones(2)}])
+        calls: list[tuple[type[Exception], Callable[[], Awaitable[Any]]]] = [
+            (ValueError, lambda: strategy.reduce("sum", keys)),
+            (ValueError, lambda: strategy.reduce("sum", {"a": [keys]})),
+            (ValueError, lambda: strategy.extended.reduce_to("sum", {"a": shapes}, "cpu:0")),
+            (TypeError, lambda: strategy.gather((PerReplica([{"x": None}] * 2),))),
+        ]
+        messages = []
+        for error, call in calls:
+            with pytest.raises(error) as info:
+                await call()
+            messages.append(str(info.value).partition(";")[0])
+        keys_differ = (
+            "replica 1's value differs from replica 0's at <root>: keys differ: 'x' only in "
+            "replica 0, 'z' only in replica 1"
+        )
+        assert messages == [
+            f"reduce: {keys_differ}",
+            f"reduce: in the PerReplica at ['a'][0], {keys_differ}",
+            "reduce_to: replica 1's value at ['a']['x'] has shape (2,) and dtype float64, "
+            "replica 0's has shape (1,) and dtype float64",
+            "every replica passed None (NoneType) to gather at [0]['x']",
+        ]
 
 
 class TestInlineOrWorker:
@@ -1237,8 +1477,8 @@ class TestLeavesThatAreNotNumbers:
         assert messages == [
             "replicas 0 and 1 passed None (NoneType) to reduce",
             "replicas 0 and 1 passed None (NoneType) to gather",
-            "replicas 0 and 1 passed None (NoneType) to reduce_to at [0]",
-            "replicas 0 and 1 passed None (NoneType) to reduce_to at [0]",
+            "replicas 0 and 1 passed None (NoneType) to reduce_to",
+            "replicas 0 and 1 passed None (NoneType) to batch_reduce_to at [0]",
         ]
 
     async def test_replicas_passing_different_non_numbers_are_each_named(self) -> None:

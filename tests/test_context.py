@@ -463,7 +463,7 @@ class TestScope:
             "run()": lambda: other.run(lambda: None),
             "strategy.reduce()": lambda: other.reduce("sum", value),
             "strategy.gather()": lambda: other.gather(value, 0),
-            "strategy.batch_reduce_to()": lambda: other.extended.batch_reduce_to(
+            "strategy.extended.batch_reduce_to()": lambda: other.extended.batch_reduce_to(
                 "sum", [(value, "cpu:2")]
             ),
             "extended.update()": lambda: other.extended.update(owned, lambda c: c + 1),

@@ -514,6 +514,31 @@ class TestAsInTF:
         with pytest.raises(TypeError):
             strategy.experimental_distribute_dataset("abc")
 
+    async def test_experimental_distribute_datasets_from_function_is_the_same(self) -> None:
+        """TF's older name experimental_distribute_datasets_from_function is
+        distribute_datasets_from_function: the same batches, the same refusals."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        contexts: list[tuple[int, int]] = []
+
+        def dataset_fn(context: aioreplica.InputContext) -> Any:
+            contexts.append((context.num_input_pipelines, context.num_replicas_in_sync))
+            return aioreplica.batched(np.arange(6.0), 2)
+
+        tf_name = [
+            [list(v) for v in x.values]
+            async for x in strategy.experimental_distribute_datasets_from_function(dataset_fn)
+        ]
+        ours = [
+            [list(v) for v in x.values]
+            async for x in strategy.distribute_datasets_from_function(dataset_fn)
+        ]
+        assert tf_name == ours == [[[0.0, 1.0], [2.0, 3.0]], [[4.0, 5.0], []]]
+        assert contexts == [(1, 2), (1, 2)]
+        with pytest.raises(TypeError, match=r"^dataset_fn must be callable"):
+            strategy.experimental_distribute_datasets_from_function(5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="prefetch"):
+            strategy.experimental_distribute_datasets_from_function(dataset_fn, prefetch=-1)
+
     async def test_reduce_to_a_variables_devices(self) -> None:
         """``reduce_to(SUM, grad, destinations=var)``, the standard optimizer pattern."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])

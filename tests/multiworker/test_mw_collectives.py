@@ -20,8 +20,10 @@ from aioreplica import (
     PerReplica,
     ReduceOp,
     ReplicaSyncError,
+    Variable,
     _cluster,
 )
+from aioreplica.optimizers import SGD
 from aioreplica.testing import host_devices, replica_context, replica_id
 from multiworker.mwtools import (
     RANK,
@@ -1030,7 +1032,7 @@ BAD_INPUT: dict[str, tuple[Callable[[Any, bool], Any], type[Exception], str]] = 
             "sum", PerReplica([_X, _X]), "cpu:9" if bad else "cpu:0"
         ),
         ValueError,
-        "batch_reduce_to",
+        "extended.reduce_to",
     ),
 }
 
@@ -1182,3 +1184,53 @@ async def test_a_reduce_scatter_meets_only_its_like(
 
     result = await strategy.run(agreed)
     np.testing.assert_array_equal(result, np.array_split(WORKERS * value, WORKERS)[RANK])
+
+
+#: Calls whose cross-worker wait a timeout in CommunicationOptions bounds, given per call
+#: (``call``) or as the strategy's (``strategy``), and how each is made (with its options, a
+#: variable and an optimizer).
+BOUNDED_CALLS: dict[str, tuple[str, Any]] = {
+    "all_gather": (
+        "call",
+        lambda s, options, v, opt: s.run(
+            lambda: replica_context().all_gather(np.ones(2), 0, options)
+        ),
+    ),
+    "broadcast": (
+        "strategy",
+        lambda s, options, v, opt: s.run(lambda: replica_context().broadcast(np.ones(2), 1)),
+    ),
+    "apply_gradients": (
+        "strategy",
+        lambda s, options, v, opt: s.run(lambda: opt.apply_gradients([(np.ones(2), v)])),
+    ),
+    "strategy.gather": (
+        "strategy",
+        lambda s, options, v, opt: s.gather(PerReplica([np.ones(2)]), 0),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BOUNDED_CALLS))
+async def test_a_collective_timeout_bounds_the_wait_for_a_late_worker(
+    make_strategy: MakeStrategy, case: str
+) -> None:
+    """``CommunicationOptions(timeout_seconds=T)``, the strategy's or the call's, bounds the
+    cross-worker wait of every collective: a worker waiting for a late one raises
+    ReplicaSyncError naming it after about T seconds (not when the late one comes)."""
+    where, call = BOUNDED_CALLS[case]
+    options = CommunicationOptions(timeout_seconds=0.5)
+    strategy = make_strategy(1, communication_options=options if where == "strategy" else None)
+    with strategy.scope():
+        variable = Variable(np.zeros(2), name="v")
+    await strategy.run(lambda: None)  # the variable synced: only the call is late
+    late = WORKERS - 1
+    if late == RANK:
+        await anyio.sleep(2.0)
+    started = time.monotonic()
+    with anyio.fail_after(20), pytest.raises(ReplicaSyncError) as caught:
+        await call(strategy, options, variable, SGD(0.1))
+    if late != RANK:
+        assert caught.value.workers == (late,)
+        assert time.monotonic() - started < 1.8
+    WORLD.Barrier()  # both done before either closes the strategy
