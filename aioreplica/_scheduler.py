@@ -33,7 +33,14 @@ while others wait, a replica that arrives where a finished one can never join it
 function that differs, or (with ``sync_timeout`` or a collective's timeout) a round that does
 not fill in time, becomes a ``ReplicaSyncError``: the run fails, every replica is cancelled,
 nothing hangs. A timeout bounds the wait for the others to *arrive*, never the merge
-function's own work.
+function's own work; its deadline belongs to the round, and one parked replica at a time
+watches it (one that leaves hands the watch to another).
+
+A replica cancelled while parked (its own ``anyio.fail_after``, say) leaves the round while it
+is filling. Once every replica has arrived, the round holds its part: a cancellation during the
+merge function waits for it (in a shield), and one after the round is done does not undo it.
+The replica takes its part, and the cancellation fires at its next checkpoint (its next
+``merge_call`` is one), as trio does for an operation that completed.
 
 Failures (invariant 5): the first failure, a replica's own exception, an exception from
 ``merge_fn`` or a ``ReplicaSyncError``, is what ``run()`` raises, unwrapped, with a note saying
@@ -76,6 +83,7 @@ check of ``_trace.recorder`` per run and one of ``run.tracer`` per round.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -85,14 +93,15 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
 import anyio
 
 from . import _loops, _trace
-from ._context import ContextState, ReplicaContext, context_state
+from ._cluster import error_line
+from ._context import COLLECTIVE_VALUES, ContextState, ReplicaContext, context_state
 from ._errors import (
     AioreplicaInternalError,
     ReplicaSyncError,
@@ -101,6 +110,7 @@ from ._errors import (
     yielding_step,
 )
 from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest, VariableCreations
+from ._tree import describe_path, find_mismatch
 from ._values import (
     DistributedValues,
     Mirrored,
@@ -161,15 +171,18 @@ class _Round:
     """One merge round: who has arrived with which request, and once done, the result."""
 
     __slots__ = (
+        "abandoned",
         "arrived",
+        "deadline",
         "done",
         "gate",
         "number",
         "parts",
         "requests",
         "result",
+        "timeout",
         "waiter",
-        "watched",
+        "watcher",
     )
 
     def __init__(self, number: int, size: int, gate: _loops.Gate) -> None:
@@ -177,16 +190,22 @@ class _Round:
         self.arrived: list[_Replica] = []
         self.requests: list[MergeRequest | None] = [None] * size  # by replica id
         self.done = False
+        self.abandoned = False  # its merge_fn was cancelled with the run: it is never done
         self.result: Any = None
         # Each replica's part of the result, when it is a distributed value or a structure of
         # tuples, lists and dicts (``select_replicas``): each replica takes its own by index.
         self.parts: Sequence[Any] | None = None
         self.gate = gate
         # The gate's one waiter for all, if it has one: the fast path parks on it directly. If
-        # the gate later replaces it (a sibling's cancellation cancelled it), a replica parking
-        # on the old one is woken at once and ``gate.interrupted`` parks it on the new one.
+        # the gate later replaces it (a sibling's cancellation cancelled it, or ``gate.wake``
+        # set it), a replica parking on the old one is woken at once and parks on the new one.
         self.waiter = gate.waiter
-        self.watched = False  # an arrival is timing the round
+        # With a timeout (``sync_timeout`` or a collective's): by when the round must fill
+        # (anyio's clock), set by its first timed arrival; the seconds, for the message; and
+        # the parked replica timing it. One that leaves hands the watch to another.
+        self.deadline: float | None = None
+        self.timeout = 0.0
+        self.watcher: _Replica | None = None
 
 
 class _Replica:
@@ -313,9 +332,11 @@ class _Replica:
             enter()
         try:
             awaitable = fn(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             if track is not None:
                 track.record("compute", started, {"replica": self.id})
+            if isinstance(exc, StopIteration):  # out of this generator: a bare RuntimeError
+                raise _escaped_stop(exc, f"replica {self.sync_id}'s step function") from exc
             raise
         finally:
             if leave is not None:
@@ -344,6 +365,10 @@ class _Replica:
         marker, timeout_at = MERGE, TIMEOUT  # locals: cheaper than globals on the fast path
         value: Any = None
         error: BaseException | None = None
+        # A cancellation that reached the replica once its part of a round was committed:
+        # requested again at its next step, raised there if that is a merge_call
+        # (``Loop.defer_cancellation``).
+        owed: Callable[[], Iterable[Any]] | None = None
         while True:
             self.in_own_coroutine = True
             if enter is not None:
@@ -358,6 +383,19 @@ class _Replica:
                 self.in_own_coroutine = False
             error = None
             value = None
+            if owed is not None:
+                checkpoint = owed()
+                owed = None
+                if type(yielded) is tuple and yielded and yielded[0] is marker:
+                    try:
+                        yield from checkpoint  # merge_call is a checkpoint, as trio's awaits
+                    except GeneratorExit:
+                        coro.close()
+                        raise
+                    except BaseException as exc:
+                        self.pending = None  # it never arrives
+                        error = exc
+                        continue
             try:
                 if type(yielded) is tuple and yielded and yielded[0] is marker:
                     # The fast path of every merge round: file the request, park at the gate.
@@ -369,19 +407,19 @@ class _Replica:
                         run.first_at = clock()
                     arrived.append(self)
                     if not run.fast_path or yielded[timeout_at] is not None:
-                        yield from run.arrive(self, rnd, yielded)
+                        owed = yield from run.arrive(self, rnd, yielded)
                     elif len(arrived) == size:
                         waiting = run.complete(rnd, self)
                         if waiting is not None:
-                            yield from waiting
+                            owed = yield from run.last_waits(rnd, waiting)
                     else:
                         try:
                             waiter = rnd.waiter
                             yield from (waiter if waiter is not None else rnd.gate.park(replica_id))
                         except BaseException as exc:
-                            yield from run.park_interrupted(self, rnd, exc)
-                    if not rnd.done:  # woken by a failing run: shielded from its cancellation
-                        raise _RunFailed
+                            owed = yield from run.park_interrupted(self, rnd, exc)
+                        if not rnd.done:  # woken by a failing run, or to take over a watch
+                            owed = yield from run.woken(self, rnd)
                     parts = rnd.parts
                     if parts is not None:
                         value = parts[replica_id]
@@ -571,54 +609,140 @@ class _Run:
         return _Round(number, self.size, self.new_gate())
 
     def arrive(self, replica: _Replica, rnd: _Round, request: MergeRequest) -> _Step:
-        """The slow path of an arrival (already filed in ``rnd``): last, first with a
-        timeout, or a run that is going wrong."""
+        """The slow path of an arrival (already filed in ``rnd``): last, with a timeout, or in
+        a run that is going wrong. Returns once the round is done, with the cancellation owed
+        to the replica, if any (see ``park_interrupted``)."""
         timeout = request[TIMEOUT] if request[TIMEOUT] is not None else self.sync_timeout
+        if timeout is not None and rnd.deadline is None:
+            rnd.timeout = timeout
+            rnd.deadline = anyio.current_time() + timeout
         if self.finished and not self.failures:
             self.fail(self._early_finishers_error(replica), "detected at a merge point")
         if len(rnd.arrived) == self.size and not self.failures:
             waiting = self.complete(rnd, replica)
             if waiting is not None:
-                yield from waiting
-            return
+                return (yield from self.last_waits(rnd, waiting))
+            return None
         if self.failures:
             yield from self.loop.park_cancelled(_RunFailed)
-        try:
-            if timeout is not None and not rnd.watched:
-                rnd.watched = True
-                yield from self._park_watching(rnd, replica, request, timeout)
-            else:
-                yield from rnd.gate.park(replica.id)
-        except BaseException as exc:
-            yield from self.park_interrupted(replica, rnd, exc)
+        return (yield from self._wait(replica, rnd))
+
+    def woken(self, replica: _Replica, rnd: _Round) -> _Step:
+        """A parked replica woke and its round is not done: the run failed (and a shield keeps
+        its cancellation out), or it was woken to take over the round's watch (``_leave``)."""
+        if self.failures:
+            raise _RunFailed
+        rnd.waiter = rnd.gate.waiter  # the fast path's, if the gate replaced it
+        return (yield from self._wait(replica, rnd))
+
+    def _wait(self, replica: _Replica, rnd: _Round) -> _Step:
+        """Park ``replica`` in ``rnd`` until the round is done; the first to park while the
+        round has a deadline and nobody watches it watches it. Returns the cancellation owed
+        to the replica, if any."""
+        while True:
+            owed = None
+            try:
+                if rnd.deadline is not None and rnd.watcher is None:
+                    yield from self._park_watching(rnd, replica)
+                else:
+                    yield from rnd.gate.park(replica.id)
+            except BaseException as exc:
+                owed = yield from self.park_interrupted(replica, rnd, exc)
+            if rnd.done:
+                return owed
+            if self.failures:  # woken by a failing run: shielded from its cancellation
+                raise _RunFailed
+            # Woken to take over the watch, or by another replica's cancellation: park again.
 
     def park_interrupted(self, replica: _Replica, rnd: _Round, exc: BaseException) -> _Step:
-        """A parked replica was woken by an exception: the gate re-parks it if the exception
-        was meant for another replica; else it leaves the round with it."""
+        """A parked replica was woken by an exception. If it was meant for another replica
+        (``gate.interrupted`` returns), the caller parks it again. A cancellation that comes
+        once the round is done does not undo the replica's part, which was committed with the
+        others': the replica takes it, and the cancellation is kept for its next checkpoint
+        (returned, where the loop needs it requested again). Otherwise the replica leaves the
+        round with the exception."""
         try:
             yield from rnd.gate.interrupted(exc)
-        except BaseException:
+        except BaseException as error:
+            if self._committed(rnd, error):
+                return self.loop.defer_cancellation(error)
+            if (
+                len(rnd.arrived) == self.size
+                and not self.failures
+                and isinstance(error, self.cancelled_class)
+            ):
+                return (yield from self._wait_merge(replica, rnd, error))
             if not rnd.done:
-                rnd.arrived.remove(replica)  # it leaves the round (cancelled or timed out)
-                rnd.requests[replica.id] = None
+                self._leave(replica, rnd)
             raise
+        return None
 
-    def _park_watching(
-        self, rnd: _Round, replica: _Replica, request: MergeRequest, timeout: float
-    ) -> _Step:
-        """The first arrival with a timeout parks under it; if the others have not all arrived
-        when it expires, the run fails (a round that filled is never timed out)."""
-        with anyio.move_on_after(timeout) as scope:  # noqa: ASYNC100 - parks inside
-            yield from rnd.gate.park(replica.id)
-        if rnd.done or not scope.cancelled_caught or len(rnd.arrived) == self.size:
-            if not rnd.done:  # every replica arrived: the round is running its merge_fn
+    def _wait_merge(self, replica: _Replica, rnd: _Round, exc: BaseException) -> _Step:
+        """The cancellation ``exc`` reached a parked replica while ``rnd`` runs its merge
+        function, with the replica's part: it waits for the outcome out of the cancellation's
+        reach (an anyio shield), then takes its part as ``park_interrupted`` does, unless the
+        run failed or the merge was cancelled with it."""
+        with anyio.CancelScope(shield=True):  # noqa: ASYNC100 - parks inside
+            while not (rnd.done or rnd.abandoned or self.failures):
+                # On asyncio a Task.cancel() (an asyncio.timeout's) passes a shield: ignored.
+                with contextlib.suppress(self.cancelled_class):
+                    yield from rnd.gate.park(replica.id)
+        if self._committed(rnd, exc):
+            return self.loop.defer_cancellation(exc)
+        raise exc
+
+    def _committed(self, rnd: _Round, exc: BaseException) -> bool:
+        """Whether ``exc`` is a cancellation that came too late for ``rnd``: done, in a run
+        that is not failing (a failing run raises its failure, whatever the round did)."""
+        return rnd.done and not self.failures and isinstance(exc, self.cancelled_class)
+
+    def last_waits(self, rnd: _Round, waiting: _Step) -> _Step:
+        """The last arrival waits on what ``complete`` left it (an async ``merge_fn``, its turn
+        in a seeded order); returns the cancellation owed to it, as ``park_interrupted``."""
+        try:
+            yield from waiting
+        except BaseException as exc:
+            if self._committed(rnd, exc):
+                return self.loop.defer_cancellation(exc)
+            raise
+        return None
+
+    def _leave(self, replica: _Replica, rnd: _Round) -> None:
+        """``replica`` leaves ``rnd`` (cancelled or timed out) before it is done. If the round
+        has a deadline and nobody watches it now, a replica still parked there is woken to
+        watch it; once no replica is left, the deadline goes (the next arrival sets it)."""
+        rnd.arrived.remove(replica)
+        rnd.requests[replica.id] = None
+        if rnd.deadline is None or rnd.watcher is not None:
+            return
+        if rnd.arrived:
+            rnd.gate.wake(rnd.arrived[0].id)
+        else:
+            rnd.deadline = None
+
+    def _park_watching(self, rnd: _Round, replica: _Replica) -> _Step:
+        """Park ``replica`` until ``rnd``'s deadline; if the others have not all arrived by
+        then, the run fails (a round that filled is never timed out)."""
+        deadline = rnd.deadline
+        assert deadline is not None  # only a round with a deadline is watched
+        rnd.watcher = replica
+        try:
+            with anyio.CancelScope(deadline=deadline) as scope:  # noqa: ASYNC100 - parks inside
                 yield from rnd.gate.park(replica.id)
+        finally:
+            rnd.watcher = None
+        if rnd.done or not scope.cancelled_caught or self.failures:
+            return
+        if len(rnd.arrived) == self.size:  # the round is running its merge_fn: no deadline
+            rnd.deadline = None
             return
         arrived = [r.sync_id for r in rnd.arrived]
         late = sorted(set(range(self.first_replica, self.first_replica + self.size)) - set(arrived))
+        request = rnd.requests[replica.id]
+        assert request is not None  # it is parked in the round
         self.fail(
             ReplicaSyncError(
-                f"{replica_list(arrived)} waited {timeout:g} s in merge_call "
+                f"{replica_list(arrived)} waited {rnd.timeout:g} s in merge_call "
                 f"#{rnd.number} ({_describe_fn(request[FN])}) for {replica_list(late)}, "
                 "which did not arrive; a replica is stuck or skips this merge_call (raise the "
                 "timeout if it is just slow)",
@@ -707,10 +831,16 @@ class _Run:
         """Fail the run with what ``merge_fn`` raised (the run's own cancellation goes on)."""
         if isinstance(exc, self.cancelled_class):
             if self.tasks.is_cancellation(exc):
+                # The round will never be done: wake the replicas that wait for its outcome
+                # out of the cancellation's reach (``_wait_merge``), to be cancelled too.
+                rnd.abandoned = True
+                rnd.gate.open(None)
                 raise exc
             exc = self.own_cancellation(exc, f"merge_fn {_describe_fn(merge_fn)}")
         if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
             exc.merge_number = rnd.number
+        if isinstance(exc, StopIteration):  # out of run(), a coroutine: a bare RuntimeError
+            exc = _escaped_stop(exc, f"merge_fn {_describe_fn(merge_fn)}")
         self.fail(
             exc,
             f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
@@ -785,7 +915,13 @@ class _Run:
         # merge_call checked the types: args are tuples, kwargs mappings or None.
         all_args = list(map(_request_args, requests))
         first = self.first_replica
-        args = regroup(all_args, first_replica=first) if any(all_args) else ()
+        try:
+            args = regroup(all_args, first_replica=first) if any(all_args) else ()
+        except (TypeError, ValueError):
+            mismatch = _collective_mismatch(merge_fn, all_args, first)
+            if mismatch is None:
+                raise
+            raise mismatch from None
         all_kwargs = list(map(_request_kwargs, requests))
         kwargs = (
             regroup([dict(kw or {}) for kw in all_kwargs], first_replica=first)
@@ -793,6 +929,29 @@ class _Run:
             else {}
         )
         return merge_fn, args, kwargs
+
+
+def _collective_mismatch(
+    merge_fn: Callable[..., Any], all_args: list[Any], first_replica: int
+) -> Exception | None:
+    """For a built-in collective (``COLLECTIVE_VALUES``), the error for replicas' values of
+    different structures, with the place in the value from its root (not in the merge
+    arguments, which the replica never saw); else ``None``."""
+    known = COLLECTIVE_VALUES.get(merge_fn)
+    if known is None:
+        return None
+    name, index = known
+    values = [args[index] for args in all_args]
+    for offset, other in enumerate(values[1:], 1):
+        first, second = f"replica {first_replica}", f"replica {first_replica + offset}"
+        found = find_mismatch(values[0], other, first=first, second=second)
+        if found is not None:
+            error, path, message = found
+            return error(
+                f"{name}: {second}'s value differs from {first}'s at {describe_path(path)}: "
+                f"{message}; every replica must pass the same structure"
+            )
+    return None
 
 
 #: The merge results split for every replica at once (``select_replicas``).
@@ -809,6 +968,17 @@ _request_args = operator.itemgetter(ARGS)
 _request_kwargs = operator.itemgetter(KWARGS)
 
 
+def _escaped_stop(exc: StopIteration, who: str) -> RuntimeError:
+    """The error for a ``StopIteration`` out of user code (``who``), which Python would turn
+    into a RuntimeError that says nothing of where it came from (PEP 479); chained to it."""
+    error = RuntimeError(
+        f"{who} raised StopIteration, which cannot pass out of a coroutine; catch it where it "
+        "is raised (next() on an exhausted iterator, say), or raise another exception"
+    )
+    error.__cause__ = exc
+    return error
+
+
 def _later_failures(
     first: BaseException, later: list[tuple[BaseException, str, int | None]]
 ) -> list[str]:
@@ -820,17 +990,15 @@ def _later_failures(
         if exc is first:
             continue
         if replica is None:
-            notes.append(f"also {note}: {type(exc).__name__}: {exc}")
+            notes.append(f"also {note}: {error_line(exc)}")
             continue
-        key = (type(exc), str(exc))
+        key = (type(exc), error_line(exc))
         if key not in alike:
             alike[key] = []
             notes.append(key)
         alike[key].append(replica)
     return [
-        note
-        if isinstance(note, str)
-        else f"also raised in {replica_list(alike[note])}: {note[0].__name__}: {note[1]}"
+        note if isinstance(note, str) else f"also raised in {replica_list(alike[note])}: {note[1]}"
         for note in notes
     ]
 
@@ -1009,13 +1177,23 @@ class Scheduler:
             self._rng.shuffle(order)
         self._active.add(run)
         try:
+            # An await in a cancelled scope raises, before any replica starts, on every loop.
+            await anyio.lowlevel.checkpoint_if_cancelled()
             tasks = run.loop.replica_tasks(
                 [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order],
                 run.scheduler_crashed,
                 in_order=self._rng is not None,
             )
             run.tasks = tasks
-            await tasks.wait()
+            try:
+                await tasks.wait()
+            except run.cancelled_class:
+                # The caller was cancelled, and every replica has ended. A replica's failure
+                # meanwhile (its cleanup raised, say) is raised instead, as a task group does:
+                # the cancellation is not lost (trio's scope stays cancelled; on asyncio the
+                # exception goes through the expiring timeout or scope that cancelled).
+                if not run.failures:
+                    raise
         finally:
             run.finished_run = True
             self._active.discard(run)

@@ -105,6 +105,198 @@ class TestAReplicasOwnCancellation:
         assert sorted(events) == ["replica 0 cancelled", "replica 1 cancelled"]
 
 
+class TestCancelledOnceItsRoundIsDone:
+    """A cancellation that reaches a parked replica once its round has committed its part (the
+    merge function ran with it) does not tell it otherwise: the replica takes its part, and
+    the cancellation fires at its next checkpoint, as trio does for an operation that
+    completed."""
+
+    @pytest.mark.parametrize("checkpoint", [True, False])
+    async def test_the_replica_takes_its_part_and_is_cancelled_next(self, checkpoint: bool) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        scopes: list[anyio.CancelScope] = []  # in arrival order
+        events: list[Any] = []
+
+        def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            scopes[0].cancel()  # the first arrival is parked: cancelled as its round completes
+            events.append(("merged", value.values))
+            return value
+
+        async def step() -> int:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                result: int = await replica_context().merge_call(merge, args=(replica_id(),))
+                if scope.cancel_called:
+                    events.append(("the first arrival got its part", result == replica_id()))
+                if checkpoint:
+                    await anyio.lowlevel.checkpoint()
+                    if scope.cancel_called:
+                        events.append("not reached")
+            if scope.cancel_called:
+                events.append(("cancelled at a checkpoint", scope.cancelled_caught))
+            await anyio.lowlevel.checkpoint()  # nothing of the cancellation is left over
+            return result
+
+        with anyio.fail_after(5):
+            assert (await strategy.run(step)).values == (0, 1)
+        assert events == [
+            ("merged", (0, 1)),
+            ("the first arrival got its part", True),
+            ("cancelled at a checkpoint", checkpoint),
+        ]
+
+    async def test_a_merge_call_after_it_is_a_checkpoint(self) -> None:
+        """The next merge_call of a replica whose cancellation waits raises it, never joins
+        the round (a last arrival completes a round without waiting: no loop would see it)."""
+        strategy = MirroredStrategy(host_devices(2))
+        scopes: list[anyio.CancelScope] = []  # in arrival order
+        events: list[str] = []
+
+        def merge(strategy: MirroredStrategy) -> None:
+            if len(scopes) == 2:
+                scopes[0].cancel()
+
+        async def step() -> None:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                await replica_context().merge_call(merge)
+                await replica_context().merge_call(merge)
+            events.append(f"cancelled: {scope.cancelled_caught}")
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert events == ["cancelled: True"]
+        assert info.value.merge_number == 2
+        assert "finished after 1 merge_call()s" in str(info.value)
+
+    async def test_while_an_async_merge_fn_runs_the_replica_waits_for_it(self) -> None:
+        """Cancelled while the merge function (async) runs with its part, the replica waits
+        for it instead of leaving: merge_fn runs once, and every replica gets its part."""
+        strategy = MirroredStrategy(host_devices(2))
+        scopes: list[anyio.CancelScope] = []  # in arrival order
+        events: list[Any] = []
+
+        async def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            events.append(("merge", value.values))
+            await anyio.lowlevel.checkpoint()
+            scopes[0].cancel()  # the first arrival is parked, its part in this merge
+            await anyio.sleep(0.01)
+            events.append("merged")
+            return value
+
+        async def step() -> int:
+            while True:  # retry what was cancelled: here, nothing
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    result: int = await replica_context().merge_call(merge, args=(replica_id(),))
+                    events.append(("got its part", result == replica_id()))
+                    return result
+                events.append("retried")
+
+        with anyio.fail_after(5):
+            assert (await strategy.run(step)).values == (0, 1)
+        assert events == [("merge", (0, 1)), "merged", *[("got its part", True)] * 2]
+
+    @ASYNCIO_ONLY
+    @pytest.mark.parametrize("checkpoint", [True, False])
+    async def test_an_expiring_asyncio_timeout_fires_at_the_next_await(
+        self, checkpoint: bool
+    ) -> None:
+        """``asyncio.timeout`` cancels once: the cancellation is requested again for the next
+        await inside it, and dropped if the block ends first (its exit withdraws it)."""
+        strategy = MirroredStrategy(host_devices(2))
+        timeouts: list[asyncio.Timeout] = []
+        events: list[Any] = []
+
+        def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            # Expires before replica 0 resumes, after its round is done.
+            timeouts[0].reschedule(asyncio.get_running_loop().time() - 1)
+            return value
+
+        async def step() -> int:
+            if replica_id() == 1:
+                result: int = await replica_context().merge_call(merge, args=(1,))
+                return result
+            try:
+                async with asyncio.timeout(None) as timeout:
+                    timeouts.append(timeout)
+                    result = await replica_context().merge_call(merge, args=(0,))
+                    events.append(("replica 0 got", result))
+                    if checkpoint:
+                        await asyncio.sleep(0)
+                        events.append("not reached")
+            except TimeoutError:
+                events.append("timed out")
+            await asyncio.sleep(0)  # nothing of the cancellation is left over
+            events.append("done")
+            return result
+
+        with anyio.fail_after(5):
+            assert (await strategy.run(step)).values == (0, 1)
+        assert events == [("replica 0 got", 0), *(["timed out"] if checkpoint else []), "done"]
+
+
+class TestTheCallersCancellation:
+    """What cancelling the caller of run() does besides cancelling every replica."""
+
+    async def test_a_replica_failing_meanwhile_is_raised(self) -> None:
+        """A replica whose cleanup raises while the caller's cancellation unwinds it: run()
+        raises that failure, as a task group does, instead of losing it."""
+        strategy = MirroredStrategy(host_devices(2))
+        caller = anyio.CancelScope()
+
+        async def step() -> None:
+            try:
+                await anyio.lowlevel.checkpoint()
+                if replica_id() == 0:
+                    caller.cancel()
+                await anyio.sleep_forever()
+            finally:
+                if replica_id() == 1:
+                    raise ValueError("cleanup failed")
+
+        with (
+            anyio.fail_after(5),
+            pytest.raises(ValueError, match="cleanup failed") as info,
+            caller,
+        ):
+            await strategy.run(step)
+        assert info.value.__notes__ == ["raised in replica 1 of 2 (device cpu:1)"]
+        assert strategy.statistics().runs_active == 0
+
+    async def test_a_keyboard_interrupt_meanwhile_is_raised(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        caller = anyio.CancelScope()
+
+        async def step() -> None:
+            try:
+                await anyio.lowlevel.checkpoint()
+                if replica_id() == 0:
+                    caller.cancel()
+                await anyio.sleep_forever()
+            finally:
+                if replica_id() == 1:
+                    raise KeyboardInterrupt
+
+        with anyio.fail_after(5), pytest.raises(KeyboardInterrupt), caller:
+            await strategy.run(step)
+
+    async def test_a_run_in_a_cancelled_scope_raises_before_any_replica_starts(self) -> None:
+        """As any await in a cancelled scope does, on every loop."""
+        strategy = MirroredStrategy(host_devices(2))
+        started: list[int] = []
+
+        def step() -> int:
+            started.append(replica_id())
+            return 1
+
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await strategy.run(step)
+        assert scope.cancelled_caught
+        assert started == []
+
+
 class TestShields:
     """A replica inside an anyio shield finishes the shielded part before run() ends, on every
     loop, whether the run fails or its caller is cancelled."""

@@ -584,6 +584,50 @@ class TestReplicaSync:
         assert events[0] == "replica 0 timed out"
         assert sorted(events[1:]) == ["replica 0 merged 1", "replica 1 merged 1"]
 
+    async def test_sync_timeout_outlasts_a_replica_retrying_under_its_own_timeout(self) -> None:
+        """The replica timing the round leaves it (its own move_on_after) and comes back, over
+        and over: the round keeps its deadline, and a replica that never comes is named."""
+        strategy = MirroredStrategy(host_devices(3), sync_timeout=0.2)
+        tries: list[int] = []
+
+        async def step() -> None:
+            if replica_id() == 2:
+                await anyio.sleep_forever()
+            while replica_id() == 0:
+                with anyio.move_on_after(0.05):
+                    await replica_context().merge_call(noop)
+                    return
+                tries.append(0)
+            await replica_context().merge_call(noop)
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.merge_number, info.value.replicas) == (1, (2,))
+        assert "waited 0.2 s in merge_call #1" in str(info.value)
+        assert 1 <= len(tries) <= 4  # the deadline came from the round, not from each try
+
+    async def test_a_collective_timeout_is_handed_to_a_replica_still_waiting(self) -> None:
+        """The replica timing the round leaves it for good: one still parked there takes over
+        the watch, and the round fails at its deadline instead of hanging."""
+        strategy = MirroredStrategy(host_devices(3))
+        options = aioreplica.CommunicationOptions(timeout_seconds=0.2)
+        events: list[str] = []
+
+        async def step() -> Any:
+            if replica_id() == 0:  # arrives first: it times the round
+                with anyio.move_on_after(0.05):
+                    await replica_context().all_reduce("sum", 1.0, options=options)
+                events.append("replica 0 left the round")
+            if replica_id() != 1:
+                await anyio.sleep_forever()
+            return await replica_context().all_reduce("sum", 1.0, options=options)
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert events == ["replica 0 left the round"]
+        assert (info.value.replicas, info.value.waiting) == ((0, 2), (1,))
+        assert str(info.value).startswith("replica 1 waited 0.2 s in merge_call #1")
+
 
 class TestFailures:
     async def test_an_exception_with_notes_of_its_own_comes_out_as_it_is(self) -> None:
@@ -665,6 +709,68 @@ class TestFailures:
             "raised in replica 0 of 4 (device cpu:0)",
             "also raised in replicas 1, 2 and 3: RuntimeError: cleanup failed",
         ]
+
+    async def test_a_later_failure_whose_message_raises_does_not_hide_the_first(self) -> None:
+        """A later failure whose ``__str__`` raises, or whose message is huge, still becomes a
+        short note on the first failure, which run() raises."""
+        strategy = MirroredStrategy(host_devices(3))
+        first = KeyError("first")
+
+        class Unprintable(Exception):
+            def __str__(self) -> str:
+                raise RuntimeError("no message")
+
+        async def step() -> None:
+            if replica_id() == 0:
+                await anyio.lowlevel.checkpoint()
+                raise first
+            try:
+                await anyio.sleep_forever()
+            finally:
+                if replica_id() == 1:
+                    raise Unprintable
+                raise ValueError("x" * 5_000_000)
+
+        with pytest.raises(KeyError) as info:
+            await strategy.run(step)
+        assert info.value is first
+        notes = info.value.__notes__
+        assert notes[0] == "raised in replica 0 of 3 (device cpu:0)"
+        assert "also raised in replica 1: Unprintable: (its message could not be shown)" in notes
+        assert len(notes) == 3
+        assert sum(map(len, notes)) < 2000
+
+    async def test_stop_iteration_from_merge_fn_names_it(self) -> None:
+        """A StopIteration out of merge_fn becomes a RuntimeError naming merge_fn (Python's
+        own would say only "coroutine raised StopIteration"), chained to it."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        def merge(strategy: MirroredStrategy) -> None:
+            next(iter(()))
+
+        async def step() -> None:
+            await replica_context().merge_call(merge)
+
+        with anyio.fail_after(5), pytest.raises(RuntimeError) as info:
+            await strategy.run(step)
+        assert str(info.value).startswith("merge_fn TestFailures.test_stop_iteration_from_")
+        assert ") raised StopIteration, which cannot pass out of a coroutine" in str(info.value)
+        assert isinstance(info.value.__cause__, StopIteration)
+        assert info.value.__notes__[0].startswith("raised by merge_fn ")
+
+    async def test_stop_iteration_from_a_plain_step_function_names_the_replica(self) -> None:
+        """A plain (not async) step function's StopIteration names the replica, chained."""
+        strategy = MirroredStrategy(host_devices(2))
+        empty: list[int] = []
+
+        with (
+            anyio.fail_after(5),
+            pytest.raises(
+                RuntimeError, match=r"^replica [01]'s step function raised StopIteration"
+            ) as info,
+        ):
+            await strategy.run(lambda: next(iter(empty)))
+        assert isinstance(info.value.__cause__, StopIteration)
 
     async def test_merge_fn_exception_raised_once(self) -> None:
         """An exception from merge_fn comes out of run() once; every replica is cancelled."""

@@ -10,6 +10,9 @@ section headings, as anyio's backends do:
   or when the caller is cancelled, wait for all, let none outlive the call.
 - **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
+- **defer_cancellation**: keep a cancellation that reached a replica after its part of a
+  merge round was committed for the replica's next checkpoint (trio's cancel scopes do that by
+  themselves; on asyncio it is requested again).
 - **park_cancelled**: deliver a failing run's cancellation to a replica that would otherwise park
   (at once on asyncio, at the next checkpoint on trio); a replica inside an anyio shield, which
   no cancellation reaches, gets the exception the scheduler gives instead.
@@ -43,10 +46,12 @@ class Gate(Protocol):
     they parked. A gate whose replicas all
     wait on one object (asyncio's ordered rounds: one future) also shows it as ``waiter``, so
     the scheduler's fast path parks without a call; other gates' ``waiter`` is ``None``.
+    ``wake(slot)`` wakes a parked replica without opening the gate (others too, where they
+    share one waiter): the scheduler looks at the round again and parks it again.
 
-    If ``park`` raises, the scheduler hands the exception to ``interrupted``, which re-parks
+    If ``park`` raises, the scheduler hands the exception to ``interrupted``, which returns
     when it was not meant for this replica (asyncio wakes everyone parked on a shared future
-    when one of them is cancelled) and returns once the gate opens, or raises it.
+    when one of them is cancelled: the scheduler parks it again), or raises it.
     """
 
     @property
@@ -60,6 +65,8 @@ class Gate(Protocol):
     def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]: ...
 
     def open(self, slots: Iterable[int] | None) -> None: ...
+
+    def wake(self, slot: int) -> None: ...
 
     def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
         """Called by the running replica ``slot`` (not parked): wake the parked ones and carry
@@ -143,6 +150,20 @@ class Loop(Protocol):
     def park_cancelled(self, shielded: Callable[[], BaseException]) -> Iterable[Any]:
         """Deliver the failing run's cancellation to the calling replica, or raise
         ``shielded()`` if it is inside an anyio shield (where waiting would never end)."""
+        ...
+
+    def defer_cancellation(self, exc: BaseException) -> Callable[[], Iterable[Any]]:
+        """The cancellation ``exc`` reached the calling replica after its part of a merge round
+        was committed: the replica takes its part, and the cancellation is to fire at its next
+        checkpoint instead, as trio does for an operation that completed.
+
+        Returns what the scheduler calls at the replica's next step. It requests the
+        cancellation again where the loop needs that (asyncio's ``Task.cancel()`` fires once),
+        unless its requester withdrew it meanwhile (an expiring ``asyncio.timeout`` or anyio
+        scope does, as it exits); trio's cancel scopes stay cancelled by themselves. It returns
+        a checkpoint, which the scheduler yields from when that step is a ``merge_call`` (which
+        the loop never sees): it raises the cancellation if it still holds.
+        """
         ...
 
     def thread_result(self) -> ThreadResult: ...

@@ -132,7 +132,8 @@ class _SharedGate:
 
     Cancelling a task cancels the future it waits on; when that is the shared one, every
     replica parked there wakes with ``CancelledError``, but only the one whose task was
-    cancelled (``Task.cancelling()``) is meant: ``interrupted`` parks the others again.
+    cancelled (``Task.cancelling()``) is meant: ``interrupted`` returns for the others, which
+    the scheduler parks again, on a new future.
     """
 
     __slots__ = ("opened", "waiter")
@@ -142,26 +143,25 @@ class _SharedGate:
         self.opened = False
 
     def park(self, slot: int) -> Iterable[Any]:
-        return self.waiter
+        waiter = self.waiter
+        if waiter.done() and not self.opened:  # cancelled with a replica, or set by ``wake``
+            waiter = self.waiter = _Future(loop=waiter.get_loop())
+        return waiter
 
     def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
-        while isinstance(exc, asyncio.CancelledError) and not _current_task_cancelling():
-            if self.opened:
-                return
-            if self.waiter.cancelled():
-                self.waiter = _Future(loop=self.waiter.get_loop())
-            try:
-                yield from self.waiter
-            except BaseException as again:
-                exc = again
-            else:
-                return
+        if isinstance(exc, asyncio.CancelledError) and not _current_task_cancelling():
+            return  # another replica's cancellation cancelled the shared future
         raise exc
+        yield  # a generator, like the other gates' (never reached)
 
     def open(self, slots: Iterable[int] | None) -> None:
         # One set_result wakes every parked replica in the order it parked, whatever ``slots``.
         self.opened = True
-        if not self.waiter.done():  # done: cancelled; its replicas see ``opened``
+        if not self.waiter.done():  # done: its replicas are awake already and see the round
+            self.waiter.set_result(None)
+
+    def wake(self, slot: int) -> None:
+        if not self.waiter.done():  # every parked replica wakes, and parks again
             self.waiter.set_result(None)
 
     def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
@@ -200,6 +200,11 @@ class _FutureGate:
             if future is not None and not future.done():  # done: cancelled, leaving the round
                 future.set_result(None)
 
+    def wake(self, slot: int) -> None:
+        future = self._futures.pop(slot, None)
+        if future is not None and not future.done():
+            future.set_result(None)
+
     def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
         # asyncio runs ready tasks first in, first out: wake those before ``slot``, step behind
         # them once, then wake the rest, which run after ``slot``'s next wait.
@@ -210,6 +215,10 @@ class _FutureGate:
                 yield None  # back of the ready queue
         finally:
             self.open(order[position + 1 :])
+
+
+#: What a generator yields from to give the event loop one turn (``asyncio.sleep(0)``).
+_ONE_TURN: tuple[None] = (None,)
 
 
 def _current_task_cancelling() -> bool:
@@ -307,6 +316,23 @@ class AsyncioLoop:
         if task is not None and _in_anyio_shield(task):
             raise shielded()
         raise asyncio.CancelledError
+
+    def defer_cancellation(self, exc: BaseException) -> Callable[[], Iterable[Any]]:
+        task = asyncio.current_task()
+        requests = task.cancelling() if task is not None else 0
+        message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else None
+
+        def again() -> Iterable[Any]:
+            # Still requested (an expiring asyncio.timeout or anyio scope withdraws its request
+            # with Task.uncancel() as it exits): request it once more, the count unchanged, so
+            # that the next await raises it, with the message by which anyio knows its own.
+            if task is None or not requests or task.cancelling() < requests:
+                return ()
+            task.uncancel()
+            task.cancel(message)
+            return _ONE_TURN  # a bare yield: the task's next step raises it
+
+        return again
 
     def thread_result(self) -> _ThreadResult:
         return _ThreadResult(self._loop)

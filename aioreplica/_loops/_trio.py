@@ -137,6 +137,11 @@ class _TaskGate:
             if task is not None:
                 reschedule(task)
 
+    def wake(self, slot: int) -> None:
+        task = self._tasks.pop(slot, None)
+        if task is not None:  # None: it is already running, or left the round
+            self._lowlevel.reschedule(task)
+
     def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
         self.open(None)  # trio's order; the caller carries on first
         return
@@ -193,6 +198,11 @@ class _ChainGate:
         self.opened = True
         self._chain.extend(list(self._tasks) if slots is None else slots)
         self._wake_next()
+
+    def wake(self, slot: int) -> None:
+        task = self._tasks.pop(slot, None)
+        if task is not None:  # None: it is already running, or left the round
+            self._lowlevel.reschedule(task)
 
     def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
         self.opened = True
@@ -319,6 +329,13 @@ class TrioLoop:
         return lowlevel.wait_task_rescheduled(  # type: ignore[no-any-return]
             lambda _raise_cancel: lowlevel.Abort.SUCCEEDED
         ).__await__()
+
+    def defer_cancellation(self, exc: BaseException) -> Callable[[], Iterable[Any]]:
+        # The cancel scope that raised it stays cancelled: the next checkpoint raises again.
+        return self._checkpoint_if_cancelled
+
+    def _checkpoint_if_cancelled(self) -> Generator[Any, Any, None]:
+        yield from self._lowlevel.checkpoint_if_cancelled().__await__()
 
     def thread_result(self) -> _ThreadResult:
         return _ThreadResult(self._lowlevel)
