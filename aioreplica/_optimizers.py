@@ -18,13 +18,14 @@ exactly, so the same hyperparameters train the same way.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from typing import TYPE_CHECKING, Any, ClassVar, final
 
 import numpy as np
 
 from ._context import default_replica_context, get_replica_context
-from ._errors import ReplicaSyncError, as_integer
+from ._errors import ReplicaSyncError, as_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, bits_differ, slot_variable, which_differ
@@ -32,10 +33,14 @@ from ._writes import Turn, commit, compute_copies, taking_turns
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
+    from typing import TypeAlias
 
     from ._backends import Device
     from ._collectives import ReductionEngine
     from ._context import ReplicaContext
+
+    #: A number, a schedule of the step count, or a callable of no arguments.
+    LearningRate: TypeAlias = float | Callable[[int], float] | Callable[[], float]
 
 __all__ = [
     "SGD",
@@ -58,8 +63,13 @@ class Optimizer:
     ``_slot_initial``.
 
     Args:
-        learning_rate: a number, or a callable ``learning_rate(step) -> float`` of the step
-            count (``iterations`` before the step), like a Keras schedule.
+        learning_rate: a number; a schedule ``learning_rate(step) -> float`` of the step
+            count (``iterations`` before the step), like a Keras ``LearningRateSchedule``; or
+            a callable of no arguments ``learning_rate() -> float``, like Keras' plain
+            callables. A callable's signature decides, once, how it is called: one that can
+            be called with no argument (whose parameters all have defaults, say) is called
+            with none; one that needs a single positional argument, with the step count (as
+            is one whose signature Python cannot read). Set ``learning_rate`` to change it.
         clipnorm: if set, each summed gradient ``g`` is scaled by ``min(1, clipnorm / ||g||)``
             before the update (Keras' ``clipnorm``).
         global_clipnorm: if set, all summed gradients are scaled together by
@@ -67,8 +77,9 @@ class Optimizer:
             a non-finite joint norm makes the whole step NaN, as in Keras.
 
     Raises:
-        TypeError: ``learning_rate`` is neither a number nor callable; a clipping norm is not
-            a number.
+        TypeError: ``learning_rate`` is neither a number nor callable, or a callable that
+            needs other arguments than none or the step count; a clipping norm is not a
+            number.
         ValueError: ``learning_rate`` is not finite; a clipping norm is not finite or not
             ``> 0``; both ``clipnorm`` and ``global_clipnorm`` are set.
 
@@ -89,14 +100,13 @@ class Optimizer:
 
     def __init__(
         self,
-        learning_rate: float | Callable[[int], float],
+        learning_rate: LearningRate,
         *,
         clipnorm: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
-        if not callable(learning_rate):
-            learning_rate = _number("learning_rate", learning_rate)
-        self._learning_rate = learning_rate
+        self._learning_rate: LearningRate
+        self._learning_rate, self._rate_of_step = _learning_rate(learning_rate)
         self._clipnorm, self._global_clipnorm = _clip_norms(clipnorm, global_clipnorm)
         self._iterations = 0
         # Steps and restores take it in turn with the turns of the variables they write.
@@ -106,24 +116,46 @@ class Optimizer:
         self._slots: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
 
     @property
-    def learning_rate(self) -> float | Callable[[int], float]:
-        """The learning rate as given: a number or a schedule."""
+    def learning_rate(self) -> LearningRate:
+        """The learning rate as given: a number, a schedule or a callable of no arguments.
+
+        Setting it (as in Keras) changes the rate of the steps that start afterwards; the
+        value is checked as the constructor checks it.
+
+        Raises:
+            TypeError, ValueError: on setting, a value the constructor refuses; the learning
+                rate is then unchanged.
+
+        Example:
+            >>> opt = aioreplica.optimizers.SGD(0.1)
+            >>> opt.learning_rate = lambda step: 0.5 / (step + 1)
+            >>> opt.current_learning_rate()
+            0.5
+        """
         return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: LearningRate) -> None:
+        self._learning_rate, self._rate_of_step = _learning_rate(value)
 
     def current_learning_rate(self) -> float:
         """The learning rate the next step will use.
 
         Raises:
-            TypeError: a schedule returned something that is not a number.
+            TypeError: a callable learning rate returned something that is not a number.
+            ValueError: it returned a number that is not finite.
 
         Example:
             >>> aioreplica.optimizers.SGD(0.5).current_learning_rate()
             0.5
         """
         rate = self._learning_rate
-        if callable(rate):
-            return _number(f"learning_rate({self._iterations})", rate(self._iterations))
-        return rate
+        if not callable(rate):
+            return rate
+        call: Callable[..., object] = rate
+        if self._rate_of_step:
+            return _number(f"learning_rate({self._iterations})", call(self._iterations))
+        return _number("learning_rate()", call())
 
     @property
     def iterations(self) -> int:
@@ -231,8 +263,10 @@ class Optimizer:
 
         Raises:
             ValueError: pairs whose gradients are all ``None``; a variable listed twice; a
-                gradient of the wrong shape (naming the variable and the replica); a variable
-                of another strategy; without aggregation, gradients that differ between
+                gradient of the wrong shape or that is no array (naming the variable and the
+                replica); a variable whose gradient is ``None`` on some replicas only; a
+                variable of another strategy, or of a strategy when called outside
+                ``strategy.run()``; without aggregation, gradients that differ between
                 replicas (naming the variables).
             TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
                 and ``aioreplica.Variable``; a gradient dtype that cannot be cast to its
@@ -260,7 +294,7 @@ class Optimizer:
             )
         try:
             aggregate = _aggregating(experimental_aggregate_gradients, skip_gradients_aggregation)
-            grads, variables = self._checked_pairs(ctx, grads_and_vars)
+            grads, variables, skipped = self._checked_pairs(ctx, grads_and_vars)
         except (TypeError, ValueError) as exc:
             ctx._engine.refusing("apply_gradients()", exc)  # on every worker alike
             raise
@@ -268,14 +302,21 @@ class Optimizer:
             return self._iterations
         engine = ctx._engine  # a collective, bounded as one by timeout_seconds
         iterations: int = await ctx._collective(
-            self._merge_apply, (engine, grads, variables, aggregate), engine.options._timeout
+            self._merge_apply,
+            (engine, grads, variables, aggregate, skipped),
+            engine.options._timeout,
         )
         return iterations
 
     def _checked_pairs(
         self, ctx: ReplicaContext, grads_and_vars: Iterable[tuple[Any, Variable]]
-    ) -> tuple[list[Any], list[Variable]]:
-        """This replica's gradients (checked, cast, on its device) and their variables."""
+    ) -> tuple[list[Any], list[Variable], bool]:
+        """This replica's gradients (checked, cast, on its device), their variables, and
+        whether some gradients were ``None``.
+
+        A ``None`` gradient stays in its place, unchecked, so that the merge can tell a
+        variable skipped by every replica from one that only some replicas skip.
+        """
         replica_id = ctx.replica_id_in_sync_group
         grads: list[Any] = []
         variables: list[Variable] = []
@@ -291,6 +332,8 @@ class Optimizer:
             grad, variable = _check_pair(pair)
             pairs += 1
             if grad is None:
+                grads.append(None)
+                variables.append(variable)
                 continue
             if id(variable) in seen:
                 raise ValueError(
@@ -302,12 +345,12 @@ class Optimizer:
                 self._check_owner(variable, strategy)
             grads.append(_checked_gradient(grad, variable, device, replica_id))
             variables.append(variable)
-        if pairs and not variables:
+        if pairs and not seen:
             raise ValueError(
                 f"apply_gradients() got no gradients: every one of its {pairs} pairs' gradient "
                 "is None; compute the gradients of the variables the loss depends on"
             )
-        return grads, variables
+        return grads, variables, len(seen) != pairs
 
     async def _merge_apply(
         self,
@@ -316,14 +359,18 @@ class Optimizer:
         grads: list[Any],
         variables: list[Variable],
         aggregate: Any,
+        skipped: Any,
     ) -> int:
         """The merge round: one packed all-reduce, every new copy computed, then one commit.
 
         The gradients were checked and cast to their variables' dtypes in each replica, and
         every variable lives on the engine's devices (its owner was checked there too), so
-        they go straight to the engine's reduction, one array per replica each.
+        they go straight to the engine's reduction, one array per replica each. ``None``
+        gradients (``skipped`` on some replica) hold their places until they are left out.
         """
         try:
+            if skipped is not False:
+                grads, variables = _with_gradients(grads, variables, engine.first_replica)
             variables = [
                 variable
                 if not isinstance(variable, DistributedValues)  # the same on every replica
@@ -331,7 +378,7 @@ class Optimizer:
                 for i, variable in enumerate(variables)
             ]
             aggregate = agreed(aggregate, "whether apply_gradients() aggregates the gradients")
-        except ReplicaSyncError as exc:
+        except (ReplicaSyncError, ValueError) as exc:
             await engine.refuse("apply_gradients()", exc)  # on every worker alike
             raise
         # Every turn at once, in the global order, so that no two steps or restores can wait
@@ -454,16 +501,29 @@ class Optimizer:
 
     def _check_owner(self, variable: Variable, strategy: Any) -> None:
         owner = variable._strategy
-        if owner is strategy or (owner is None and strategy is default_replica_context().strategy):
+        outside_run = strategy is default_replica_context().strategy
+        if owner is strategy or (owner is None and outside_run):
             return
+        if outside_run:
+            raise ValueError(
+                f"apply_gradients() was called outside strategy.run() for variable "
+                f"{variable.name!r} of {owner!r}; call it from the step function inside "
+                "strategy.run(), where each replica passes its gradients"
+            )
         if owner is None:
             raise ValueError(
                 f"variable {variable.name!r} was created outside any strategy scope, but is "
                 f"trained in {strategy!r}; create model variables inside "
                 "`with strategy.scope():`"
             )
+        # Two strategies over the same devices look alike: say that they are two.
+        trainer = (
+            f"another {strategy!r}: two strategy objects over the same devices"
+            if repr(strategy) == repr(owner)
+            else repr(strategy)
+        )
         raise ValueError(
-            f"variable {variable.name!r} belongs to {owner!r}, but is trained in {strategy!r}; "
+            f"variable {variable.name!r} belongs to {owner!r}, but is trained in {trainer}; "
             "train each variable with the strategy that created it"
         )
 
@@ -498,14 +558,15 @@ class SGD(Optimizer):
     ``w += momentum * m - lr * g``).
 
     Args:
-        learning_rate: a number or a schedule ``step -> rate``.
+        learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
+            as ``Optimizer``.
         momentum: in ``[0, 1]``.
         nesterov: use Nesterov momentum.
         clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
 
     Raises:
         ValueError: ``momentum`` outside ``[0, 1]``; as ``Optimizer``.
-        TypeError: as ``Optimizer``.
+        TypeError: ``nesterov`` is not a bool; as ``Optimizer``.
 
     Example:
         >>> w = aioreplica.Variable([1.0])
@@ -518,7 +579,7 @@ class SGD(Optimizer):
 
     def __init__(
         self,
-        learning_rate: float | Callable[[int], float] = 0.01,
+        learning_rate: LearningRate = 0.01,
         momentum: float = 0.0,
         nesterov: bool = False,
         *,
@@ -530,7 +591,7 @@ class SGD(Optimizer):
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
         self._momentum = momentum
-        self._nesterov = bool(nesterov)
+        self._nesterov = _flag("nesterov", nesterov)
         # An instance attribute: whether SGD keeps a slot depends on its momentum.
         self.slot_names = ("momentum",) if momentum else ()  # type: ignore[misc]
 
@@ -561,7 +622,8 @@ class Adam(Optimizer):
     ``w -= m * lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) / (sqrt(v) + epsilon)``.
 
     Args:
-        learning_rate: a number or a schedule ``step -> rate``.
+        learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
+            as ``Optimizer``.
         beta_1: decay of the first moment, in ``[0, 1)``.
         beta_2: decay of the second moment, in ``[0, 1)``.
         epsilon: added to the denominator, ``> 0``.
@@ -584,7 +646,7 @@ class Adam(Optimizer):
 
     def __init__(
         self,
-        learning_rate: float | Callable[[int], float] = 0.001,
+        learning_rate: LearningRate = 0.001,
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
@@ -631,7 +693,8 @@ class AdamW(Adam):
     of the gradient, so it is neither summed across replicas nor clipped.
 
     Args:
-        learning_rate: a number or a schedule ``step -> rate``.
+        learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
+            as ``Optimizer``.
         weight_decay: the decay per unit of learning rate, ``>= 0`` (``0`` is ``Adam``).
         beta_1, beta_2, epsilon: as ``Adam``.
         clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
@@ -651,7 +714,7 @@ class AdamW(Adam):
 
     def __init__(
         self,
-        learning_rate: float | Callable[[int], float] = 0.001,
+        learning_rate: LearningRate = 0.001,
         weight_decay: float = 0.004,
         beta_1: float = 0.9,
         beta_2: float = 0.999,
@@ -699,7 +762,8 @@ class Adagrad(Optimizer):
     ``accumulator += g**2``, then ``w -= lr * g / sqrt(accumulator + epsilon)``.
 
     Args:
-        learning_rate: a number or a schedule ``step -> rate``.
+        learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
+            as ``Optimizer``.
         initial_accumulator_value: the accumulator's starting value, ``>= 0``.
         epsilon: added to the accumulator under the square root, ``> 0``.
         clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
@@ -724,7 +788,7 @@ class Adagrad(Optimizer):
 
     def __init__(
         self,
-        learning_rate: float | Callable[[int], float] = 0.001,
+        learning_rate: LearningRate = 0.001,
         initial_accumulator_value: float = 0.1,
         epsilon: float = 1e-7,
         *,
@@ -774,17 +838,19 @@ class RMSprop(Optimizer):
     ``w -= increment``.
 
     Args:
-        learning_rate: a number or a schedule ``step -> rate``.
-        rho: decay of the mean square (and of the mean gradient), in ``[0, 1)``.
+        learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
+            as ``Optimizer``.
+        rho: decay of the mean square (and of the mean gradient), in ``[0, 1]``.
         momentum: in ``[0, 1]``; ``0`` keeps no ``momentum`` slot.
         epsilon: added to the denominator under the square root, ``> 0``.
         centered: divide by an estimate of the gradient's variance, not its mean square.
         clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
 
     Raises:
-        ValueError: ``rho`` outside ``[0, 1)``, ``momentum`` outside ``[0, 1]``,
+        ValueError: ``rho`` outside ``[0, 1]``, ``momentum`` outside ``[0, 1]``,
             ``epsilon <= 0``, a non-finite number; as ``Optimizer``.
-        TypeError: a hyperparameter that is not a number; as ``Optimizer``.
+        TypeError: a hyperparameter that is not a number; ``centered`` is not a bool; as
+            ``Optimizer``.
 
     Example:
         >>> w = aioreplica.Variable([1.0])
@@ -799,7 +865,7 @@ class RMSprop(Optimizer):
 
     def __init__(
         self,
-        learning_rate: float | Callable[[int], float] = 0.001,
+        learning_rate: LearningRate = 0.001,
         rho: float = 0.9,
         momentum: float = 0.0,
         epsilon: float = 1e-7,
@@ -812,13 +878,13 @@ class RMSprop(Optimizer):
         self._rho = _number("rho", rho)
         self._momentum = _number("momentum", momentum)
         self._epsilon = _number("epsilon", epsilon)
-        if not 0.0 <= self._rho < 1.0:
-            raise ValueError(f"rho must be in [0, 1), got {self._rho!r}")
+        if not 0.0 <= self._rho <= 1.0:
+            raise ValueError(f"rho must be in [0, 1], got {self._rho!r}")
         if not 0.0 <= self._momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {self._momentum!r}")
         if self._epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
-        self._centered = bool(centered)
+        self._centered = _flag("centered", centered)
         # An instance attribute: which slots RMSprop keeps depends on momentum and centered.
         self.slot_names = (  # type: ignore[misc]
             "velocity",
@@ -980,6 +1046,44 @@ def _number(what: str, value: Any) -> float:
     return number
 
 
+def _learning_rate(value: Any) -> tuple[LearningRate, bool]:
+    """A checked learning rate, and whether it is a callable to call with the step count.
+
+    Raises:
+        TypeError: not a number, nor a callable that can be called with no argument or with
+            the step count alone.
+        ValueError: a number that is not finite.
+    """
+    if not callable(value):
+        return _number("learning_rate", value), False
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # no signature to read (some builtins): as a schedule
+        return value, True
+    for of_step, args in ((False, ()), (True, (0,))):
+        try:
+            signature.bind(*args)
+        except TypeError:
+            continue
+        return value, of_step
+    name = getattr(value, "__name__", type(value).__name__)
+    raise TypeError(
+        "learning_rate must be a number, a callable of no arguments or a schedule called with "
+        f"the step count, learning_rate(step); got {name}{signature}, which is neither"
+    )
+
+
+def _flag(what: str, value: Any) -> bool:
+    """``value`` as a bool, if it is one (NumPy's included).
+
+    Raises:
+        TypeError: anything else (``"no"`` would be true).
+    """
+    if not isinstance(value, bool | np.bool_):
+        raise TypeError(f"{what} must be True or False, got {value!r:.60}")
+    return bool(value)
+
+
 def _clip_norms(clipnorm: Any, global_clipnorm: Any) -> tuple[float | None, float | None]:
     if clipnorm is not None and global_clipnorm is not None:
         raise ValueError(
@@ -1015,13 +1119,11 @@ def _aggregating(experimental_aggregate_gradients: Any, skip_gradients_aggregati
     Raises:
         TypeError: a flag that is not a bool (``"no"`` would be true).
     """
-    for flag, given in (
-        ("experimental_aggregate_gradients", experimental_aggregate_gradients),
-        ("skip_gradients_aggregation", skip_gradients_aggregation),
-    ):
-        if not isinstance(given, bool | np.bool_):
-            raise TypeError(f"apply_gradients(): {flag} must be True or False, got {given!r:.60}")
-    return bool(experimental_aggregate_gradients) and not skip_gradients_aggregation
+    aggregate = _flag(
+        "apply_gradients(): experimental_aggregate_gradients", experimental_aggregate_gradients
+    )
+    skip = _flag("apply_gradients(): skip_gradients_aggregation", skip_gradients_aggregation)
+    return aggregate and not skip
 
 
 async def _the_same_gradients(
@@ -1050,6 +1152,43 @@ async def _the_same_gradients(
     return [list(grads) for grads in per_replica]
 
 
+def _with_gradients(
+    grads: list[Any], variables: list[Any], first_replica: int
+) -> tuple[list[Any], list[Any]]:
+    """The gradients and variables of a step without the pairs whose gradient every replica
+    passed as ``None`` (``first_replica``: the id of the first replica here, for messages).
+
+    Raises:
+        ValueError: variables whose gradient is ``None`` on some replicas only, naming them
+            and those replicas.
+    """
+    kept_grads: list[Any] = []
+    kept_variables: list[Any] = []
+    mixed: list[str] = []
+    for grad, variable in zip(grads, variables, strict=True):
+        if grad is None:  # None on every replica: the variable is not trained
+            continue
+        if isinstance(grad, DistributedValues) and any(part is None for part in grad.values):
+            given = [i for i, part in enumerate(grad.values) if part is not None]
+            nones = [i for i, part in enumerate(grad.values) if part is None]
+            if isinstance(variable, DistributedValues):  # named as a replica that trains it
+                variable = variable.values[given[0]]
+            mixed.append(
+                f"{variable.name!r} (None on {replica_list([first_replica + i for i in nones])}"
+                f", not on {replica_list([first_replica + i for i in given])})"
+            )
+            continue
+        kept_grads.append(grad)
+        kept_variables.append(variable)
+    if mixed:
+        raise ValueError(
+            "apply_gradients(): some replicas passed None for a gradient that others passed: "
+            f"{', '.join(mixed)}; every replica must pass a gradient for the same variables: "
+            "pass zeros for a variable that a replica's loss does not depend on"
+        )
+    return kept_grads, kept_variables
+
+
 def _check_pair(pair: Any) -> tuple[Any, Variable]:
     if type(pair) is tuple and len(pair) == 2 and isinstance(pair[1], Variable):
         return pair  # the common case
@@ -1071,7 +1210,15 @@ def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: in
         and device.kind == "cpu"
     ):
         return grad  # the common case: a host array of the variable's shape and dtype
-    array = device.asarray(grad)
+    try:
+        array = device.asarray(grad)
+    except (TypeError, ValueError) as exc:  # a ragged list, say
+        kind = TypeError if isinstance(exc, TypeError) else ValueError
+        raise kind(
+            f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
+            f"{replica_id} is no array ({exc}); pass an array (or a nested list) of the "
+            f"variable's shape {variable.shape}"
+        ) from exc
     if array.dtype.kind not in "biufc" or not np.can_cast(
         array.dtype, variable._dtype, casting="same_kind"
     ):

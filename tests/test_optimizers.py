@@ -544,6 +544,8 @@ class TestRMSprop:
         [
             pytest.param(0.001, {}, id="defaults"),
             pytest.param(0.05, {"momentum": 1.0, "rho": 0.0}, id="full-momentum-no-decay"),
+            # Keras accepts both ends of [0, 1]: with rho 1 the velocity stays at zero.
+            pytest.param(0.01, {"rho": 1.0, "centered": True}, id="rho-one"),
             pytest.param(
                 halving, {"rho": 0.7, "momentum": 0.3, "centered": True}, id="schedule-centered"
             ),
@@ -1263,7 +1265,7 @@ class TestLearningRate:
         strategy = MirroredStrategy(host_devices(2))
         with strategy.scope():
             w = Variable(np.ones(2), name="w")
-        opt = Adam(lambda step: 0.1 if step == 0 else "fast")  # type: ignore[arg-type, return-value]
+        opt = Adam(lambda step: 0.1 if step == 0 else "fast")  # type: ignore[arg-type]
         await train_step(strategy, opt, [w], [[np.ones(2)]] * 2)
         before = snapshot(opt, [w])
         with pytest.raises(
@@ -1283,6 +1285,118 @@ class TestLearningRate:
             await train_step(strategy, opt, [w], [[np.ones(2)]] * 2)
         assert_unchanged(before, snapshot(opt, [w]))
         assert opt.variables() == []
+
+    async def test_callable_of_no_arguments_is_called_with_none(self) -> None:
+        """A callable that needs no argument (Keras' plain callable, one with an optional one
+        included) is called with none; one that needs one (a schedule) gets the step count."""
+        calls: list[tuple[str, tuple[int, ...]]] = []
+
+        def constant() -> float:
+            calls.append(("constant", ()))
+            return 0.25
+
+        def optional(step: int = 7) -> float:
+            calls.append(("optional", (step,)))
+            return 0.125
+
+        class Schedule:  # as Keras' LearningRateSchedule: __call__(self, step)
+            def __call__(self, step: int) -> float:
+                calls.append(("schedule", (step,)))
+                return 0.5
+
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        for rate in (constant, optional, Schedule(), lambda: 1.0):
+            opt = SGD(rate)
+            for _ in range(2):
+                await train_step(strategy, opt, [w], [[np.ones(2)]] * 2)
+        assert calls == [
+            ("constant", ()),
+            ("constant", ()),
+            ("optional", (7,)),
+            ("optional", (7,)),
+            ("schedule", (0,)),
+            ("schedule", (1,)),
+        ]
+        # Each step's summed gradient is 2: 2 * 2 * (0.25 + 0.125 + 0.5 + 1.0).
+        assert [copy.tolist() for copy in w.values] == [[-7.5, -7.5]] * 2
+
+    async def test_callable_of_no_arguments_returning_non_number_changes_nothing(self) -> None:
+        """A callable of no arguments that returns a string fails the step with a TypeError
+        that shows the call; nothing changes."""
+        w = Variable(np.ones(2), name="w")
+        opt = SGD(lambda: "fast", momentum=0.5)  # type: ignore[arg-type]
+        before = snapshot(opt, [w])
+        with pytest.raises(TypeError, match=re.escape("learning_rate() must be a number, got str")):
+            await opt.apply_gradients([(np.ones(2), w)])
+        assert_unchanged(before, snapshot(opt, [w]))
+
+    @pytest.mark.parametrize(
+        ("rate", "shown"),
+        [
+            (lambda step, scale: 0.1, "<lambda>(step, scale), which is neither"),
+            (lambda *, step: 0.1, "<lambda>(*, step), which is neither"),
+        ],
+    )
+    def test_callable_needing_other_arguments_is_refused(
+        self, rate: Callable[..., float], shown: str
+    ) -> None:
+        """A callable that can be called neither with no argument nor with the step count is
+        a TypeError at construction."""
+        with pytest.raises(
+            TypeError,
+            match=re.escape(
+                "learning_rate must be a number, a callable of no arguments or a schedule "
+                f"called with the step count, learning_rate(step); got {shown}"
+            ),
+        ):
+            SGD(rate)
+
+    async def test_set_learning_rate(self) -> None:
+        """Setting ``learning_rate`` (a number, a schedule, a callable of no arguments) sets
+        the rate of the next steps, as in Keras."""
+        w = Variable(np.zeros(1), name="w")
+        opt = SGD(0.1)
+        rates: list[float] = []
+
+        def schedule(step: int) -> float:
+            return 2.0**-step
+
+        def constant() -> float:
+            return 0.125
+
+        for rate in (0.5, schedule, constant, 3):
+            opt.learning_rate = rate
+            assert opt.learning_rate == rate
+            rates.append(opt.current_learning_rate())
+            await opt.apply_gradients([(np.ones(1), w)])
+        assert rates == [0.5, 0.5, 0.125, 3.0]  # the schedule at step 1: 2**-1
+        assert w.numpy().tolist() == [-(0.5 + 0.5 + 0.125 + 3.0)]
+        assert opt.get_config()["learning_rate"] == 3.0
+
+    @pytest.mark.parametrize(
+        ("bad", "error", "message"),
+        [
+            ("fast", TypeError, "learning_rate must be a number, got str 'fast'"),
+            (math.nan, ValueError, "learning_rate must be finite, got nan"),
+            (None, TypeError, "learning_rate must be a number, got NoneType None"),
+            (lambda a, b: 0.1, TypeError, "learning_rate must be a number, a callable of no"),
+        ],
+    )
+    def test_setting_a_bad_learning_rate_changes_nothing(
+        self, bad: Any, error: type[Exception], message: str
+    ) -> None:
+        """A bad value set to ``learning_rate`` is refused as the constructor refuses it; the
+        rate stays as it was."""
+        for before in (0.5, lambda step: 0.1 * step):
+            opt = SGD(before)
+            opt.iterations = 3
+            rate = opt.current_learning_rate()
+            with pytest.raises(error, match=re.escape(message)):
+                opt.learning_rate = bad
+            assert opt.learning_rate == before
+            assert opt.current_learning_rate() == rate
 
 
 # -- slots -----------------------------------------------------------------------------
@@ -1501,6 +1615,66 @@ class TestErrors:
             await train_step(strategy, opt, variables, grads)
         assert_unchanged(before, snapshot(opt, variables))
 
+    async def test_ragged_gradient_names_variable_and_replica(self) -> None:
+        """A gradient that is no array (a ragged list) is a ValueError naming the variable
+        and the replica; nothing changes."""
+        strategy, variables, opt = await self.trained()
+        before = snapshot(opt, variables)
+        grads: list[list[Any]] = [[np.ones(3), 1.0], [[[1.0, 2.0], [3.0]], 1.0]]
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "apply_gradients(): the gradient of variable 'w' from replica 1 is no array "
+                "(setting an array element with a sequence."
+            ),
+        ) as caught:
+            await train_step(strategy, opt, variables, grads)
+        assert str(caught.value).endswith(
+            "; pass an array (or a nested list) of the variable's shape (3,)"
+        )
+        assert isinstance(caught.value.__cause__, ValueError)
+        assert_unchanged(before, snapshot(opt, variables))
+
+    async def test_gradient_none_on_some_replicas_only(self) -> None:
+        """A variable whose gradient is None on some replicas but not on the others is a
+        ValueError naming it and those replicas; nothing changes. None on every replica
+        still skips the variable."""
+        strategy = MirroredStrategy(host_devices(3))
+        with strategy.scope():
+            w = Variable(np.ones(2), name="w")
+            b = Variable(np.ones(2), name="b")
+            c = Variable(np.ones(2), name="c")
+            unused = Variable(np.ones(2), name="unused")
+        opt = SGD(0.1, momentum=0.5)
+        none_on: dict[str, set[int]] = {"b": {1}, "c": {0, 2}, "unused": {0, 1, 2}}
+
+        async def step() -> int:
+            ctx = aioreplica.get_replica_context()
+            assert ctx is not None
+            replica = ctx.replica_id_in_sync_group
+            return await opt.apply_gradients(
+                (None if replica in none_on.get(v.name, ()) else np.ones(2), v)
+                for v in (w, b, c, unused)
+            )
+
+        before = snapshot(opt, [w, b, c, unused])
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "apply_gradients(): some replicas passed None for a gradient that others "
+                "passed: 'b' (None on replica 1, not on replicas 0 and 2), 'c' (None on "
+                "replicas 0 and 2, not on replica 1); every replica must pass a gradient for "
+                "the same variables: pass zeros for a variable that a replica's loss does not "
+                "depend on"
+            ),
+        ):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b, c, unused]))
+        none_on = {"unused": {0, 1, 2}}
+        assert await strategy.run(step) == 1
+        assert_close([v.numpy() for v in (w, b, c, unused)], [[0.7, 0.7]] * 3 + [[1.0, 1.0]])
+        assert [slot.name for slot in opt.variables()] == ["w/momentum", "b/momentum", "c/momentum"]
+
     async def test_variable_listed_twice(self) -> None:
         """The same variable twice is a ValueError; nothing changes."""
         strategy, (w, b), opt = await self.trained()
@@ -1678,6 +1852,30 @@ class TestErrors:
             await strategy.run(step)
         assert_unchanged(before, snapshot(opt, [w, b, foreign]))
 
+    async def test_variable_of_another_strategy_over_the_same_devices(self) -> None:
+        """A variable of a second strategy over the same devices is a ValueError that says
+        the two are different strategies; nothing changes."""
+        strategy, (w, b), opt = await self.trained()
+        twin = MirroredStrategy(host_devices(2))
+        with twin.scope():
+            foreign = Variable(np.ones(2), name="foreign")
+        before = snapshot(opt, [w, b, foreign])
+
+        async def step() -> int:
+            return await opt.apply_gradients([(np.ones(3), w), (np.ones(2), foreign)])
+
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "variable 'foreign' belongs to MirroredStrategy(devices=['cpu:0', 'cpu:1']), "
+                "but is trained in another MirroredStrategy(devices=['cpu:0', 'cpu:1']): two "
+                "strategy objects over the same devices; train each variable with the "
+                "strategy that created it"
+            ),
+        ):
+            await strategy.run(step)
+        assert_unchanged(before, snapshot(opt, [w, b, foreign]))
+
     async def test_failed_first_step_makes_no_slots(self) -> None:
         """A first step that fails leaves no slots behind and the step count at 0."""
         strategy = MirroredStrategy(host_devices(2))
@@ -1774,8 +1972,17 @@ class TestErrors:
             (Adagrad, {"epsilon": math.nan}, ValueError, "epsilon must be finite, got nan"),
             (Adagrad, {"learning_rate": None}, TypeError, "learning_rate must be a number"),
             (Adagrad, {"clipnorm": -1}, ValueError, "clipnorm must be > 0 (or None: no clipping)"),
-            (RMSprop, {"rho": 1.0}, ValueError, "rho must be in [0, 1), got 1.0"),
-            (RMSprop, {"rho": -0.1}, ValueError, "rho must be in [0, 1), got -0.1"),
+            (RMSprop, {"rho": 1.5}, ValueError, "rho must be in [0, 1], got 1.5"),
+            (RMSprop, {"rho": -0.1}, ValueError, "rho must be in [0, 1], got -0.1"),
+            (SGD, {"nesterov": "no"}, TypeError, "nesterov must be True or False, got 'no'"),
+            (SGD, {"nesterov": 1}, TypeError, "nesterov must be True or False, got 1"),
+            (
+                RMSprop,
+                {"centered": "False"},
+                TypeError,
+                "centered must be True or False, got 'False'",
+            ),
+            (RMSprop, {"centered": None}, TypeError, "centered must be True or False, got None"),
             (RMSprop, {"rho": math.nan}, ValueError, "rho must be finite, got nan"),
             (RMSprop, {"momentum": 1.5}, ValueError, "momentum must be in [0, 1], got 1.5"),
             (RMSprop, {"momentum": -0.5}, ValueError, "momentum must be in [0, 1], got -0.5"),
@@ -1855,7 +2062,11 @@ class TestDefaultContext:
         opt = SGD(0.1, momentum=0.5)
         with pytest.raises(
             ValueError,
-            match=re.escape("variable 'w' belongs to MirroredStrategy(devices=['cpu:0', 'cpu:1'])"),
+            match=re.escape(
+                "apply_gradients() was called outside strategy.run() for variable 'w' of "
+                "MirroredStrategy(devices=['cpu:0', 'cpu:1']); call it from the step function "
+                "inside strategy.run(), where each replica passes its gradients"
+            ),
         ):
             await opt.apply_gradients([(np.ones(2), w)])
         assert [copy.tolist() for copy in w.values] == [[1.0, 1.0]] * 2
@@ -2085,6 +2296,14 @@ class TestConfig:
         assert AdamW(schedule).get_config()["learning_rate"] is schedule
         assert Adagrad(schedule).get_config()["learning_rate"] is schedule
         assert RMSprop(schedule).get_config()["learning_rate"] is schedule
+
+    def test_numpy_bools_are_flags(self) -> None:
+        """NumPy bools are accepted for the boolean hyperparameters, kept as Python bools."""
+        sgd = SGD(0.1, momentum=0.5, nesterov=np.bool_(True))  # type: ignore[arg-type]
+        rmsprop = RMSprop(0.1, centered=np.bool_(True))  # type: ignore[arg-type]
+        assert (sgd.get_config()["nesterov"], rmsprop.get_config()["centered"]) == (True, True)
+        assert type(sgd.get_config()["nesterov"]) is type(rmsprop.get_config()["centered"]) is bool
+        assert rmsprop.slot_names == ("velocity", "average_gradient")
 
     def test_public_names(self) -> None:
         """The classes are public as ``aioreplica.optimizers.*``."""
