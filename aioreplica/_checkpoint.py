@@ -798,10 +798,10 @@ class CheckpointManager:
 
     async def _save_on_workers(self, workers: Workers, checkpoint_number: int | None) -> str:
         """A collective save: the chief numbers, writes and prunes; the others take its list
-        of checkpoints (no worker ever deletes another's files) and its directory, so that
-        ``latest`` names the file that ``save()`` returned on every worker (one made with
-        another directory, a temporary one as in TF's multi-worker programs, say, then names
-        the chief's files, which it never writes)."""
+        of checkpoints (no worker ever deletes another's files), its directory and its
+        ``checkpoint_name``, so that ``latest`` names the file that ``save()`` returned on
+        every worker (one made with another directory, a temporary one as in TF's
+        multi-worker programs, say, then names the chief's files, which it never writes)."""
         async with self._turn:
             values = await self._checkpoint._collective_snapshot(workers, "CheckpointManager.save")
             path = await _chief_writes(
@@ -809,6 +809,7 @@ class CheckpointManager:
             )
             if not workers.is_chief:
                 self._directory = os.path.dirname(path)
+                self._name = os.path.basename(path).rsplit("-", 1)[0]  # <name>-<number>.npz
             return path
 
     async def _save(self, values: _Snapshot, checkpoint_number: int | None) -> str:

@@ -196,19 +196,26 @@ async def test_manager_restore_latest_on_every_worker(make_strategy: MakeStrateg
         WORLD.Barrier()
 
 
+@pytest.mark.parametrize("name", ["ckpt", "other"])
 async def test_a_manager_made_with_a_workers_own_directory_names_the_chiefs_files(
-    make_strategy: MakeStrategy,
+    make_strategy: MakeStrategy, name: str
 ) -> None:
     """TF's multi-worker programs give the other workers' managers a temporary directory of
     their own: only the chief writes, and after a save every worker's ``latest`` and
-    ``checkpoints`` name the chief's files, the ones ``save()`` returned; the other workers'
+    ``checkpoints`` name the chief's files, the ones ``save()`` returned (also when the
+    other workers' managers were given another ``checkpoint_name``); the other workers'
     directories stay unmade, and restoring ``latest`` works everywhere."""
     strategy = make_strategy(1)
     model = Model(strategy)
     with shared_directory() as directory:
         task_id = strategy.cluster_resolver.task_id
         own = directory if task_id == 0 else os.path.join(directory, f"workertemp_{task_id}")
-        manager = CheckpointManager(model.checkpoint(), own, max_to_keep=1)
+        manager = CheckpointManager(
+            model.checkpoint(),
+            own,
+            max_to_keep=1,
+            checkpoint_name="ckpt" if task_id == 0 else name,
+        )
         for scale in (1.0, 2.0):
             await model.train(scale)
             path = await manager.save()
