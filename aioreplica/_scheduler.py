@@ -38,15 +38,21 @@ watches it (one that leaves hands the watch to another).
 
 A replica cancelled while parked (its own ``anyio.fail_after``, say) leaves the round while it
 is filling. Once every replica has arrived, the round holds its part: a cancellation during the
-merge function waits for it (in a shield), and one after the round is done does not undo it.
+merge function waits for it (in a shield, for the parked replicas and for the last arrival
+running an async merge function alike), and one after the round is done does not undo it.
 The replica takes its part, and the cancellation fires at its next checkpoint (its next
-``merge_call`` is one), as trio does for an operation that completed.
+``merge_call`` is one), as trio does for an operation that completed. The run's own
+cancellation (a failing run's, the caller's) still stops an async merge function: it cancels
+the shield's scope (``_Run.stop_merge``). On asyncio every parked replica of an ordered round
+wakes when one of them is cancelled (they share one future): only the one whose task's
+cancellation requests went up while it was parked leaves; the others park again.
 
 Failures (invariant 5): the first failure, a replica's own exception, an exception from
 ``merge_fn`` or a ``ReplicaSyncError``, is what ``run()`` raises, unwrapped, with a note saying
-where it came from and notes summarising any later failures. Replicas are spawned by the loop
-adapter (``aioreplica._loops``), so no task outlives ``run()`` and cancelling the caller
-cancels every replica.
+where it came from and notes summarising any later failures; a later ``KeyboardInterrupt`` or
+``SystemExit`` (any exception that is no ``Exception``) outranks it, as in a task group.
+Replicas are spawned by the loop adapter (``aioreplica._loops``), so no task outlives ``run()``
+and cancelling the caller cancels every replica.
 
 Order: with ``interleave="ordered"`` replicas start in id order; at every merge point the replica
 that completes the round carries on first and the others resume in the order they arrived: the
@@ -211,7 +217,16 @@ class _Round:
 class _Replica:
     """One replica of one ``run()``: its context and its driver."""
 
-    __slots__ = ("context", "device", "id", "in_own_coroutine", "pending", "run", "track")
+    __slots__ = (
+        "cancel_requests",
+        "context",
+        "device",
+        "id",
+        "in_own_coroutine",
+        "pending",
+        "run",
+        "track",
+    )
 
     def __init__(self, run: _Run, replica_id: int) -> None:
         self.run = run
@@ -224,11 +239,24 @@ class _Replica:
         self.in_own_coroutine = False
         self.pending: MergeRequest | None = None  # made by merge_call, not yet received
         self.track: _trace.ReplicaTrack | None = None  # its track, in a traced run
+        # Counts the cancellations requested of its task (``Loop.cancel_requests``), looked up
+        # on first use (``requests_now``).
+        self.cancel_requests: Callable[[], int] | None = None
 
     @property
     def sync_id(self) -> int:
         """Its id in sync, by which messages name it (across workers, not from 0)."""
         return self.run.first_replica + self.id
+
+    def requests_now(self) -> int:
+        """The cancellations requested of its task so far, read as it parks to tell its own
+        cancellation from a sibling's; called in its task. The counter is looked up once, and
+        only once a cancellation may have reached it: finding the task costs more than a
+        replica's share of a merge round."""
+        count = self.cancel_requests
+        if count is None:
+            count = self.cancel_requests = self.run.loop.cancel_requests()
+        return count()
 
     def variable_creations(self) -> VariableCreations:
         run = self.run
@@ -289,6 +317,9 @@ class _Replica:
                 if run.tasks.is_cancellation(exc):
                     raise
                 exc = run.own_cancellation(exc, f"replica {self.sync_id}")
+            stop = _python_stop(exc)
+            if stop is not None:  # out of async code: Python's message says nothing of where
+                exc = _escaped_stop(stop, f"replica {self.sync_id}'s step function")
             run.replica_failed(self, exc)
             return
         if self.pending is not None:
@@ -369,6 +400,12 @@ class _Replica:
         # requested again at its next step, raised there if that is a merge_call
         # (``Loop.defer_cancellation``).
         owed: Callable[[], Iterable[Any]] | None = None
+        # Whether a cancellation may have reached its task (an exception came in, or one was
+        # owed): from then on the fast path counts the task's cancellation requests as it
+        # parks, to tell its own cancellation from a sibling's (``Gate.interrupted``). Until
+        # then there were none: the count costs nothing.
+        touched = False
+        asked = 0  # the count as it last parked, once touched
         while True:
             self.in_own_coroutine = True
             if enter is not None:
@@ -384,6 +421,7 @@ class _Replica:
             error = None
             value = None
             if owed is not None:
+                touched = True
                 checkpoint = owed()
                 owed = None
                 if type(yielded) is tuple and yielded and yielded[0] is marker:
@@ -413,11 +451,14 @@ class _Replica:
                         if waiting is not None:
                             owed = yield from run.last_waits(rnd, waiting)
                     else:
+                        if touched:
+                            asked = self.requests_now()
                         try:
                             waiter = rnd.waiter
                             yield from (waiter if waiter is not None else rnd.gate.park(replica_id))
                         except BaseException as exc:
-                            owed = yield from run.park_interrupted(self, rnd, exc)
+                            touched = True
+                            owed = yield from run.park_interrupted(self, rnd, exc, asked)
                         if not rnd.done:  # woken by a failing run, or to take over a watch
                             owed = yield from run.woken(self, rnd)
                     parts = rnd.parts
@@ -432,6 +473,7 @@ class _Replica:
                 coro.close()
                 raise
             except BaseException as exc:
+                touched = True
                 error = exc
 
 
@@ -506,6 +548,10 @@ class _Run:
         self.creations: VariableCreations | None = None  # made on a replica's first Variable()
         self.cancelled_class = self.loop.cancelled_class
         self.tasks: _loops.ReplicaTasks = _NOT_STARTED
+        # The replicas are being cancelled (the run failed, or its caller was cancelled), and
+        # the shield around the async merge function running now, if any (``stop_merge``).
+        self.stopping = False
+        self.merge_scope: anyio.CancelScope | None = None
         # When the first replica arrived at the current (or last) merge point, and when the
         # last one did (``complete``).
         self.first_at = 0.0
@@ -561,6 +607,14 @@ class _Run:
 
     def scheduler_crashed(self, exc: BaseException) -> None:
         self.fail(exc, "raised by the scheduler")
+
+    def stop_merge(self) -> None:
+        """The replicas are being cancelled (the run failed, or its caller was cancelled): an
+        async merge function, which a shield keeps from its replica's own cancellation, stops
+        too (``_complete_awaiting``)."""
+        self.stopping = True
+        if self.merge_scope is not None:
+            self.merge_scope.cancel()
 
     @property
     def merges_completed(self) -> int:
@@ -641,28 +695,32 @@ class _Run:
         to the replica, if any."""
         while True:
             owed = None
+            asked = replica.requests_now()
             try:
                 if rnd.deadline is not None and rnd.watcher is None:
                     yield from self._park_watching(rnd, replica)
                 else:
                     yield from rnd.gate.park(replica.id)
             except BaseException as exc:
-                owed = yield from self.park_interrupted(replica, rnd, exc)
+                owed = yield from self.park_interrupted(replica, rnd, exc, asked)
             if rnd.done:
                 return owed
             if self.failures:  # woken by a failing run: shielded from its cancellation
                 raise _RunFailed
             # Woken to take over the watch, or by another replica's cancellation: park again.
 
-    def park_interrupted(self, replica: _Replica, rnd: _Round, exc: BaseException) -> _Step:
-        """A parked replica was woken by an exception. If it was meant for another replica
-        (``gate.interrupted`` returns), the caller parks it again. A cancellation that comes
+    def park_interrupted(
+        self, replica: _Replica, rnd: _Round, exc: BaseException, asked: int
+    ) -> _Step:
+        """A parked replica was woken by an exception (``asked``: the cancellations requested
+        of it as it parked). If it was meant for another replica (``gate.interrupted``
+        returns), the caller parks it again. A cancellation that comes
         once the round is done does not undo the replica's part, which was committed with the
         others': the replica takes it, and the cancellation is kept for its next checkpoint
         (returned, where the loop needs it requested again). Otherwise the replica leaves the
         round with the exception."""
         try:
-            yield from rnd.gate.interrupted(exc)
+            yield from rnd.gate.interrupted(exc, asked)
         except BaseException as error:
             if self._committed(rnd, error):
                 return self.loop.defer_cancellation(error)
@@ -700,25 +758,21 @@ class _Run:
         """The last arrival waits on what ``complete`` left it (an async ``merge_fn``, its turn
         in a seeded order); returns the cancellation owed to it, as ``park_interrupted``."""
         try:
-            yield from waiting
+            return (yield from waiting)
         except BaseException as exc:
             if self._committed(rnd, exc):
                 return self.loop.defer_cancellation(exc)
             raise
-        return None
 
     def _leave(self, replica: _Replica, rnd: _Round) -> None:
         """``replica`` leaves ``rnd`` (cancelled or timed out) before it is done. If the round
         has a deadline and nobody watches it now, a replica still parked there is woken to
-        watch it; once no replica is left, the deadline goes (the next arrival sets it)."""
+        watch it. Once no replica is left, the deadline stays: the next arrival watches it (at
+        once past it, the round fails), so leaving and coming back never restarts it."""
         rnd.arrived.remove(replica)
         rnd.requests[replica.id] = None
-        if rnd.deadline is None or rnd.watcher is not None:
-            return
-        if rnd.arrived:
+        if rnd.deadline is not None and rnd.watcher is None and rnd.arrived:
             rnd.gate.wake(rnd.arrived[0].id)
-        else:
-            rnd.deadline = None
 
     def _park_watching(self, rnd: _Round, replica: _Replica) -> _Step:
         """Park ``replica`` until ``rnd``'s deadline; if the others have not all arrived by
@@ -808,39 +862,61 @@ class _Run:
         started: int,
     ) -> _Step:
         """``complete`` for a merge function that returned an awaitable: awaited here, still
-        in cross-replica context (``started``: when it started, in a traced run)."""
+        in cross-replica context (``started``: when it started, in a traced run).
+
+        The round holds every replica's part, so the merge function runs in a shield: a
+        cancellation of the replica running it (its own scope's) waits for it, as for the
+        parked ones (``_wait_merge``), and fires at the replica's next checkpoint (returned, as
+        ``last_waits`` does). The run's cancellation (``stop_merge``) cancels the shield's scope:
+        the merge function stops, and the round is abandoned. (A bare asyncio
+        ``Task.cancel()``, an ``asyncio.timeout``'s, passes anyio's shields: it stops the merge
+        function as the replica's own cancellation, a failure.)
+        """
         token = context_state.set(self.merge_state)
+        failed = False
         try:
-            result = yield from awaitable.__await__()
+            with anyio.CancelScope(shield=True) as scope:  # noqa: ASYNC100 - awaits inside
+                self.merge_scope = scope
+                if self.stopping:
+                    scope.cancel()
+                result = yield from awaitable.__await__()
         except BaseException as exc:
-            self._merge_failed(exc, merge_fn, rnd)
+            self._merge_failed(exc, merge_fn, rnd)  # raises the run's own cancellation
             failed = True
-        else:
-            failed = False
         finally:
+            self.merge_scope = None
             context_state.reset(token)
             if last.track is not None:
                 self._record_merge(last.track, merge_fn, started, rnd)
+        if scope.cancelled_caught:  # the run's cancellation (``stop_merge``) stopped it
+            self._abandon(rnd)
+            failed = True
         if failed:
             yield from self._park_failed()
         finished = self._finish_round(rnd, last, result)
         if finished is not None:
             yield from finished
+        return self.loop.defer_cancellation(None)
+
+    def _abandon(self, rnd: _Round) -> None:
+        """The run's cancellation stopped ``rnd``'s merge function: the round will never be
+        done. The replicas that wait for its outcome out of the cancellation's reach
+        (``_wait_merge``) wake, to be cancelled too."""
+        rnd.abandoned = True
+        rnd.gate.open(None)
 
     def _merge_failed(self, exc: BaseException, merge_fn: Callable[..., Any], rnd: _Round) -> None:
         """Fail the run with what ``merge_fn`` raised (the run's own cancellation goes on)."""
         if isinstance(exc, self.cancelled_class):
             if self.tasks.is_cancellation(exc):
-                # The round will never be done: wake the replicas that wait for its outcome
-                # out of the cancellation's reach (``_wait_merge``), to be cancelled too.
-                rnd.abandoned = True
-                rnd.gate.open(None)
+                self._abandon(rnd)
                 raise exc
             exc = self.own_cancellation(exc, f"merge_fn {_describe_fn(merge_fn)}")
         if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
             exc.merge_number = rnd.number
-        if isinstance(exc, StopIteration):  # out of run(), a coroutine: a bare RuntimeError
-            exc = _escaped_stop(exc, f"merge_fn {_describe_fn(merge_fn)}")
+        stop = exc if isinstance(exc, StopIteration) else _python_stop(exc)
+        if stop is not None:  # out of run(), a coroutine: a bare RuntimeError
+            exc = _escaped_stop(stop, f"merge_fn {_describe_fn(merge_fn)}")
         self.fail(
             exc,
             f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
@@ -977,6 +1053,29 @@ def _escaped_stop(exc: StopIteration, who: str) -> RuntimeError:
     )
     error.__cause__ = exc
     return error
+
+
+#: What Python says when a StopIteration leaves a coroutine or generator frame (PEP 479).
+_PEP479_MESSAGES: Final = frozenset(
+    {
+        "coroutine raised StopIteration",
+        "generator raised StopIteration",
+        "async generator raised StopIteration",
+    }
+)
+
+
+def _python_stop(exc: BaseException) -> StopIteration | None:
+    """The StopIteration that Python turned into ``exc`` at a coroutine's edge, if it did."""
+    cause = exc.__cause__
+    if (
+        type(exc) is RuntimeError
+        and isinstance(cause, StopIteration)
+        and exc.args
+        and exc.args[0] in _PEP479_MESSAGES
+    ):
+        return cause
+    return None
 
 
 def _later_failures(
@@ -1169,7 +1268,8 @@ class Scheduler:
         """Run ``fn`` once per replica; return the results by replica id.
 
         Raises:
-            BaseException: the first failure, unwrapped, with notes (see the module docstring).
+            BaseException: the first failure, unwrapped, with notes, unless a later one is no
+                ``Exception`` (a ``KeyboardInterrupt``): that one (see the module docstring).
         """
         run = _Run(self, sync_timeout=self._sync_timeout, rng=self._rng)
         order = list(run.replicas)
@@ -1182,6 +1282,7 @@ class Scheduler:
             tasks = run.loop.replica_tasks(
                 [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order],
                 run.scheduler_crashed,
+                run.stop_merge,
                 in_order=self._rng is not None,
             )
             run.tasks = tasks
@@ -1208,9 +1309,16 @@ class Scheduler:
             run.replicas = []
             run.tasks = _NOT_STARTED  # the tasks' contexts hold the replicas
         if run.failures:
-            first, note, _ = run.failures[0]
+            failures = run.failures
+            # The first failure, unless a later one is a KeyboardInterrupt or SystemExit (any
+            # exception that is no Exception): that is raised, as a task group does.
+            index = next(
+                (i for i, (exc, _, _) in enumerate(failures) if not isinstance(exc, Exception)),
+                0,
+            )
+            first, note, _ = failures[index]
             add_note(first, note)
-            for line in _later_failures(first, run.failures[1:]):
+            for line in _later_failures(first, failures[:index] + failures[index + 1 :]):
                 add_note(first, line)
             raise first
         self.steps += 1

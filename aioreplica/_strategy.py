@@ -1450,11 +1450,12 @@ class MirroredStrategy:
                 longer than ``sync_timeout``.
             BaseException: the first exception a replica or ``merge_fn`` raised, itself, with
                 a note naming where it came from; every replica has been cancelled by then.
-                Cancelled from outside, ``run()`` raises the cancellation (at once, before
-                any replica starts, when the caller's scope is cancelled already), or the
-                exception a replica raised while it was being cancelled, as a task group
-                does. A ``StopIteration`` is a ``RuntimeError`` naming the replica or
-                ``merge_fn`` it came from.
+                A later ``KeyboardInterrupt`` or ``SystemExit`` outranks it (which then
+                becomes a note), as in a task group. Cancelled from outside, ``run()`` raises
+                the cancellation (at once, before any replica starts, when the caller's scope
+                is cancelled already), or the exception a replica raised while it was being
+                cancelled, as a task group does. A ``StopIteration`` is a ``RuntimeError``
+                naming the replica or ``merge_fn`` it came from.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])

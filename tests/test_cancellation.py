@@ -197,6 +197,124 @@ class TestCancelledOnceItsRoundIsDone:
             assert (await strategy.run(step)).values == (0, 1)
         assert events == [("merge", (0, 1)), "merged", *[("got its part", True)] * 2]
 
+    @pytest.mark.parametrize("interleave", ["ordered", "random"])
+    async def test_the_replica_running_an_async_merge_fn_runs_it_to_the_end(
+        self, interleave: str
+    ) -> None:
+        """The last arrival runs the (async) merge function; cancelled meanwhile, it runs it to
+        the end in a shield, takes its part, and is cancelled at its next checkpoint (it used
+        to be told its merge did not happen, and trio's retry loops never ended)."""
+        strategy = MirroredStrategy(
+            host_devices(2),
+            interleave=interleave,  # type: ignore[arg-type]
+            seed=0 if interleave == "random" else None,
+        )
+        scopes: list[anyio.CancelScope] = []  # in arrival order
+        events: list[Any] = []
+
+        async def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            events.append(("merge", value.values))
+            scopes[-1].cancel()  # the last arrival: the replica running this merge function
+            await anyio.sleep(0.01)
+            await anyio.lowlevel.checkpoint()
+            events.append("merged")
+            return value
+
+        async def step() -> int:
+            while True:  # retry what was cancelled: here, nothing
+                got = False
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    result: int = await replica_context().merge_call(merge, args=(replica_id(),))
+                    got = True
+                    events.append(("got its part", result == replica_id()))
+                    await anyio.lowlevel.checkpoint()
+                if got:
+                    events.append(("cancelled at its checkpoint", scope.cancelled_caught))
+                    return result
+                events.append("retried")
+
+        with anyio.fail_after(5):
+            assert (await strategy.run(step)).values == (0, 1)
+        assert events[:2] == [("merge", (0, 1)), "merged"]
+        assert sorted(events[2:]) == [
+            ("cancelled at its checkpoint", False),
+            ("cancelled at its checkpoint", True),
+            ("got its part", True),
+            ("got its part", True),
+        ]
+        with anyio.fail_after(5):  # the strategy goes on as before
+            assert (await strategy.run(step)).values == (0, 1)
+
+    async def test_the_callers_cancellation_still_stops_an_async_merge_fn(self) -> None:
+        """The shield that holds off the last arrival's own cancellation keeps out neither the
+        caller's cancellation nor a failing run's: the merge function stops, on every loop."""
+        strategy = MirroredStrategy(host_devices(2))
+        caller = anyio.CancelScope()
+        events: list[str] = []
+
+        async def merge(strategy: MirroredStrategy) -> None:
+            events.append("merge started")
+            caller.cancel()
+            try:
+                await anyio.sleep_forever()
+            finally:
+                events.append("merge stopped")
+
+        async def step() -> None:
+            await replica_context().merge_call(merge)
+            events.append("not reached")
+
+        with anyio.fail_after(5), caller:
+            await strategy.run(step)
+        assert caller.cancelled_caught
+        assert events == ["merge started", "merge stopped"]
+        assert strategy.statistics().runs_active == 0
+
+    @pytest.mark.parametrize("shielded", ["checkpoint", "merge_call"])
+    async def test_its_next_step_inside_a_shield_is_not_cancelled(self, shielded: str) -> None:
+        """The cancellation that waits for the replica's next checkpoint does not pass an
+        anyio shield there: it fires at the first checkpoint after it."""
+        strategy = MirroredStrategy(host_devices(2))
+        arrivals: list[tuple[int, anyio.CancelScope]] = []
+        events: list[Any] = []
+
+        def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            if not events:
+                arrivals[0][1].cancel()  # the first arrival is parked: its round is done
+                events.append("cancelled the first arrival")
+            return value
+
+        async def step() -> int:
+            with anyio.CancelScope() as scope:
+                arrivals.append((replica_id(), scope))
+                result: int = await replica_context().merge_call(merge, args=(replica_id(),))
+                with anyio.CancelScope(shield=True):
+                    if shielded == "checkpoint":
+                        await anyio.lowlevel.checkpoint()
+                    else:
+                        await replica_context().merge_call(merge, args=(replica_id(),))
+                    events.append(("shielded part done", replica_id()))
+                await anyio.lowlevel.checkpoint()
+                events.append(("not cancelled", replica_id()))
+            events.append(("after its scope", replica_id(), scope.cancelled_caught))
+            return result
+
+        with anyio.fail_after(5):
+            assert (await strategy.run(step)).values == (0, 1)
+        first, second = (replica for replica, _ in arrivals)
+        assert events[0] == "cancelled the first arrival"
+        assert sorted(events[1:], key=repr) == sorted(
+            [
+                ("shielded part done", first),
+                ("shielded part done", second),
+                ("not cancelled", second),
+                ("after its scope", first, True),
+                ("after its scope", second, False),
+            ],
+            key=repr,
+        )
+
     @ASYNCIO_ONLY
     @pytest.mark.parametrize("checkpoint", [True, False])
     async def test_an_expiring_asyncio_timeout_fires_at_the_next_await(
@@ -369,6 +487,46 @@ class TestMergePointInsideAShield:
         assert info.value.__notes__ == ["raised in replica 1 of 2 (device cpu:1)"]
         assert ended == ["replica 0 left the merge point"]
 
+    async def test_a_siblings_own_cancellation_does_not_reach_it(self) -> None:
+        """A cleanup merge_call in a shield, in the ``finally`` of a cancelled scope, stays in
+        its round when a sibling parked there is cancelled by its own scope and comes back
+        (asyncio took the sibling's cancellation for the shielded replica's own)."""
+        strategy = MirroredStrategy(host_devices(3))
+        scopes: dict[int, anyio.CancelScope] = {}
+        events: list[Any] = []
+
+        def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            events.append(("merged", value.values))
+            return value
+
+        async def step() -> int:
+            result: int
+            if replica_id() == 0:
+                with anyio.CancelScope() as outer:
+                    outer.cancel()
+                    try:
+                        await anyio.sleep_forever()
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            result = await replica_context().merge_call(merge, args=(0,))
+                            events.append(("replica 0 got", result))
+                return result
+            if replica_id() == 1:
+                while True:
+                    with anyio.CancelScope() as scopes[1]:
+                        result = await replica_context().merge_call(merge, args=(1,))
+                        return result
+                    events.append("replica 1 left the round")
+            await anyio.wait_all_tasks_blocked()  # replicas 0 and 1 wait in the round
+            scopes[1].cancel()
+            await anyio.wait_all_tasks_blocked()  # replica 1 is back
+            result = await replica_context().merge_call(merge, args=(2,))
+            return result
+
+        with anyio.fail_after(5):
+            assert (await strategy.run(step)).values == (0, 1, 2)
+        assert events == ["replica 1 left the round", ("merged", (0, 1, 2)), ("replica 0 got", 0)]
+
     @pytest.mark.parametrize("interleave", ["ordered", "random"])
     async def test_sync_timeout_expires(self, interleave: str) -> None:
         seed = 1 if interleave == "random" else None
@@ -391,6 +549,30 @@ class TestMergePointInsideAShield:
 
 class TestKeyboardInterrupt:
     """Ctrl-C comes out of run() as ``KeyboardInterrupt``, never wrapped in a group."""
+
+    @pytest.mark.parametrize("raised", [KeyboardInterrupt, SystemExit])
+    async def test_it_outranks_an_earlier_failure(self, raised: type[BaseException]) -> None:
+        """A replica that a failing run cancels raises KeyboardInterrupt (or SystemExit) in its
+        cleanup: run() raises that, as a task group does, noting the first failure (it used
+        to be a note on the first failure)."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step() -> None:
+            if replica_id() == 0:
+                await anyio.lowlevel.checkpoint()
+                raise ValueError("replica 0 failed")
+            try:
+                await anyio.sleep_forever()
+            finally:
+                raise raised("interrupted")
+
+        with anyio.fail_after(5), pytest.raises(raised, match="interrupted") as info:
+            await strategy.run(step)
+        assert info.value.__notes__ == [
+            "raised in replica 1 of 2 (device cpu:1)",
+            "also raised in replica 0: ValueError: replica 0 failed",
+        ]
+        assert strategy.statistics().runs_active == 0
 
     @pytest.mark.parametrize("backend", ["asyncio", "trio"])
     def test_ctrl_c_while_the_loop_waits(self, backend: str) -> None:

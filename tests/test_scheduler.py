@@ -606,6 +606,30 @@ class TestReplicaSync:
         assert "waited 0.2 s in merge_call #1" in str(info.value)
         assert 1 <= len(tries) <= 4  # the deadline came from the round, not from each try
 
+    async def test_sync_timeout_fires_for_a_lone_replica_retrying_under_its_own_timeout(
+        self,
+    ) -> None:
+        """The only replica at the round leaves it (its own move_on_after) and comes back, over
+        and over: the round keeps its deadline even while nobody waits there, and fails at it
+        (it used to restart with every try, and never fired)."""
+        strategy = MirroredStrategy(host_devices(2), sync_timeout=0.2)
+        tries: list[int] = []
+
+        async def step() -> None:
+            if replica_id() == 1:
+                await anyio.sleep_forever()
+            while True:
+                with anyio.move_on_after(0.05):
+                    await replica_context().merge_call(noop)
+                    return
+                tries.append(0)
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError) as info:
+            await strategy.run(step)
+        assert (info.value.merge_number, info.value.replicas, info.value.waiting) == (1, (1,), (0,))
+        assert str(info.value).startswith("replica 0 waited 0.2 s in merge_call #1 (noop ")
+        assert 1 <= len(tries) <= 4
+
     async def test_a_collective_timeout_is_handed_to_a_replica_still_waiting(self) -> None:
         """The replica timing the round leaves it for good: one still parked there takes over
         the watch, and the round fails at its deadline instead of hanging."""
@@ -770,6 +794,36 @@ class TestFailures:
             ) as info,
         ):
             await strategy.run(lambda: next(iter(empty)))
+        assert isinstance(info.value.__cause__, StopIteration)
+
+    @pytest.mark.parametrize("where", ["step", "merge_fn"])
+    async def test_stop_iteration_from_async_code_names_where_it_came_from(
+        self, where: str
+    ) -> None:
+        """In an async step function or merge function Python itself turns a StopIteration
+        into "coroutine raised StopIteration": that too becomes the RuntimeError naming the
+        replica or merge_fn, chained to the StopIteration."""
+        strategy = MirroredStrategy(host_devices(2))
+        empty: list[int] = []
+
+        async def merge(strategy: MirroredStrategy) -> None:
+            await anyio.lowlevel.checkpoint()
+            next(iter(empty))
+
+        async def step() -> None:
+            await anyio.lowlevel.checkpoint()
+            if where == "step" and replica_id() == 1:
+                next(iter(empty))
+            await replica_context().merge_call(merge if where == "merge_fn" else noop)
+
+        with anyio.fail_after(5), pytest.raises(RuntimeError) as info:
+            await strategy.run(step)
+        message = str(info.value)
+        if where == "step":
+            assert message.startswith("replica 1's step function raised StopIteration, which ")
+        else:
+            assert message.startswith("merge_fn TestFailures.test_stop_iteration_from_async_")
+            assert ") raised StopIteration, which cannot pass out of a coroutine" in message
         assert isinstance(info.value.__cause__, StopIteration)
 
     async def test_merge_fn_exception_raised_once(self) -> None:
@@ -999,6 +1053,35 @@ class TestInterleave:
         seen = [anyio.run(orders, backend=name, backend_options=options) for name, options in loops]
         assert seen[0] == seen[1] == seen[2]
         assert len(seen[0]) == 1
+
+    @pytest.mark.parametrize("seed", range(6))
+    async def test_random_order_with_its_replicas_cancelled_as_the_round_completes(
+        self, seed: int
+    ) -> None:
+        """A merge function cancels the scopes of the replica parked in its round and of the
+        last arrival, which runs it: each takes its part and the run goes on, whatever the
+        seeded order (trio's gate used to reschedule the running replica: TrioInternalError)."""
+        strategy = MirroredStrategy(host_devices(2), interleave="random", seed=seed)
+        scopes: list[anyio.CancelScope] = []
+        events: list[tuple[int, bool]] = []
+
+        def merge(strategy: MirroredStrategy, value: Any) -> Any:
+            for scope in scopes:
+                scope.cancel()
+            return value
+
+        async def step() -> int:
+            with anyio.CancelScope() as scope:
+                scopes.append(scope)
+                result: int = await replica_context().merge_call(merge, args=(replica_id(),))
+            events.append((result, scope.cancelled_caught))
+            return result
+
+        for _ in range(2):
+            scopes.clear()
+            with anyio.fail_after(5):
+                assert (await strategy.run(step)).values == (0, 1)
+        assert sorted(events) == [(0, False), (0, False), (1, False), (1, False)]
 
     async def test_drawn_seed_is_reported(self) -> None:
         """Without a seed, random interleave draws one and exposes it for replay."""

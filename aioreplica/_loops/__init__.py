@@ -7,12 +7,15 @@ and caches it; ``_asyncio.py`` and ``_trio.py`` implement the same protocols und
 section headings, as anyio's backends do:
 
 - **replica tasks** (``replica_tasks``): spawn one task per replica, cancel them all on demand
-  or when the caller is cancelled, wait for all, let none outlive the call.
+  or when the caller is cancelled (and say so: a merge function the scheduler shields from a
+  replica's own cancellation stops then), wait for all, let none outlive the call.
 - **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
 - **defer_cancellation**: keep a cancellation that reached a replica after its part of a
-  merge round was committed for the replica's next checkpoint (trio's cancel scopes do that by
-  themselves; on asyncio it is requested again).
+  merge round was committed for the replica's next checkpoint (trio's cancel scopes and anyio's
+  do that by themselves, past any shield; on asyncio a bare one is requested again).
+- **cancel_requests**: what counts the cancellations requested of a replica's task, so that a
+  gate whose replicas share one waiter tells its own from a sibling's.
 - **park_cancelled**: deliver a failing run's cancellation to a replica that would otherwise park
   (at once on asyncio, at the next checkpoint on trio); a replica inside an anyio shield, which
   no cancellation reaches, gets the exception the scheduler gives instead.
@@ -49,9 +52,10 @@ class Gate(Protocol):
     ``wake(slot)`` wakes a parked replica without opening the gate (others too, where they
     share one waiter): the scheduler looks at the round again and parks it again.
 
-    If ``park`` raises, the scheduler hands the exception to ``interrupted``, which returns
-    when it was not meant for this replica (asyncio wakes everyone parked on a shared future
-    when one of them is cancelled: the scheduler parks it again), or raises it.
+    If ``park`` raises, the scheduler hands the exception to ``interrupted``, with what
+    ``Loop.cancel_requests`` counted as the replica parked; it returns when the exception was not
+    meant for this replica (asyncio wakes everyone parked on a shared future when one of them is
+    cancelled: the scheduler parks it again), or raises it.
     """
 
     @property
@@ -62,7 +66,7 @@ class Gate(Protocol):
 
     def park(self, slot: int) -> Iterable[Any]: ...
 
-    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]: ...
+    def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]: ...
 
     def open(self, slots: Iterable[int] | None) -> None: ...
 
@@ -81,7 +85,8 @@ class ReplicaTasks(Protocol):
     """The tasks of one ``run()``: ``wait`` runs them all to their end; ``cancel`` stops them.
 
     If the caller of ``wait`` is cancelled, every task is cancelled and still awaited before
-    the cancellation goes on, so none outlives ``wait``.
+    the cancellation goes on, so none outlives ``wait``. Either way the tasks are cancelled,
+    ``on_cancel`` (given to ``Loop.replica_tasks``) is called, once or more.
     """
 
     def cancel(self) -> None: ...
@@ -135,11 +140,13 @@ class Loop(Protocol):
         self,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
+        on_cancel: Callable[[], None],
         *,
         in_order: bool,
     ) -> ReplicaTasks:
         """Tasks running ``mains``; with ``in_order`` they start in that order, each once the
-        one before has run up to its first wait (a seeded interleave is one order per seed)."""
+        one before has run up to its first wait (a seeded interleave is one order per seed).
+        ``on_cancel`` is called as they are cancelled (``ReplicaTasks``)."""
         ...
 
     def gate_factory(self, ordered: bool) -> Callable[[], Gate]:
@@ -152,18 +159,25 @@ class Loop(Protocol):
         ``shielded()`` if it is inside an anyio shield (where waiting would never end)."""
         ...
 
-    def defer_cancellation(self, exc: BaseException) -> Callable[[], Iterable[Any]]:
+    def defer_cancellation(self, exc: BaseException | None) -> Callable[[], Iterable[Any]]:
         """The cancellation ``exc`` reached the calling replica after its part of a merge round
         was committed: the replica takes its part, and the cancellation is to fire at its next
-        checkpoint instead, as trio does for an operation that completed.
+        checkpoint instead, as trio does for an operation that completed. ``None``: whatever
+        cancellation a shield (the one around the merge function the replica ran) held off.
 
         Returns what the scheduler calls at the replica's next step. It requests the
-        cancellation again where the loop needs that (asyncio's ``Task.cancel()`` fires once),
-        unless its requester withdrew it meanwhile (an expiring ``asyncio.timeout`` or anyio
-        scope does, as it exits); trio's cancel scopes stay cancelled by themselves. It returns
-        a checkpoint, which the scheduler yields from when that step is a ``merge_call`` (which
-        the loop never sees): it raises the cancellation if it still holds.
+        cancellation again where the loop needs that (asyncio's bare ``Task.cancel()`` fires
+        once), unless its requester withdrew it meanwhile (an expiring ``asyncio.timeout`` does,
+        as it exits); trio's cancel scopes and anyio's stay cancelled by themselves, and reach
+        the replica only where no shield keeps them out. It returns a checkpoint, which the
+        scheduler yields from when that step is a ``merge_call`` (which the loop never sees):
+        it raises the cancellation if it still holds there.
         """
+        ...
+
+    def cancel_requests(self) -> Callable[[], int]:
+        """What counts the cancellations requested of the calling task so far (asyncio's
+        ``Task.cancelling``; always 0 on trio, where no sibling's cancellation wakes a task)."""
         ...
 
     def thread_result(self) -> ThreadResult: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from typing import TYPE_CHECKING, Any, final
+from typing import TYPE_CHECKING, Any, Final, final
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
@@ -28,17 +28,27 @@ _Future = asyncio.Future
 class _ReplicaTasks:
     """Plain tasks supervised by hand: about a quarter of an anyio task group's start cost."""
 
-    __slots__ = ("_cancelled", "_cancelling", "_loop", "_mains", "_on_crash", "_tasks")
+    __slots__ = (
+        "_cancelled",
+        "_cancelling",
+        "_loop",
+        "_mains",
+        "_on_cancel",
+        "_on_crash",
+        "_tasks",
+    )
 
     def __init__(
         self,
         loop: asyncio.AbstractEventLoop,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
+        on_cancel: Callable[[], None],
     ) -> None:
         self._loop = loop
         self._mains = mains
         self._on_crash = on_crash
+        self._on_cancel = on_cancel
         self._tasks: list[asyncio.Task[None]] = []
         self._cancelling = False
         self._cancelled: set[asyncio.Task[None]] = set()  # the tasks cancel() has reached
@@ -46,6 +56,7 @@ class _ReplicaTasks:
     def cancel(self) -> None:
         if not self._cancelling:
             self._cancelling = True
+            self._on_cancel()
             self._deliver_cancellation()
 
     def _deliver_cancellation(self) -> None:
@@ -132,8 +143,10 @@ class _SharedGate:
 
     Cancelling a task cancels the future it waits on; when that is the shared one, every
     replica parked there wakes with ``CancelledError``, but only the one whose task was
-    cancelled (``Task.cancelling()``) is meant: ``interrupted`` returns for the others, which
-    the scheduler parks again, on a new future.
+    cancelled is meant: the one whose ``Task.cancelling()`` count went up while it was parked
+    (not merely above 0: a replica in the ``finally`` of a cancelled scope, a cleanup
+    ``merge_call`` in a shield, say, still counts that earlier cancellation). ``interrupted``
+    returns for the others, which the scheduler parks again, on a new future.
     """
 
     __slots__ = ("opened", "waiter")
@@ -148,9 +161,11 @@ class _SharedGate:
             waiter = self.waiter = _Future(loop=waiter.get_loop())
         return waiter
 
-    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
-        if isinstance(exc, asyncio.CancelledError) and not _current_task_cancelling():
-            return  # another replica's cancellation cancelled the shared future
+    def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
+        if isinstance(exc, asyncio.CancelledError):
+            task = asyncio.current_task()
+            if task is not None and task.cancelling() <= requests:
+                return  # another replica's cancellation cancelled the shared future
         raise exc
         yield  # a generator, like the other gates' (never reached)
 
@@ -188,7 +203,7 @@ class _FutureGate:
         self._futures[slot] = future
         return future
 
-    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
+    def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
         raise exc
         yield  # a generator, like the other gates' (never reached)
 
@@ -220,10 +235,28 @@ class _FutureGate:
 #: What a generator yields from to give the event loop one turn (``asyncio.sleep(0)``).
 _ONE_TURN: tuple[None] = (None,)
 
+#: How anyio's cancel scopes begin the message of the cancellations they deliver.
+_ANYIO_CANCELLATION: Final = "Cancelled via cancel scope "
 
-def _current_task_cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
+
+def _anyio_cancellation_pending(task: asyncio.Task[Any]) -> bool:
+    """Whether an anyio cancel scope around ``task``'s current position, not behind a shield,
+    is cancelled: anyio then (re)delivers that cancellation by itself, at the next wait."""
+    from anyio._backends._asyncio import _task_states
+
+    state = _task_states.get(task)
+    scope = state.cancel_scope if state is not None else None
+    while scope is not None:
+        if scope.cancel_called:
+            return True
+        if scope.shield:
+            return False
+        scope = scope._parent_scope
+    return False
+
+
+def _zero() -> int:
+    return 0
 
 
 # -- thread results -------------------------------------------------------------------------
@@ -300,11 +333,12 @@ class AsyncioLoop:
         self,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
+        on_cancel: Callable[[], None],
         *,
         in_order: bool,
     ) -> _ReplicaTasks:
         # New tasks run first in, first out: always in order.
-        return _ReplicaTasks(self._loop, mains, on_crash)
+        return _ReplicaTasks(self._loop, mains, on_crash, on_cancel)
 
     def gate_factory(self, ordered: bool) -> Callable[[], _SharedGate | _FutureGate]:
         return functools.partial(_SharedGate if ordered else _FutureGate, self._loop)
@@ -317,22 +351,39 @@ class AsyncioLoop:
             raise shielded()
         raise asyncio.CancelledError
 
-    def defer_cancellation(self, exc: BaseException) -> Callable[[], Iterable[Any]]:
+    def defer_cancellation(self, exc: BaseException | None) -> Callable[[], Iterable[Any]]:
         task = asyncio.current_task()
         requests = task.cancelling() if task is not None else 0
-        message = exc.args[0] if exc.args and isinstance(exc.args[0], str) else None
+        message = None
+        if exc is not None and exc.args and isinstance(exc.args[0], str):
+            message = exc.args[0]
+        if task is None:
+            return lambda: ()
+        if exc is None or (message is not None and message.startswith(_ANYIO_CANCELLATION)):
+            # anyio's scopes deliver their cancellation again at the task's next wait, once no
+            # shield keeps it out: left to anyio, which counts its requests itself.
+            def pending() -> Iterable[Any]:
+                # A bare yield lets anyio's delivery, already queued, request it first: the
+                # task's next step raises it (a merge_call is a checkpoint).
+                return _ONE_TURN if _anyio_cancellation_pending(task) else ()
+
+            return pending
 
         def again() -> Iterable[Any]:
-            # Still requested (an expiring asyncio.timeout or anyio scope withdraws its request
-            # with Task.uncancel() as it exits): request it once more, the count unchanged, so
-            # that the next await raises it, with the message by which anyio knows its own.
-            if task is None or not requests or task.cancelling() < requests:
+            # Still requested (an expiring asyncio.timeout withdraws its request with
+            # Task.uncancel() as it exits): request it once more, the count unchanged, so that
+            # the next await raises it (a bare Task.cancel() passes anyio's shields).
+            if not requests or task.cancelling() < requests:
                 return ()
             task.uncancel()
             task.cancel(message)
             return _ONE_TURN  # a bare yield: the task's next step raises it
 
         return again
+
+    def cancel_requests(self) -> Callable[[], int]:
+        task = asyncio.current_task()
+        return task.cancelling if task is not None else _zero
 
     def thread_result(self) -> _ThreadResult:
         return _ThreadResult(self._loop)

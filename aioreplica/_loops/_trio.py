@@ -31,20 +31,30 @@ class _ReplicaTasks:
     trio runs the tasks made ready together in an order of its own choosing, new ones too, so
     ``in_order`` tasks are started one by one: each starts the next as it begins, and that one
     runs once this one first waits.
+
+    The caller waits in the task group's body until every replica has ended, rather than in
+    the task group's exit, so that it sees its own cancellation and says so (``on_cancel``).
     """
 
-    __slots__ = ("_cancelled", "_in_order", "_mains", "_scope")
+    __slots__ = ("_cancelled", "_ended", "_in_order", "_left", "_mains", "_on_cancel", "_scope")
 
     def __init__(
-        self, mains: Sequence[Callable[[], Coroutine[Any, Any, None]]], in_order: bool
+        self,
+        mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
+        on_cancel: Callable[[], None],
+        in_order: bool,
     ) -> None:
         self._mains = mains
+        self._on_cancel = on_cancel
         self._in_order = in_order
         self._scope: anyio.CancelScope | None = None
         self._cancelled = False
+        self._left = len(mains)  # replicas that have not ended
+        self._ended = anyio.Event()
 
     def cancel(self) -> None:
         self._cancelled = True
+        self._on_cancel()
         if self._scope is not None:
             self._scope.cancel()
 
@@ -62,7 +72,15 @@ class _ReplicaTasks:
                     group.start_soon(self._start_in_order, group, 0)
                 else:
                     for main in self._mains:
-                        group.start_soon(main)
+                        group.start_soon(self._main, main)
+                if self._left:
+                    try:
+                        await self._ended.wait()
+                    except BaseException:
+                        # The caller is cancelled (or interrupted): every replica is cancelled,
+                        # and the task group waits for them all.
+                        self.cancel()
+                        raise
         except BaseExceptionGroup as group:
             # Replica mains catch everything, so what comes out is the caller's own (trio
             # delivers Ctrl-C to the main task, waiting here) or a crash: raise it as itself,
@@ -77,7 +95,15 @@ class _ReplicaTasks:
     async def _start_in_order(self, group: anyio.abc.TaskGroup, index: int) -> None:
         if index + 1 < len(self._mains):
             group.start_soon(self._start_in_order, group, index + 1)
-        await self._mains[index]()
+        await self._main(self._mains[index])
+
+    async def _main(self, main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        try:
+            await main()
+        finally:
+            self._left -= 1
+            if not self._left:
+                self._ended.set()
 
 
 def _first_of(group: BaseExceptionGroup[BaseException]) -> BaseException:
@@ -95,6 +121,10 @@ def _first_of(group: BaseExceptionGroup[BaseException]) -> BaseException:
         with contextlib.suppress(TypeError):  # its own code made __notes__ no list: as it is
             first.add_note(f"also raised: {type(other).__name__}: {other}")
     return first
+
+
+def _zero() -> int:
+    return 0
 
 
 # -- gates ----------------------------------------------------------------------------------
@@ -124,7 +154,7 @@ class _TaskGate:
 
         return lowlevel.wait_task_rescheduled(abort).__await__()  # type: ignore[no-any-return]
 
-    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
+    def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
         raise exc  # trio never wakes a task for another task's cancellation
         yield  # a generator, like the other gates' (never reached)
 
@@ -190,7 +220,7 @@ class _ChainGate:
                 self._lowlevel.reschedule(task)
                 return
 
-    def interrupted(self, exc: BaseException) -> Generator[Any, Any, None]:
+    def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
         raise exc
         yield  # a generator, like the other gates' (never reached)
 
@@ -206,14 +236,19 @@ class _ChainGate:
 
     def hand_over(self, order: Sequence[int], slot: int) -> Generator[Any, Any, None]:
         self.opened = True
-        if order[0] == slot:
-            self._chain.extend(order[1:])
-            self._wake_next()  # it runs once the caller waits
+        position = order.index(slot)
+        tasks = self._tasks
+        if not any(ahead in tasks for ahead in order[:position]):
+            # First in ``order``, or those ahead of it left the round (cancelled): it carries
+            # on, and the rest run once it waits.
+            self._chain.extend(order[position + 1 :])
+            self._wake_next()
             return
         self._chain.extend(order)
-        waiting = self.park(slot)  # the caller's predecessor in ``order`` wakes it
+        # Wakes the first one ahead still parked, before the caller parks: the running task
+        # is never rescheduled. Its predecessor in ``order`` wakes it.
         self._wake_next()
-        yield from waiting
+        yield from self.park(slot)
 
 
 # -- thread results -------------------------------------------------------------------------
@@ -310,12 +345,13 @@ class TrioLoop:
         self,
         mains: Sequence[Callable[[], Coroutine[Any, Any, None]]],
         on_crash: Callable[[BaseException], None],
+        on_cancel: Callable[[], None],
         *,
         in_order: bool,
     ) -> _ReplicaTasks:
         # A crash of the scheduler itself propagates out of the task group; replica mains
         # catch everything else.
-        return _ReplicaTasks(mains, in_order)
+        return _ReplicaTasks(mains, on_cancel, in_order)
 
     def gate_factory(self, ordered: bool) -> Callable[[], _TaskGate | _ChainGate]:
         return functools.partial(_TaskGate if ordered else _ChainGate, self._lowlevel)
@@ -330,9 +366,13 @@ class TrioLoop:
             lambda _raise_cancel: lowlevel.Abort.SUCCEEDED
         ).__await__()
 
-    def defer_cancellation(self, exc: BaseException) -> Callable[[], Iterable[Any]]:
-        # The cancel scope that raised it stays cancelled: the next checkpoint raises again.
+    def defer_cancellation(self, exc: BaseException | None) -> Callable[[], Iterable[Any]]:
+        # The cancel scope that raised it stays cancelled: the next checkpoint raises again
+        # (unless a shield keeps it out there).
         return self._checkpoint_if_cancelled
+
+    def cancel_requests(self) -> Callable[[], int]:
+        return _zero
 
     def _checkpoint_if_cancelled(self) -> Generator[Any, Any, None]:
         yield from self._lowlevel.checkpoint_if_cancelled().__await__()
