@@ -874,11 +874,15 @@ class _Run:
         """
         token = context_state.set(self.merge_state)
         failed = False
+        scope: anyio.CancelScope | None = None
         try:
-            with anyio.CancelScope(shield=True) as scope:  # noqa: ASYNC100 - awaits inside
-                self.merge_scope = scope
-                if self.stopping:
-                    scope.cancel()
+            if self.loop.in_cancel_scope():
+                with anyio.CancelScope(shield=True) as scope:  # noqa: ASYNC100 - awaits inside
+                    self.merge_scope = scope
+                    if self.stopping:
+                        scope.cancel()
+                    result = yield from awaitable.__await__()
+            else:  # no scope of its own to keep out (entering a shield costs several µs)
                 result = yield from awaitable.__await__()
         except BaseException as exc:
             self._merge_failed(exc, merge_fn, rnd)  # raises the run's own cancellation
@@ -888,7 +892,7 @@ class _Run:
             context_state.reset(token)
             if last.track is not None:
                 self._record_merge(last.track, merge_fn, started, rnd)
-        if scope.cancelled_caught:  # the run's cancellation (``stop_merge``) stopped it
+        if scope is not None and scope.cancelled_caught:  # the run's (``stop_merge``) stopped it
             self._abandon(rnd)
             failed = True
         if failed:
@@ -896,7 +900,8 @@ class _Run:
         finished = self._finish_round(rnd, last, result)
         if finished is not None:
             yield from finished
-        return self.loop.defer_cancellation(None)
+        # A cancellation of the replica that the shield kept out is owed.
+        return None if scope is None else self.loop.defer_cancellation(None)
 
     def _abandon(self, rnd: _Round) -> None:
         """The run's cancellation stopped ``rnd``'s merge function: the round will never be

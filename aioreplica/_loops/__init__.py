@@ -180,6 +180,14 @@ class Loop(Protocol):
         ``Task.cancelling``; always 0 on trio, where no sibling's cancellation wakes a task)."""
         ...
 
+    def in_cancel_scope(self) -> bool:
+        """Whether the calling task (a replica's) may be inside a cancel scope of its own,
+        which a shield must then keep out of its merge function: on asyncio, whether it is in
+        any anyio scope (a task that entered none can only be cancelled with its run, or by a
+        bare ``Task.cancel()``, which no shield stops); always on trio, whose shields are
+        cheap."""
+        ...
+
     def thread_result(self) -> ThreadResult: ...
 
     def spawn_background(self, fn: Callable[[], Awaitable[None]]) -> Background: ...

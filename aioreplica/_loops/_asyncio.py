@@ -385,6 +385,13 @@ class AsyncioLoop:
         task = asyncio.current_task()
         return task.cancelling if task is not None else _zero
 
+    def in_cancel_scope(self) -> bool:
+        from anyio._backends._asyncio import _task_states  # as ``_in_anyio_shield``
+
+        task = asyncio.current_task()
+        state = _task_states.get(task) if task is not None else None
+        return state is not None and state.cancel_scope is not None
+
     def thread_result(self) -> _ThreadResult:
         return _ThreadResult(self._loop)
 

@@ -374,6 +374,9 @@ class TrioLoop:
     def cancel_requests(self) -> Callable[[], int]:
         return _zero
 
+    def in_cancel_scope(self) -> bool:
+        return True
+
     def _checkpoint_if_cancelled(self) -> Generator[Any, Any, None]:
         yield from self._lowlevel.checkpoint_if_cancelled().__await__()
 
