@@ -810,9 +810,6 @@ class _Puller:
         self._put: list[Callable[[Any], Any]] = [
             _read_only_after(device.asarray if place else _as_is) for device in devices
         ]
-        #: Whether the arrays an iterator yields are copied as they come: pulled ahead of the
-        #: step, they must not change when it yields again (refilling one buffer, say).
-        self._copy_items = copy_items
         self._workers = workers
         self._first_replica = first_replica
         self._per_replica = per_replica_source
@@ -835,6 +832,10 @@ class _Puller:
             if workers is None:
                 raise
             self._failed = exc
+        #: Whether the arrays an iterator yields are copied as they come: pulled ahead of the
+        #: step, they must not change when it yields again (refilling one buffer, say).
+        #: In-memory data (pulled inline) is never refilled.
+        self._copy_items = copy_items and self._sync is None
         #: A ``batched`` epoch, whose position a checkpoint can save; None for other sources.
         self.source = self._sync if isinstance(self._sync, BatchedIterator) else None
         self.source_kind = type(dataset).__name__
@@ -865,13 +866,9 @@ class _Puller:
             try:
                 item = await anext(self._async)
             except StopAsyncIteration:
-                self._exhausted = True
-                return _END
-            return _tree.map_structure(_owned, item) if self._copy_items else item
-        if self._loader is not None:
+                item = _END
+        elif self._loader is not None:
             item = await self._loader.pull()
-            if self._copy_items and item is not _END:
-                item = _tree.map_structure(_owned, item)
         elif self._sync is not None:
             await anyio.lowlevel.checkpoint()
             item = next(self._sync, _END)
@@ -879,6 +876,8 @@ class _Puller:
             return _END
         if item is _END:
             self._exhausted = True
+        elif self._copy_items:
+            item = _tree.map_structure(_owned, item)
         return item
 
     async def next_element(self) -> Any:
