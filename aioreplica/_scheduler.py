@@ -116,7 +116,6 @@ from ._errors import (
     yielding_step,
 )
 from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest, VariableCreations
-from ._tree import describe_path, find_mismatch
 from ._values import (
     DistributedValues,
     Mirrored,
@@ -127,6 +126,7 @@ from ._values import (
     select_replica,
     select_replicas,
     shown_misfit,
+    structure_mismatch,
 )
 
 if TYPE_CHECKING:
@@ -1024,14 +1024,11 @@ def _collective_mismatch(
     name, index = known
     values = [args[index] for args in all_args]
     for offset, other in enumerate(values[1:], 1):
-        first, second = f"replica {first_replica}", f"replica {first_replica + offset}"
-        found = find_mismatch(values[0], other, first=first, second=second)
-        if found is not None:
-            error, path, message = found
-            return error(
-                f"{name}: {second}'s value differs from {first}'s at {describe_path(path)}: "
-                f"{message}; every replica must pass the same structure"
-            )
+        error = structure_mismatch(
+            values[0], other, first_replica, first_replica + offset, what=name, verb="pass"
+        )
+        if error is not None:
+            return error
     return None
 
 

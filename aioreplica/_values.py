@@ -52,6 +52,7 @@ __all__ = [
     "select_replica_mirrored",
     "select_replicas",
     "shown_misfit",
+    "structure_mismatch",
 ]
 
 T = TypeVar("T")
@@ -349,15 +350,31 @@ def _raise_regroup_mismatch(first: Any, other: Any, first_id: int, index: int) -
     """Raise the error for ``other``, the value at ``index``, whose structure differs from
     ``first``'s (the replicas are named by id: the first is ``first_id``)."""
     replica_id = first_id + index
-    found = find_mismatch(first, other, first=f"replica {first_id}", second=f"replica {replica_id}")
-    prefix = f"replica {replica_id}'s value differs from replica {first_id}'s"
-    if found is None:
+    error = structure_mismatch(first, other, first_id, replica_id)
+    if error is None:
         # Only reachable when registered aux data compare unequal to themselves.
-        raise ValueError(f"{prefix}: {flatten(other)[1]!r} against {flatten(first)[1]!r}")
+        raise ValueError(
+            f"replica {replica_id}'s value differs from replica {first_id}'s: "
+            f"{flatten(other)[1]!r} against {flatten(first)[1]!r}"
+        )
+    raise error
+
+
+def structure_mismatch(
+    first: Any, other: Any, first_id: int, other_id: int, *, what: str = "", verb: str = "return"
+) -> TypeError | ValueError | None:
+    """The error for replica ``other_id``'s value, whose structure differs from replica
+    ``first_id``'s (``first``), naming the place; ``None`` where they match. ``what``: the
+    call the values were given to, ahead of the message; ``verb``: what every replica must
+    do with the same structure (``return`` it, or ``pass`` it to a collective)."""
+    found = find_mismatch(first, other, first=f"replica {first_id}", second=f"replica {other_id}")
+    if found is None:
+        return None
     exc, path, message = found
-    raise exc(
-        f"{prefix} at {describe_path(path)}: {message}; every replica must return the "
-        "same structure"
+    ahead = f"{what}: " if what else ""
+    return exc(
+        f"{ahead}replica {other_id}'s value differs from replica {first_id}'s at "
+        f"{describe_path(path)}: {message}; every replica must {verb} the same structure"
     )
 
 
