@@ -1280,7 +1280,8 @@ class Scheduler:
         self._active.add(run)
         try:
             # An await in a cancelled scope raises, before any replica starts, on every loop.
-            await anyio.lowlevel.checkpoint_if_cancelled()
+            if run.loop.cancelled():
+                await anyio.lowlevel.checkpoint_if_cancelled()
             tasks = run.loop.replica_tasks(
                 [functools.partial(r.main, fn, *per_replica_args[r.id]) for r in order],
                 run.scheduler_crashed,

@@ -79,3 +79,36 @@ class TestGates:
             assert sorted(woken) == [0, 1, 2]
         else:
             assert woken == ([2, 0, 1] if ordered else [1, 2, 0])
+
+
+class TestCancelled:
+    """``cancelled()``: whether ``anyio.lowlevel.checkpoint_if_cancelled()`` may raise here, the
+    cheap check before it that ``run()`` makes at its start (on trio, always True)."""
+
+    async def test_outside_any_cancelled_scope(self) -> None:
+        trio = sniffio.current_async_library() == "trio"
+        seen = [current().cancelled()]
+        with anyio.CancelScope():  # noqa: ASYNC100 - asked inside, no wait needed
+            seen.append(current().cancelled())
+        assert seen == [trio, trio]
+
+    async def test_in_a_cancelled_scope_and_behind_a_shield(self) -> None:
+        """A cancelled scope around the task counts, at any depth; a shield inside it keeps
+        it out, as it keeps it out of the checkpoint."""
+        trio = sniffio.current_async_library() == "trio"
+        seen: list[tuple[str, bool]] = []
+        with anyio.CancelScope() as outer:
+            outer.cancel()
+            with anyio.CancelScope():
+                seen.append(("nested", current().cancelled()))
+                with anyio.CancelScope(shield=True):
+                    seen.append(("shielded", current().cancelled()))
+                    await anyio.lowlevel.checkpoint_if_cancelled()  # does not raise
+                    seen.append(("passed the shield's checkpoint", True))
+                with pytest.raises(anyio.get_cancelled_exc_class()):
+                    await anyio.lowlevel.checkpoint_if_cancelled()
+        assert seen == [
+            ("nested", True),
+            ("shielded", trio),
+            ("passed the shield's checkpoint", True),
+        ]

@@ -13,6 +13,11 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING, Any, Final, final
 
+# anyio keeps each task's innermost cancel scope here; it offers no public way to ask it of
+# another task (the scheduler's shield tests pin this). Imported once: an import in a function
+# costs a microsecond on every call, and the merge path asks on every step.
+from anyio._backends._asyncio import _task_states
+
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterable, Sequence
 
@@ -119,11 +124,8 @@ def _in_anyio_shield(task: asyncio.Task[Any]) -> bool:
     """Whether ``task`` is inside an ``anyio.CancelScope(shield=True)`` (``to_thread.run_sync``
     enters one too), which a cancellation from outside must not reach.
 
-    anyio offers no public way to ask this of another task; it keeps each task's innermost
-    scope in its asyncio backend's task states (the scheduler's shield tests pin this).
+    anyio offers no public way to ask this of another task (``_task_states``).
     """
-    from anyio._backends._asyncio import _task_states
-
     state = _task_states.get(task)
     scope = state.cancel_scope if state is not None else None
     while scope is not None:
@@ -242,8 +244,6 @@ _ANYIO_CANCELLATION: Final = "Cancelled via cancel scope "
 def _anyio_cancellation_pending(task: asyncio.Task[Any]) -> bool:
     """Whether an anyio cancel scope around ``task``'s current position, not behind a shield,
     is cancelled: anyio then (re)delivers that cancellation by itself, at the next wait."""
-    from anyio._backends._asyncio import _task_states
-
     state = _task_states.get(task)
     scope = state.cancel_scope if state is not None else None
     while scope is not None:
@@ -386,11 +386,13 @@ class AsyncioLoop:
         return task.cancelling if task is not None else _zero
 
     def in_cancel_scope(self) -> bool:
-        from anyio._backends._asyncio import _task_states  # as ``_in_anyio_shield``
-
         task = asyncio.current_task()
         state = _task_states.get(task) if task is not None else None
         return state is not None and state.cancel_scope is not None
+
+    def cancelled(self) -> bool:
+        task = asyncio.current_task()
+        return task is not None and _anyio_cancellation_pending(task)
 
     def thread_result(self) -> _ThreadResult:
         return _ThreadResult(self._loop)

@@ -377,6 +377,9 @@ class TrioLoop:
     def in_cancel_scope(self) -> bool:
         return True
 
+    def cancelled(self) -> bool:
+        return True  # trio's own check is cheap, and knows a pending KeyboardInterrupt too
+
     def _checkpoint_if_cancelled(self) -> Generator[Any, Any, None]:
         yield from self._lowlevel.checkpoint_if_cancelled().__await__()
 
