@@ -11,15 +11,20 @@ What is a container
       ``type(x)._make(children)``, so a namedtuple with a custom ``__new__`` still rebuilds.
       Their path entries are ``.field``.
     * other ``list``/``tuple`` subclasses, rebuilt as ``type(x)(children)``.
-    * ``dict`` and *any* ``collections.abc.Mapping``; the type is kept on rebuild. A
-      ``defaultdict`` keeps its ``default_factory``; other mappings are rebuilt as
-      ``type(m)(dict_of_items)``, and when that constructor fails a ``TypeError`` advises
-      :func:`register_node`.
+    * ``dict`` and *any* ``collections.abc.Mapping``; the type is kept on rebuild, as tf.nest
+      keeps it. A ``defaultdict`` keeps its ``default_factory``; any other
+      ``MutableMapping`` (dict subclasses among them) is made empty, ``type(m)()``, and
+      filled key by key; any other ``Mapping`` is given its ``(key, value)`` pairs,
+      ``type(m)(pairs)`` (a ``MappingProxyType``, a dict). When that fails, or the result
+      does not hold exactly the keys of the original, a ``TypeError`` names the type and
+      advises :func:`register_node`.
     * types registered with :func:`register_node` or :func:`register_dataclass`. A
       registration covers that exact type, not its subclasses. Registered children get path
       entries ``[i]`` (their position), registered dataclass fields ``.name``.
     * classes made with ``attrs``, as in tf.nest: their fields in order, path entries
       ``.name``, rebuilt with the fields as positional arguments (registered on first sight).
+      One with ``kw_only`` or ``init=False`` fields flattens, but rebuilding it raises a
+      ``TypeError``: :func:`register_node` replaces the automatic registration.
 
 Everything else is a leaf: arrays, scalars, strings, bytes, dataclass instances that were
 not registered, and arbitrary objects. ``None`` is a leaf too (it counts as one leaf and is
@@ -30,9 +35,11 @@ Mapping keys
     Key order does not matter: two mappings match when their keys are equal as sets. Leaves
     come out ordered by sorted key, so two replicas that build the same dict in different
     orders flatten to the same leaf order; when the keys are not mutually orderable (say
-    ``1`` and ``'a'``) they are sorted by ``(type(k).__qualname__, repr(k))``, and two of them
-    alike by both are a ``TypeError`` (no order would be canonical). Rebuilding
-    keeps the insertion order of the reference (first) structure. Two ``TreeDef`` objects
+    ``1`` and ``'a'``), or sorting them gives no strict order (frozensets compare as subsets,
+    so ``sorted`` leaves them in insertion order), they are sorted by
+    ``(type(k).__qualname__, repr(k))``, and two of them alike by both are a ``TypeError``
+    (no order would be canonical). Rebuilding keeps the insertion order of the reference
+    (first) structure. Two ``TreeDef`` objects
     compare equal when they describe the same structure; insertion order and a
     ``defaultdict``'s ``default_factory`` only affect rebuilding and are not compared.
 
@@ -46,7 +53,9 @@ Mismatches
     Containers of different types raise ``TypeError``; a container against a leaf, different
     lengths, different key sets, or a registered node with different aux data raise
     ``ValueError``. The message names the key path and what differs, e.g. ``structures differ
-    at [1]['c']: the first has a list of 3 items, the second a tuple of 3 items``.
+    at [1]['c']: the first has a list of 3 items, the second a tuple of 3 items``. Aux data
+    must be hashable and compare to a bool with ``==`` and ``!=``; ones that do not (NumPy
+    arrays) raise ``TypeError`` saying so.
 
 Speed
     Flattening runs in the scheduler's hot path. The kind of container is decided once per
@@ -63,7 +72,16 @@ import collections
 import dataclasses
 import functools
 import itertools
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+import types
+from collections.abc import (
+    Callable,
+    Hashable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    Sequence,
+)
 from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
 __all__ = [
@@ -200,6 +218,7 @@ class _Registration:
     flatten_fn: Callable[[Any], tuple[Iterable[Any], Hashable]]
     unflatten_fn: Callable[[Any, tuple[Any, ...]], Any]
     field_names: tuple[str, ...] | None  # set for dataclasses: path entries `.name`
+    automatic: bool = False  # an attrs class registered on first sight: register_node may replace
 
 
 _REGISTRY: dict[type, _Registration] = {}
@@ -228,15 +247,30 @@ def _classify(t: type) -> int:
 def _register_attrs(cls: type) -> None:
     """Walk an attrs class like a namedtuple, as tf.nest does: its fields in order, with
     path entries ``.name``, rebuilt positionally (without importing attrs)."""
-    names = tuple(field.name for field in cls.__attrs_attrs__)  # type: ignore[attr-defined]
+    fields = tuple(cls.__attrs_attrs__)  # type: ignore[attr-defined]
+    names = tuple(field.name for field in fields)
+    # Fields that cls(*children) cannot fill: rebuilding then says so instead of failing in
+    # the class's __init__ with a message that names neither the class nor the fix.
+    not_positional = [
+        (field.name, "init=False" if not getattr(field, "init", True) else "kw_only")
+        for field in fields
+        if not getattr(field, "init", True) or getattr(field, "kw_only", False)
+    ]
 
     def flatten_fn(x: Any) -> tuple[list[Any], None]:
         return [getattr(x, name) for name in names], None
 
     def unflatten_fn(aux: Any, children: tuple[Any, ...]) -> Any:
+        if not_positional:
+            name = _type_name(cls)
+            which = ", ".join(f"field {field!r} is {why}" for field, why in not_positional)
+            raise TypeError(
+                f"cannot rebuild attrs class {name} as {name}(*fields): {which}; register it "
+                "with aioreplica.nest.register_node() to say how to rebuild it"
+            )
         return cls(*children)
 
-    _register(cls, flatten_fn, unflatten_fn, names)
+    _register(cls, flatten_fn, unflatten_fn, names, automatic=True)
 
 
 def _kind(t: type) -> int:
@@ -295,7 +329,8 @@ def register_node(
 
     The registration covers exactly `nodetype`, not its subclasses. It also overrides the
     built-in handling of a tuple, list or Mapping subclass, which is how to flatten a
-    mapping whose constructor does not accept a dict.
+    mapping that cannot be rebuilt as the module docstring says, and the automatic
+    registration of an attrs class (which may already have been walked).
 
     Args:
         nodetype: The class to register.
@@ -307,7 +342,8 @@ def register_node(
     Raises:
         TypeError: `nodetype` is not a class, or a function is not callable.
         ValueError: `nodetype` is a built-in container (list, tuple, dict, OrderedDict,
-            defaultdict) or is already registered.
+            defaultdict) or is already registered with :func:`register_node` or
+            :func:`register_dataclass`.
 
     Example:
         >>> class Pair:
@@ -335,7 +371,8 @@ def register_dataclass(cls: type[_T]) -> type[_T]:
 
     Raises:
         TypeError: `cls` is not a dataclass type.
-        ValueError: `cls` has ``init=False`` fields, or is already registered.
+        ValueError: `cls` has ``init=False`` fields, or is already registered with
+            :func:`register_node` or :func:`register_dataclass`.
 
     Example:
         >>> @register_dataclass
@@ -374,6 +411,8 @@ def _register(
     flatten_fn: Callable[[Any], tuple[Iterable[Any], Hashable]],
     unflatten_fn: Callable[[Any, tuple[Any, ...]], Any],
     field_names: tuple[str, ...] | None,
+    *,
+    automatic: bool = False,
 ) -> None:
     if not isinstance(nodetype, type):
         raise TypeError(
@@ -389,9 +428,10 @@ def _register(
             f"{_type_name(nodetype)} is a built-in container that aioreplica.nest already "
             "flattens; it cannot be registered"
         )
-    if nodetype in _REGISTRY:
+    existing = _REGISTRY.get(nodetype)
+    if existing is not None and not existing.automatic:
         raise ValueError(f"{_type_name(nodetype)} is already registered as a tree node")
-    _REGISTRY[nodetype] = _Registration(flatten_fn, unflatten_fn, field_names)
+    _REGISTRY[nodetype] = _Registration(flatten_fn, unflatten_fn, field_names, automatic)
     _KINDS[nodetype] = _CUSTOM
 
 
@@ -410,22 +450,35 @@ def _fallback_key(key: Any) -> tuple[str, str]:
 
 
 def _sorted_keys(keys: list[Any]) -> list[Any]:
-    """``keys`` in canonical order: sorted, else (not comparable) by type name and repr.
+    """``keys`` in canonical order: sorted, else by type name and repr.
+
+    The fallback order is used when the keys do not compare, and when sorting them gives no
+    strict order (each key ``<`` the next): ``<`` may be a partial order (frozensets compare
+    as subsets), and then ``sorted`` leaves the keys as they came, in insertion order.
 
     Raises:
-        TypeError: two keys are not comparable and alike by type name and repr, so no order
-            is canonical (two dicts' values would pair by insertion order).
+        TypeError: two keys neither order strictly nor differ by type name and repr, so no
+            order is canonical (two dicts' values would pair by insertion order).
     """
     try:
-        return sorted(keys)
+        ordered = sorted(keys)
+        rest = iter(ordered)
+        previous = next(rest, None)
+        for key in rest:
+            if not previous < key:
+                break
+            previous = key
+        else:
+            return ordered
     except TypeError:
-        ordered = sorted(keys, key=_fallback_key)
+        pass
+    ordered = sorted(keys, key=_fallback_key)
     for a, b in itertools.pairwise(ordered):
         if _fallback_key(a) == _fallback_key(b):
             raise TypeError(
-                f"dict keys {a!r} and {b!r} cannot be put in order: they do not compare, and "
-                "their types and reprs are the same; use keys of one sortable type, or keys "
-                "whose reprs differ"
+                f"dict keys {a!r} and {b!r} cannot be put in order: they do not compare as "
+                "a strict order, and their types and reprs are the same; use keys of one "
+                "sortable type, or keys whose reprs differ"
             ) from None
     return ordered
 
@@ -469,16 +522,84 @@ def _join(node: _Node, values: list[Any]) -> Any:
         items = {k: items[k] for k in order}
     if kind == _DICT:
         return items
-    try:
-        if kind == _DEFAULTDICT:
-            return t(node.extra[1], items)
+    if t is collections.OrderedDict or t is types.MappingProxyType:
         return t(items)
+    if t is collections.defaultdict:
+        return t(node.extra[1], items)
+    return _rebuild_mapping(node, items)
+
+
+def _rebuild_mapping(node: _Node, items: dict[Any, Any]) -> Any:
+    """A mapping of `node`'s type holding `items`, in their order, rebuilt as tf.nest does.
+
+    A ``MutableMapping`` (dict subclasses among them) is made empty, ``type(m)()``, and filled
+    key by key, so a constructor that does not take the items first loses none; a
+    ``defaultdict`` subclass gets the reference's ``default_factory`` back. Any other
+    ``Mapping`` is given the ``(key, value)`` pairs, ``type(m)(pairs)``. The result must hold
+    exactly the reference's keys.
+    """
+    t: Any = node.type
+    name = _type_name(t)
+    mutable = issubclass(t, MutableMapping)
+    how = f"{name}() filled with m[key] = value" if mutable else f"{name}(key_value_pairs)"
+    advice = (
+        "a MutableMapping is rebuilt empty with no arguments and then filled, any other "
+        "Mapping from one argument, an iterable of (key, value) pairs; register the type with "
+        "aioreplica.nest.register_node() to say how to rebuild it"
+    )
+    try:
+        if mutable:
+            rebuilt = t()
+            if node.kind == _DEFAULTDICT:
+                rebuilt.default_factory = node.extra[1]
+            for key, value in items.items():
+                rebuilt[key] = value
+        else:
+            rebuilt = t(list(items.items()))
+        same_keys = len(rebuilt) == len(items) and all(key in rebuilt for key in items)
     except Exception as exc:
         raise TypeError(
-            f"cannot rebuild mapping type {_type_name(t)}: {_type_name(t)}(dict_of_items) "
-            f"raised {type(exc).__name__}: {exc}; register it with "
-            "aioreplica.nest.register_node() to say how to rebuild it"
+            f"cannot rebuild mapping type {name}: {how} raised {type(exc).__name__}: {exc}; "
+            f"{advice}"
         ) from exc
+    if not same_keys:
+        raise TypeError(
+            f"cannot rebuild mapping type {name}: {how} holds the keys "
+            f"{_keys_repr(list(rebuilt))} instead of {_keys_repr(list(items))}; {advice}"
+        )
+    return rebuilt
+
+
+def _aux_equal(kind: int, t: type, aux_a: Any, aux_b: Any) -> bool:
+    """Whether two nodes of type `t` hold the same compared data (registered aux data,
+    mapping keys).
+
+    Raises:
+        TypeError: ``!=`` on them raised or gave something without a truth value (NumPy
+            arrays); the message names the type and what aux data must be.
+    """
+    if aux_a is aux_b:
+        return True
+    try:
+        if aux_a != aux_b:
+            return False
+    except Exception as exc:
+        raise _aux_error(kind, t, aux_a, aux_b, exc) from exc
+    return True
+
+
+def _aux_error(kind: int, t: type, aux_a: Any, aux_b: Any, exc: Exception) -> TypeError:
+    what = "aux data" if kind == _CUSTOM else "keys"
+    rule = (
+        "aux data that register_node's flatten_fn returns must be hashable and compare to a "
+        "bool with == and != (a tuple, a string, a number; an array as tuple(array.tolist()))"
+        if kind == _CUSTOM
+        else "mapping keys must compare to a bool with == and !="
+    )
+    return TypeError(
+        f"cannot compare the {what} of two {_type_name(t)} nodes, {_short_repr(aux_a)} and "
+        f"{_short_repr(aux_b)}: != raised {type(exc).__name__}: {exc}; {rule}"
+    )
 
 
 class _Level(NamedTuple):
@@ -566,12 +687,16 @@ class _Node:
             return True
         if not isinstance(other, _Node):
             return NotImplemented
-        return (
-            self.type is other.type
-            and self.num_leaves == other.num_leaves
-            and self.aux == other.aux
-            and self.children == other.children
-        )
+        if self.type is not other.type or self.num_leaves != other.num_leaves:
+            return False
+        aux, other_aux = self.aux, other.aux
+        if aux is not other_aux:
+            try:
+                if aux != other_aux:
+                    return False
+            except Exception as exc:
+                raise _aux_error(self.kind, self.type, aux, other_aux, exc) from exc
+        return self.children == other.children
 
     def __hash__(self) -> int:
         if self._hash is None:
@@ -635,7 +760,8 @@ class TreeDef:
 
         Raises:
             ValueError: The number of leaves is wrong.
-            TypeError: A mapping type cannot be rebuilt from a dict.
+            TypeError: A mapping type or an attrs class cannot be rebuilt (see the module
+                docstring).
 
         Example:
             >>> flatten({"b": 0, "a": 0})[1].unflatten([1, 2])
@@ -779,7 +905,8 @@ def unflatten(treedef_or_structure: TreeDef | Any, leaves: Iterable[Any]) -> Any
 
     Raises:
         ValueError: The number of leaves is wrong; the message names expected and got.
-        TypeError: A mapping type cannot be rebuilt from a dict.
+        TypeError: A mapping type or an attrs class cannot be rebuilt (see the module
+            docstring).
 
     Example:
         >>> unflatten([0, (0, 0)], ["a", "b", "c"])
@@ -924,7 +1051,7 @@ def _node_mismatch(
     children_a, aux_a = registration.flatten_fn(a)
     children_b, aux_b = registration.flatten_fn(b)
     name = _with_article(_type_name(ta))
-    if aux_a != aux_b:
+    if not _aux_equal(ka, ta, aux_a, aux_b):
         return ValueError, (
             f"{first} has {name} node with aux data {_short_repr(aux_a)}, "
             f"{second} with aux data {_short_repr(aux_b)}"

@@ -33,13 +33,18 @@ What is a container
     made with ``attrs`` (their fields, as in tf.nest), and types registered with
     :func:`register_node` or :func:`register_dataclass`. Everything else is a
     leaf: ``None``, scalars, strings, bytes, arrays, sets, unregistered dataclasses. As in
-    tf.nest, ``flatten(None) == [None]`` and a leaf alone flattens to ``[leaf]``.
+    tf.nest, ``flatten(None) == [None]`` and a leaf alone flattens to ``[leaf]``, and
+    containers are rebuilt with their own types: a ``MutableMapping`` made empty and filled
+    key by key, any other ``Mapping`` from its ``(key, value)`` pairs, an attrs class from its
+    fields in order. A type rebuilt otherwise joins with :func:`register_node`, which also
+    replaces the automatic registration of an attrs class.
 
 Order
     Depth first; mapping children by sorted key, so dicts built in different orders flatten
     alike. Rebuilding keeps the insertion order of the structure given. Where tf.nest refuses
     keys that cannot be sorted together (``1`` and ``"a"``), they are ordered by type name,
-    then ``repr``.
+    then ``repr``; so are keys whose sorted order is not strict (frozensets, which compare as
+    subsets), which tf.nest leaves in insertion order.
 
 Matching types (``check_types``)
     As in tf.nest, with ``check_types=True`` (the default) two containers at the same place
@@ -57,7 +62,8 @@ Errors
 
 ``expand_composites``
     Accepted wherever tf.nest takes it; aioreplica has no composite tensors, so it changes
-    nothing.
+    nothing. As in tf.nest, it and ``check_types`` are converted with ``bool()``, so a value
+    without a truth value (an array) raises ``TypeError``.
 
 Example:
     >>> structure = {"b": [1, None], "a": ("text", 2)}
@@ -135,6 +141,7 @@ def flatten(structure: Any, expand_composites: bool = False) -> list[Any]:
         included).
 
     Raises:
+        TypeError: `expand_composites` has no truth value (an array).
         Whatever a registered ``flatten_fn`` raises.
 
     Example:
@@ -143,6 +150,8 @@ def flatten(structure: Any, expand_composites: bool = False) -> list[Any]:
         >>> flatten(None), flatten("abc"), flatten([[], ()])
         ([None], ['abc'], [])
     """
+    if expand_composites is not False:
+        _flag("flatten", "expand_composites", expand_composites)
     return _tree.flatten(structure)[0]
 
 
@@ -164,8 +173,9 @@ def pack_sequence_as(
         The packed structure; ``flat_sequence[0]`` when `structure` is a leaf.
 
     Raises:
-        TypeError: `flat_sequence` is not a list or tuple; or a mapping type in `structure`
-            cannot be rebuilt from a dict.
+        TypeError: `flat_sequence` is not a list or tuple; `expand_composites` has no truth
+            value; or a container in `structure` cannot be rebuilt: a mapping type (see
+            :func:`register_node`), an attrs class with ``kw_only`` or ``init=False`` fields.
         ValueError: `flat_sequence` does not have one item per leaf; the message gives both
             counts.
 
@@ -179,6 +189,8 @@ def pack_sequence_as(
         ...
         ValueError: pack_sequence_as(): the structure has 2 leaves, but flat_sequence has 1 item...
     """
+    if expand_composites is not False:
+        _flag("pack_sequence_as", "expand_composites", expand_composites)
     if not isinstance(flat_sequence, list | tuple):
         raise TypeError(
             "pack_sequence_as() needs flat_sequence to be a list or tuple of leaves, got "
@@ -215,8 +227,10 @@ def map_structure(
         results.
 
     Raises:
-        TypeError: `func` is not callable, or two containers at the same path have types
-            that do not match.
+        TypeError: `func` is not callable; `check_types` or `expand_composites` has no truth
+            value (an array); two containers at the same path have types that do not match;
+            or a container of ``structures[0]`` cannot be rebuilt (see
+            :func:`pack_sequence_as`).
         ValueError: No structure was given, or a container faces a leaf, or lengths or keys
             differ. Mismatch messages name which of `structures` differs and the key path.
 
@@ -226,6 +240,7 @@ def map_structure(
         >>> map_structure(lambda x, y: x + y, [1, 2], (10, 20), check_types=False)
         [11, 22]
     """
+    check_types = _flags("map_structure", check_types, expand_composites)
     treedef, columns = _flatten_matching("map_structure", func, structures, check_types)
     return treedef.unflatten([func(*leaves) for leaves in zip(*columns, strict=True)])
 
@@ -264,6 +279,7 @@ def map_structure_with_paths(
     def with_string_path(path: tuple[Any, ...], *leaves: Any) -> Any:
         return func("/".join([str(key) for key in path]), *leaves)
 
+    check_types = _flags("map_structure_with_paths", check_types, expand_composites)
     return _map_with_tuple_paths(
         "map_structure_with_paths", with_string_path, func, structures, check_types
     )
@@ -298,6 +314,7 @@ def map_structure_with_tuple_paths(
         >>> map_structure_with_tuple_paths(lambda path, x: (path, x), [1, {"k": 2}])
         [((0,), 1), {'k': ((1, 'k'), 2)}]
     """
+    check_types = _flags("map_structure_with_tuple_paths", check_types, expand_composites)
     return _map_with_tuple_paths(
         "map_structure_with_tuple_paths", func, func, structures, check_types
     )
@@ -316,7 +333,9 @@ def assert_same_structure(
         expand_composites: Accepted for tf.nest compatibility; changes nothing.
 
     Raises:
-        TypeError: Two containers at the same path have types that do not match.
+        TypeError: Two containers at the same path have types that do not match; or
+            `check_types` or `expand_composites` has no truth value (an array); or registered
+            aux data do not compare to a bool.
         ValueError: A container faces a leaf, or lengths, keys or registered aux data differ.
             Both messages name the key path and what differs.
 
@@ -328,6 +347,7 @@ def assert_same_structure(
         ...
         TypeError: structures differ at ['a']: the first has a list of 2 items, ...
     """
+    check_types = _flags("assert_same_structure", check_types, expand_composites)
     if _tree.flatten(nest1)[1] == _tree.flatten(nest2)[1]:
         return
     found = _find_difference(
@@ -402,8 +422,8 @@ def unflatten(treedef: TreeDef, leaves: Iterable[Any]) -> Any:
         The rebuilt structure.
 
     Raises:
-        TypeError: `treedef` is not a :class:`TreeDef`, or a mapping type cannot be rebuilt
-            from a dict.
+        TypeError: `treedef` is not a :class:`TreeDef`, or a container cannot be rebuilt (see
+            :func:`pack_sequence_as`).
         ValueError: The number of leaves is wrong; the message names expected and got.
 
     Example:
@@ -515,6 +535,24 @@ def register_dataclass(cls: type[_T]) -> type[_T]:
 
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
+
+
+def _flag(caller: str, name: str, value: object) -> bool:
+    """`value` converted with ``bool()``, as tf.nest converts its flags on entry."""
+    try:
+        return bool(value)
+    except Exception as exc:
+        raise TypeError(
+            f"{caller}() needs {name} to be a bool, got {reprlib.repr(value)} of type "
+            f"{type(value).__name__}, which has no truth value ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _flags(caller: str, check_types: object, expand_composites: object) -> bool:
+    """`check_types` as a bool, after checking both flags of `caller`."""
+    if expand_composites is not False:
+        _flag(caller, "expand_composites", expand_composites)
+    return check_types if check_types is True else _flag(caller, "check_types", check_types)
 
 
 def _map_with_tuple_paths(

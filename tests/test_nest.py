@@ -564,8 +564,8 @@ class TestModule:
 
 
 class _Field:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, *, init: bool = True, kw_only: bool = False) -> None:
+        self.name, self.init, self.kw_only = name, init, kw_only
 
 
 class AttrsPair:
@@ -594,3 +594,79 @@ class TestAttrsClasses:
             ["x/0", "x/1"], "y"
         )
         assert nest.map_structure(lambda v: v * 10, pair) == AttrsPair([10, 20], 30)
+
+    def test_register_node_replaces_the_automatic_registration(self) -> None:
+        """An attrs class already walked can still be registered with register_node, once."""
+
+        class Seen:
+            __attrs_attrs__ = (_Field("a"),)
+
+            def __init__(self, a: Any) -> None:
+                self.a = a
+
+        assert nest.flatten(Seen(1)) == [1]
+        nest.register_node(Seen, lambda s: ((s.a, s.a), "both"), lambda aux, kids: Seen(kids))
+        assert nest.flatten(Seen(2)) == [2, 2]
+        assert nest.map_structure(lambda v: v * 10, Seen(3)).a == (30, 30)
+        with pytest.raises(ValueError, match="Seen is already registered"):
+            nest.register_node(Seen, lambda s: ((s.a,), None), lambda aux, kids: Seen(*kids))
+
+    @pytest.mark.parametrize(
+        "field", [_Field("a", kw_only=True), _Field("a", init=False)], ids=["kw_only", "no_init"]
+    )
+    def test_fields_not_positional_name_the_class_and_register_node(self, field: _Field) -> None:
+        """An attrs class with kw_only or init=False fields flattens, but rebuilding it
+        raises TypeError naming the class, the field and register_node."""
+
+        class KeywordOnly:
+            __attrs_attrs__ = (field,)
+
+            def __init__(self, *, a: Any) -> None:
+                self.a = a
+
+        structure = {"k": [KeywordOnly(a=1)]}
+        assert nest.flatten(structure) == [1]
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot rebuild attrs class KeywordOnly as KeywordOnly\(\*fields\): "
+            r"field 'a' is .*register_node",
+        ):
+            nest.map_structure(lambda v: v * 2, structure)
+
+
+class TestFlagArguments:
+    """As tf.nest, check_types and expand_composites are converted with bool() on entry."""
+
+    @pytest.mark.parametrize(
+        "call",
+        [
+            lambda **kw: nest.assert_same_structure([1], [2], **kw),
+            lambda **kw: nest.map_structure(lambda x: x, [1], **kw),
+            lambda **kw: nest.map_structure_with_paths(lambda p, x: x, [1], **kw),
+            lambda **kw: nest.map_structure_with_tuple_paths(lambda p, x: x, [1], **kw),
+        ],
+        ids=["assert_same_structure", "map_structure", "with_paths", "with_tuple_paths"],
+    )
+    @pytest.mark.parametrize("flag", ["check_types", "expand_composites"])
+    def test_a_flag_without_a_truth_value_is_a_type_error(self, call: Any, flag: str) -> None:
+        """An array flag raises TypeError naming the argument, not NumPy's error."""
+        with pytest.raises(TypeError, match=rf"\(\) needs {flag} to be a bool, got array"):
+            call(**{flag: np.ones(2)})
+
+    def test_flatten_and_pack_check_expand_composites(self) -> None:
+        """flatten and pack_sequence_as convert expand_composites too."""
+        with pytest.raises(TypeError, match=r"^flatten\(\) needs expand_composites"):
+            nest.flatten([1], expand_composites=np.ones(2))  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"^pack_sequence_as\(\) needs expand_composites"):
+            nest.pack_sequence_as([1], [2], expand_composites=np.ones(2))  # type: ignore[arg-type]
+
+    def test_flags_with_a_truth_value_are_accepted(self) -> None:
+        """Values bool() accepts work as their truth value, as in tf.nest."""
+        nest.assert_same_structure([1], (2,), check_types=0)  # type: ignore[arg-type]
+        mapped = nest.map_structure(
+            lambda x: x,
+            [1],
+            check_types=1,  # type: ignore[arg-type]
+            expand_composites=None,  # type: ignore[arg-type]
+        )
+        assert mapped == [1]

@@ -6,6 +6,7 @@ import collections
 import dataclasses
 import pickle
 import re
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -95,6 +96,53 @@ class KeywordOnlyMapping(FrozenMapping):
         super().__init__(items)
 
 
+class TaggedDict(dict[Any, Any]):
+    """A dict subclass whose first constructor parameter is not the items."""
+
+    def __init__(self, tag: Any = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tag = tag
+
+
+class NoArgDict(dict[Any, Any]):
+    """A dict subclass whose constructor takes no arguments."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+
+class FactoryDict(collections.defaultdict[Any, Any]):
+    """A defaultdict subclass that sets its own default_factory."""
+
+    def __init__(self) -> None:
+        super().__init__(list)
+
+
+class PairsMapping(Mapping[Any, Any]):
+    """A Mapping built from an iterable of (key, value) pairs, as tf.nest rebuilds one."""
+
+    def __init__(self, pairs: Any = ()) -> None:
+        self._d = {}
+        for key, value in pairs:
+            self._d[key] = value
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._d[key]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+class UpperDict(dict[Any, Any]):
+    """A dict subclass that changes the keys set on it."""
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key.upper(), value)
+
+
 @dataclasses.dataclass
 class Unregistered:
     a: int
@@ -166,6 +214,21 @@ class TestFlatten:
         ):
             flatten({first: 1, second: 2})
         assert flatten({first: 1})[0] == [1]
+
+    def test_partially_ordered_keys_use_the_fallback_order(self) -> None:
+        """Keys that sort without a strict order (frozensets: subset order) are ordered by
+        (type name, repr), so dicts built in different orders flatten and pair alike."""
+        f1, f2 = frozenset({1}), frozenset({2})
+        assert flatten({f2: "two", f1: "one"})[0] == ["one", "two"]
+        assert flatten({f1: "one", f2: "two"})[0] == ["one", "two"]
+        paired = map_structure(lambda a, b: (a, b), {f1: 1, f2: 2}, {f2: 20, f1: 10})
+        assert list(paired.items()) == [(f1, (1, 10)), (f2, (2, 20))]
+
+    def test_partially_ordered_keys_alike_in_type_and_repr_are_refused(self) -> None:
+        """Keys that neither order strictly nor differ by (type name, repr) are refused."""
+        nan_a, nan_b = float("nan"), float("nan")
+        with pytest.raises(TypeError, match=r"^dict keys nan and nan cannot be put in order"):
+            flatten({nan_a: 1, nan_b: 2})
 
     def test_empty_containers_are_not_leaves(self) -> None:
         """Empty containers have no leaves but are kept in the treedef."""
@@ -249,7 +312,7 @@ class TestUnflatten:
         assert rebuilt["missing"] == []
 
     def test_mappings_keep_their_type(self) -> None:
-        """dict subclasses and other Mappings are rebuilt as type(m)(dict_of_items)."""
+        """dict subclasses and other Mappings keep their type and the reference's key order."""
         ordered = unflatten(collections.OrderedDict([("b", 0), ("a", 0)]), [1, 2])
         assert type(ordered) is collections.OrderedDict
         assert list(ordered.items()) == [("b", 2), ("a", 1)]
@@ -257,6 +320,52 @@ class TestUnflatten:
         mapping = unflatten(FrozenMapping(a=0, b=0), [1, 2])
         assert type(mapping) is FrozenMapping
         assert dict(mapping) == {"a": 1, "b": 2}
+        proxy = unflatten(types.MappingProxyType({"b": 0, "a": 0}), [1, 2])
+        assert type(proxy) is types.MappingProxyType
+        assert list(proxy.items()) == [("b", 2), ("a", 1)]
+
+    def test_mutable_mapping_is_made_empty_then_filled(self) -> None:
+        """A MutableMapping is rebuilt as type(m)() and filled key by key, in the reference's
+        order, so a dict subclass whose constructor does not take the items keeps them."""
+        tagged = TaggedDict("t", {"b": 0, "a": 0})
+        rebuilt = unflatten(tagged, [1, 2])
+        assert type(rebuilt) is TaggedDict
+        assert list(rebuilt.items()) == [("b", 2), ("a", 1)]
+        assert map_structure(lambda x: x + 1, TaggedDict("t", {"a": 1}))["a"] == 2
+        no_arg = NoArgDict()
+        no_arg["k"] = 0
+        rebuilt_no_arg = unflatten(no_arg, [5])
+        assert (type(rebuilt_no_arg), dict(rebuilt_no_arg)) == (NoArgDict, {"k": 5})
+
+    def test_defaultdict_subclass_keeps_default_factory(self) -> None:
+        """A defaultdict subclass is made empty, given the reference's default_factory and
+        filled."""
+        factory_dict = FactoryDict()
+        factory_dict["a"] = 0
+        factory_dict.default_factory = dict
+        rebuilt = unflatten(factory_dict, [7])
+        assert type(rebuilt) is FactoryDict
+        assert (dict(rebuilt), rebuilt.default_factory) == ({"a": 7}, dict)
+
+    def test_other_mapping_is_given_key_value_pairs(self) -> None:
+        """A Mapping that is not mutable is rebuilt as type(m)(pairs), the (key, value)
+        pairs in the reference's order (two-character keys are not split into pairs)."""
+        rebuilt = map_structure(lambda x: x * 10, PairsMapping([("wb", 1), ("xy", 2)]))
+        assert type(rebuilt) is PairsMapping
+        assert list(rebuilt.items()) == [("wb", 10), ("xy", 20)]
+
+    def test_rebuilt_mapping_with_other_keys_is_refused(self) -> None:
+        """A mapping whose rebuild does not hold exactly the reference's keys raises TypeError
+        naming the type, both key sets and the fix, instead of losing values."""
+        upper = UpperDict()
+        dict.__setitem__(upper, "a", 0)
+        _, treedef = flatten(upper)
+        with pytest.raises(
+            TypeError,
+            match=r"^cannot rebuild mapping type UpperDict: .* holds the keys 'A' instead of 'a'"
+            r".*register_node",
+        ):
+            treedef.unflatten([1])
 
     def test_unbuildable_mapping_advises_register_node(self) -> None:
         """A Mapping whose constructor rejects a dict raises TypeError advising register_node."""
@@ -469,6 +578,22 @@ class TestAssertSameStructure:
             r"the second with aux data 'b'$",
         ):
             assert_same_structure([Tagged("a", 1)], [Tagged("b", 1)])
+
+    def test_aux_data_that_do_not_compare_to_a_bool_are_named(self) -> None:
+        """Registered aux data whose == gives no bool (an array) raise TypeError saying what
+        aux data must be, not NumPy's ambiguous-truth error."""
+
+        class Meta:
+            def __init__(self, meta: Any, value: Any) -> None:
+                self.meta, self.value = meta, value
+
+        register_node(Meta, lambda m: ((m.value,), m.meta), lambda meta, ch: Meta(meta, *ch))
+        first, second = Meta(np.array([1, 2]), 1), Meta(np.array([1, 3]), 2)
+        message = r"cannot compare the aux data of two Meta nodes.*hashable.*a tuple"
+        with pytest.raises(TypeError, match=message):
+            assert_same_structure([first], [second])
+        with pytest.raises(TypeError, match=message):
+            find_mismatch(first, second)
 
 
 class TestMapStructure:
