@@ -120,9 +120,9 @@ from ._batched import BatchedIterator, ResumableInput, batched
 from ._cluster import WorkersDisagree, call_of, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
-from ._errors import CheckpointError, as_integer
+from ._errors import CheckpointError, add_note, as_integer
 from ._optimizers import Optimizer, restore_state, slot_table, slots_to_restore
-from ._variables import Variable, new_copies, snapshot, sync_variables
+from ._variables import Variable, new_copies, snapshot, sync_variables, variable_label
 from ._writes import Turn, commit, taking_turns, to_host
 
 if TYPE_CHECKING:
@@ -457,8 +457,7 @@ class Checkpoint:
                 await _refuse_restore(workers, exc)
             raise
         if workers is not None:  # every worker restores the same file, or none does
-            name = os.path.basename(path)
-            await workers.barrier(f"Checkpoint.restore of a file {fingerprint:08x} ({name})")
+            await self._agree_to_restore(workers, os.path.basename(path), fingerprint)
         # Everything fits. Take the write turns of everything restored (an optimizer's new
         # slots included), so that no write or step interleaves with this one. ``build`` may
         # still give an optimizer slots while the copies are computed: then commit is refused
@@ -496,6 +495,33 @@ class Checkpoint:
             await workers.barrier("Checkpoint.restore of no checkpoint (path None)")
         kept = tuple(sorted(_show(path) for path, _ in self._leaves()))
         return RestoreReport(None, only_in_program=kept)
+
+    async def _agree_to_restore(self, workers: Workers, name: str, fingerprint: int) -> None:
+        """Agree with the other workers to restore the file ``name`` (of ``fingerprint``)
+        into the same multi-worker variables: each restored at the same path on every worker,
+        or the copies of one would take what another's took elsewhere.
+
+        Raises:
+            WorkersDisagree: the workers restore different files, or into other variables.
+        """
+        into = [
+            f"{_show(path)}: {variable_label(obj)}"
+            for path, obj in self._leaves()
+            if isinstance(obj, Variable) and obj._number is not None
+        ]
+        placed = zlib.crc32("; ".join(into).encode())
+        try:
+            await workers.barrier(
+                f"Checkpoint.restore of a file {fingerprint:08x} ({name}) into variables "
+                f"{placed:08x}"
+            )
+        except WorkersDisagree as exc:
+            add_note(
+                exc,
+                f"this worker restores {name} into {', '.join(into) or 'no variables'}; every "
+                "worker must restore the same file into the same variables",
+            )
+            raise
 
     def _leaves(self) -> Iterator[tuple[Path, Any]]:
         pairs, _ = _tree.flatten_with_path(self._objects)

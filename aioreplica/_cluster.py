@@ -390,6 +390,7 @@ class Workers:
         "refused",
         "refusing",
         "step",
+        "variables_made",
         "worker_index",
         "workers_here",
     )
@@ -438,6 +439,10 @@ class Workers:
         self.default_timeout: float | None = None
         #: Variables made since the last sync, which start from the chief's values.
         self.pending: list[Any] = []
+        #: How many variables were made on this communicator: the next one's number, the
+        #: same on every worker (they make their variables in the same order), which the
+        #: workers compare wherever a collective is for a variable.
+        self.variables_made = 0
         #: The step in progress on this communicator (``current_step``'s value in its tasks),
         #: or None: meanwhile only its own tasks make collectives here.
         self.step: object | None = None

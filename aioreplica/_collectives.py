@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     #: ``strategy.reduce``'s ``axis``: one axis, or several (a tuple or list).
     Axes = SupportsIndex | Sequence[SupportsIndex]
 
-__all__ = ["ReductionEngine", "register_copied_type"]
+__all__ = ["ReductionEngine", "reductions_for", "register_copied_type"]
 
 T = TypeVar("T")
 
@@ -273,15 +273,12 @@ class ReductionEngine:
             _check_axis("reduce_scatter", leaf, axis)
         opts = self.options.override(options)
         # Across workers, what travels is an all-reduce's: named so that it meets no other.
-        token = _reduction_of.set(f"(for a reduce_scatter along axis {int(axis)})")
-        try:
+        with reductions_for(f"a reduce_scatter along axis {int(axis)}"):
             reducing = self._reduce_leaves(op, leaves, opts)
             if _trace.recorder is not None:
                 reducing = self._traced(reducing, "reduce_scatter", op, leaves)
             with self._timeout(opts):
                 results = await reducing
-        finally:
-            _reduction_of.reset(token)
         size, first, chunks = self.size, self.first_replica, self.num_replicas
         scattered = [
             [
@@ -907,19 +904,34 @@ def _where(path: _tree.KeyPath) -> str:
     return f"at {_tree.format_path(path)}" if path else ""
 
 
-#: What a cross-worker all-reduce is for, where it is not an ``all_reduce`` (say so in its
-#: layout, which the workers compare): set by ``reduce_scatter``.
+#: What a cross-worker all-reduce is for, where it is not a plain ``all_reduce`` (its layout
+#: says so, which the workers compare): set by ``reductions_for``.
 _reduction_of: contextvars.ContextVar[str] = contextvars.ContextVar("_reduction_of", default="")
+
+
+@contextlib.contextmanager
+def reductions_for(what: str) -> Iterator[None]:
+    """Name what the cross-worker reductions made in the block are for (``what``: an
+    optimizer's step of its variables, a variable's write): the workers compare it with the
+    rest of each reduction's description, so a worker reducing for another variable, or for
+    the same variables in another order, meets a disagreement (``WorkersDisagree``, alike on
+    every worker, before any data moves) rather than a match that would combine the two."""
+    outer = _reduction_of.get()
+    token = _reduction_of.set(" ".join(filter(None, (outer, f"for {what}"))))
+    try:
+        yield
+    finally:
+        _reduction_of.reset(token)
 
 
 def _layout(op: str, layout: str) -> str:
     """``layout`` as the workers compare it for ``op``: a mean travels as a sum (``_local_op``),
-    so a mean on one worker must not meet a sum on another unnoticed; nor a reduce_scatter's
-    reduction (``_reduction_of``) an all_reduce."""
-    scatter = _reduction_of.get()
-    if op != "mean" and not scatter:
+    so a mean on one worker must not meet a sum on another unnoticed; nor a reduction for
+    something (``reductions_for``: a reduce_scatter, a variable's write) another one."""
+    purpose = _reduction_of.get()
+    if op != "mean" and not purpose:
         return layout  # the common case, at once
-    return " ".join(filter(None, (layout, "(a mean)" if op == "mean" else "", scatter)))
+    return " ".join(filter(None, (layout, "(a mean)" if op == "mean" else "", purpose)))
 
 
 def _local_op(op: str) -> str:

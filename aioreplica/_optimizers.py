@@ -24,11 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, final
 
 import numpy as np
 
+from ._cluster import WorkersDisagree
+from ._collectives import reductions_for
 from ._context import default_replica_context, get_replica_context
-from ._errors import ReplicaSyncError, as_integer, replica_list
+from ._errors import ReplicaSyncError, add_note, as_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
-from ._variables import Variable, bits_differ, slot_variable, which_differ
+from ._variables import Variable, bits_differ, slot_variable, variable_label, which_differ
 from ._writes import Turn, commit, compute_copies, taking_turns
 
 if TYPE_CHECKING:
@@ -384,7 +386,22 @@ class Optimizer:
         # Every turn at once, in the global order, so that no two steps or restores can wait
         # for each other; a slot made by a step that ran while this one waited included.
         async with taking_turns(lambda: self._turns(variables)):
-            return await self._apply(engine, grads, variables, aggregate)
+            if engine.cluster is None:
+                return await self._apply(engine, grads, variables, aggregate)
+            # Every worker's step must be of the same variables, in the same order: its
+            # reductions say which, and the workers compare that before any data moves.
+            trained = ", ".join(map(variable_label, variables))
+            try:
+                with reductions_for(f"apply_gradients() of {trained}"):
+                    return await self._apply(engine, grads, variables, aggregate)
+            except WorkersDisagree as exc:
+                add_note(
+                    exc,
+                    f"this worker's apply_gradients() trains {trained}; every worker must "
+                    "pass the same variables in the same order, with gradients of the same "
+                    "shapes and dtypes",
+                )
+                raise
 
     def _turns(self, variables: list[Variable]) -> list[Turn]:
         """The turns a step of ``variables`` holds: the optimizer's, theirs and their slots'."""

@@ -18,7 +18,17 @@ import random
 import sys
 import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, TypeAlias, TypeVar, final
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Final,
+    Literal,
+    NoReturn,
+    SupportsIndex,
+    TypeAlias,
+    TypeVar,
+    final,
+)
 
 import anyio
 import numpy as np
@@ -31,7 +41,7 @@ from ._backends import (
     canonical_device_name,
     resolve_devices,
 )
-from ._collectives import ReductionEngine
+from ._collectives import ReductionEngine, reductions_for
 from ._context import (
     ContextState,
     ReplicaContext,
@@ -62,7 +72,7 @@ from ._values import (
     select_replica,
     select_replicas,
 )
-from ._variables import SyncOnReadVariable, Variable, update
+from ._variables import SyncOnReadVariable, Variable, update, variable_label
 
 if TYPE_CHECKING:
     import threading
@@ -302,8 +312,9 @@ class StrategyExtended:
         Args:
             reduce_op: how to combine the replicas' components.
             value: a distributed value or a variable (or a nested structure of them): a
-                sync-on-read variable's copies are reduced; a mirrored variable holds one
-                value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is.
+                sync-on-read variable's copies are reduced; a mirrored variable or a
+                ``Mirrored`` value holds one value, which ``MEAN``, ``MAX`` and ``MIN`` leave
+                as it is.
             destinations: a device name, a list of names, a distributed value or a variable
                 (its devices: the strategy's own), or an array (its device: a CuPy array's
                 GPU; for a NumPy array or a scalar, the host: the strategy's first host
@@ -316,7 +327,8 @@ class StrategyExtended:
 
         Raises:
             ValueError: a destination is not one of the strategy's devices, or is listed
-                twice; shapes differ; a mirrored variable reduced with ``SUM`` or ``PROD``.
+                twice; shapes differ; a mirrored variable or a ``Mirrored`` value reduced
+                with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; a leaf that is no number or array.
             RuntimeError: called inside a replica; across workers, called from another task while
                 a ``run()`` is in progress there.
@@ -335,7 +347,8 @@ class StrategyExtended:
                 op = await strategy._begin_reduction("extended.reduce_to", reduce_op)
                 value = _variables_as_values(value, op, strategy)
                 devices = strategy._destinations(destinations)
-                results = await engine.reduce_to(op, value, devices, options)
+                with _for_variables(engine, [destinations]):
+                    results = await engine.reduce_to(op, value, devices, options)
             except (TypeError, ValueError) as exc:
                 await engine.refuse("extended.reduce_to", exc)
                 raise
@@ -368,11 +381,13 @@ class StrategyExtended:
         async with engine.call("extended.batch_reduce_to"):
             try:
                 op = await strategy._begin_reduction("extended.batch_reduce_to", reduce_op)
+                given = _value_destination_pairs(value_destination_pairs)
                 pairs = [
                     (_variables_as_values(value, op, strategy), strategy._destinations(dest))
-                    for value, dest in _value_destination_pairs(value_destination_pairs)
+                    for value, dest in given
                 ]
-                results = await engine.batch_reduce_to(op, pairs, options)
+                with _for_variables(engine, [dest for _, dest in given]):
+                    results = await engine.batch_reduce_to(op, pairs, options)
             except (TypeError, ValueError) as exc:
                 await engine.refuse("extended.batch_reduce_to", exc)
                 raise
@@ -683,7 +698,8 @@ class MirroredStrategy:
             value: a distributed value, or a nested structure with distributed leaves (a plain
                 leaf counts as the same value on every replica). A variable counts as its
                 copies: a sync-on-read variable's are reduced; a mirrored variable holds one
-                value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is.
+                value, which ``MEAN``, ``MAX`` and ``MIN`` leave as it is (as they leave a
+                ``Mirrored`` value).
             axis: also reduce along this axis (or these axes) of each component.
 
         Returns:
@@ -693,7 +709,8 @@ class MirroredStrategy:
             RuntimeError: called inside a replica (use ``ctx.all_reduce`` there); across
                 workers, called from another task while a ``run()`` is in progress there.
             ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range or
-                naming an axis twice; a mirrored variable reduced with ``SUM`` or ``PROD``.
+                naming an axis twice; a mirrored variable or a ``Mirrored`` value reduced with
+                ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed; ``axis`` is
                 neither an integer nor a tuple or list of integers.
 
@@ -1794,18 +1811,42 @@ def _component(leaf: Any, replica: int) -> Any:
 
 def _variables_as_values(value: Any, op: ReduceOp, strategy: MirroredStrategy) -> Any:
     """``value`` with each variable as the distributed value it stands for, as in TF: a
-    sync-on-read variable's copies are per replica; a mirrored variable's are one value.
+    sync-on-read variable's copies are per replica; a mirrored variable's are one value,
+    which ``SUM`` and ``PROD`` refuse, as they refuse a ``Mirrored`` value.
 
     Raises:
-        ValueError: a variable of another strategy; a mirrored variable with ``SUM`` or
-            ``PROD``.
+        ValueError: a variable of another strategy; a mirrored variable or a ``Mirrored``
+            value with ``SUM`` or ``PROD``.
     """
     if isinstance(value, DistributedValues):  # the common case: no walk
+        if type(value) is Mirrored and op in _COUNTING:
+            _refuse_one_value("a Mirrored value", op)
         return value
     leaves, treedef = _tree.flatten(value)
+    if op in _COUNTING and any(type(leaf) is Mirrored for leaf in leaves):
+        pairs, _ = _tree.flatten_with_path(value)
+        path = next(path for path, leaf in pairs if type(leaf) is Mirrored)
+        _refuse_one_value(f"the Mirrored value at {_tree.describe_path(path)}", op)
     if not any(isinstance(leaf, Variable) for leaf in leaves):
         return value
     return treedef.unflatten([_variable_as_value(leaf, op, strategy) for leaf in leaves])
+
+
+#: The ops that would count one value on every replica once per replica.
+_COUNTING: Final = frozenset({ReduceOp.SUM, ReduceOp.PROD})
+
+
+def _refuse_one_value(what: str, op: ReduceOp) -> NoReturn:
+    """Refuse reducing ``what``, one value on every replica, with ``SUM`` or ``PROD`` (as TF
+    refuses a mirrored value there).
+
+    Raises:
+        ValueError: always.
+    """
+    raise ValueError(
+        f"cannot reduce {what} with {op.name}: it holds one value on every replica, which "
+        f"{op.name} would count once per replica; read it as it is, or reduce it with MEAN"
+    )
 
 
 def _variable_as_value(leaf: Any, op: ReduceOp, strategy: MirroredStrategy) -> Any:
@@ -1820,13 +1861,27 @@ def _variable_as_value(leaf: Any, op: ReduceOp, strategy: MirroredStrategy) -> A
         return PerReplica(list(leaf._copies))
     if leaf._strategy is None:
         return leaf._copies[0]
-    if op in (ReduceOp.SUM, ReduceOp.PROD):
-        raise ValueError(
-            f"cannot reduce mirrored variable {leaf.name!r} with {op.name}: it holds one value "
-            f"on every replica, which {op.name} would count once per replica; read it as it "
-            "is, or reduce it with MEAN"
-        )
+    if op in _COUNTING:
+        _refuse_one_value(f"mirrored variable {leaf.name!r}", op)
     return Mirrored(list(leaf._copies))
+
+
+def _for_variables(
+    engine: ReductionEngine, destinations: list[Any]
+) -> contextlib.AbstractContextManager[None]:
+    """Across workers, name the variables among ``destinations`` in the reductions made in the
+    block (``reductions_for``): a ``merge_fn`` that reduces to another variable on one worker
+    (and would then update that one) meets a disagreement on every worker, not a match."""
+    if engine.cluster is None:
+        return contextlib.nullcontext()
+    variables = [
+        variable_label(dest)
+        for dest in destinations
+        if isinstance(dest, Variable) and dest._number is not None
+    ]
+    if not variables:
+        return contextlib.nullcontext()
+    return reductions_for(f"a reduction to {', '.join(variables)}")
 
 
 def _grouped(per_destination: list[Any]) -> Any:

@@ -9,8 +9,10 @@ which is how each replica gets its own slice of a merge result back.
 The values themselves are small frozen dataclasses holding a tuple indexed by replica.
 They compare by identity, because their payloads are usually arrays, whose ``==`` is
 elementwise and would make value equality meaningless; for the same reason they are
-hashable by identity. They do not forward attributes or operators to their contents:
-code that wants replica ``i``'s value reads ``.values[i]``.
+hashable by identity. They do not forward attributes to their contents: code that wants
+replica ``i``'s value reads ``.values[i]``. A ``Mirrored`` value, one value on every
+replica, computes as that value (operators, indexing, NumPy's functions and ufuncs); a
+``PerReplica`` has no one value, so NumPy refuses to convert it.
 
 Containers are walked only through ``aioreplica._tree``, so the rules are the same as
 everywhere else: ``None`` is a leaf, mapping keys may come in any order (they are matched
@@ -108,11 +110,27 @@ class DistributedValues(Generic[T]):
         items = ", ".join(f"{i}: {value!r}" for i, value in enumerate(self.values))
         return f"{type(self).__name__}({{{items}}})"
 
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        """Refused (so NumPy's functions and ufuncs refuse it too): there is no one value to
+        compute with, and ``np.asarray(x)`` would be a 0-d array of objects holding ``x``."""
+        n = len(self.values)
+        raise TypeError(
+            f"a {type(self).__name__} holds {n} value{'' if n == 1 else 's'}, one per replica, "
+            "so NumPy cannot convert it to one array; reduce it first (strategy.reduce), or "
+            "take one replica's value (.values[i], strategy.experimental_local_results)"
+        )
+
 
 @final
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False, init=False)
 class PerReplica(DistributedValues[T]):
     """Values that may differ between replicas, e.g. each replica's loss or gradients.
+
+    It has no one value to compute with: operators and NumPy refuse it.
+
+    Raises:
+        TypeError: converted by NumPy (``np.asarray(x)``, ``np.mean(x)``); the message says
+            to reduce it or to take one replica's value.
 
     Example:
         >>> PerReplica((0.5, 0.25))
@@ -136,6 +154,46 @@ def _delegate(name: str, reflected: bool = False) -> Any:
     return method
 
 
+def _pow(self: Mirrored[Any], other: Any, modulo: Any = None) -> Any:
+    """``m ** x`` and ``pow(m, x, modulo)``, computed with ``m``'s value."""
+    if isinstance(other, Mirrored):
+        other = other._value()
+    elif isinstance(other, DistributedValues):
+        return NotImplemented
+    if isinstance(modulo, Mirrored):
+        modulo = modulo._value()
+    elif isinstance(modulo, DistributedValues):
+        return NotImplemented
+    mine = self._value()
+    return pow(mine, other) if modulo is None else pow(mine, other, modulo)
+
+
+def _unwrapped(value: Any) -> Any:
+    """``value`` with each ``Mirrored`` in it (or in a list or tuple in it: what NumPy's
+    functions take) replaced by its value, for NumPy's dispatch."""
+    if isinstance(value, Mirrored):
+        return value._value()
+    if type(value) is list or type(value) is tuple:
+        return type(value)(_unwrapped(item) for item in value)
+    return value
+
+
+def _check_out(out: Any, func: Any) -> None:
+    """Refuse a distributed value as the ``out=`` of a NumPy function or ufunc ``func``.
+
+    Raises:
+        TypeError: ``out`` is (or holds) a ``DistributedValues``.
+    """
+    outs = out if type(out) is tuple else (out,)
+    for target in outs:
+        if isinstance(target, DistributedValues):
+            raise TypeError(
+                f"a {type(target).__name__} value cannot be the out= of "
+                f"{getattr(func, '__name__', func)}: writing into one replica's copy would "
+                "make the copies differ; compute a new value (without out=) instead"
+            )
+
+
 def _delegate_unary(name: str) -> Any:
     op = getattr(operator, name)
 
@@ -153,25 +211,56 @@ class Mirrored(DistributedValues[T]):
 
     Each replica still has its own copy (on its own device), so ``values`` holds one per
     replica. As TF's, it computes as its value: arithmetic (``m + 1``, ``2 * m``, ``m @ x``,
-    ``-m``), comparisons other than ``==`` (which stays identity, as for every distributed
-    value), ``float(m)`` and ``int(m)`` use the current replica's copy in a replica, else
-    replica 0's.
+    ``-m``, ``pow(m, 3, 10)``), comparisons other than ``==`` (which stays identity, as for
+    every distributed value), indexing (``m[1]``), ``float(m)``, ``int(m)``, ``np.asarray(m)``
+    and NumPy's functions and ufuncs (``np.mean(m)``) use the current replica's copy in a
+    replica, else replica 0's. Attributes are not forwarded (``m.shape`` is an
+    ``AttributeError``): ``np.shape(m)``, or ``m.values[i]`` for a copy.
+
+    Raises:
+        TypeError: computed with a ``PerReplica`` (which has no one value), or given as
+            the ``out=`` of a NumPy function or ufunc; and as its value raises.
 
     Example:
         >>> Mirrored([3.0, 3.0])
         Mirrored({0: 3.0, 1: 3.0})
         >>> Mirrored([3.0, 3.0]) * 2
         6.0
+        >>> m = Mirrored([np.arange(3.0), np.arange(3.0)])
+        >>> float(np.mean(m)), float(m[1]), np.asarray(m)
+        (1.0, 1.0, array([0., 1., 2.]))
     """
-
-    #: NumPy's operators defer to this class's (``np.ones(2) + m`` calls ``m.__radd__``).
-    __array_ufunc__ = None
 
     def _value(self) -> T:
         """The copy this code computes with: the current replica's, else replica 0's."""
         index = _current_replica()
         values = self.values
         return values[index] if index is not None and index < len(values) else values[0]
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray[Any, Any]:
+        """Its value as a NumPy array (``dtype`` and ``copy`` as NumPy passes them)."""
+        value: Any = self._value()
+        if copy is None:  # NumPy 1 passes no copy
+            return np.asarray(value, dtype=dtype)
+        return np.array(value, dtype=dtype, copy=copy)
+
+    def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
+        """A ufunc (``np.add(m, 1)``, ``np.ones(2) + m``, ``np.sum(m)``) of its value."""
+        _check_out(kwargs.get("out"), ufunc)
+        return getattr(ufunc, method)(*_unwrapped(inputs), **kwargs)
+
+    def __array_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A NumPy function (``np.mean(m)``, ``np.concatenate([m, x])``) of its value, which
+        dispatches as the value does (a CuPy array's to CuPy)."""
+        _check_out(kwargs.get("out"), func)
+        return func(*_unwrapped(args), **{k: _unwrapped(v) for k, v in kwargs.items()})
+
+    def __getitem__(self, key: Any) -> Any:
+        """``m[key]``: an item or slice of its value, as TF's ``DistributedDelegate``."""
+        value: Any = self._value()
+        return value[key]
 
     def __float__(self) -> float:
         value: Any = self._value()
@@ -187,7 +276,7 @@ class Mirrored(DistributedValues[T]):
     __truediv__, __rtruediv__ = _delegate("__truediv__"), _delegate("__truediv__", True)
     __floordiv__, __rfloordiv__ = _delegate("__floordiv__"), _delegate("__floordiv__", True)
     __mod__, __rmod__ = _delegate("__mod__"), _delegate("__mod__", reflected=True)
-    __pow__, __rpow__ = _delegate("__pow__"), _delegate("__pow__", reflected=True)
+    __pow__, __rpow__ = _pow, _delegate("__pow__", reflected=True)
     __matmul__, __rmatmul__ = _delegate("__matmul__"), _delegate("__matmul__", True)
     __and__, __rand__ = _delegate("__and__"), _delegate("__and__", reflected=True)
     __or__, __ror__ = _delegate("__or__"), _delegate("__or__", reflected=True)

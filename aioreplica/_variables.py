@@ -26,12 +26,12 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
 from ._cluster import call_of, error_line
-from ._collectives import register_copied_type
+from ._collectives import reductions_for, register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._errors import ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path
-from ._values import DistributedValues, PerReplica, agreed, select_replica
+from ._values import DistributedValues, Mirrored, PerReplica, agreed, select_replica
 from ._writes import (
     ADD,
     ASSIGN,
@@ -66,6 +66,7 @@ __all__ = [
     "slot_variable",
     "snapshot",
     "update",
+    "variable_label",
     "which_differ",
 ]
 
@@ -182,6 +183,7 @@ class Variable(NDArrayOperatorsMixin):
         "_dtype",
         "_engine",
         "_name",
+        "_number",
         "_shape",
         "_strategy",
         "_synchronization",
@@ -250,6 +252,8 @@ class Variable(NDArrayOperatorsMixin):
         if workers is not None:  # it starts from the chief's value, fetched before first use
             self._unsynced = True
             workers.pending.append(self)
+            self._number: int | None = workers.variables_made
+            workers.variables_made += 1
 
     def _init(
         self,
@@ -280,6 +284,10 @@ class Variable(NDArrayOperatorsMixin):
             frozen(device.asarray(array)) for device in self._devices
         )
         self._unsynced = False
+        #: Across workers, the variable's number among those made on the communicator (the
+        #: same on every worker, which compare it: ``variable_label``); else ``None``, as for
+        #: slots.
+        self._number = None
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -515,6 +523,12 @@ class Variable(NDArrayOperatorsMixin):
         new._trainable = self._trainable
         new._turn = Turn()
         new._unsynced = self._unsynced
+        new._number = None
+        if self._number is not None:  # a new variable of every worker's, numbered alike
+            workers = self._engine.cluster  # type: ignore[union-attr]
+            assert workers is not None
+            new._number = workers.variables_made
+            workers.variables_made += 1
         if self._unsynced:  # still to take the chief's value: in turn with the others
             self._engine.cluster.pending.append(new)  # type: ignore[union-attr]
         fresh: dict[int, Any] = {}  # host replicas share one array: copy it once
@@ -589,12 +603,14 @@ class Variable(NDArrayOperatorsMixin):
 
         Raises:
             ValueError: ``value`` does not broadcast to the variable's shape, or holds an
-                integer the variable's integer dtype cannot hold; a
+                integer the variable's integer (or bool) dtype cannot hold; a
                 ``MirroredVariable`` with aggregation ``NONE`` (or an integer one with
                 ``MEAN``) given different values by the replicas in replica context; across
-                workers, another worker refused its write (``WorkersDisagree``).
+                workers, another worker refused its write, or its replicas wrote another
+                variable (``WorkersDisagree``).
             TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``), or
-                is no number (an int too large for 64 bits).
+                is no number (an int too large for 64 bits); a distributed value written
+                inside a replica, or a ``PerReplica`` outside one.
             RuntimeError: written inside a replica of another strategy; across workers,
                 written outside a ``run()`` from another task while one is in progress.
             ReplicaSyncError: across workers, outside a ``run()``: a worker failed, or was
@@ -698,6 +714,8 @@ class Variable(NDArrayOperatorsMixin):
 
     def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
         """``value`` on ``device``, in this variable's dtype, or a clear error."""
+        if isinstance(value, DistributedValues):
+            value = self._one_value(value, replica)
         where = "" if replica is None else f" from replica {replica}"
         array = value if is_array(value) else np.asarray(value)
         if array.dtype == object:
@@ -706,6 +724,8 @@ class Variable(NDArrayOperatorsMixin):
                 f"{self._dtype}{where}: it is no array of numbers (an integer too large for "
                 "64 bits, or values of mixed types, make a NumPy array of objects)"
             )
+        if isinstance(value, int) and not isinstance(value, bool) and self._dtype.kind in "bu":
+            array = self._python_int(value, array, where)
         if array.dtype.kind not in "biufc" or not np.can_cast(
             array.dtype, self._dtype, casting="same_kind"
         ):
@@ -726,6 +746,51 @@ class Variable(NDArrayOperatorsMixin):
                 f"{self._shape}"
             )
         return device.asarray(array)
+
+    def _python_int(self, value: int, array: Any, where: str) -> Any:
+        """A Python int (``array``: NumPy's array of it) written to an unsigned or bool
+        variable, in the variable's dtype: it has no dtype of its own, so it takes the
+        variable's where it fits, as it does into a signed one (and as TF converts it).
+
+        Raises:
+            ValueError: the variable's dtype cannot hold ``value``.
+        """
+        if self._dtype.kind == "u":
+            _check_integer_range(array, self._dtype, f"variable {self._name!r}{where}")
+            return array.astype(self._dtype)
+        if value not in (0, 1):
+            raise ValueError(
+                f"cannot write {value} to variable {self._name!r}{where} of dtype bool, which "
+                "holds 0 (False) and 1 (True); write a bool, or compare first (value != 0)"
+            )
+        return np.asarray(bool(value))
+
+    def _one_value(self, value: DistributedValues[Any], replica: int | None) -> Any:
+        """What a write outside a replica takes of a ``Mirrored`` ``value`` (one value on
+        every replica: replica 0's copy), or a clear error for any other distributed value,
+        and for any written inside a replica.
+
+        Raises:
+            TypeError: ``value`` is written inside a replica, or is a ``PerReplica``.
+        """
+        kind = type(value).__name__
+        in_replica = context_state.get().replica
+        if replica is None and in_replica is not None:
+            replica = in_replica.replica_id_in_sync_group
+        if replica is not None:
+            raise TypeError(
+                f"cannot write a {kind} value to variable {self._name!r} from replica "
+                f"{replica}: a distributed value holds one value per replica and cannot be "
+                "written from a replica; pass this replica's own value (run() hands each "
+                "replica its own part of a PerReplica or Mirrored argument)"
+            )
+        if isinstance(value, Mirrored):
+            return value.values[0]
+        raise TypeError(
+            f"variable {self._name!r} was written outside a replica with a {kind} value, "
+            "which holds a different value per replica; reduce it first (strategy.reduce), "
+            "or pass it to strategy.run() and write each replica's own part there"
+        )
 
     async def _written_values(self, op: str, value: Any) -> list[Any]:
         """One checked value per copy for a write in cross-replica context (``op``: assign,
@@ -757,7 +822,8 @@ class Variable(NDArrayOperatorsMixin):
             device.xp.broadcast_to(copy.astype(self._dtype, copy=False), self._shape)
             for copy, device in zip(values, self._devices, strict=True)
         ]
-        return await engine.broadcast(PerReplica(mine), 0, what)
+        # The workers compare which variable it is, too (by number: names may repeat).
+        return await engine.broadcast(PerReplica(mine), 0, f"{op}() of {variable_label(self)}")
 
     def _cross_replica_values(self, op: str, value: Any) -> list[Any]:
         """One checked value per copy from the argument of a write (``op``) in cross-replica
@@ -995,18 +1061,36 @@ async def sync_variables(workers: Workers) -> None:
 
     Every worker makes its variables in the same order, so the ``k``-th pending variable is
     the same on each: broadcast from worker 0 one by one, in creation order. The workers
-    compare each one's name, dtype and shape first, so variables made in another order (or
-    one made on some workers only) raise ``WorkersDisagree`` instead of taking the chief's
-    value of another variable.
+    compare each one's number, name, kind (mirrored or sync-on-read), aggregation, dtype and
+    shape first, so variables made in another order or of another kind (or one made on some
+    workers only) raise ``WorkersDisagree`` instead of taking the chief's value of another
+    variable.
     """
     pending = workers.pending
     while pending:
         variable = pending[0]  # pending until synced: a refused broadcast leaves it to retry
         copy, device = variable._copies[0], variable._devices[0]
         await device.synchronize()
-        value = await workers.broadcast(host_array(copy, device), 0, f"variable {variable._name!r}")
+        made = f"{variable_label(variable)} {_kind(variable)}"
+        value = await workers.broadcast(host_array(copy, device), 0, made)
         _start_from(variable, value)
         del pending[0]
+
+
+def variable_label(variable: Variable) -> str:
+    """``variable`` as the workers compare it in what a collective is for: its number among
+    the variables made on the communicator (two variables may share a name), then its name;
+    in one process (and for slots, which follow their variables), its name."""
+    if variable._number is None:
+        return f"variable {variable._name!r}"
+    return f"variable #{variable._number} {variable._name!r}"
+
+
+def _kind(variable: Variable) -> str:
+    """What every worker's ``k``-th variable must be alike besides its name, dtype and shape,
+    which its first sync compares: mirrored or sync-on-read, and its aggregation."""
+    kind = "sync-on-read" if isinstance(variable, SyncOnReadVariable) else "mirrored"
+    return f"({kind}, {variable._aggregation.value})"
 
 
 async def _sync_first(variable: Variable) -> None:
@@ -1035,7 +1119,10 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
             _start_from(variable, value)
 
     # What every worker's variables are, so that workers disagreeing refuse before any data.
-    made = ", ".join(f"{v._name!r} {v._dtype.name} {v.shape}" for v in pending)
+    made = ", ".join(
+        f"{variable_label(v).removeprefix('variable ')} {v._dtype.name} {v.shape} {_kind(v)}"
+        for v in pending
+    )
     workers.blocking(f"the first read of variables {made}", broadcast)
     workers.pending = []
 
@@ -1126,7 +1213,11 @@ async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given:
     except (ValueError, ReplicaSyncError) as exc:
         await engine.refuse("a write of a variable", exc)  # on every worker alike
         raise
-    reduced = await _aggregate(variable, value)
+    if engine.cluster is None:
+        reduced = await _aggregate(variable, value)
+    else:  # every worker's replicas write the same variable: the workers compare which
+        with reductions_for(f"{op}() of {variable_label(variable)}"):
+            reduced = await _aggregate(variable, value)
     await variable._write_copies(op, reduced)
 
 
@@ -1137,7 +1228,7 @@ async def _aggregate(variable: Variable, value: Any) -> list[Any]:
     devices = variable._devices
     if variable._aggregation is _Agg.ONLY_FIRST_REPLICA:
         if engine.cluster is not None:  # replica 0 of every worker's: the chief's first
-            return await engine.broadcast(value, 0)
+            return await engine.broadcast(value, 0, f"a write of {variable_label(variable)}")
         first = value.values[0] if isinstance(value, DistributedValues) else value
         return await engine.broadcast_to(first, devices)
     agg = variable._aggregation
@@ -1363,7 +1454,8 @@ async def _update(
                 await strategy._engine.refuse(what, shown)
             raise
         if engine is not None:
-            chief = await engine.broadcast(PerReplica(list(new)), 0, what)
+            label = f"update() of {variable_label(variable)}"  # compared (names may repeat)
+            chief = await engine.broadcast(PerReplica(list(new)), 0, label)
             new = await compute_update(variable, writer(ASSIGN), chief)
         elif in_replicas and isinstance(variable, MirroredVariable):
             await _check_every_worker_computed(strategy._engine, variable, new)
@@ -1383,7 +1475,9 @@ async def _check_every_worker_computed(
     workers = engine.cluster
     if workers is None or workers.broken:
         return
-    if (await bits_differ(engine, [new]))[0]:
+    with reductions_for(f"update() of {variable_label(variable)}"):
+        differ = (await bits_differ(engine, [new]))[0]
+    if differ:
         error = ValueError(
             f"update() of MirroredVariable {variable._name!r} in replica context computed "
             "different values on different workers (fn's arguments, or fn itself, differ "

@@ -710,3 +710,42 @@ class TestAsInTF:
             await strategy.reduce(op, v)
         with pytest.raises(ValueError, match="cannot reduce mirrored variable 'w'"):
             await strategy.extended.reduce_to(op, v, destinations=v)
+
+    @pytest.mark.parametrize("op", ["sum", "prod"])
+    async def test_a_mirrored_value_cannot_be_summed(self, op: str) -> None:
+        """A Mirrored value holds one value on every replica, as a mirrored variable does:
+        SUM and PROD refuse it in every reduction (TF's MirroredExtended._reduce_to too),
+        at the root or in a structure, with the place named."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        m = Mirrored([np.float64(3.0), np.float64(3.0)])
+        refused = (
+            f"^cannot reduce a Mirrored value with {op.upper()}: it holds one value on every "
+            f"replica, which {op.upper()} would count once per replica; read it as it is, or "
+            "reduce it with MEAN$"
+        )
+        with pytest.raises(ValueError, match=refused):
+            await strategy.reduce(op, m)
+        with pytest.raises(ValueError, match=refused):
+            await strategy.extended.reduce_to(op, m, destinations="cpu:0")
+        with pytest.raises(ValueError, match=refused):
+            await strategy.extended.batch_reduce_to(
+                op, [(PerReplica([1.0, 2.0]), "cpu:0"), (m, "cpu:0")]
+            )
+        with pytest.raises(
+            ValueError,
+            match=rf"^cannot reduce the Mirrored value at \['b'\]\[1\] with {op.upper()}:",
+        ):
+            await strategy.reduce(op, {"a": PerReplica([1.0, 2.0]), "b": [1.0, m]})
+
+    @pytest.mark.parametrize("op", ["mean", "max", "min"])
+    async def test_a_mirrored_value_reduces_to_its_value(self, op: str) -> None:
+        """MEAN, MAX and MIN of a Mirrored value are its value."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        m = Mirrored([np.float64(3.0), np.float64(3.0)])
+        results = [
+            await strategy.reduce(op, m),
+            await strategy.extended.reduce_to(op, m, destinations="cpu:0"),
+            (await strategy.extended.batch_reduce_to(op, [(m, "cpu:0")]))[0],
+            (await strategy.reduce(op, {"m": m}))["m"],
+        ]
+        assert [float(r) for r in results] == [3.0, 3.0, 3.0, 3.0]

@@ -135,6 +135,120 @@ class TestMirroredComputesAsItsValue:
         with pytest.raises(TypeError, match="unsupported operand"):
             Mirrored([1.0, 1.0]) + PerReplica([1.0, 2.0])
 
+    def test_pow_with_a_modulo_and_indexing(self) -> None:
+        """pow(m, x, modulo) and m[key] use its value, as TF's DistributedDelegate does."""
+        m = Mirrored([7, 7])
+        assert (pow(m, 3, 10), pow(m, 2, Mirrored([5, 5])), m**2, 2**m) == (3, 4, 49, 128)
+        rows = Mirrored([np.arange(6).reshape(2, 3)] * 2)
+        assert (rows[1, 2], rows[0].tolist(), rows[:, 1].tolist()) == (5, [0, 1, 2], [1, 4])
+        with pytest.raises(IndexError):
+            rows[2]
+        with pytest.raises(TypeError, match="unsupported operand"):
+            pow(m, 2, PerReplica([5, 6]))
+
+    def test_attributes_are_not_forwarded(self) -> None:
+        """Attributes stay its own (the module's rule): np.shape(m), not m.shape."""
+        m = Mirrored([np.zeros((2, 3))] * 2)
+        with pytest.raises(AttributeError, match="shape"):
+            m.shape  # type: ignore[attr-defined]  # noqa: B018
+        assert np.shape(m) == (2, 3)
+
+    def test_numpy_converts_it_to_its_value(self) -> None:
+        """np.asarray(m) is its value (TF converts a Mirrored to its tensor), with the dtype
+        and copy keywords NumPy passes."""
+        value = np.arange(3.0)
+        m = Mirrored([value, value.copy()])
+        assert np.asarray(m) is value  # no copy unless asked
+        copied = np.array(m)
+        assert copied is not value
+        assert copied.tolist() == [0.0, 1.0, 2.0]
+        assert np.asarray(m, dtype=np.float32).dtype == np.float32
+        if np.lib.NumpyVersion(np.__version__) >= "2.0.0":
+            assert np.asarray(m, copy=False) is value
+            with pytest.raises(ValueError, match="copy"):
+                np.asarray(m, dtype=np.int64, copy=False)
+        assert np.asarray(Mirrored([2.5, 2.5])).tolist() == 2.5
+        assert np.asarray([Mirrored([1, 1]), 2]).tolist() == [1, 2]
+
+    def test_numpy_functions_and_ufuncs_use_its_value(self) -> None:
+        """np.mean(m), np.dot(m, m), np.sum(m), ufuncs: as on its value (each was a 0-d
+        object array's result, or a TypeError)."""
+        m = Mirrored([np.arange(3.0), np.arange(3.0)])
+        results = [np.mean(m), np.dot(m, m), np.sum(m), np.max(m), np.add.reduce(m)]
+        assert results == [1.0, 5.0, 3.0, 2.0, 3.0]
+        assert all(np.ndim(r) == 0 for r in results)
+        assert np.add(m, 1).tolist() == [1.0, 2.0, 3.0]
+        assert np.multiply(m, m).tolist() == [0.0, 1.0, 4.0]
+        assert np.concatenate([m, np.ones(1)]).tolist() == [0.0, 1.0, 2.0, 1.0]
+        assert np.where(np.greater(m, 0.5), m, -1.0).tolist() == [-1.0, 1.0, 2.0]
+        assert type(np.sin(m)) is np.ndarray
+
+    def test_numpy_dispatches_as_its_value_does(self) -> None:
+        """A value with NumPy dispatch of its own (a CuPy array) handles the functions and
+        ufuncs called on the Mirrored value."""
+        calls: list[tuple[str, tuple[Any, ...]]] = []
+
+        class Recording:
+            def __array_function__(
+                self, func: Any, types: Any, args: Any, kwargs: dict[str, Any]
+            ) -> str:
+                calls.append((func.__name__, args))
+                return "function"
+
+            def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kw: Any) -> str:
+                calls.append((f"{ufunc.__name__}.{method}", inputs))
+                return "ufunc"
+
+        value = Recording()
+        m = Mirrored([value, value])
+        results: tuple[Any, ...] = (
+            np.mean(m),
+            np.concatenate([m, m]),
+            np.add(m, 1),
+            np.add.reduce(m),
+        )
+        assert results == (
+            "function", "function", "ufunc", "ufunc",
+        )  # fmt: skip
+        assert calls == [
+            ("mean", (value,)),
+            ("concatenate", ([value, value],)),
+            ("add.__call__", (value, 1)),
+            ("add.reduce", (value,)),
+        ]
+
+    def test_numpy_out_is_refused(self) -> None:
+        """A Mirrored value as NumPy's out= would change one copy: a TypeError, no change."""
+        m: Any = Mirrored([np.zeros(2), np.zeros(2)])
+        with pytest.raises(
+            TypeError,
+            match=r"^a Mirrored value cannot be the out= of add: writing into one replica's "
+            r"copy would make the copies differ; compute a new value \(without out=\) instead$",
+        ):
+            np.add(np.ones(2), 1, out=m)
+        with pytest.raises(TypeError, match="cannot be the out= of sum"):
+            np.sum(np.ones((2, 2)), axis=0, out=m)
+        assert [c.tolist() for c in m.values] == [[0.0, 0.0], [0.0, 0.0]]
+
+    @pytest.mark.parametrize(
+        "use",
+        [np.asarray, np.mean, np.sum, lambda x: np.ones(2) + x, lambda x: np.add(x, 1)],
+        ids=["asarray", "mean", "sum", "array_plus", "add"],
+    )
+    def test_numpy_refuses_a_per_replica(self, use: Any) -> None:
+        """A PerReplica has no one value: NumPy refuses it with a TypeError saying what to do
+        (np.asarray made a 0-d array of objects of it)."""
+        per_replica = PerReplica([np.ones(2), np.zeros(2)])
+        with pytest.raises(
+            TypeError,
+            match=r"^a PerReplica holds 2 values, one per replica, so NumPy cannot convert it to "
+            r"one array; reduce it first \(strategy\.reduce\), or take one replica's value "
+            r"\(\.values\[i\], strategy\.experimental_local_results\)$",
+        ):
+            use(per_replica)
+        with pytest.raises(TypeError, match=r"^a PerReplica holds 2 values"):
+            np.add(Mirrored([np.ones(2)] * 2), per_replica)
+
     @pytest.mark.anyio
     async def test_each_replica_computes_with_its_copy(self) -> None:
         strategy = MirroredStrategy(host_devices(2))
@@ -149,6 +263,21 @@ class TestMirroredComputesAsItsValue:
             [20.0, 20.0],
         ]
         assert (m * 10).tolist() == [10.0, 10.0]  # outside a replica: replica 0's
+
+    @pytest.mark.anyio
+    async def test_numpy_in_a_replica_uses_its_copy(self) -> None:
+        """np.asarray(m), NumPy's functions and m[i] take the current replica's copy."""
+        strategy = MirroredStrategy(host_devices(2))
+        m = Mirrored([np.full(2, 1.0), np.full(2, 2.0)])
+
+        async def step() -> Any:
+            return [np.asarray(m).tolist(), float(np.sum(m)), float(m[0]), float(np.add(m, 1)[1])]
+
+        result = await strategy.run(step)
+        assert strategy.experimental_local_results(result) == (
+            [[1.0, 1.0], 2.0, 1.0, 2.0],
+            [[2.0, 2.0], 4.0, 2.0, 3.0],
+        )
 
 
 class TestRegroup:

@@ -6,6 +6,7 @@ import contextlib
 import copy as copy_module
 import functools
 import os
+import re
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -86,6 +87,27 @@ def assert_copies(v: Variable, expected: Sequence[Any]) -> None:
 def assert_all(v: Variable, want: Any) -> None:
     """Every copy of ``v`` equals ``want``."""
     assert_copies(v, [want] * len(v.values))
+
+
+async def assert_distributed_refused_in_replicas(strategy: MirroredStrategy, v: Variable) -> None:
+    """Every write of a PerReplica or Mirrored value from inside ``strategy``'s replicas to
+    ``v`` raises a TypeError naming ``v`` and the replica and saying what to pass; no change."""
+    old = snapshot(v)
+    for value in (PerReplica([1.0, 2.0]), Mirrored([1.0, 1.0])):
+        for op in OPS:
+
+            async def step(op: str = op, value: Any = value) -> None:
+                await WRITES[op](v, value)
+
+            with pytest.raises(
+                TypeError,
+                match=rf"^cannot write a {type(value).__name__} value to variable {v.name!r} "
+                r"from replica \d: a distributed value holds one value per replica and cannot "
+                r"be written from a replica; pass this replica's own value \(run\(\) hands "
+                r"each replica its own part of a PerReplica or Mirrored argument\)\n",
+            ):
+                await strategy.run(step)
+    assert_copies(v, old)
 
 
 class DeviceFailure(Exception):
@@ -1386,6 +1408,29 @@ class TestMirroredWrites:
         await v.assign(np.array([2**31 - 1, -(2**31)], np.int64))  # in range: written
         assert_all(v, np.array([2**31 - 1, -(2**31)], np.int32))
 
+    @pytest.mark.parametrize("agg", ["sum", "only_first_replica"])
+    async def test_replica_distributed_value_refused(self, agg: str) -> None:
+        """A PerReplica or Mirrored value written inside a replica is refused with what to
+        pass instead (it said the value was no array of numbers); no change."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, 0.0, name="w", aggregation=agg)
+        await assert_distributed_refused_in_replicas(strategy, v)
+
+    async def test_replica_python_ints_take_an_unsigned_dtype(self) -> None:
+        """Python ints written from replicas to an unsigned variable take its dtype where
+        they fit (as TF converts them); one out of range is a ValueError naming it."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.uint8(250), name="w", aggregation="sum")
+        await strategy.run(lambda: v.assign_add(replica_id() + 1))
+        assert_all(v, np.uint8(253))
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write -\d to variable 'w' from replica \d of dtype uint8, which holds "
+            r"0 to 255; the cast would wrap it around\n",
+        ):
+            await strategy.run(lambda: v.assign_sub(-1 - replica_id()))
+        assert_all(v, np.uint8(253))
+
     async def test_replica_of_other_strategy_refused(self) -> None:
         """Writing inside a replica of another strategy raises RuntimeError; nothing changes."""
         owner = MirroredStrategy(host_devices(2))
@@ -1538,6 +1583,30 @@ class TestSyncOnReadWrites:
             ],
         )
 
+    async def test_replica_distributed_value_refused(self) -> None:
+        """A PerReplica or Mirrored value written inside a replica is refused with what to
+        pass instead; no copy changes."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, 0.0, name="s", synchronization="on_read", aggregation="sum")
+        await assert_distributed_refused_in_replicas(strategy, v)
+
+    async def test_replica_python_ints_take_an_unsigned_dtype(self) -> None:
+        """A uint8 counter takes Python ints from its replicas (TF converts them to the
+        variable's dtype); one out of range is a ValueError naming it; no change then."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.uint8(0), name="seen", synchronization="on_read", aggregation="sum")
+        await strategy.run(lambda: v.assign_add(1))
+        await strategy.run(lambda: v.assign_add(replica_id() + 1))
+        assert_copies(v, [2, 3])
+        assert int(v) == 5
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write 256 to variable 'seen' from replica \d of dtype uint8, which "
+            r"holds 0 to 255; the cast would wrap it around\n",
+        ):
+            await strategy.run(lambda: v.assign(256))
+        assert_copies(v, [2, 3])
+
     async def test_cross_replica_per_replica_refused(self) -> None:
         """A PerReplica value in cross-replica context raises TypeError; nothing changes."""
         strategy = MirroredStrategy(host_devices(2))
@@ -1650,7 +1719,84 @@ class TestPlainVariable:
             match=r"^cannot write a value of dtype float64 to variable 'p' of dtype int32;",
         ):
             await v.assign_add(0.5)
+        with pytest.raises(
+            TypeError,
+            match=r"^variable 'p' was written outside a replica with a PerReplica value, which "
+            r"holds a different value per replica; reduce it first \(strategy\.reduce\), or "
+            r"pass it to strategy\.run\(\) and write each replica's own part there$",
+        ):
+            await v.assign(PerReplica([1, 2]))
         assert_copies(v, [[0, 0]])
+
+    @pytest.mark.parametrize("op", OPS)
+    async def test_mirrored_value_written_as_its_value(self, op: str) -> None:
+        """Outside a replica a Mirrored value writes its value (replica 0's copy)."""
+        v = Variable(np.array([1.0, 2.0]), name="p")
+        await WRITES[op](v, Mirrored([np.array([3.0, 5.0])] * 2))
+        assert_copies(v, [expected_write(op, np.array([1.0, 2.0]), np.array([3.0, 5.0]))])
+
+    async def test_replica_distributed_value_refused(self) -> None:
+        """A PerReplica or Mirrored value written inside a replica is refused with what to
+        pass instead; no change."""
+        await assert_distributed_refused_in_replicas(
+            MirroredStrategy(host_devices(2)), Variable(0.0, name="p")
+        )
+
+    async def test_python_ints_take_an_unsigned_or_bool_dtype(self) -> None:
+        """A Python int has no dtype of its own: written to an unsigned or bool variable, it
+        takes the variable's where it fits, as it does a signed one's (and as TF converts
+        it); a float or a NumPy int64 is still refused there."""
+        count = Variable(np.uint32(0), name="count")
+        big = Variable(np.uint64(0), name="big")
+        flag = Variable(True, name="flag")
+        await count.assign_add(1)
+        await count.assign_add(2**32 - 2)
+        assert_copies(count, [np.uint32(2**32 - 1)])
+        await count.assign_sub(2**32 - 1)
+        assert_copies(count, [np.uint32(0)])
+        await big.assign(2**64 - 1)
+        assert_copies(big, [np.uint64(2**64 - 1)])
+        await flag.assign(0)
+        assert_copies(flag, [False])
+        await flag.assign(1)
+        assert_copies(flag, [True])
+        with pytest.raises(TypeError, match=r"^cannot write a value of dtype float64 to var"):
+            await count.assign(1.0)
+        with pytest.raises(TypeError, match=r"^cannot write a value of dtype int64 to var"):
+            await count.assign(np.int64(1))
+        assert_copies(count, [np.uint32(0)])
+
+    @pytest.mark.parametrize(
+        ("initial", "value", "message"),
+        [
+            (np.uint8(7), -1, "-1 to variable 'v' of dtype uint8, which holds 0 to 255; the cast"),
+            (np.uint8(7), 256, "256 to variable 'v' of dtype uint8, which holds 0 to 255; the"),
+            (
+                np.uint64(7),
+                -(2**63),
+                "-9223372036854775808 to variable 'v' of dtype uint64, which holds 0 to "
+                "18446744073709551615; the cast would wrap it around",
+            ),
+            (
+                True,
+                2,
+                "2 to variable 'v' of dtype bool, which holds 0 (False) and 1 (True); write a "
+                "bool, or compare first (value != 0)",
+            ),
+            (True, -1, "-1 to variable 'v' of dtype bool, which holds 0 (False) and 1 (True)"),
+        ],
+        ids=["uint8-negative", "uint8-too-large", "uint64-negative", "bool-2", "bool-negative"],
+    )
+    async def test_python_ints_out_of_range_refused(
+        self, initial: Any, value: int, message: str
+    ) -> None:
+        """A Python int an unsigned or bool variable cannot hold is a ValueError naming the
+        value, the variable and its range, as for a signed one; no change."""
+        v = Variable(initial, name="v")
+        for write in WRITES.values():
+            with pytest.raises(ValueError, match=f"^cannot write {re.escape(message)}"):
+                await write(v, value)
+        assert_copies(v, [initial])
 
 
 class TestAllOrNothing:

@@ -348,6 +348,42 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         WORLD.Barrier()
 
 
+async def test_a_restore_into_other_variables_on_one_worker_restores_nowhere(
+    make_strategy: MakeStrategy,
+) -> None:
+    """Worker 1 restores the file into another variable at the same path (of the same name,
+    shape and dtype): its copies would take what another variable's took on the chief. Every
+    worker raises the same ValueError, with a note naming the variables it restores into, and
+    no copy changed anywhere; then the same variables restore everywhere."""
+    strategy = make_strategy(1)
+    with strategy.scope():
+        a = Variable(np.zeros(2), name="w")
+        b = Variable(np.zeros(2), name="w")
+    with shared_directory() as directory:
+        await a.assign(np.ones(2))
+        await b.assign(np.full(2, 9.0))
+        saved = await Checkpoint(w=a).save(os.path.join(directory, "a.npz"))
+        await a.assign(np.full(2, 2.0))
+        mine = a if RANK == 0 else b
+        ckpt = Checkpoint(w=mine)
+        with pytest.raises(ValueError, match=r"Checkpoint\.restore of a file") as caught:
+            await ckpt.restore(saved)
+        # The same after the what (each worker's own words for the restore):
+        assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
+        label = "variable #0 'w'" if RANK == 0 else "variable #1 'w'"
+        assert f"this worker restores a.npz into w: {label}; every worker must restore" in (
+            "\n".join(getattr(caught.value, "__notes__", []))
+        ), getattr(caught.value, "__notes__", None)
+        for variable, want in ((a, 2.0), (b, 9.0)):
+            for copy in variable.values:
+                np.testing.assert_array_equal(copy, np.full(2, want))
+            assert_same_on_every_worker(*variable.values)
+        await Checkpoint(w=a).restore(saved)
+        np.testing.assert_array_equal(a.values[0], np.ones(2))
+        assert_same_on_every_worker(*a.values)
+        WORLD.Barrier()
+
+
 def changed_after_construction(ckpt: Checkpoint, bad: bool) -> Checkpoint:
     """A checkpoint of ``ckpt``'s weight and a dict, which gets a str (no checkpoint value)
     after the checkpoint is made, where ``bad``."""

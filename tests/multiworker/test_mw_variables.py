@@ -769,3 +769,116 @@ async def test_a_write_reached_late_under_sync_timeout_changes_nothing_anywhere(
     # Both done with this strategy before either closes it (its communicators are freed),
     # so that no worker frees them under a call the other still makes.
     WORLD.Barrier()
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize(
+    "how", ["another variable", "another order", "a namesake", "without aggregation"]
+)
+async def test_an_optimizer_step_of_other_variables_on_a_worker_is_refused(
+    make_strategy: MakeStrategy, local: int, how: str
+) -> None:
+    """A step that trains other variables on one worker would put a gradient into another
+    variable (pairs in another order), or leave a variable's copies different between
+    workers (another variable, even one of the same name): every worker's run() raises the
+    same ValueError, naming what each trains, before any copy changed; the workers stay in
+    step, and a step of the same variables then works."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        a = Variable(np.zeros(2), name="a")
+        b = Variable(np.zeros(2), name="a" if how == "a namesake" else "b")
+    optimizer = SGD(1.0)
+    pairs = [(np.ones(2), a), (np.full(2, 10.0), b)]
+    if how == "another order":
+        mine = pairs if RANK == 0 else pairs[::-1]
+    else:
+        mine = [pairs[0]] if RANK == 0 else [(np.ones(2), b)]
+    aggregate = how != "without aggregation"
+
+    async def step(pairs: list[tuple[Array, Variable]]) -> int:
+        return await optimizer.apply_gradients(pairs, experimental_aggregate_gradients=aggregate)
+
+    with pytest.raises(ValueError, match=r"apply_gradients\(\) of variable #0 'a'") as caught:
+        await strategy.run(step, args=(mine,))
+    assert "worker 1: " in str(caught.value)
+    assert len(set(allgather(str(caught.value)))) == 1
+    labels = {id(a): "variable #0 'a'", id(b): f"variable #1 {b.name!r}"}
+    trained = ", ".join(labels[id(v)] for _, v in mine)
+    assert f"this worker's apply_gradients() trains {trained}" in "\n".join(
+        getattr(caught.value, "__notes__", [])
+    )
+    assert optimizer.iterations == 0
+    assert_copies_equal(a, np.zeros(2))
+    assert_copies_equal(b, np.zeros(2))
+    await strategy.run(step, args=(pairs,))
+    scale = 1 if aggregate else 1 / (local * WORKERS)  # each replica's own step, not summed
+    assert_copies_equal(a, np.full(2, -1.0 * local * WORKERS * scale))
+    assert_copies_equal(b, np.full(2, -10.0 * local * WORKERS * scale))
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica", "none"])
+@pytest.mark.parametrize("write", ["assign_add", "update", "reduce_to in a merge_fn"])
+async def test_a_write_in_run_of_another_variable_on_a_worker_is_refused(
+    make_strategy: MakeStrategy, local: int, aggregation: str, write: str
+) -> None:
+    """Replicas that write another mirrored variable on one worker (of the same name, shape
+    and aggregation), or a ``merge_fn`` that reduces to another variable there (and would
+    update it), would leave each variable's copies different between workers: every worker's
+    run() raises the same ValueError naming the variable each wrote, and no copy changed."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        a = Variable(np.zeros(2), name="w", aggregation=aggregation)
+        b = Variable(np.zeros(2), name="w", aggregation=aggregation)
+    mine = a if RANK == 0 else b
+
+    async def merge(strategy: Any, g: Any) -> None:
+        g = await strategy.extended.reduce_to("sum", g, destinations=mine)
+        await strategy.extended.update(mine, lambda copy, d: copy + d, args=(g,))
+
+    async def step() -> None:
+        if write == "reduce_to in a merge_fn":
+            await replica_context().merge_call(merge, args=(np.ones(2),))
+        elif write == "update":
+            await strategy.extended.update(mine, lambda copy, d: copy + d, args=(1.0,))
+        elif aggregation in ("sum", "mean"):
+            await mine.assign_add(np.full(2, replica_id() + 1.0))
+        else:  # one value from every replica
+            await mine.assign_add(np.ones(2))
+
+    with pytest.raises(ValueError, match=r"variable #0 'w'.*variable #1 'w'") as caught:
+        await strategy.run(step)
+    assert len(set(allgather(str(caught.value)))) == 1
+    assert_copies_equal(a, np.zeros(2))
+    assert_copies_equal(b, np.zeros(2))
+
+
+@pytest.mark.parametrize("first_use", ["run", "read"])
+@pytest.mark.parametrize("other", ["aggregation", "synchronization"])
+async def test_variables_of_another_kind_on_a_worker_are_refused(
+    make_strategy: MakeStrategy, first_use: str, other: str
+) -> None:
+    """A variable made with another aggregation, or another synchronization, on one worker
+    would aggregate otherwise there (a metric read as a sum on one worker, as a mean on the
+    other): its first use raises the same ValueError on every worker, naming both kinds."""
+    strategy = make_strategy(1)
+    kinds = {
+        "aggregation": [("on_read", "sum"), ("on_read", "mean")],
+        "synchronization": [("on_write", "sum"), ("on_read", "sum")],
+    }[other]
+    synchronization, aggregation = kinds[min(RANK, 1)]
+    with strategy.scope():
+        v = Variable(
+            np.zeros(2), name="m", synchronization=synchronization, aggregation=aggregation
+        )
+
+    async def use() -> Any:
+        if first_use == "read":
+            return v.numpy()
+        return await strategy.run(lambda: np.array(v.value()))
+
+    shown = [f"({'sync-on-read' if s == 'on_read' else 'mirrored'}, {g})" for s, g in kinds]
+    with pytest.raises(ValueError, match="worker 1") as caught:
+        await use()
+    assert all(s in str(caught.value) for s in shown), str(caught.value)
+    assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
