@@ -542,6 +542,9 @@ class _Run:
         self.finished: dict[int, int] = {}  # replica id -> merge calls it made
         # (exception, where it came from, the replica it was raised in or None), first first
         self.failures: list[tuple[BaseException, str, int | None]] = []
+        # Those of the failures that stand for a cancellation from outside this run
+        # (``own_cancellation``): a cancellation of run()'s caller outranks them.
+        self.own_cancellations: list[BaseException] = []
         # Nothing unusual has happened: an arrival that is not the last may just park.
         self.fast_path = sync_timeout is None
         self.finished_run = False
@@ -595,6 +598,7 @@ class _Run:
             "cancel the caller of run() to stop every replica"
         )
         error.__cause__ = exc
+        self.own_cancellations.append(error)
         return error
 
     def replica_failed(self, replica: _Replica, exc: BaseException) -> None:
@@ -1295,8 +1299,12 @@ class Scheduler:
                 # The caller was cancelled, and every replica has ended. A replica's failure
                 # meanwhile (its cleanup raised, say) is raised instead, as a task group does:
                 # the cancellation is not lost (trio's scope stays cancelled; on asyncio the
-                # exception goes through the expiring timeout or scope that cancelled).
-                if not run.failures:
+                # exception goes through the expiring timeout or scope that cancelled). But a
+                # replica cancelled from outside just before (every task cancelled at once, as
+                # asyncio.run's shutdown does) failed only by that: the caller's cancellation
+                # is raised.
+                own = run.own_cancellations
+                if not run.failures or all(exc in own for exc, _, _ in run.failures):
                     raise
         finally:
             run.finished_run = True

@@ -104,6 +104,44 @@ class TestAReplicasOwnCancellation:
         assert scope.cancelled_caught
         assert sorted(events) == ["replica 0 cancelled", "replica 1 cancelled"]
 
+    @pytest.mark.parametrize("order", ["replicas first", "caller first"])
+    async def test_every_task_cancelled_at_once_is_the_callers_cancellation(
+        self, order: str
+    ) -> None:
+        """Cancelling every task at once, as asyncio.run()'s shutdown and a runner's close do
+        (a replica's bare ``Task.cancel()`` may come before its caller's): run() raises the
+        caller's cancellation, not a replica's "own cancellation" RuntimeError, in either
+        order."""
+        strategy = MirroredStrategy(host_devices(2))
+        events: list[str] = []
+
+        async def step() -> None:
+            if replica_id() == 1:
+                await anyio.sleep_forever()
+            await replica_context().merge_call(noop)
+
+        async def caller() -> None:
+            try:
+                await strategy.run(step)
+            except asyncio.CancelledError:
+                events.append("run() raised CancelledError")
+                raise
+            except Exception as exc:
+                events.append(f"run() raised {type(exc).__name__}")
+                raise
+
+        before = asyncio.all_tasks()
+        task = asyncio.ensure_future(caller())
+        with anyio.fail_after(5):
+            await anyio.wait_all_tasks_blocked()
+            replicas = [t for t in asyncio.all_tasks() - before if t is not task]
+            assert len(replicas) == 2
+            for victim in [*replicas, task] if order == "replicas first" else [task, *replicas]:
+                victim.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        assert task.cancelled()
+        assert events == ["run() raised CancelledError"]
+
 
 class TestCancelledOnceItsRoundIsDone:
     """A cancellation that reaches a parked replica once its round has committed its part (the
