@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol, SupportsIndex, final
 import numpy as np
 
 from . import _tree
-from ._errors import as_integer
+from ._errors import checked_integer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -46,11 +46,14 @@ class batched:
         arrays: a nested structure of arrays sharing a leading dimension, e.g. ``(x, y)``.
         batch_size: rows per batch; the last batch of an epoch may be smaller.
         shuffle: draw a new permutation of the rows for every epoch.
-        seed: seeds the permutations (the same seed gives the same sequence of epochs).
+        seed: seeds the permutations (the same seed gives the same sequence of epochs): an
+            int >= 0 (NumPy's integers too), only with ``shuffle=True``; ``None`` draws one.
 
     Raises:
-        ValueError: ``batch_size`` < 1, or the arrays' leading sizes differ.
-        TypeError: a leaf has no leading dimension; ``shuffle`` is not a bool.
+        ValueError: ``batch_size`` < 1, or the arrays' leading sizes differ; ``seed`` is
+            negative, or given with ``shuffle=False`` (which has no permutations to seed).
+        TypeError: a leaf has no leading dimension; ``batch_size`` or ``seed`` is not an
+            integer (a bool is not one); ``shuffle`` is not a bool.
 
     Example:
         >>> [b.tolist() for b in batched(np.arange(5), 2)]
@@ -63,17 +66,23 @@ class batched:
         batch_size: SupportsIndex,
         *,
         shuffle: bool = False,
-        seed: int | None = None,
+        seed: SupportsIndex | None = None,
     ) -> None:
-        size = as_integer(batch_size)
-        if size is None or size < 1:
-            raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+        size = checked_integer(batch_size, "batch_size must be an int >= 1", 1)
         if not isinstance(shuffle, bool | np.bool_):
             raise TypeError(f"shuffle must be True or False, got {shuffle!r}")
+        seed_value = None
+        if seed is not None:
+            seed_value = checked_integer(seed, "seed must be an int >= 0 or None", 0)
+            if not shuffle:
+                raise ValueError(
+                    f"seed={seed_value} only applies to shuffle=True, whose permutations it "
+                    "seeds; pass shuffle=True with it, or no seed"
+                )
         self._leaves, self._treedef = _tree.flatten(arrays)
         self._rows = batch_rows(self._leaves, self._treedef, "batched")
         self._batch_size = size
-        self._rng = np.random.default_rng(seed) if shuffle else None
+        self._rng = np.random.default_rng(seed_value) if shuffle else None
         self._epochs = 0  # iterators made so far: the epoch of the next one
 
     def __len__(self) -> int:

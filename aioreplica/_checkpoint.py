@@ -120,8 +120,14 @@ from ._batched import BatchedIterator, ResumableInput, batched
 from ._cluster import WorkersDisagree, call_of, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
-from ._errors import CheckpointError, add_note, as_integer
-from ._optimizers import Optimizer, restore_state, slot_table, slots_to_restore
+from ._errors import CheckpointError, add_note, checked_integer
+from ._optimizers import (
+    MAX_ITERATIONS,
+    Optimizer,
+    restore_state,
+    slot_table,
+    slots_to_restore,
+)
 from ._variables import Variable, new_copies, snapshot, sync_variables, variable_label
 from ._writes import Turn, commit, taking_turns, to_host
 
@@ -153,7 +159,9 @@ class Checkpoint:
 
     Objects are given by keyword: variables, optimizers (their step count and slots), plain
     ``int`` or ``float`` values such as an epoch counter, iterators over ``batched`` datasets
-    (their place in the epoch), and dicts, lists and tuples of these. A number is restored in
+    (their place in the epoch), and dicts, lists and tuples of these. NumPy's integer and
+    floating scalars (``np.int64(3)``) are numbers too, saved and restored as the Python int
+    or float they are; an array, even a 0-d one, belongs in a variable. A number is restored in
     place: at the top level read it back as an attribute (``ckpt.epoch``); inside a dict or
     list it is written back into that container. Assigning an attribute (``ckpt.epoch = 3``)
     replaces or adds an object.
@@ -332,12 +340,13 @@ class Checkpoint:
                 state = obj._input_state()
                 snap.entries.append({"path": list(obj_path), "kind": "iterator", **state})
             else:
+                number = _number(obj)
                 snap.entries.append(
                     {
                         "path": list(obj_path),
                         "kind": "number",
-                        "type": type(obj).__name__,
-                        "array": snap.add(obj),
+                        "type": type(number).__name__,
+                        "array": snap.add(number),
                     }
                 )
         return snap
@@ -638,8 +647,9 @@ class CheckpointManager:
 
     Raises:
         TypeError: ``checkpoint`` is not a ``Checkpoint``; ``directory`` is not a path;
-            ``checkpoint_name`` is not a str; ``init_fn`` is not callable.
-        ValueError: ``max_to_keep`` is not a positive int or None; ``checkpoint_name`` is
+            ``checkpoint_name`` is not a str; ``init_fn`` is not callable; ``max_to_keep``
+            is not an int or None (a bool is not one).
+        ValueError: ``max_to_keep`` is below 1; ``checkpoint_name`` is
             empty or holds a path separator (or a NUL); ``directory`` is empty (give ``"."``
             for the current folder).
 
@@ -666,9 +676,11 @@ class CheckpointManager:
             raise TypeError(f"checkpoint must be a Checkpoint, got {type(checkpoint).__name__}")
         if init_fn is not None and not callable(init_fn):
             raise TypeError(f"init_fn must be callable or None, got {type(init_fn).__name__}")
-        keep = None if max_to_keep is None else as_integer(max_to_keep)
-        if max_to_keep is not None and (keep is None or keep < 1):
-            raise ValueError(f"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}")
+        keep = (
+            None
+            if max_to_keep is None
+            else checked_integer(max_to_keep, "max_to_keep must be an int >= 1 or None", 1)
+        )
         if not isinstance(checkpoint_name, str):
             raise TypeError(
                 "checkpoint_name must be a str, the file name prefix (such as 'ckpt'), got "
@@ -787,9 +799,10 @@ class CheckpointManager:
             The path written.
 
         Raises:
-            ValueError: ``checkpoint_number`` is not an int >= 0; as ``Checkpoint.save``.
-            TypeError: as ``Checkpoint.save``: a container of the checkpoint now holds an
-                object it cannot save. Nothing is written.
+            ValueError: ``checkpoint_number`` is negative; as ``Checkpoint.save``.
+            TypeError: ``checkpoint_number`` is not an integer (a bool, a float, or a
+                variable that is not a 0-d integer one); as ``Checkpoint.save``: a container
+                of the checkpoint now holds an object it cannot save. Nothing is written.
             RuntimeError: called inside a replica.
             OSError: as ``Checkpoint.save``; older checkpoints are kept.
 
@@ -800,11 +813,16 @@ class CheckpointManager:
         """
         _check_not_in_replica("CheckpointManager.save")
         workers = self._checkpoint._workers()
-        number = None if checkpoint_number is None else as_integer(checkpoint_number)
+        number: int | None = None
         error: Exception | None = None
-        if checkpoint_number is not None and (number is None or number < 0):
-            error = ValueError(f"checkpoint_number must be an int >= 0, got {checkpoint_number!r}")
-        elif workers is not None:
+        if checkpoint_number is not None:
+            try:
+                number = checked_integer(
+                    checkpoint_number, "checkpoint_number must be an int >= 0", 0
+                )
+            except (TypeError, ValueError) as exc:
+                error = exc
+        if error is None and workers is not None:
             try:  # as Checkpoint.save: refused before any collective, on every worker alike
                 self._checkpoint._check("CheckpointManager.save")
             except (TypeError, ValueError) as exc:
@@ -1698,8 +1716,12 @@ class _Plan:
             )
             return False
         iterations = self.arrays[entry["array"]]
-        if iterations.shape != () or iterations.dtype.kind not in "iu" or int(iterations) < 0:
-            self.problems.append(f"{_show(path)}: its step count is not a non-negative int")
+        if (
+            iterations.shape != ()
+            or iterations.dtype.kind not in "iu"
+            or not 0 <= int(iterations) <= MAX_ITERATIONS
+        ):
+            self.problems.append(f"{_show(path)}: its step count is not an int from 0 to 2**63 - 1")
             return False
         variables = {p: v for p, v in leaves() if isinstance(v, Variable)}
         saved: dict[Path, dict[str, np.ndarray[Any, Any]]] = {}
@@ -1754,9 +1776,10 @@ class _Plan:
             if variable_path is None or not self.partial:
                 self.problems.append(problem)
 
-    def _expect_number(self, path: Path, number: int | float, entry: dict[str, Any]) -> bool:
-        kind = type(number).__name__
-        if entry["type"] != kind:
+    def _expect_number(self, path: Path, number: Any, entry: dict[str, Any]) -> bool:
+        kind = type(_number(number)).__name__
+        # (files written before NumPy scalars were numbers named a float64 by its type)
+        if entry["type"] != kind and (entry["type"], kind) != ("float64", "float"):
             self._skip(
                 "mismatch",
                 path,
@@ -1999,7 +2022,7 @@ def _check_objects(caller: str, name: str, value: Any) -> None:
                 )
         if isinstance(leaf, Variable | Optimizer) or _is_input(leaf):
             continue
-        if isinstance(leaf, int | float) and not isinstance(leaf, bool):
+        if _is_number(leaf):
             if key_path and not _restorable(value, key_path):
                 raise TypeError(
                     f"{caller}: the number at {where} is inside a tuple, where it cannot be "
@@ -2013,8 +2036,21 @@ def _check_objects(caller: str, name: str, value: Any) -> None:
 _INT64: Final = np.iinfo(np.int64)
 
 
+def _is_number(leaf: Any) -> bool:
+    """Whether ``leaf`` is a number a checkpoint holds: an int or a float, Python's or NumPy's
+    (not a bool, nor an array: arrays belong in variables)."""
+    return isinstance(leaf, int | float | np.integer | np.floating) and not isinstance(leaf, bool)
+
+
+def _number(leaf: Any) -> int | float:
+    """A number of the checkpoint (``_is_number``) as the Python int or float it is saved
+    and restored as."""
+    return int(leaf) if isinstance(leaf, int | np.integer) else float(leaf)
+
+
 def _check_int_range(caller: str, where: str, number: Any) -> None:
     """A checkpoint stores an int as a 64-bit integer: refuse one that does not fit."""
+    number = _number(number)
     if isinstance(number, int) and not _INT64.min <= number <= _INT64.max:
         raise ValueError(
             f"{caller}: the int at {where} is {number}, outside the 64-bit range a checkpoint "

@@ -48,7 +48,7 @@ import numpy as np
 from . import _trace, _tree
 from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
 from ._cluster import call_of
-from ._errors import as_integer, replica_list
+from ._errors import as_integer, checked_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, Mirrored, regroup
 
@@ -213,8 +213,8 @@ class ReductionEngine:
 
         Raises:
             ValueError: ``source`` is not a replica id.
-            TypeError: a leaf that is no number or array (``None``, a string); arrays of another
-                backend.
+            TypeError: ``source`` is not an int; a leaf that is no number or array (``None``,
+                a string); arrays of another backend.
         """
         source = self.check_source(source)
         leaves, treedef = self._leaves("broadcast", value)
@@ -293,15 +293,13 @@ class ReductionEngine:
         """``source`` as a replica id (a Python int), or refused.
 
         Raises:
-            ValueError: ``source`` is not an integer from 0 to ``size - 1``.
+            TypeError: ``source`` is not an integer (a bool is not one).
+            ValueError: it is not from 0 to ``size - 1``.
         """
         last = self.num_replicas - 1
-        replica = as_integer(source)
-        if replica is None or not 0 <= replica <= last:
-            raise ValueError(
-                f"source_replica must be a replica id from 0 to {last}, got {source!r}"
-            )
-        return replica
+        return checked_integer(
+            source, f"source_replica must be a replica id from 0 to {last}", 0, last
+        )
 
     def call(self, what: str) -> contextlib.AbstractAsyncContextManager[None]:
         """Across workers, the communicator held for a cross-replica call (``what``) from its

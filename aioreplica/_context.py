@@ -322,6 +322,7 @@ class ReplicaContext:
 
         Raises:
             ValueError: ``source_replica`` is out of range, or structures differ.
+            TypeError: ``source_replica`` is not an int (a bool is not one).
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -335,7 +336,7 @@ class ReplicaContext:
         engine = self._engine
         try:
             source_replica = engine.check_source(source_replica)  # at once, in this replica
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             engine.refusing("broadcast", exc)
             raise
         timeout = self._options("broadcast", options)._timeout

@@ -22,6 +22,7 @@ __all__ = [
     "add_note",
     "as_integer",
     "as_real",
+    "checked_integer",
     "replica_list",
     "yielding_step",
 ]
@@ -40,6 +41,29 @@ def as_integer(value: object) -> int | None:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         return None
+
+
+def checked_integer(value: object, requirement: str, low: int, high: int | None = None) -> int:
+    """``value`` as a Python int from ``low`` to ``high`` (no bound: ``None``), or an error
+    that states ``requirement`` (such as ``"batch_size must be an int >= 1"``) and names
+    ``value``: a wrong type is a TypeError, a wrong integer a ValueError.
+
+    Raises:
+        TypeError: ``value`` is not an integer (a bool is not one, nor a float or a string).
+        ValueError: it is an integer out of range.
+
+    >>> checked_integer(np.int64(2), "n must be an int >= 1", 1)
+    2
+    >>> checked_integer(True, "n must be an int >= 1", 1)
+    Traceback (most recent call last):
+    TypeError: n must be an int >= 1, got bool True
+    """
+    number = as_integer(value)
+    if number is None:
+        raise TypeError(f"{requirement}, got {type(value).__name__} {value!r:.60}")
+    if number < low or (high is not None and number > high):
+        raise ValueError(f"{requirement}, got {value!r:.60}")
+    return number
 
 
 def as_real(value: object) -> float | None:

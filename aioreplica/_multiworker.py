@@ -27,7 +27,7 @@ from ._cluster import (
 )
 from ._collectives import ReductionEngine
 from ._dataset import InputContext
-from ._errors import ReplicaSyncError
+from ._errors import ReplicaSyncError, as_integer, checked_integer
 from ._strategy import MirroredStrategy
 from ._values import DistributedValues, PerReplica, regroup
 from ._variables import sync_variables
@@ -59,6 +59,11 @@ class Cluster:
         num_workers: how many workers (processes) run the strategy.
         gpus: how many of this worker's replicas are on GPUs.
 
+    Raises:
+        TypeError: a field is not an int (NumPy's integers are; a bool is not).
+        ValueError: ``num_workers`` is below 1, ``gpus`` negative, or ``worker_index`` not
+            from 0 to ``num_workers - 1``.
+
     Example:
         >>> Cluster(worker_index=0, num_workers=2).is_chief
         True
@@ -67,6 +72,20 @@ class Cluster:
     worker_index: int
     num_workers: int
     gpus: int = 0
+
+    def __post_init__(self) -> None:
+        workers = checked_integer(self.num_workers, "Cluster: num_workers must be an int >= 1", 1)
+        index = checked_integer(self.worker_index, "Cluster: worker_index must be an int >= 0", 0)
+        if index >= workers:
+            raise ValueError(
+                f"Cluster: worker_index {index} is not one of the {workers} workers' indices, "
+                f"0 to {workers - 1}"
+            )
+        gpus = checked_integer(self.gpus, "Cluster: gpus must be an int >= 0", 0)
+        # NumPy's integers as Python ints, so that clusters compare and print as ints.
+        object.__setattr__(self, "num_workers", workers)
+        object.__setattr__(self, "worker_index", index)
+        object.__setattr__(self, "gpus", gpus)
 
     @property
     def is_chief(self) -> bool:
@@ -100,10 +119,36 @@ class Cluster:
     ) -> str:
         """``""``: there is no gRPC master to connect to (TF's answer for a local cluster).
 
+        A task named by ``task_type`` and ``task_id`` (both given, as TF reads them) must be
+        one of the cluster's, as TF's ``ClusterSpec.task_address`` requires.
+
+        Raises:
+            ValueError: ``task_type`` is not ``"worker"``, or ``task_id`` not a worker's
+                index, from 0 to ``num_workers - 1``.
+            TypeError: ``task_id`` is not an int.
+
         Example:
             >>> Cluster(worker_index=0, num_workers=2).master()
             ''
+            >>> Cluster(worker_index=0, num_workers=2).master("worker", 1)
+            ''
         """
+        if task_type is not None and task_id is not None:
+            if task_type != "worker":
+                raise ValueError(
+                    f"master(): no such job in the cluster: {task_type!r}; its one job is 'worker'"
+                )
+            index = as_integer(task_id)
+            if index is None:
+                raise TypeError(
+                    f"master(): task_id must be an int, got {type(task_id).__name__} "
+                    f"{task_id!r:.60}"
+                )
+            if not 0 <= index < self.num_workers:
+                raise ValueError(
+                    f"master(): no task with index {index} in job 'worker', whose tasks are "
+                    f"0 to {self.num_workers - 1}"
+                )
         return ""
 
     def num_accelerators(

@@ -20,14 +20,14 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, final
 
 import numpy as np
 
 from ._cluster import WorkersDisagree
 from ._collectives import reductions_for
 from ._context import default_replica_context, get_replica_context
-from ._errors import ReplicaSyncError, add_note, as_integer, replica_list
+from ._errors import ReplicaSyncError, add_note, checked_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, bits_differ, slot_variable, variable_label, which_differ
@@ -45,6 +45,8 @@ if TYPE_CHECKING:
     LearningRate: TypeAlias = float | Callable[[int], float] | Callable[[], float]
 
 __all__ = [
+    "ITERATIONS_RANGE",
+    "MAX_ITERATIONS",
     "SGD",
     "Adagrad",
     "Adam",
@@ -55,6 +57,11 @@ __all__ = [
     "slot_table",
     "slots_to_restore",
 ]
+
+#: The largest step count: a checkpoint keeps ``iterations`` as a 64-bit int.
+MAX_ITERATIONS: Final = 2**63 - 1
+#: What ``iterations`` must be, for the errors that refuse another value.
+ITERATIONS_RANGE: Final = f"iterations must be an int from 0 to {MAX_ITERATIONS} (2**63 - 1)"
 
 
 class Optimizer:
@@ -161,15 +168,26 @@ class Optimizer:
 
     @property
     def iterations(self) -> int:
-        """How many steps ``apply_gradients`` has applied (restored by checkpoints)."""
+        """How many steps ``apply_gradients`` has applied (restored by checkpoints).
+
+        It can be set, to an int from 0 to ``2**63 - 1`` (a checkpoint keeps it as a 64-bit
+        int), NumPy's integers included.
+
+        Raises:
+            TypeError: on setting, a value that is not an integer (a bool is not one).
+            ValueError: on setting, an integer out of that range; the count is then unchanged.
+
+        Example:
+            >>> opt = aioreplica.optimizers.SGD(0.1)
+            >>> opt.iterations = np.int64(10)
+            >>> opt.iterations
+            10
+        """
         return self._iterations
 
     @iterations.setter
     def iterations(self, value: int) -> None:
-        count = as_integer(value)
-        if count is None or count < 0:
-            raise ValueError(f"iterations must be an int >= 0, got {value!r}")
-        self._iterations = count
+        self._iterations = checked_integer(value, ITERATIONS_RANGE, 0, MAX_ITERATIONS)
 
     def build(self, var_list: Iterable[Variable]) -> None:
         """Create the slot variables of every variable in ``var_list`` that has none yet.

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Final, Self
 
-from ._errors import as_integer, as_real
+from ._errors import as_real, checked_integer
 
 __all__ = [
     "DEFAULT_PACK_BYTES",
@@ -111,8 +111,10 @@ class CommunicationOptions:
             aioreplica chooses the transport itself (see ``CommunicationImplementation``).
 
     Raises:
-        ValueError: a negative ``bytes_per_pack``, a negative ``timeout_seconds`` or an
-            unknown ``implementation`` (the message lists the valid ones).
+        ValueError: a negative ``bytes_per_pack``, a negative (or NaN) ``timeout_seconds`` or
+            an unknown ``implementation`` (the message lists the valid ones).
+        TypeError: ``bytes_per_pack`` is not an int or ``timeout_seconds`` not a number (a
+            bool is neither).
 
     Example:
         >>> CommunicationOptions(bytes_per_pack=1 << 20, timeout_seconds=30.0).bytes_per_pack
@@ -126,19 +128,20 @@ class CommunicationOptions:
     implementation: CommunicationImplementation | str = CommunicationImplementation.AUTO
 
     def __post_init__(self) -> None:
-        packing = as_integer(self.bytes_per_pack)
-        if packing is None or packing < 0:
-            raise ValueError(
-                f"bytes_per_pack must be an int >= 0 (0: automatic), got {self.bytes_per_pack!r}"
-            )
+        packing = checked_integer(
+            self.bytes_per_pack, "bytes_per_pack must be an int >= 0 (0: automatic)", 0
+        )
         object.__setattr__(self, "bytes_per_pack", packing)  # a NumPy integer as an int
         if self.timeout_seconds is not None:
             timeout = as_real(self.timeout_seconds)
-            if timeout is None or not timeout >= 0:  # (NaN is not)
-                raise ValueError(
-                    f"timeout_seconds must be a number of seconds >= 0 (0: no timeout) or "
-                    f"None, got {self.timeout_seconds!r}"
+            requirement = "timeout_seconds must be a number of seconds >= 0 (0: no timeout) or None"
+            if timeout is None:
+                raise TypeError(
+                    f"{requirement}, got {type(self.timeout_seconds).__name__} "
+                    f"{self.timeout_seconds!r:.60}"
                 )
+            if not timeout >= 0:  # (NaN is not)
+                raise ValueError(f"{requirement}, got {self.timeout_seconds!r}")
             object.__setattr__(self, "timeout_seconds", timeout)
         implementation = CommunicationImplementation.parse(self.implementation)
         object.__setattr__(self, "implementation", implementation)

@@ -317,8 +317,8 @@ class StrategyExtended:
                 as it is.
             destinations: a device name, a list of names, a distributed value or a variable
                 (its devices: the strategy's own), or an array (its device: a CuPy array's
-                GPU; for a NumPy array or a scalar, the host: the strategy's first host
-                device).
+                GPU; for a NumPy array or NumPy scalar, the host: the strategy's first host
+                device). A Python number, which is on no device, is refused, as in TF.
 
         Returns:
             The reduced value on the one destination device, or a ``Mirrored`` over several
@@ -326,9 +326,9 @@ class StrategyExtended:
             as ``strategy.reduce``'s.
 
         Raises:
-            ValueError: a destination is not one of the strategy's devices, or is listed
-                twice; shapes differ; a mirrored variable or a ``Mirrored`` value reduced
-                with ``SUM`` or ``PROD``.
+            ValueError: a destination is not one of the strategy's devices, is listed twice,
+                or is a Python number; shapes differ; a mirrored variable or a ``Mirrored``
+                value reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; a leaf that is no number or array.
             RuntimeError: called inside a replica; across workers, called from another task while
                 a ``run()`` is in progress there.
@@ -428,7 +428,7 @@ class StrategyExtended:
         Raises:
             TypeError: ``var`` is not a variable, ``fn`` is not callable or is async (or
                 returns an awaitable), or an argument of a mirrored variable is a
-                ``PerReplica`` whose components differ.
+                ``PerReplica`` whose components differ; ``group`` is not a bool.
             RuntimeError: called in another strategy's scope.
             ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
                 shape or dtype; across workers, another worker refused its update
@@ -442,6 +442,8 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.update, v, lambda copy, x: copy * x, (3.0,))
             array([3., 3.])
         """
+        if not isinstance(group, bool | np.bool_):
+            raise TypeError(f"extended.update(): group must be True or False, got {group!r:.60}")
         state = context_state.get()
         if state.replica is None:
             self._strategy._check_not_mixed("extended.update()", state)
@@ -506,8 +508,11 @@ class StrategyExtended:
         ``Mirrored`` leaf counts as its value, which every replica holds, but a ``PerReplica``
         is refused (reduce it first with ``reduce_to``, or pick one replica's component).
 
+        ``destinations`` are as ``reduce_to``'s.
+
         Raises:
-            ValueError: a destination is not one of the strategy's devices.
+            ValueError: a destination is not one of the strategy's devices, is listed twice,
+                or is a Python number.
             TypeError: a leaf that is no number or array (``None``, a string), or a
                 ``PerReplica``; nothing is placed.
             RuntimeError: called inside a replica.
@@ -554,8 +559,8 @@ class MirroredStrategy:
             positive and finite; ``seed`` is given with ``interleave="ordered"``.
         TypeError: ``devices`` is not a list of devices (a number of replicas, a string, one
             device, a set), the message showing the list to write; or it holds something
-            that is not a device; ``slow_merge_warning`` is not a number or None; ``seed``
-            is not an int or None.
+            that is not a device; ``sync_timeout`` or ``slow_merge_warning`` is not a number
+            or None (a bool is not one); ``seed`` is not an int or None.
 
     Example:
         >>> import anyio, aioreplica
@@ -590,7 +595,12 @@ class MirroredStrategy:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
         if sync_timeout is not None:
             seconds = as_real(sync_timeout)
-            if seconds is None or not seconds > 0:  # (NaN is not)
+            if seconds is None:
+                raise TypeError(
+                    "sync_timeout must be a positive number of seconds or None, got "
+                    f"{type(sync_timeout).__name__} {sync_timeout!r:.60}"
+                )
+            if not seconds > 0:  # (NaN is not)
                 raise ValueError(
                     "sync_timeout must be a positive number of seconds or None, got "
                     f"{sync_timeout!r}"
@@ -786,8 +796,9 @@ class MirroredStrategy:
     def _destinations(self, destinations: Any) -> tuple[Device, ...]:
         """TF's destinations as device objects: a device name or object, a list of them, a
         distributed value or variable (meaning its devices: the strategy's own), or an array
-        (meaning its device: a CuPy array's GPU; for a NumPy array or a scalar, the host, which
-        is the strategy's first host device)."""
+        (meaning its device: a CuPy array's GPU; for a NumPy array or NumPy scalar, the host,
+        which is the strategy's first host device). A Python number is on no device: refused,
+        as TF's ``validate_destinations`` refuses it."""
         if destinations is None or isinstance(destinations, DistributedValues):
             return self._device_objects
         if isinstance(destinations, Variable):
@@ -800,6 +811,14 @@ class MirroredStrategy:
                 name = item if item in by_name else canonical_device_name(item)
             elif isinstance(item, Device):  # a Protocol check: slow, so strings go first
                 name = item.name
+            elif isinstance(item, bool | int | float | complex) and not isinstance(
+                item, np.generic
+            ):
+                raise ValueError(
+                    f"destination {item!r} is a Python {type(item).__name__}, which is on no "
+                    "device; destinations are a device name (such as 'cpu:0'), a list of "
+                    "names, a distributed value, a variable, or an array (its device)"
+                )
             elif (kind := array_kind(item)) in _ARRAY_KINDS:
                 name = self._array_device_name(item, kind)
             else:
@@ -1459,8 +1478,9 @@ class MirroredStrategy:
             RuntimeError: called inside a replica; in another strategy's scope or
                 ``merge_fn``; across workers, inside ``merge_fn`` (in one process a
                 ``merge_fn`` may run the replicas again, as in TF).
-            TypeError: ``fn`` is not callable, ``args`` is not a sequence or ``kwargs`` not a
-                mapping; ``fn`` is an async generator function (it has a ``yield``).
+            TypeError: ``fn`` is not callable, ``args`` is not a sequence (or is a string or
+                bytes, whose characters are no arguments) or ``kwargs`` not a mapping; ``fn``
+                is an async generator function (it has a ``yield``).
             ValueError: a distributed value in the arguments has a different number of
                 components than the strategy has replicas.
             ReplicaSyncError: replicas made different merge calls, or one was left waiting
@@ -1518,7 +1538,7 @@ class MirroredStrategy:
         self._check_not_mixed("run()", state)
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
-        if isinstance(args, str) or not isinstance(args, Sequence):
+        if isinstance(args, str | bytes | bytearray) or not isinstance(args, Sequence):
             raise TypeError(
                 f"args must be a tuple of arguments, got {type(args).__name__} {args!r}; "
                 f"for one argument write args=(value,)"

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final,
 
 import numpy as np
 
-from ._errors import ReplicaSyncError, replica_list
+from ._errors import ReplicaSyncError, as_integer, replica_list
 from ._tree import (
     all_leaves,
     describe_path,
@@ -245,7 +245,12 @@ class Mirrored(DistributedValues[T]):
         return np.array(value, dtype=dtype, copy=copy)
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        """A ufunc (``np.add(m, 1)``, ``np.ones(2) + m``, ``np.sum(m)``) of its value."""
+        """A ufunc (``np.add(m, 1)``, ``np.ones(2) + m``, ``np.sum(m)``) of its value; but
+        ``==`` and ``!=`` stay identity, as for every distributed value, when NumPy asks
+        (``np.zeros(3) == m``, ``m in [array, m]``)."""
+        if (ufunc is np.equal or ufunc is np.not_equal) and method == "__call__":
+            same = len(inputs) == 2 and inputs[0] is inputs[1]
+            return same if ufunc is np.equal else not same
         _check_out(kwargs.get("out"), ufunc)
         return getattr(ufunc, method)(*_unwrapped(inputs), **kwargs)
 
@@ -555,6 +560,7 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         The structure as replica `replica_id` sees it.
 
     Raises:
+        TypeError: `replica_id` is not an integer (NumPy's integers are; a bool is not).
         IndexError: `replica_id` is out of range for a distributed value; the message names
             it and the number of replicas.
 
@@ -565,12 +571,29 @@ def select_replica(replica_id: int, structure: Any) -> Any:
         >>> select_replica(1, merged)
         ('b', None)
     """
+    if type(replica_id) is not int:
+        replica_id = _replica_id("select_replica", replica_id)
     if type(structure) in _PLAIN:
         try:
             return _select_plain(structure, replica_id)
         except _NotPlain:
             pass
     return _select_tree(structure, replica_id)
+
+
+def _replica_id(caller: str, replica_id: object) -> int:
+    """``replica_id`` as a Python int, or a TypeError (``caller``: for the message).
+
+    Raises:
+        TypeError: it is not an integer (a bool is not one).
+    """
+    index = as_integer(replica_id)
+    if index is None:
+        raise TypeError(
+            f"{caller}(): replica_id must be an int, a replica's id from 0, got "
+            f"{type(replica_id).__name__} {replica_id!r:.60}"
+        )
+    return index
 
 
 def _select_tree(structure: Any, replica_id: int) -> Any:
@@ -603,13 +626,15 @@ def select_replica_mirrored(replica_id: int, structure: Any) -> Any:
 
     Raises:
         TypeError: A distributed leaf is not ``Mirrored``; the message names its key path
-            and type.
+            and type. `replica_id` is not an integer (a bool is not one).
         IndexError: `replica_id` is out of range for a distributed value.
 
     Example:
         >>> select_replica_mirrored(0, {"w": Mirrored([1.5, 1.5]), "lr": 0.1})
         {'w': 1.5, 'lr': 0.1}
     """
+    if type(replica_id) is not int:
+        replica_id = _replica_id("select_replica_mirrored", replica_id)
     if isinstance(structure, Mirrored):
         return _select(structure, replica_id)
     if is_leaf(structure) and not isinstance(structure, DistributedValues):

@@ -145,6 +145,10 @@ class Variable(NDArrayOperatorsMixin):
         initial_value: an array-like, or a callable returning one (called once).
         name: a name for messages and reprs; default ``"Variable"``.
         dtype: the dtype to store; default: ``initial_value``'s (Python floats: float64).
+            The initial value is cast to it as a write would be: an array of another kind of
+            number (a float array to an integer dtype, say) is refused; Python numbers take
+            it where they fit (an int takes an integer, float or complex dtype, and bool as
+            ``0`` or ``1``; a float takes a float or complex dtype).
         trainable: whether optimizers should train it (recorded, as in TF); by default
             ``True``, except with ``synchronization="on_read"`` (``False``, as in TF).
         synchronization: a ``VariableSynchronization`` or its name; ``None`` means ``AUTO``.
@@ -152,8 +156,11 @@ class Variable(NDArrayOperatorsMixin):
 
     Raises:
         ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
-            valid ones); ``synchronization="none"`` inside a strategy scope.
-        TypeError: ``initial_value`` is not numeric or bool; a sync-on-read variable with
+            valid ones); ``synchronization="none"`` inside a strategy scope; an integer of
+            ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around).
+        TypeError: ``initial_value`` is not numeric or bool; ``dtype`` is not a numeric or
+            bool NumPy dtype, or ``initial_value`` does not cast to it without losing its kind
+            of number (a float to an integer, a complex to a float); a sync-on-read variable with
             ``aggregation="mean"`` and a dtype that cannot be averaged (integers, bool);
             ``name`` is not a string or ``trainable`` not a bool.
         RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
@@ -1578,16 +1585,24 @@ def _check_integer_range(array: Any, dtype: np.dtype[Any], what: str) -> None:
     Raises:
         ValueError: a value of ``array`` is out of ``dtype``'s range.
     """
-    if np.can_cast(array.dtype, dtype, casting="safe"):
-        return  # every value fits
-    info = np.iinfo(dtype)
-    low, high = int(array.min()), int(array.max())
-    if low < info.min or high > info.max:
-        bad = low if low < info.min else high
+    bad = _out_of_range(array, dtype)
+    if bad is not None:
+        info = np.iinfo(dtype)
         raise ValueError(
             f"cannot write {bad} to {what} of dtype {dtype}, which holds {info.min} to "
             f"{info.max}; the cast would wrap it around"
         )
+
+
+def _out_of_range(array: Any, dtype: np.dtype[Any]) -> int | None:
+    """An integer of ``array`` that the integer ``dtype`` cannot hold, else ``None``."""
+    if np.can_cast(array.dtype, dtype, casting="safe"):
+        return None  # every value fits
+    info = np.iinfo(dtype)
+    low, high = int(array.min()), int(array.max())
+    if low < info.min:
+        return low
+    return high if high > info.max else None
 
 
 #: What ``update``'s ``fn`` must be, for the errors that refuse another.
@@ -1756,28 +1771,115 @@ def _check_kind(
 
 
 def _initial_array(value: Any, dtype: Any, name: str) -> Any:
-    """A fresh array of ``value`` (never the caller's own object), in ``dtype`` if given."""
+    """A fresh array of ``value`` (never the caller's own object), in ``dtype`` if given.
+
+    ``dtype`` casts the value by a write's rules: an array (or a NumPy scalar) of another
+    dtype kind is refused, as is an integer the dtype cannot hold; Python numbers, which have
+    no dtype of their own, take it where they fit (an int into any integer, float or complex
+    dtype, and ``0``/``1`` into bool; a float into a float or complex dtype).
+
+    Raises:
+        TypeError: ``value`` is not numeric or bool, ``dtype`` is not a numeric or bool NumPy
+            dtype, or the cast would drop a fraction or an imaginary part.
+        ValueError: ``dtype`` cannot hold an integer of ``value``.
+    """
     if isinstance(value, Variable):
         value = value.value()
+    target = None if dtype is None else _target_dtype(dtype, name)
     if is_cupy_array(value):
         with value.device:  # copied on the GPU it is on, on that GPU's current stream
-            array = array_module(value).array(value, dtype=dtype, copy=True)
+            if target is not None:
+                _check_initial_cast(value, target, name, own_dtype=True)
+            array = array_module(value).array(value, dtype=target, copy=True)
     elif is_array(value):
-        array = np.array(value, dtype=dtype, copy=True)
+        if target is not None:
+            _check_initial_cast(value, target, name, own_dtype=True)
+        array = np.array(value, dtype=target, copy=True)
     else:
         try:
-            array = np.array(value, dtype=dtype)
+            array = np.array(value)
         except (TypeError, ValueError) as exc:
             raise TypeError(
                 f"variable {name!r}: cannot make an array of the initial value "
                 f"{type(value).__name__} {value!r:.60}: {exc}"
             ) from None
+        if target is not None:
+            own = isinstance(value, np.generic)  # a NumPy scalar has its dtype, as an array
+            _check_initial_cast(array, target, name, own_dtype=own)
+            array = array.astype(target)
     if array.dtype.kind not in "biufc":
         raise TypeError(
             f"variable {name!r}: the initial value has dtype {array.dtype}; variables hold "
             "numeric or bool arrays"
         )
     return array
+
+
+def _target_dtype(dtype: Any, name: str) -> np.dtype[Any]:
+    """``dtype`` as a NumPy dtype a variable can hold, or a clear error.
+
+    Raises:
+        TypeError: ``dtype`` is no NumPy dtype, or not a numeric or bool one.
+    """
+    try:
+        target: np.dtype[Any] = np.dtype(dtype)
+    except TypeError as exc:
+        raise TypeError(f"variable {name!r}: dtype {dtype!r} is not a NumPy dtype: {exc}") from None
+    if target.kind not in "biufc":
+        raise TypeError(
+            f"variable {name!r}: dtype {target} is not numeric or bool; variables hold "
+            "numeric or bool arrays"
+        )
+    return target
+
+
+def _check_initial_cast(array: Any, dtype: np.dtype[Any], name: str, *, own_dtype: bool) -> None:
+    """Refuse to make ``array`` (the initial value; ``own_dtype``: whether the caller gave it
+    a dtype, or Python numbers inferred it) a variable of ``dtype`` where a write would
+    refuse the value: another dtype kind, or an integer ``dtype`` cannot hold.
+
+    Raises:
+        TypeError: the cast would change the kind of the values (a float to an integer, a
+            complex to a float, anything numeric to bool, text or dates to numbers).
+        ValueError: an integer out of ``dtype``'s range.
+    """
+    kind = array.dtype.kind
+    if kind not in "biufc":
+        raise TypeError(
+            f"variable {name!r}: the initial value has dtype {array.dtype}; variables hold "
+            "numeric or bool arrays"
+        )
+    if not own_dtype and not array.size:
+        return  # no numbers (``[]``): the dtype NumPy guessed means nothing
+    python_int = not own_dtype and kind in "iu"  # Python ints take any integer dtype or bool
+    if not np.can_cast(array.dtype, dtype, casting="same_kind") and not (
+        python_int and dtype.kind in "iub"
+    ):
+        value = "value" if own_dtype else "np.asarray(value)"
+        raise TypeError(
+            f"variable {name!r}: an initial value of dtype {array.dtype} does not cast to "
+            f"dtype {dtype} without losing its kind of number (a write refuses it too); cast "
+            f"it first (e.g. {value}.astype({dtype}))"
+        )
+    if not array.size or kind not in "iu":
+        return
+    if dtype.kind == "b":
+        low, high = int(array.min()), int(array.max())
+        if low < 0 or high > 1:
+            raise ValueError(
+                f"variable {name!r}: the initial value {low if low < 0 else high} does not "
+                "fit dtype bool, which holds 0 (False) and 1 (True); pass bools, or compare "
+                "first (value != 0)"
+            )
+    elif dtype.kind in "iu":
+        bad = _out_of_range(array, dtype)
+        if bad is not None:
+            info = np.iinfo(dtype)
+            raise ValueError(
+                f"variable {name!r}: the initial value {bad} does not fit dtype {dtype}, which "
+                f"holds {info.min} to {info.max}; the cast would wrap it around: choose a "
+                "wider dtype"
+            )
 
 
 def _check_aggregation_dtype(

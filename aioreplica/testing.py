@@ -102,17 +102,28 @@ T = TypeVar("T")
 #: The replica counts of tests without a ``replicas`` marker, unless the option says others.
 DEFAULT_REPLICAS: Final = 2
 
+#: The most host devices ``host_devices`` names: each is a worker thread of this process, and
+#: each replica a coroutine; far more than a test needs (the suite runs 2,000).
+MAX_HOST_DEVICES: Final = 65536
+
 
 # -- helpers for tests -------------------------------------------------------------------
 
 
 def _count(n: object, what: str) -> int:
-    """``n`` as a replica count, or a ``TypeError``/``ValueError`` naming ``what``."""
-    if not isinstance(n, int) or isinstance(n, bool):
-        raise TypeError(f"{what} must be a positive int, got {type(n).__name__} {n!r}")
-    if n < 1:
-        raise ValueError(f"{what} must be a positive int (one replica or more), got {n}")
-    return n
+    """``n`` as a replica count (a Python int; NumPy's integers are taken), or a
+    ``TypeError``/``ValueError`` naming ``what``."""
+    count = as_integer(n)
+    if count is None:
+        raise TypeError(f"{what} must be a positive int, got {type(n).__name__} {n!r:.60}")
+    if count < 1:
+        raise ValueError(f"{what} must be a positive int (one replica or more), got {count}")
+    if count > MAX_HOST_DEVICES:
+        raise ValueError(
+            f"{what} must be at most {MAX_HOST_DEVICES}, got {count}: each replica's host "
+            "device is a worker thread of this process"
+        )
+    return count
 
 
 def host_devices(n: int) -> list[str]:
@@ -125,8 +136,9 @@ def host_devices(n: int) -> list[str]:
         The device names, in replica order: what ``MirroredStrategy`` takes.
 
     Raises:
-        TypeError: ``n`` is not an int.
-        ValueError: ``n`` is below 1.
+        TypeError: ``n`` is not an int (NumPy's integers are; a bool is not).
+        ValueError: ``n`` is below 1, or above 65536: each device is a worker thread of this
+            process.
 
     Example:
         >>> host_devices(3)
@@ -391,8 +403,9 @@ class StrategyFactory:
             default.
 
     Raises:
-        TypeError: ``replicas`` is not an int, or ``seed`` neither an int nor ``None``.
-        ValueError: ``replicas`` is below 1.
+        TypeError: ``replicas`` is not an int (NumPy's integers are; a bool is not), or
+            ``seed`` neither an int nor ``None``.
+        ValueError: ``replicas`` is below 1 or above 65536 (as for ``host_devices``).
 
     Example:
         >>> make = StrategyFactory(4)
@@ -451,7 +464,7 @@ class StrategyFactory:
 
         Raises:
             TypeError: ``n`` is not an int; or as ``MirroredStrategy``.
-            ValueError: ``n`` is below 1, or differs from ``len(devices)``; or as
+            ValueError: ``n`` is below 1 or above 65536, or differs from ``len(devices)``; or as
                 ``MirroredStrategy`` (an ``interleave`` it does not know, say).
 
         Example:

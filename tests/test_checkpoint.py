@@ -291,6 +291,42 @@ class TestRoundTrip:
         assert ckpt.rate == 0.125
         assert type(ckpt.rate) is float
 
+    async def test_numpy_numbers_are_numbers(self, tmp_path: Path) -> None:
+        """NumPy's integer and floating scalars are saved as the numbers they are and restored
+        as Python ints and floats, in place; a file that named a float64 by its type (before
+        NumPy's scalars were numbers) restores into a float."""
+        counters: dict[str, Any] = {"step": np.int64(5), "loss": np.float32(0.25)}
+        ckpt = Checkpoint(counters=counters, epoch=np.uint8(3), rate=np.float64(0.5))
+        path = await ckpt.save(tmp_path / "n.npz")
+        entries = [(entry["path"], entry["type"]) for entry in manifest(path)["entries"]]
+        assert entries == [
+            (["counters", "loss"], "float"),
+            (["counters", "step"], "int"),
+            (["epoch"], "int"),
+            (["rate"], "float"),
+        ]
+        counters.update(step=np.int64(6), loss=np.float32(9.0))
+        ckpt.epoch, ckpt.rate = np.uint8(4), 1.0
+
+        await ckpt.restore(path)
+
+        restored = [counters["step"], counters["loss"], ckpt.epoch, ckpt.rate]
+        assert [(type(n), n) for n in restored] == [(int, 5), (float, 0.25), (int, 3), (float, 0.5)]
+        old = json.loads(json.dumps(manifest(path)).replace('"float"', '"float64"'))
+        rewrite(path, tmp_path / "old.npz", {"manifest.json": json.dumps(old).encode()})
+        ckpt.rate = np.float64(2.0)
+        await ckpt.restore(tmp_path / "old.npz")
+        assert (type(ckpt.rate), ckpt.rate) == (float, 0.5)
+
+    async def test_largest_step_count_round_trips(self, tmp_path: Path) -> None:
+        """The largest step count ``iterations`` takes, 2**63 - 1, saves and restores."""
+        opt = SGD(0.1)
+        opt.iterations = 2**63 - 1
+        path = await Checkpoint(opt=opt).save(tmp_path / "c.npz")
+        fresh = SGD(0.1)
+        await Checkpoint(opt=fresh).restore(path)
+        assert (type(fresh.iterations), fresh.iterations) == (int, 2**63 - 1)
+
     async def test_save_returns_path_as_string(self, tmp_path: Path) -> None:
         """``save`` returns the path it wrote, as a string, for str and PathLike arguments."""
         ckpt = Checkpoint(step=1)
@@ -1005,6 +1041,20 @@ class TestRefusedRestore:
         )
         assert plain.iterations == 0
 
+    @pytest.mark.parametrize("count", [np.uint64(2**63), np.int64(-1)], ids=["2**63", "-1"])
+    async def test_step_count_outside_int64(self, tmp_path: Path, count: Any) -> None:
+        """A step count outside 0 to 2**63 - 1 (what ``iterations`` holds) is refused;
+        nothing changes."""
+        saved_model = await saved_then_changed(tmp_path)
+        member = member_of(saved_model.path, ["optimizer"])
+        data = io.BytesIO()
+        np.save(data, np.asarray(count))
+        bad = tmp_path / "bad.npz"
+        rewrite(saved_model.path, bad, {f"{member}.npy": data.getvalue()})
+        await self.expect_refused(
+            saved_model, bad, ["optimizer: its step count is not an int from 0 to 2**63 - 1"]
+        )
+
     async def test_number_of_another_type(self, tmp_path: Path) -> None:
         """An int in the file is not restored into a float; nothing changes."""
         saved_model = await saved_then_changed(tmp_path)
@@ -1038,11 +1088,20 @@ class TestConstruction:
 
     @pytest.mark.parametrize(
         ("value", "kind"),
-        [("x", "str"), (np.zeros(2), "ndarray"), (True, "bool"), (None, "NoneType")],
-        ids=["str", "ndarray", "bool", "None"],
+        [
+            ("x", "str"),
+            (np.zeros(2), "ndarray"),
+            (np.array(3), "ndarray"),
+            (True, "bool"),
+            (np.True_, "bool"),
+            (np.complex64(1), "complex64"),
+            (None, "NoneType"),
+        ],
+        ids=["str", "ndarray", "0-d ndarray", "bool", "np.bool", "np.complex64", "None"],
     )
     def test_unsupported_object(self, value: Any, kind: str) -> None:
-        """Strings, arrays, bools and None are not checkpoint objects."""
+        """Strings, arrays (0-d ones too: arrays belong in variables), bools, complex numbers
+        and None are not checkpoint objects."""
         with pytest.raises(TypeError, match=rf"Checkpoint: thing is a {kind}; a checkpoint holds"):
             Checkpoint(thing=value)
         with pytest.raises(TypeError, match=rf"Checkpoint: model/0 is a {kind}; a checkpoint"):
@@ -1078,6 +1137,9 @@ class TestConstruction:
         arrays cannot be saved"."""
         with pytest.raises(ValueError, match=f"the int at step is {number}, outside the 64-bit"):
             Checkpoint(step=number)
+        if number == 2**63:  # a NumPy integer that holds it
+            with pytest.raises(ValueError, match=f"the int at step is {number}, outside the"):
+                Checkpoint(step=np.uint64(number))
         ckpt = Checkpoint(counts={"step": 0})
         ckpt.counts["step"] = number  # changed after construction: refused at save
         with pytest.raises(ValueError, match=r"Checkpoint\.save: the int at counts/step is"):
@@ -1405,12 +1467,19 @@ class TestCheckpointManager:
         assert await manager.save() == str(tmp_path / "model-1.npz")
         assert repr(manager) == f"CheckpointManager({str(tmp_path)!r}, latest={manager.latest!r})"
 
-    @pytest.mark.parametrize("max_to_keep", [0, -1, True, 1.5])
+    @pytest.mark.parametrize("max_to_keep", [0, -1])
     def test_bad_max_to_keep(self, tmp_path: Path, max_to_keep: Any) -> None:
         """``max_to_keep`` must be an int >= 1 or None."""
         with pytest.raises(
-            ValueError, match=rf"max_to_keep must be an int >= 1 or None, got {max_to_keep!r}"
+            ValueError, match=rf"^max_to_keep must be an int >= 1 or None, got {max_to_keep!r}$"
         ):
+            CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=max_to_keep)
+
+    @pytest.mark.parametrize("max_to_keep", [True, 1.5, "5"])
+    def test_max_to_keep_of_another_type(self, tmp_path: Path, max_to_keep: Any) -> None:
+        """A ``max_to_keep`` that is no int (a bool, a float, a string) is a TypeError."""
+        shown = re.escape(f"got {type(max_to_keep).__name__} {max_to_keep!r}")
+        with pytest.raises(TypeError, match=rf"^max_to_keep must be an int >= 1 or None, {shown}$"):
             CheckpointManager(Checkpoint(step=0), tmp_path, max_to_keep=max_to_keep)
 
     async def test_numpy_integers_are_counts(self, tmp_path: Path) -> None:
@@ -1513,7 +1582,10 @@ class TestCheckpointManager:
         step = Variable(np.int64(4), name="step")
         assert await manager.save(checkpoint_number=step) == str(tmp_path / "ckpt-4.npz")
         for bad in (Variable(4.0, name="f"), Variable(np.arange(2), name="v")):
-            with pytest.raises(ValueError, match="checkpoint_number must be an int >= 0"):
+            shown = rf"got Variable <aioreplica\.Variable {bad.name!r} shape"
+            with pytest.raises(
+                TypeError, match=rf"^checkpoint_number must be an int >= 0, {shown}"
+            ):
                 await manager.save(checkpoint_number=bad)
         assert os.listdir(tmp_path) == ["ckpt-4.npz"]
 
@@ -1536,12 +1608,23 @@ class TestCheckpointManager:
         with pytest.raises(TypeError, match="checkpoint must be a Checkpoint, got dict"):
             CheckpointManager({"step": 0}, tmp_path)  # type: ignore[arg-type]
 
-    @pytest.mark.parametrize("number", [-1, True, 2.0])
-    async def test_bad_checkpoint_number(self, tmp_path: Path, number: Any) -> None:
-        """``checkpoint_number`` must be an int >= 0; nothing is written."""
+    @pytest.mark.parametrize(
+        ("number", "error", "shown"),
+        [
+            (-1, ValueError, "-1"),
+            (True, TypeError, "bool True"),
+            (2.0, TypeError, "float 2.0"),
+            ("3", TypeError, "str '3'"),
+        ],
+    )
+    async def test_bad_checkpoint_number(
+        self, tmp_path: Path, number: Any, error: type[Exception], shown: str
+    ) -> None:
+        """``checkpoint_number`` must be an int >= 0 (another type is a TypeError); nothing
+        is written."""
         manager = CheckpointManager(Checkpoint(step=0), tmp_path / "run")
         with pytest.raises(
-            ValueError, match=rf"checkpoint_number must be an int >= 0, got {number!r}"
+            error, match=rf"^checkpoint_number must be an int >= 0, got {re.escape(shown)}$"
         ):
             await manager.save(checkpoint_number=number)
         assert not (tmp_path / "run").exists()

@@ -99,6 +99,53 @@ class TestOneWorker:
         assert aioreplica.Cluster(1, 3, gpus=2).num_accelerators() == {"GPU": 2}
         assert aioreplica.Cluster(1, 3).cluster_spec() == {"worker": ["rank 0", "rank 1", "rank 2"]}
 
+    @pytest.mark.parametrize(
+        ("args", "error", "message"),
+        [
+            ((-1, 1), ValueError, "worker_index must be an int >= 0, got -1"),
+            ((5, 2), ValueError, "worker_index 5 is not one of the 2 workers' indices, 0 to 1"),
+            (("0", 2), TypeError, "worker_index must be an int >= 0, got str '0'"),
+            ((0, 0), ValueError, "num_workers must be an int >= 1, got 0"),
+            ((0, True), TypeError, "num_workers must be an int >= 1, got bool True"),
+            ((0, 2, 1.5), TypeError, "gpus must be an int >= 0, got float 1.5"),
+            ((0, 2, -1), ValueError, "gpus must be an int >= 0, got -1"),
+        ],
+    )
+    def test_cluster_fields_are_checked(
+        self, args: tuple[Any, ...], error: type[Exception], message: str
+    ) -> None:
+        """A Cluster's fields are counts and an index among them: anything else is refused
+        (a wrong type with TypeError); NumPy's integers are taken as ints."""
+        with pytest.raises(error) as info:
+            aioreplica.Cluster(*args)
+        assert str(info.value) == f"Cluster: {message}"
+        cluster = aioreplica.Cluster(np.int64(1), np.int32(3), gpus=np.uint8(2))  # type: ignore[arg-type]
+        assert cluster == aioreplica.Cluster(1, 3, 2)
+        assert [type(n) for n in (cluster.worker_index, cluster.num_workers, cluster.gpus)] == [
+            int,
+            int,
+            int,
+        ]
+
+    def test_master_refuses_a_task_not_in_the_cluster(self) -> None:
+        """master(task_type, task_id) names a task of the cluster, as TF's ClusterSpec
+        requires: another job or index is a ValueError, an index of another type a
+        TypeError; one argument alone is ignored, as in TF."""
+        cluster = aioreplica.Cluster(0, 2)
+        refused = []
+        for task_type, task_id in [("chief", 0), ("worker", 2), ("worker", -1), ("worker", "1")]:
+            with pytest.raises((TypeError, ValueError)) as info:
+                cluster.master(task_type, task_id)  # type: ignore[arg-type]
+            refused.append((type(info.value), str(info.value)))
+        assert refused == [
+            (ValueError, "master(): no such job in the cluster: 'chief'; its one job is 'worker'"),
+            (ValueError, "master(): no task with index 2 in job 'worker', whose tasks are 0 to 1"),
+            (ValueError, "master(): no task with index -1 in job 'worker', whose tasks are 0 to 1"),
+            (TypeError, "master(): task_id must be an int, got str '1'"),
+        ]
+        answers = [cluster.master("worker", 1), cluster.master("chief"), cluster.master(None, 5)]
+        assert answers == ["", "", ""]
+
     def test_gpus_count_the_workers_gpu_replicas(self, cp: Any) -> None:
         strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
         assert strategy.cluster_resolver.num_accelerators() == {"GPU": 2}

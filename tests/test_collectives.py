@@ -65,13 +65,22 @@ class TestCommunicationOptions:
             CommunicationOptions(timeout_seconds=float("nan"))
         assert CommunicationOptions(timeout_seconds=0).timeout_seconds == 0.0
 
-    def test_bools_are_no_numbers(self) -> None:
-        """True is an int to Python, not a pack size or a timeout."""
-        packing = r"bytes_per_pack must be an int >= 0 \(0: automatic\), got True"
-        with pytest.raises(ValueError, match=packing):
-            CommunicationOptions(bytes_per_pack=True)
-        with pytest.raises(ValueError, match=r"timeout_seconds must .* or None, got True"):
-            CommunicationOptions(timeout_seconds=True)
+    @pytest.mark.parametrize("value", [True, "1", None, 1.5])
+    def test_a_pack_size_of_another_type(self, value: Any) -> None:
+        """True is an int to Python, not a pack size: a TypeError, as for any value that is
+        no integer."""
+        shown = re.escape(f"got {type(value).__name__} {value!r}")
+        packing = rf"^bytes_per_pack must be an int >= 0 \(0: automatic\), {shown}$"
+        with pytest.raises(TypeError, match=packing):
+            CommunicationOptions(bytes_per_pack=value)
+
+    @pytest.mark.parametrize("value", [True, "1", [1]])
+    def test_a_timeout_of_another_type(self, value: Any) -> None:
+        """True is an int to Python, not a timeout: a TypeError, as for any value that is no
+        number."""
+        shown = re.escape(f"got {type(value).__name__} {value!r}")
+        with pytest.raises(TypeError, match=rf"^timeout_seconds must .* or None, {shown}$"):
+            CommunicationOptions(timeout_seconds=value)
 
     async def test_options_of_another_type_are_refused(self) -> None:
         """A collective's ``options`` that is no ``CommunicationOptions`` (a timeout in
@@ -600,6 +609,25 @@ class TestOtherReplicaCollectives:
         with pytest.raises(ValueError, match="source_replica must be a replica id from 0 to 1"):
             await strategy.run(step)
 
+    @pytest.mark.parametrize("source", [None, "0", True, 1.5])
+    async def test_broadcast_source_of_another_type(self, source: Any) -> None:
+        """A source replica that is no int (a bool is not one) is a TypeError, in the replica
+        that passed it; the strategy goes on."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step(source: Any) -> Any:
+            return await replica_context().broadcast(np.zeros(1), source_replica=source)
+
+        message = (
+            "source_replica must be a replica id from 0 to 1, got "
+            f"{type(source).__name__} {source!r}"
+        )
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}") as info:
+            await strategy.run(step, args=(source,))
+        assert str(info.value) == message
+        result = await strategy.run(step, args=(np.int64(1),))
+        np.testing.assert_array_equal(result, [0.0])
+
     async def test_reduce_scatter(self) -> None:
         """Replica i gets the i-th array_split chunk of the reduced value."""
         strategy = MirroredStrategy(host_devices(3))
@@ -839,7 +867,10 @@ class TestCrossReplica:
         calls: list[tuple[type[Exception], Callable[[], Awaitable[Any]]]] = [
             (ValueError, lambda: strategy.reduce("sum", three)),
             (ValueError, lambda: extended.reduce_to("sum", three, "cpu:0")),
-            (ValueError, lambda: extended.batch_reduce_to("sum", [(1.0, "cpu:0"), (three, 0.0)])),
+            (
+                ValueError,
+                lambda: extended.batch_reduce_to("sum", [(1.0, "cpu:0"), (three, "cpu:0")]),
+            ),
             (TypeError, lambda: strategy.reduce("mean", flags)),
             (TypeError, lambda: extended.reduce_to("mean", flags, "cpu:0")),
             (TypeError, lambda: extended.reduce_to("mean", {"ok": flags}, "cpu:0")),
@@ -879,13 +910,13 @@ class TestCrossReplica:
         with pytest.raises(ValueError, match="destination 'cpu:7' is not one of"):
             await strategy.extended.reduce_to("sum", value, "cpu:7")
 
-    @pytest.mark.parametrize("destination", [np.zeros(1), np.float32(0.0), 0.0])
+    @pytest.mark.parametrize("destination", [np.zeros(1), np.float32(0.0), np.array(0)])
     async def test_reduce_to_a_host_array_means_the_first_host_device(
         self, destination: Any
     ) -> None:
         """TF's ``reduce_to(op, value, destinations=tensor)`` reduces to the tensor's device: a
-        host array or scalar means the host, the strategy's first device, so one value comes
-        back (as for ``"cpu:1"`` here), not a Mirrored."""
+        host array or NumPy scalar means the host, the strategy's first device, so one value
+        comes back (as for ``"cpu:1"`` here), not a Mirrored."""
         strategy = MirroredStrategy(["cpu:1", "cpu:2"])
         value = PerReplica([np.array([1.0]), np.array([2.0])])
         one = await strategy.extended.reduce_to("sum", value, destination)
@@ -896,6 +927,34 @@ class TestCrossReplica:
         np.testing.assert_array_equal(single, [2.0])
         assert isinstance(both, Mirrored)
         assert len(both.values) == 2
+
+    @pytest.mark.parametrize("destination", [5, 0.0, True, [0.0, "cpu:2"]])
+    async def test_a_python_number_is_no_destination(self, destination: Any) -> None:
+        """A Python number is on no device: reduce_to, batch_reduce_to and broadcast_to refuse
+        it with a ValueError, as TF's validate_destinations does, and place nothing."""
+        strategy = MirroredStrategy(["cpu:1", "cpu:2"])
+        value = PerReplica([np.array([1.0]), np.array([2.0])])
+        number = destination[0] if isinstance(destination, list) else destination
+        message = (
+            f"destination {number!r} is a Python {type(number).__name__}, which is on no "
+            "device; destinations are a device name (such as 'cpu:0'), a list of names, a "
+            "distributed value, a variable, or an array (its device)"
+        )
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: strategy.extended.reduce_to("sum", value, destination),
+            lambda: strategy.extended.batch_reduce_to(
+                "sum", [(value, "cpu:1"), (value, destination)]
+            ),
+            lambda: strategy.extended.broadcast_to(np.ones(1), destination),
+        ]
+        refused = []
+        for call in calls:
+            with pytest.raises(ValueError, match=r"^destination ") as info:
+                await call()
+            refused.append(str(info.value))
+        assert refused == [message] * 3
+        summed = await strategy.extended.reduce_to("sum", value, "cpu:1")
+        np.testing.assert_array_equal(summed, [3.0])
 
     async def test_bad_pairs_and_destinations_are_refused(self) -> None:
         """batch_reduce_to's pairs must be (value, destinations) pairs, and destinations name

@@ -1115,11 +1115,53 @@ class TestBatched:
         with pytest.raises(TypeError, match=f"shuffle must be True or False, got {shuffle!r}"):
             batched(np.arange(4), 2, shuffle=shuffle)
 
-    @pytest.mark.parametrize("batch_size", [0, -1, True])
+    @pytest.mark.parametrize("batch_size", [0, -1])
     def test_batch_size_below_one(self, batch_size: int) -> None:
-        """batch_size below 1, or a bool (an int to Python), is a ValueError."""
-        with pytest.raises(ValueError, match=f"batch_size must be an int >= 1, got {batch_size}"):
+        """batch_size below 1 is a ValueError."""
+        with pytest.raises(ValueError, match=f"^batch_size must be an int >= 1, got {batch_size}$"):
             list(batched(np.arange(4), batch_size))
+
+    @pytest.mark.parametrize("batch_size", [True, 2.0, "2", None])
+    def test_batch_size_of_another_type(self, batch_size: Any) -> None:
+        """A batch_size that is no int (a bool, an int to Python, included) is a TypeError."""
+        shown = re.escape(f"got {type(batch_size).__name__} {batch_size!r}")
+        with pytest.raises(TypeError, match=f"^batch_size must be an int >= 1, {shown}$"):
+            batched(np.arange(4), batch_size)
+
+    @pytest.mark.parametrize(
+        ("seed", "error", "shown"),
+        [
+            (-1, ValueError, "-1"),
+            (True, TypeError, "bool True"),
+            (1.5, TypeError, "float 1.5"),
+            ("x", TypeError, "str 'x'"),
+            ([1], TypeError, "list [1]"),
+        ],
+    )
+    def test_seed_must_be_an_int(self, seed: Any, error: type[Exception], shown: str) -> None:
+        """A seed is an int >= 0 or None, as NumPy's generator takes (a bool is no int)."""
+        with pytest.raises(
+            error, match=f"^seed must be an int >= 0 or None, got {re.escape(shown)}$"
+        ):
+            batched(np.arange(4), 2, shuffle=True, seed=seed)
+
+    def test_numpy_integer_seeds(self) -> None:
+        """NumPy's integers and 0-d integer arrays seed as the int they hold."""
+        orders = [
+            [b.tolist() for b in batched(np.arange(6), 2, shuffle=True, seed=seed)]
+            for seed in (3, np.int64(3), np.array(3))
+        ]
+        assert orders[1:] == [orders[0]] * 2
+
+    def test_seed_without_shuffle_refused(self) -> None:
+        """A seed with shuffle=False would seed nothing: refused, as MirroredStrategy refuses
+        a seed without interleave='random'."""
+        with pytest.raises(
+            ValueError,
+            match=r"^seed=3 only applies to shuffle=True, whose permutations it seeds; pass "
+            r"shuffle=True with it, or no seed$",
+        ):
+            batched(np.arange(4), 2, seed=3)
 
     def test_leading_sizes_differ(self) -> None:
         """Arrays with different leading sizes are a ValueError naming the sizes."""

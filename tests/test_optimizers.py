@@ -1990,16 +1990,31 @@ class TestErrors:
             cls(**kwargs)
 
     def test_invalid_iterations(self) -> None:
-        """``iterations`` must be an int >= 0."""
+        """``iterations`` must be an int from 0 to 2**63 - 1, what a checkpoint keeps (a
+        value of another type is a TypeError); a refused value leaves the count as it was."""
         opt = SGD(0.1)
-        for bad in (-1, True, 1.5):
-            with pytest.raises(
-                ValueError, match=re.escape(f"iterations must be an int >= 0, got {bad!r}")
-            ):
+        opt.iterations = 7
+        refused = []
+        for bad in (-1, 2**63, 2**64, True, 1.5, "3", None):
+            with pytest.raises((TypeError, ValueError)) as info:
                 opt.iterations = bad  # type: ignore[assignment]
+            refused.append((type(info.value), str(info.value)))
+        requirement = "iterations must be an int from 0 to 9223372036854775807 (2**63 - 1), got"
+        assert refused == [
+            (ValueError, f"{requirement} -1"),
+            (ValueError, f"{requirement} {2**63}"),
+            (ValueError, f"{requirement} {2**64}"),
+            (TypeError, f"{requirement} bool True"),
+            (TypeError, f"{requirement} float 1.5"),
+            (TypeError, f"{requirement} str '3'"),
+            (TypeError, f"{requirement} NoneType None"),
+        ]
+        assert opt.iterations == 7
         opt.iterations = np.int64(3)  # type: ignore[assignment]
         assert opt.iterations == 3
         assert type(opt.iterations) is int
+        opt.iterations = 2**63 - 1
+        assert opt.iterations == 2**63 - 1
 
 
 # -- the default context -------------------------------------------------------------------

@@ -61,10 +61,19 @@ class TestConstruction:
         with pytest.raises(ValueError, match=r"'cpu:1' appears twice \(positions 1 and 2\)"):
             MirroredStrategy(["cpu:0", "cpu:1", "/device:CPU:1"])
 
-    @pytest.mark.parametrize("timeout", [0, -1, math.nan, "5", True])
+    @pytest.mark.parametrize("timeout", [0, -1, math.nan])
     def test_bad_sync_timeout(self, timeout: Any) -> None:
         """sync_timeout must be a positive number of seconds."""
         with pytest.raises(ValueError, match="sync_timeout must be a positive number"):
+            MirroredStrategy(["cpu:0"], sync_timeout=timeout)
+
+    @pytest.mark.parametrize("timeout", ["5", True, [1]])
+    def test_sync_timeout_of_another_type(self, timeout: Any) -> None:
+        """A sync_timeout that is no number (a string, a bool, a list) is a TypeError."""
+        shown = re.escape(f"got {type(timeout).__name__} {timeout!r}")
+        with pytest.raises(
+            TypeError, match=f"^sync_timeout must be a positive number of seconds or None, {shown}$"
+        ):
             MirroredStrategy(["cpu:0"], sync_timeout=timeout)
 
     def test_bad_interleave(self) -> None:
@@ -263,6 +272,23 @@ class TestRunArguments:
             await strategy.run(print, args="abc")
         with pytest.raises(TypeError, match="kwargs must be a mapping or None, got list"):
             await strategy.run(print, kwargs=[1])  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize("args", [b"ab", bytearray(b"ab")])
+    async def test_bytes_are_no_args(self, args: Any) -> None:
+        """bytes as args would be unpacked into int arguments: refused as a string is."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        calls: list[tuple[Any, ...]] = []
+
+        async def step(*given: Any) -> None:
+            calls.append(given)
+
+        shown = re.escape(
+            f"got {type(args).__name__} {args!r}; for one argument write args=(value,)"
+        )
+        with pytest.raises(TypeError, match=f"^args must be a tuple of arguments, {shown}$"):
+            await strategy.run(step, args=args)
+        await strategy.run(step, args=(args,))
+        assert calls == [(args,), (args,)]
 
 
 class TestRunResults:

@@ -92,13 +92,34 @@ class TestHostDevices:
             ("2", TypeError, "the number of host devices must be a positive int, got str '2'"),
             (True, TypeError, "the number of host devices must be a positive int, got bool True"),
             (2.0, TypeError, "the number of host devices must be a positive int, got float 2.0"),
+            (
+                2**64,
+                ValueError,
+                "the number of host devices must be at most 65536, got 18446744073709551616: "
+                "each replica's host device is a worker thread of this process",
+            ),
+            (
+                65537,
+                ValueError,
+                "the number of host devices must be at most 65536, got 65537: each replica's "
+                "host device is a worker thread of this process",
+            ),
         ],
     )
     def test_bad_count_refused(self, n: Any, error: type[Exception], message: str) -> None:
-        """A count that is not a positive int is refused, saying what it got."""
+        """A count that is not a positive int, or more devices than a process can run
+        replicas on, is refused at once, saying what it got."""
         with pytest.raises(error) as info:
             host_devices(n)
         assert str(info.value) == message
+
+    def test_numpy_integers_are_counts(self) -> None:
+        """A count computed with NumPy is a count, for host_devices and StrategyFactory."""
+        assert host_devices(np.int64(2)) == ["cpu:0", "cpu:1"]  # type: ignore[arg-type]
+        make = StrategyFactory(np.int64(3))  # type: ignore[arg-type]
+        assert (type(make.replicas), make.replicas) == (int, 3)
+        assert make(np.int32(2)).devices == ("cpu:0", "cpu:1")  # type: ignore[arg-type]
+        assert len(host_devices(65536)) == 65536
 
 
 @pytest.mark.anyio

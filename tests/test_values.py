@@ -131,6 +131,22 @@ class TestMirroredComputesAsItsValue:
         assert a == a
         assert a != b
 
+    def test_equality_stays_identity_when_numpy_compares(self) -> None:
+        """NumPy's side of == and != (an array or NumPy scalar first, np.equal) is identity
+        too, so a Mirrored value in a list of arrays is found by identity, not elementwise."""
+        m = Mirrored([np.zeros(3), np.zeros(3)])
+        three = Mirrored([3.0, 3.0])
+        seen = [
+            np.zeros(3) == m,
+            np.zeros(3) != m,
+            np.float64(3.0) == three,
+            np.float64(3.0) != three,
+            bool(np.equal(m, m)),
+            m in [np.zeros(3), m],
+            m in [np.zeros(3)],
+        ]
+        assert seen == [False, True, False, True, True, True, False]
+
     def test_per_replica_values_have_no_one_value(self) -> None:
         with pytest.raises(TypeError, match="unsupported operand"):
             Mirrored([1.0, 1.0]) + PerReplica([1.0, 2.0])
@@ -579,6 +595,20 @@ class TestSelectReplica:
             select_replica(replica_id, [PerReplica([1, 2])])
         with pytest.raises(IndexError, match=re.escape(message)):
             select_replica(replica_id, PerReplica([1, 2]))
+
+    @pytest.mark.parametrize("replica_id", [None, "0", 1.5, True])
+    @pytest.mark.parametrize("select", [select_replica, select_replica_mirrored])
+    def test_replica_id_of_another_type(self, select: Any, replica_id: Any) -> None:
+        """A replica_id that is no int (True is not 1) is a TypeError naming it, whatever
+        the structure; NumPy's integers are ids."""
+        message = (
+            f"{select.__name__}(): replica_id must be an int, a replica's id from 0, got "
+            f"{type(replica_id).__name__} {replica_id!r}"
+        )
+        for structure in (Mirrored([1, 2]), [Mirrored([1, 2]), 3], 3):
+            with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+                select(replica_id, structure)
+        assert select(np.int64(1), [Mirrored([1, 2]), 3]) == [2, 3]
 
 
 class TestSelectReplicaMirrored:

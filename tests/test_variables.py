@@ -369,6 +369,121 @@ class TestCreation:
         assert (f.dtype, f.shape) == (np.dtype(np.float64), ())
         assert Variable([True, False], dtype=np.int8).dtype == np.dtype(np.int8)
 
+    @pytest.mark.parametrize(
+        ("initial", "dtype", "error", "message"),
+        [
+            (
+                1.7,
+                np.int32,
+                TypeError,
+                "an initial value of dtype float64 does not cast to dtype int32 without losing "
+                r"its kind of number \(a write refuses it too\); cast it first "
+                r"\(e\.g\. np\.asarray\(value\)\.astype\(int32\)\)$",
+            ),
+            (
+                np.array([1.7, -2.5]),
+                np.int32,
+                TypeError,
+                "an initial value of dtype float64 "
+                r"does not cast to dtype int32 .*\(e\.g\. value\.astype\(int32\)\)$",
+            ),
+            (
+                np.float64(1.7),
+                np.int32,
+                TypeError,
+                r"an initial value of dtype float64 does not cast to dtype int32",
+            ),
+            (
+                np.array([1 + 2j]),
+                np.float32,
+                TypeError,
+                "an initial value of dtype complex128 does not cast",
+            ),
+            (
+                np.nan,
+                bool,
+                TypeError,
+                "an initial value of dtype float64 does not cast to dtype bool",
+            ),
+            (2.5, bool, TypeError, "an initial value of dtype float64 does not cast to dtype bool"),
+            (
+                np.arange(2),
+                np.uint8,
+                TypeError,
+                "an initial value of dtype int64 does not cast to dtype uint8",
+            ),
+            ("1.5", np.float32, TypeError, "the initial value has dtype <U3; variables hold"),
+            (["1", "2"], np.int32, TypeError, "the initial value has dtype <U1; variables hold"),
+            (b"3", np.int8, TypeError, r"the initial value has dtype \|S1; variables hold"),
+            (
+                np.array(["2020-01-01"], dtype="datetime64[D]"),
+                np.int64,
+                TypeError,
+                r"the initial value has dtype datetime64\[D\]; variables hold",
+            ),
+            (1, str, TypeError, "dtype <U0 is not numeric or bool; variables hold numeric"),
+            (1, "no such dtype", TypeError, "dtype 'no such dtype' is not a NumPy dtype: "),
+            (
+                np.array([2**40]),
+                np.int32,
+                ValueError,
+                "the initial value 1099511627776 does not "
+                "fit dtype int32, which holds -2147483648 to 2147483647; the cast would wrap it "
+                "around: choose a wider dtype$",
+            ),
+            (
+                300,
+                np.uint8,
+                ValueError,
+                "the initial value 300 does not fit dtype uint8, which "
+                "holds 0 to 255; the cast would wrap it around",
+            ),
+            ([1, -1], np.uint8, ValueError, "the initial value -1 does not fit dtype uint8"),
+            (
+                2,
+                bool,
+                ValueError,
+                r"the initial value 2 does not fit dtype bool, which holds 0 "
+                r"\(False\) and 1 \(True\); pass bools, or compare first \(value != 0\)$",
+            ),
+        ],
+        ids=lambda x: x.__name__ if isinstance(x, type) else None,
+    )
+    def test_dtype_casts_as_a_write_does(
+        self, initial: Any, dtype: Any, error: type[Exception], message: str
+    ) -> None:
+        """dtype= refuses what a write refuses: another kind of number (a float to an
+        integer, a complex to a float, a number to bool), text and dates (TypeError), and
+        integers the dtype cannot hold (ValueError), naming the variable, in a scope and out."""
+        strategy = MirroredStrategy(host_devices(2))
+        for context in (contextlib.nullcontext(), strategy.scope()):
+            with context, pytest.raises(error, match=f"^variable 'w': {message}"):
+                Variable(initial, name="w", dtype=dtype)
+
+    @pytest.mark.parametrize(
+        ("initial", "dtype", "expected"),
+        [
+            (1, "float32", np.array(1.0, np.float32)),
+            (np.zeros(3), np.float32, np.zeros(3, np.float32)),
+            ([1, 2], np.int8, np.array([1, 2], np.int8)),
+            ([1, 2], np.uint8, np.array([1, 2], np.uint8)),
+            (255, np.uint8, np.array(255, np.uint8)),
+            ([0, 1], bool, np.array([False, True])),
+            (1.5, np.complex64, np.array(1.5, np.complex64)),
+            (np.int64(3), np.int8, np.array(3, np.int8)),
+            (np.arange(3, dtype=np.uint64), np.int8, np.arange(3, dtype=np.int8)),
+            ([], np.int8, np.zeros(0, np.int8)),
+        ],
+    )
+    def test_dtype_takes_what_fits(self, initial: Any, dtype: Any, expected: Array) -> None:
+        """Python numbers take the dtype where they fit (an int any integer, float or complex
+        dtype, 0 and 1 bool); arrays cast within their kind of number when the values fit."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(initial, dtype=dtype)
+        made = [(v.dtype, v.numpy().tolist()) for v in (v, Variable(initial, dtype=dtype))]
+        assert made == [(expected.dtype, expected.tolist())] * 2
+
     @pytest.mark.parametrize("sync", ["on_write", "on_read"])
     def test_mean_with_integer_dtype_refused(self, sync: str) -> None:
         """aggregation MEAN with an integer dtype: a sync-on-read variable's mean would be
@@ -2018,6 +2133,27 @@ class TestUpdate:
         result = await strategy.extended.update(v, scale_and_shift, (2.0,), group=False)
         assert isinstance(result, tuple)
         assert all(got is copy for got, copy in zip(result, v.values, strict=True))
+        assert_all(v, [2.0, 4.0])
+
+    @pytest.mark.parametrize("group", ["no", 0, None])
+    async def test_group_must_be_a_bool(self, group: Any) -> None:
+        """group="no" would be true: refused, as any non-bool, before fn runs; nothing
+        changes."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.array([1.0, 2.0]))
+        calls: list[str] = []
+
+        def fn(copy: Array) -> Array:
+            calls.append("fn")
+            return copy * 2
+
+        message = f"extended.update(): group must be True or False, got {group!r}"
+        with pytest.raises(TypeError, match=f"^{re.escape(message)}$"):
+            await strategy.extended.update(v, fn, group=group)
+        assert calls == []
+        assert_all(v, [1.0, 2.0])
+        result = await strategy.extended.update(v, fn, group=np.bool_(False))  # type: ignore[arg-type]
+        assert isinstance(result, tuple)
         assert_all(v, [2.0, 4.0])
 
     @pytest.mark.replicas(2, 4)
