@@ -55,7 +55,12 @@ Numbered checkpoints
     ``RuntimeWarning`` naming it: the new checkpoint is written and listed, and the manager
     lists at most ``max_to_keep``. Otherwise at most ``max_to_keep`` checkpoints stay, plus,
     while a save runs, the temporary it writes. A save's default number is one more than the
-    highest kept, so it never replaces a kept checkpoint.
+    highest it keeps or finds in the directory, looked up as the written file is put in place
+    (in the same worker-thread job, one manager of the process at a time), and the file is
+    linked there without replacing any: if another writer took that name meanwhile, the save
+    takes the next number. So a numbered save never replaces a file it did not write, even
+    with another manager (of this process or another) saving into the same directory. An
+    explicit ``checkpoint_number`` replaces the file of that number, as in TF.
 
     A writer killed mid-write (``SIGKILL``, a power cut) leaves its temporary. The first save
     of a manager removes the stale temporaries of its own checkpoints: those of a process of
@@ -97,6 +102,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import inspect
 import json
 import math
@@ -105,6 +111,7 @@ import re
 import secrets
 import socket
 import sys
+import threading
 import time
 import warnings
 import zipfile
@@ -791,9 +798,11 @@ class CheckpointManager:
         ``RuntimeWarning`` and no longer listed; the save itself succeeds (see the class).
 
         Args:
-            checkpoint_number: the number to save as (a kept checkpoint of that number is
-                replaced); by default one more than the highest number kept, so that it
-                never replaces a kept checkpoint (1 when there is none).
+            checkpoint_number: the number to save as: a file of that number is replaced,
+                whoever wrote it, as in TF. By default one more than the highest number this
+                manager keeps or finds in its directory as the file is put in place (1 when
+                there is none), so that it never replaces a file: two managers saving into
+                one directory each get numbers of their own.
 
         Returns:
             The path written.
@@ -871,16 +880,25 @@ class CheckpointManager:
         outcome: list[Any] = []  # the path written, or the exception it failed with
         with anyio.CancelScope(shield=True):  # a scope's cancellation: at the caller's next await
             async with anyio.create_task_group() as group:
-                group.start_soon(self._write_and_record, values, number, outcome)
+                default = number if checkpoint_number is None else None
+                group.start_soon(self._write_and_record, values, number, outcome, default)
         if isinstance(outcome[0], BaseException):
             raise outcome[0]  # itself, not in a group
         path: str = outcome[0]
         return path
 
-    async def _write_and_record(self, values: _Snapshot, number: int, outcome: list[Any]) -> None:
+    async def _write_and_record(
+        self, values: _Snapshot, number: int, outcome: list[Any], default_number: int | None
+    ) -> None:
         with anyio.CancelScope(shield=True):
             try:
-                path = await values.write(self._path(number))
+                numbered: list[int] = []
+                if number == default_number:
+                    place = functools.partial(self._place, max(self._numbers, default=0), numbered)
+                    path = await values.write(self._path(number), place)
+                    number = numbered[0]
+                else:
+                    path = await values.write(self._path(number))
                 # No await since the write: every checkpoint on disk is one this manager lists.
                 if number in self._numbers:
                     self._numbers.remove(number)
@@ -914,6 +932,29 @@ class CheckpointManager:
 
     def _path(self, number: int) -> str:
         return os.path.join(self._directory, f"{self._name}-{number}.npz")
+
+    def _place(self, kept: int, numbered: list[int], temporary: str) -> str:
+        """Put the written ``temporary`` in place as the next number (appended to
+        ``numbered``): one more than ``kept`` (the highest this manager keeps) and than any
+        in the directory now, never replacing a file. In the writing worker thread."""
+        with _NUMBERING:  # the managers of this process one at a time: none takes another's
+            number = max([kept, *self._existing()]) + 1
+            while True:
+                path = self._path(number)
+                try:
+                    os.link(temporary, path)  # fails, rather than replacing, if it exists
+                except FileExistsError:  # another process's save took it meanwhile
+                    number += 1
+                    continue
+                except OSError:  # a file system without hard links: a rename, checked first
+                    if os.path.lexists(path):
+                        number += 1
+                        continue
+                    os.replace(temporary, path)
+                else:
+                    os.remove(temporary)  # the file stays, under its own name
+                numbered.append(number)
+                return path
 
     def _existing(self) -> list[int]:
         try:
@@ -1039,20 +1080,21 @@ class _Snapshot:
         self.pending.append((member, value, device))
         return member
 
-    async def write(self, path: str) -> str:
-        """Write the snapshot to ``path`` atomically, in a worker thread; return ``path``.
+    async def write(self, path: str, place: Callable[[str], str] | None = None) -> str:
+        """Write the snapshot to ``path`` atomically, in a worker thread; return the path
+        written: ``path``, or where ``place(temporary)`` put the written temporary instead.
 
         Once the thread has started, the write finishes even if the caller is cancelled.
         While a trace is recorded, the write is a span ``checkpoint save``.
         """
         recorder = _trace.recorder
         if recorder is not None:
-            saving = self._write(path)
+            saving = self._write(path, place)
             written: str = await recorder.timed(saving, "checkpoint save", {"path": path})
             return written
-        return await self._write(path)
+        return await self._write(path, place)
 
-    async def _write(self, path: str) -> str:
+    async def _write(self, path: str, place: Callable[[str], str] | None) -> str:
         arrays = []
         for member, value, device in self.pending:
             if device is None:
@@ -1061,8 +1103,8 @@ class _Snapshot:
                 arrays.append((member, await to_host(value, device)))
         manifest = {"format": FORMAT, "version": VERSION, "entries": self.entries}
         data = json.dumps(manifest, indent=1).encode()
-        await anyio.to_thread.run_sync(_write_atomic, path, data, arrays)
-        return path
+        written: str = await anyio.to_thread.run_sync(_write_atomic, path, data, arrays, place)
+        return written
 
 
 def _variable_entry(path: Path, variable: Variable, member: str) -> dict[str, Any]:
@@ -1110,8 +1152,14 @@ def _optimizer_entry(
     }
 
 
-def _write_atomic(path: str, manifest: bytes, arrays: list[tuple[str, Any]]) -> None:
-    """Write the archive under a temporary name, fsync it, rename it over ``path``."""
+def _write_atomic(
+    path: str,
+    manifest: bytes,
+    arrays: list[tuple[str, Any]],
+    place: Callable[[str], str] | None = None,
+) -> str:
+    """Write the archive under a temporary name, fsync it, rename it over ``path`` (or let
+    ``place`` put it where it returns); return the path written."""
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(
         directory, _temporary_name(os.path.basename(path), _name_max(directory))
@@ -1126,12 +1174,20 @@ def _write_atomic(path: str, manifest: bytes, arrays: list[tuple[str, Any]]) -> 
                         np.lib.format.write_array(out, array, allow_pickle=False)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
+        if place is None:
+            os.replace(temporary, path)
+        else:
+            path = place(temporary)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
+    return path
+
+
+#: Numbered saves of this process's managers pick their numbers one at a time.
+_NUMBERING: Final = threading.Lock()
 
 
 def _temporary_name(name: str, name_max: int) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 
 from ._cluster import WorkersDisagree
 from ._collectives import reductions_for
-from ._context import default_replica_context, get_replica_context
+from ._context import context_state, default_replica_context, get_replica_context
 from ._errors import ReplicaSyncError, add_note, checked_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
@@ -70,6 +70,12 @@ class Optimizer:
     A subclass names its slots in ``slot_names`` and implements ``_update_step``, a pure
     function of one copy's arrays; a slot that does not start at zero says so in
     ``_slot_initial``.
+
+    An optimizer belongs to one strategy, as in TF: the one in whose ``scope()`` it was
+    created, else the one of its first step (the default strategy for steps outside any
+    ``strategy.run()``). Its slots and step count are that strategy's, so a step in another
+    strategy's run is refused. ``build()`` and ``Checkpoint.restore`` take no step: they leave
+    an optimizer that belongs to no strategy yet as it is, and its first step decides.
 
     Args:
         learning_rate: a number; a schedule ``learning_rate(step) -> float`` of the step
@@ -123,6 +129,12 @@ class Optimizer:
         # id(variable) -> (variable, its slots in ``slot_names`` order). Keyed by id because
         # variables compare elementwise; the entry holds the variable, so the id stays valid.
         self._slots: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
+        # The strategy this optimizer steps in (None: not decided yet), and how it was chosen.
+        state = context_state.get()
+        self._strategy: Any = (
+            state.replica.strategy if state.replica is not None else state.strategy
+        )
+        self._bound_by = "it was created in its scope"
 
     @property
     def learning_rate(self) -> LearningRate:
@@ -286,8 +298,9 @@ class Optimizer:
                 gradient of the wrong shape or that is no array (naming the variable and the
                 replica); a variable whose gradient is ``None`` on some replicas only; a
                 variable of another strategy, or of a strategy when called outside
-                ``strategy.run()``; without aggregation, gradients that differ between
-                replicas (naming the variables).
+                ``strategy.run()``; an optimizer that belongs to another strategy (naming
+                both); without aggregation, gradients that differ between replicas (naming
+                the variables).
             TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
                 and ``aioreplica.Variable``; a gradient dtype that cannot be cast to its
                 variable's; an aggregation flag that is not a bool.
@@ -313,6 +326,8 @@ class Optimizer:
                 "step function inside strategy.run(), where each replica passes its gradients"
             )
         try:
+            if self._strategy is not None and self._strategy is not ctx.strategy:
+                raise self._foreign(ctx.strategy)
             aggregate = _aggregating(experimental_aggregate_gradients, skip_gradients_aggregation)
             grads, variables, skipped = self._checked_pairs(ctx, grads_and_vars)
         except (TypeError, ValueError) as exc:
@@ -404,14 +419,20 @@ class Optimizer:
         # Every turn at once, in the global order, so that no two steps or restores can wait
         # for each other; a slot made by a step that ran while this one waited included.
         async with taking_turns(lambda: self._turns(variables)):
+            # A step of another strategy's run may have decided whose optimizer it is while
+            # this one waited for its turn.
+            if self._strategy is not None and self._strategy is not strategy:
+                error = self._foreign(strategy)
+                await engine.refuse("apply_gradients()", error)  # on every worker alike
+                raise error
             if engine.cluster is None:
-                return await self._apply(engine, grads, variables, aggregate)
+                return await self._apply(engine, grads, variables, aggregate, strategy)
             # Every worker's step must be of the same variables, in the same order: its
             # reductions say which, and the workers compare that before any data moves.
             trained = ", ".join(map(variable_label, variables))
             try:
                 with reductions_for(f"apply_gradients() of {trained}"):
-                    return await self._apply(engine, grads, variables, aggregate)
+                    return await self._apply(engine, grads, variables, aggregate, strategy)
             except WorkersDisagree as exc:
                 add_note(
                     exc,
@@ -438,6 +459,7 @@ class Optimizer:
         grads: list[Any],
         variables: list[Variable],
         aggregate: bool,
+        strategy: Any,
     ) -> int:
         step = self._iterations
         rate = self.current_learning_rate()
@@ -491,6 +513,9 @@ class Optimizer:
         commit(updates)
         for key, entry in made.items():
             self._slots.setdefault(key, entry)
+        if self._strategy is None:
+            self._strategy = strategy
+            self._bound_by = "its first step was in it"
         self._iterations = step + 1
         return self._iterations
 
@@ -532,6 +557,28 @@ class Optimizer:
                 variable, f"{variable.name}/{name}", initial_value=self._slot_initial(name)
             )
             for name in self.slot_names
+        )
+
+    def _foreign(self, strategy: Any) -> ValueError:
+        """The error of a step in ``strategy``'s run by an optimizer of another strategy."""
+        owner = self._strategy
+        default = default_replica_context().strategy
+
+        def label(which: Any) -> str:
+            if which is default:
+                return f"the default strategy {which!r} (outside any strategy.run())"
+            return repr(which)
+
+        stepper = (
+            f"another {strategy!r}: two strategy objects over the same devices"
+            if repr(strategy) == repr(owner)
+            else label(strategy)
+        )
+        return ValueError(
+            f"apply_gradients() of {type(self).__name__} was called in {stepper}, but this "
+            f"optimizer belongs to {label(owner)} ({self._bound_by}); its slots and step "
+            "count are that strategy's, and nothing was changed: create one optimizer per "
+            "strategy, inside `with strategy.scope():`"
         )
 
     def _check_owner(self, variable: Variable, strategy: Any) -> None:

@@ -1152,7 +1152,9 @@ class MirroredStrategy:
         ``merge_fn <name>``, each collective by its name, ``device.run <fn>``; and tracks
         ``main`` and ``prefetch`` for checkpoint saves and restores and dataset prefetches
         outside the replicas. See ``trace()`` for the format. One trace at a time per
-        process; runs that start while it is recorded are traced.
+        process; runs that start while it is recorded are traced. Closing the strategy
+        (``close()``, ``aclose()``) stops the trace and writes its file; a strategy
+        garbage-collected while its trace is recorded ends it without writing it.
 
         Args:
             path: the JSON file to write (its folder must exist). A worker of a strategy
@@ -1355,9 +1357,14 @@ class MirroredStrategy:
         them. Calling it again is harmless. The default strategy is never closed: its
         ``close()`` only stops unclaimed threads.
 
+        A trace of this strategy still being recorded (``start_trace``) is stopped and its
+        file written, on the calling thread, as ``stop_trace()`` does.
+
         Raises:
             RuntimeError: a ``run()`` of this strategy is in progress (the threads would stop
-                under it): let it finish or cancel it first.
+                under it): let it finish or cancel it first. Nothing is closed then.
+            OSError: the file of this strategy's trace cannot be written; the strategy is
+                closed and the trace stopped all the same.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -1368,13 +1375,20 @@ class MirroredStrategy:
             True
         """
         self._stop_workers(None)
+        trace = self._release_trace()
+        if trace is not None:
+            trace.write()
 
     async def aclose(self) -> None:
         """``close()``, then wait, without blocking the event loop, until the stopped worker
         threads have ended.
 
+        A trace of this strategy still being recorded is stopped and its file written in a
+        worker thread, as at the end of ``async with strategy.trace(path):``.
+
         Raises:
             RuntimeError: a ``run()`` of this strategy is in progress.
+            OSError: the file of this strategy's trace cannot be written (as ``close()``).
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -1384,6 +1398,10 @@ class MirroredStrategy:
         """
         loop = _loops.current()
         waits = self._stop_workers(loop.thread_result)
+        trace = self._release_trace()
+        if trace is not None:
+            with anyio.CancelScope(shield=True):  # complete, as trace()'s is
+                await anyio.to_thread.run_sync(trace.write)
         for thread, done in waits:
             await done
             thread.join()  # it has set ``done`` on its way out: this returns at once
@@ -1435,6 +1453,10 @@ class MirroredStrategy:
             if thread is not None and done is not None:
                 waits.append((thread, done))
         return waits
+
+    def _release_trace(self) -> _trace.Recorder | None:
+        """Stop this strategy's trace, if it is recording one: the recorder, to write."""
+        return None if self._is_default else _trace.release(self)
 
     def _claim(self) -> None:
         for device in self._host_devices:
@@ -1705,14 +1727,23 @@ class _Scope:
         for position in range(len(stack) - 1, -1, -1):  # this context's latest entry of it
             scope, entered = stack[position]
             if scope is self:
-                _entered.set(stack[:position] + stack[position + 1 :])
                 if entered is not None:
                     variable, token = entered
-                    variable.reset(token)
+                    try:
+                        variable.reset(token)
+                    except ValueError:  # the token is of the context that entered the scope
+                        # A task started inside the scope sees its entry, in a copy of the
+                        # context: the scope stays entered where it was entered.
+                        raise self._left_elsewhere() from None
+                _entered.set(stack[:position] + stack[position + 1 :])
                 return
-        raise RuntimeError(
+        raise self._left_elsewhere()
+
+    def _left_elsewhere(self) -> RuntimeError:
+        return RuntimeError(
             f"the scope of {self._strategy!r} was left in a task or thread that did not enter "
-            "it; enter and leave a scope in the same task (use `with strategy.scope():`)"
+            "it; a scope must be exited in the task that entered it (use `with "
+            "strategy.scope():` within one task)"
         )
 
 

@@ -37,6 +37,11 @@ round). With a trace active a span costs about a microsecond; nothing is written
 
 A span that started before the trace or ends after it is left out: a trace holds what happened
 within it.
+
+Lifetime. A trace is the process's, but it ends with its strategy: closing the strategy
+(``close()``, ``aclose()``) stops and writes it (``release``), and a strategy garbage-collected
+while its trace is active takes the trace with it, unwritten, so that it never blocks another
+strategy's trace. The recorder holds its strategy weakly for that.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import json
 import os
 import tempfile
 import time
+import weakref
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 if TYPE_CHECKING:
@@ -61,6 +67,7 @@ __all__ = [
     "detach",
     "mute",
     "recorder",
+    "release",
     "start",
     "stop",
     "trace_path",
@@ -168,7 +175,8 @@ class Recorder:
 
     Args:
         path: the file to write.
-        owner: the strategy being traced (compared by identity by the scheduler).
+        owner: the strategy being traced (compared by identity by the scheduler), held
+            weakly: if it is collected, the trace ends, unwritten.
         replicas: the number of replicas (the first ``tid`` of the other tracks).
         worker: the worker index (the ``pid`` of every track).
         version: aioreplica's version, for the file's ``otherData``.
@@ -176,7 +184,8 @@ class Recorder:
 
     def __init__(self, path: str, owner: Any, replicas: int, worker: int, version: str) -> None:
         self.path = path
-        self.owner = owner
+        self.owner_name = repr(owner)  # for messages, also once the owner is gone
+        self._owner = weakref.ref(owner, _owner_collected)
         self.replicas = replicas
         self.worker = worker
         self.version = version
@@ -191,6 +200,11 @@ class Recorder:
             family = f"replica {replica}"
             self._add_lane(_Lane(replica, family, family))
         self.started = _now()
+
+    @property
+    def owner(self) -> Any:
+        """The strategy being traced, or None once it was garbage-collected."""
+        return self._owner()
 
     # -- tracks --------------------------------------------------------------------------
 
@@ -479,7 +493,7 @@ def start(path: str, owner: Any, replicas: int, worker: int, version: str) -> Re
     global recorder
     if recorder is not None:
         raise RuntimeError(
-            f"a trace is already being recorded (by {recorder.owner!r}, to {recorder.path}); "
+            f"a trace is already being recorded (by {recorder.owner_name}, to {recorder.path}); "
             "one trace at a time: stop it first (stop_trace(), or leave its "
             "`async with strategy.trace(...)` block)"
         )
@@ -502,9 +516,28 @@ def stop(owner: Any) -> Recorder:
         )
     if active.owner is not owner:
         raise RuntimeError(
-            f"the trace being recorded is {active.owner!r}'s (to {active.path}), not "
+            f"the trace being recorded is {active.owner_name}'s (to {active.path}), not "
             f"{owner!r}'s; stop it through the strategy that started it"
         )
     active.stopped = True
     recorder = None
     return active
+
+
+def release(owner: Any) -> Recorder | None:
+    """End the active trace if it is ``owner``'s (``owner`` is being closed): return it, to
+    write; else None (another strategy's trace goes on)."""
+    active = recorder
+    if active is None or active.owner is not owner:
+        return None
+    return stop(owner)
+
+
+def _owner_collected(reference: weakref.ref[Any]) -> None:
+    """The owner of a recorder was garbage-collected (any thread, any moment): its trace, if
+    still active, ends unwritten, so that another strategy can start one."""
+    global recorder
+    active = recorder
+    if active is not None and active._owner is reference:
+        active.stopped = True
+        recorder = None

@@ -10,13 +10,20 @@ Fixtures:
   a ``MirroredStrategy`` over the host devices ``cpu:0`` ... ``cpu:{n-1}``; the keyword
   arguments (``interleave``, ``seed``, ``sync_timeout``, ...) go to ``MirroredStrategy``, and
   ``devices=`` replaces the host devices (fake devices, say). ``n=None`` means the test's
-  replica count.
+  replica count. At the test's teardown the fixture closes every strategy it made (their
+  devices' worker threads stop unless another open strategy uses them, and a trace one of them
+  still records is written), so no thread or trace outlives the test.
 - ``replicas``: the test's replica count (an ``int``), for tests that need the number itself.
 - ``interleave_seed``: the seed of an ``interleavings`` item, else ``None``.
 
 The replica count of a test comes from the closest ``@pytest.mark.replicas(1, 2, 4)`` marker
 (function, then class, then module), else from ``--aioreplica-replicas=1,2,4`` (default
-``2``), and the test runs once per count, with ids such as ``test_step[replicas=4]``. Only
+``2``), and the test runs once per count, with ids such as ``test_step[replicas=4]``. A
+marker on one parameter (``pytest.param(2, marks=pytest.mark.replicas(4))`` in the test's
+``parametrize``, or in a fixture's ``params``) wins for that parameter's items: they run with
+its counts only (items of other counts are deselected). A fixture's parameter can only pick
+among the counts the test runs with otherwise: a count it names that the test does not run
+with fails its items at setup, saying so. Only
 tests that use ``strategy_factory`` or ``replicas`` (directly or through another fixture) are
 parametrized, so the plugin leaves every other test of a suite alone; the marker on a test
 that uses neither is a collection error. A test that parametrizes ``replicas`` itself
@@ -418,9 +425,10 @@ class StrategyFactory:
         ('random', 3)
         >>> make.made
         ((4, 'ordered', None), (2, 'ordered', None))
+        >>> make.close()
     """
 
-    __slots__ = ("_made", "_replicas", "_seed")
+    __slots__ = ("_made", "_replicas", "_seed", "_strategies")
 
     def __init__(self, replicas: int = DEFAULT_REPLICAS, *, seed: int | None = None) -> None:
         self._replicas = _count(replicas, "replicas")
@@ -428,6 +436,7 @@ class StrategyFactory:
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}")
         self._seed = seed
         self._made: list[tuple[int, str, int | None]] = []
+        self._strategies: list[MirroredStrategy] = []
 
     @property
     def replicas(self) -> int:
@@ -489,7 +498,37 @@ class StrategyFactory:
                 kwargs.setdefault("seed", self._seed)
         strategy = MirroredStrategy(devices, **kwargs)
         self._made.append((strategy.num_replicas_in_sync, strategy.interleave, strategy.seed))
+        self._strategies.append(strategy)
         return strategy
+
+    def close(self) -> None:
+        """Close every strategy this factory made (``MirroredStrategy.close()``); the
+        ``strategy_factory`` fixture calls it at the test's teardown.
+
+        A strategy whose ``run()`` is still in progress (a test stopped in the middle of one)
+        is left open, to be released when it is collected. Calling it again is harmless.
+
+        Raises:
+            OSError: the file of a trace one of the strategies still recorded cannot be
+                written; the other strategies are closed all the same.
+
+        Example:
+            >>> make = StrategyFactory(2)
+            >>> strategy = make()
+            >>> make.close()
+            >>> strategy.closed
+            True
+        """
+        failure: OSError | None = None
+        for strategy in self._strategies:
+            if strategy.statistics().runs_active:
+                continue  # close() would refuse: its threads would stop under the run
+            try:
+                strategy.close()
+            except OSError as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def __repr__(self) -> str:
         return f"StrategyFactory(replicas={self._replicas}, seed={self._seed})"
@@ -498,6 +537,13 @@ class StrategyFactory:
 # -- the plugin --------------------------------------------------------------------------
 
 _FACTORY: Final = pytest.StashKey["StrategyFactory"]()
+#: Per test (the node id of its definition): the replica counts it runs with when no marker
+#: on one of its parameters says otherwise, and every count it was parametrized with.
+_COUNTS: Final = pytest.StashKey[dict[str, tuple[tuple[int, ...], tuple[int, ...]]]]()
+#: Why an item must fail at setup (a marker on a fixture's parameter it cannot honour).
+_PROBLEM: Final = pytest.StashKey[str]()
+#: What ``pytest.param(...)`` returns.
+_PARAMETER_SET: Final = type(pytest.param())
 
 _MARKERS: Final = (
     "replicas(*counts): run the test once per replica count, such as replicas(1, 2, 4); "
@@ -559,8 +605,21 @@ def _parametrized_names(definition: pytest.Function) -> set[str]:
     return names
 
 
-def _marker_ints(marker: pytest.Mark, test: str, usage: str, *, single: bool) -> list[int]:
-    """The marker's arguments, checked: positive ints (one if ``single``), no repeats."""
+def _parameter_markers(definition: pytest.Function, name: str) -> list[pytest.Mark]:
+    """The ``name`` markers on ``pytest.param`` values of the test's own ``parametrize``."""
+    found: list[pytest.Mark] = []
+    for marker in definition.iter_markers("parametrize"):
+        values = marker.args[1] if len(marker.args) > 1 else marker.kwargs.get("argvalues", ())
+        for value in values:
+            if isinstance(value, _PARAMETER_SET):
+                marks = [m if isinstance(m, pytest.Mark) else m.mark for m in value.marks]
+                found += [mark for mark in marks if mark.name == name]
+    return found
+
+
+def _marker_problem(marker: pytest.Mark, test: str, usage: str, *, single: bool) -> str | None:
+    """What is wrong with the marker's arguments (positive ints, one if ``single``, no
+    repeats), or None."""
     where = f"@pytest.mark.{marker.name} on {test}"
     got = None
     if marker.kwargs:
@@ -579,12 +638,24 @@ def _marker_ints(marker: pytest.Mark, test: str, usage: str, *, single: bool) ->
             None,
         )
     if got is not None:
-        pytest.fail(f"{where} takes {usage}, got {got}", pytrace=False)
+        return f"{where} takes {usage}, got {got}"
     values: list[int] = list(marker.args)
     if len(set(values)) < len(values):
         twice = next(value for value in values if values.count(value) > 1)
-        pytest.fail(f"{where}: replica count {twice} appears twice", pytrace=False)
-    return values
+        return f"{where}: replica count {twice} appears twice"
+    return None
+
+
+def _marker_ints(marker: pytest.Mark, test: str, usage: str, *, single: bool) -> list[int]:
+    """The marker's arguments, checked: positive ints (one if ``single``), no repeats; a
+    collection error otherwise."""
+    problem = _marker_problem(marker, test, usage, single=single)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
+    return list(marker.args)
+
+
+_COUNTS_USAGE: Final = "replica counts, such as replicas(1, 2, 4)"
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -597,14 +668,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = definition.get_closest_marker("replicas")
     counts: Sequence[int] | None = None
     if marker is not None:
-        counts = _marker_ints(
-            marker, definition.name, "replica counts, such as replicas(1, 2, 4)", single=False
-        )
+        counts = _marker_ints(marker, definition.name, _COUNTS_USAGE, single=False)
+    on_parameters = _parameter_markers(definition, "replicas")
     if "replicas" not in used:
-        if "replicas" in own:
+        if "replicas" in own or on_parameters:
             pytest.fail(
-                f"@pytest.mark.replicas on {definition.name}, which uses neither the "
-                "strategy_factory nor the replicas fixture: the marker would do nothing",
+                f"@pytest.mark.replicas on {definition.name}"
+                f"{' (on a parameter)' if 'replicas' not in own else ''}, which uses neither "
+                "the strategy_factory nor the replicas fixture: the marker would do nothing",
                 pytrace=False,
             )
     elif "replicas" in direct:
@@ -617,9 +688,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     else:
         if counts is None:
             counts = metafunc.config.getoption("aioreplica_replicas")
-        metafunc.parametrize(
-            "replicas", counts, indirect=True, ids=[f"replicas={n}" for n in counts]
+        every = list(counts)
+        for parameter_marker in on_parameters:  # their counts too: their items are kept
+            wanted = _marker_ints(parameter_marker, definition.name, _COUNTS_USAGE, single=False)
+            every += [count for count in wanted if count not in every]
+        metafunc.config.stash.setdefault(_COUNTS, {})[definition.nodeid] = (
+            tuple(counts),
+            tuple(every),
         )
+        metafunc.parametrize("replicas", every, indirect=True, ids=[f"replicas={n}" for n in every])
 
     marker = definition.get_closest_marker("interleavings")
     if marker is None:
@@ -649,9 +726,62 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     )
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep each item whose replica count its parameters' ``replicas`` marker (else the
+    test's counts) names; deselect the others."""
+    tests = config.stash.get(_COUNTS, None)
+    if not tests:
+        return
+    kept: list[pytest.Item] = []
+    deselected: list[pytest.Item] = []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        test = item.nodeid[: len(item.nodeid) - len(item.name)] + getattr(
+            item, "originalname", item.name
+        )
+        if callspec is None or test not in tests or "replicas" not in callspec.params:
+            kept.append(item)
+            continue
+        counts, every = tests[test]
+        count = callspec.params["replicas"]
+        markers = [getattr(mark, "mark", mark) for mark in callspec.marks]
+        marker = next((mark for mark in markers if mark.name == "replicas"), None)
+        if marker is None:
+            (kept if count in counts else deselected).append(item)
+            continue
+        # A fixture's parameter: its marker was not seen when the test was parametrized.
+        where = f"{getattr(item, 'originalname', item.name)} (on a parameter)"
+        problem = _marker_problem(marker, where, _COUNTS_USAGE, single=False)
+        if problem is None:
+            wanted = list(marker.args)
+            if count in wanted:
+                kept.append(item)
+                continue
+            missing = [n for n in wanted if n not in every]
+            if not missing:
+                deselected.append(item)
+                continue
+            problem = (
+                f"@pytest.mark.replicas({', '.join(map(str, wanted))}) on a parameter of "
+                f"{getattr(item, 'originalname', item.name)}: the test "
+                f"does not run with replica count{'s' if len(missing) > 1 else ''} "
+                f"{', '.join(map(str, missing))} (it runs with {', '.join(map(str, every))}); "
+                "a fixture's parameter can only pick among those: put the counts on the test "
+                "(@pytest.mark.replicas) or on a pytest.param of its own parametrize"
+            )
+        item.stash[_PROBLEM] = problem
+        kept.append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = kept
+
+
 @pytest.fixture
 def replicas(request: pytest.FixtureRequest) -> int:
     """The test's replica count (from the ``replicas`` marker or ``--aioreplica-replicas``)."""
+    problem = request.node.stash.get(_PROBLEM, None)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
     count: int = getattr(request, "param", DEFAULT_REPLICAS)
     return count
 
@@ -666,11 +796,13 @@ def interleave_seed(request: pytest.FixtureRequest) -> int | None:
 @pytest.fixture
 def strategy_factory(
     request: pytest.FixtureRequest, replicas: int, interleave_seed: int | None
-) -> StrategyFactory:
-    """A ``StrategyFactory`` for the test's replica count and interleavings seed."""
+) -> Generator[StrategyFactory, None, None]:
+    """A ``StrategyFactory`` for the test's replica count and interleavings seed; the
+    strategies it made are closed at the test's teardown."""
     factory = StrategyFactory(replicas, seed=interleave_seed)
     request.node.stash[_FACTORY] = factory
-    return factory
+    yield factory
+    factory.close()
 
 
 def _report_lines(item: pytest.Item) -> list[str]:

@@ -1532,6 +1532,77 @@ class TestCheckpointManager:
         ]
         assert manager.checkpoints == [str(tmp_path / f"ckpt-{n}.npz") for n in (2, 1, 3)]
 
+    async def test_two_managers_over_one_directory_never_replace_each_others_files(
+        self, tmp_path: Path
+    ) -> None:
+        """Two managers sharing a directory and a Checkpoint, saving in turn and at once: each
+        save takes a number no file has, so every file holds what its save wrote, and each
+        manager lists (and prunes) only its own."""
+        ckpt = Checkpoint(step=0)
+        first = CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+        second = CheckpointManager(ckpt, tmp_path, max_to_keep=2)
+        written: dict[str, int] = {}
+        for step, manager in enumerate([first, second, first], 1):
+            ckpt.step = step
+            written[os.path.basename(await manager.save())] = step
+
+        async def save(manager: CheckpointManager, step: int) -> None:
+            ckpt.step = step  # the values of the call: set just before it
+            written[os.path.basename(await manager.save())] = step
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(save, first, 4)
+            group.start_soon(save, second, 5)
+        assert sorted(written) == [f"ckpt-{n}.npz" for n in range(1, 6)]
+        on_disk = sorted(os.listdir(tmp_path))
+        assert on_disk == sorted(map(os.path.basename, first.checkpoints + second.checkpoints))
+        assert {name: saved(tmp_path / name)["step"] for name in on_disk} == {
+            name: written[name] for name in on_disk
+        }
+        assert (len(first.checkpoints), len(second.checkpoints)) == (2, 2)
+
+    @pytest.mark.parametrize("links", ["hard links", "no hard links"])
+    async def test_a_file_another_writer_made_is_never_replaced(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, links: str
+    ) -> None:
+        """A file of the next number made by another writer after the manager was made, or
+        just as the save puts its file in place (another process), is left as it is: the save
+        takes the next free number (with or without hard links on the file system)."""
+        ckpt = Checkpoint(step=1)
+        manager = CheckpointManager(ckpt, tmp_path)
+        (tmp_path / "ckpt-1.npz").write_bytes(b"another writer's")
+        real_link = os.link
+        events: list[str] = []
+
+        def link(source: str, target: str) -> None:
+            name = os.path.basename(target)
+            if name == "ckpt-2.npz":  # another process takes it just now
+                (tmp_path / name).write_bytes(b"another process's")
+            events.append(f"link {name}")
+            if links == "no hard links":
+                raise PermissionError(1, "Operation not permitted")
+            real_link(source, target)
+
+        monkeypatch.setattr(os, "link", link)
+        assert await manager.save() == str(tmp_path / "ckpt-3.npz")
+        assert events == ["link ckpt-2.npz", "link ckpt-3.npz"]
+        assert (tmp_path / "ckpt-1.npz").read_bytes() == b"another writer's"
+        assert (tmp_path / "ckpt-2.npz").read_bytes() == b"another process's"
+        assert saved(tmp_path / "ckpt-3.npz") == {"step": 1}
+        assert sorted(os.listdir(tmp_path)) == [f"ckpt-{n}.npz" for n in (1, 2, 3)]
+        assert manager.checkpoints == [str(tmp_path / "ckpt-3.npz")]  # its own only
+
+    async def test_an_explicit_number_replaces_another_writers_file(self, tmp_path: Path) -> None:
+        """As in TF, ``save(checkpoint_number=n)`` writes ``ckpt-n`` even over a file another
+        manager wrote; only the default numbering never replaces a file."""
+        ckpt = Checkpoint(step=1)
+        other = CheckpointManager(ckpt, tmp_path)
+        manager = CheckpointManager(ckpt, tmp_path)
+        await other.save()
+        ckpt.step = 2
+        assert await manager.save(checkpoint_number=1) == str(tmp_path / "ckpt-1.npz")
+        assert saved(tmp_path / "ckpt-1.npz") == {"step": 2}
+
     @pytest.mark.parametrize("why", ["folder", "refused"])
     async def test_checkpoint_that_cannot_be_deleted(
         self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, why: str

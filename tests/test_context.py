@@ -450,6 +450,52 @@ class TestScope:
         assert aioreplica.get_strategy() is not strategy
 
     @pytest.mark.anyio
+    async def test_scope_left_in_another_task_is_refused_clearly(self) -> None:
+        """Leaving a scope in a task that did not enter it (one started inside the scope,
+        which sees its entry, or one started before it) raises RuntimeError saying so, and
+        the scope stays entered where it was, to be left there."""
+        strategy = two()
+        scope = strategy.scope()
+        events: list[object] = []
+
+        async def leave(name: str) -> None:
+            try:
+                scope.__exit__(None, None, None)
+            except RuntimeError as error:
+                events.append((name, str(error)))
+            events.append((name, facts()[2] is strategy))
+
+        async with anyio.create_task_group() as group:
+            started = anyio.Event()
+
+            async def before() -> None:
+                await started.wait()
+                await leave("started before")
+
+            group.start_soon(before)
+            scope.__enter__()
+            group.start_soon(leave, "started inside")
+            await anyio.wait_all_tasks_blocked()
+            started.set()
+            await anyio.wait_all_tasks_blocked()
+            events.append(("parent", facts()[2] is strategy))
+            scope.__exit__(None, None, None)
+        events.append(("parent after", facts()[2] is strategy))
+        message = (
+            f"the scope of {strategy!r} was left in a task or thread that did not enter it; a "
+            "scope must be exited in the task that entered it (use `with strategy.scope():` "
+            "within one task)"
+        )
+        assert events == [
+            ("started inside", message),
+            ("started inside", True),
+            ("started before", message),
+            ("started before", False),
+            ("parent", True),
+            ("parent after", False),
+        ]
+
+    @pytest.mark.anyio
     async def test_another_strategys_calls_in_a_scope_are_refused(self) -> None:
         """As TF refuses to mix strategies: run(), reduce, gather and the extended reductions
         of one strategy inside another's scope (the default strategy's too) raise RuntimeError

@@ -2073,6 +2073,154 @@ class TestDefaultContext:
         assert (opt.variables(), opt.iterations) == ([], 0)
 
 
+class GatedDevice(FakeDevice):
+    """A host device whose work waits until its ``gate`` is set."""
+
+    def __init__(self, name: str, index: int, gate: anyio.Event) -> None:
+        super().__init__(name, index, inline=True)
+        self.gate = gate
+
+    async def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        await self.gate.wait()
+        return await super().run(fn, *args, **kwargs)
+
+
+def belongs_to(optimizer: str, stepper: str, owner: str, how: str) -> str:
+    return (
+        f"apply_gradients() of {optimizer} was called in {stepper}, but this optimizer belongs "
+        f"to {owner} ({how}); its slots and step count are that strategy's, and nothing was "
+        "changed: create one optimizer per strategy, inside `with strategy.scope():`"
+    )
+
+
+DEFAULT = "the default strategy MirroredStrategy(devices=['cpu:0']) (outside any strategy.run())"
+
+
+class TestOneStrategy:
+    """An optimizer belongs to the strategy it was created in the scope of, else to that of
+    its first step: a step elsewhere is refused, naming both, before anything changes."""
+
+    @pytest.mark.parametrize("bound_by", ["scope", "first step"])
+    async def test_a_step_in_another_strategy_is_refused(self, bound_by: str) -> None:
+        """Adam bound to A, then stepped in B's run (even over A's devices) or outside any
+        run: a ValueError naming both; B's variable, the slots and the step count stay."""
+        a = MirroredStrategy(host_devices(2))
+        b = MirroredStrategy(["cpu:2", "cpu:3", "cpu:4"])
+        twin = MirroredStrategy(host_devices(2))
+        with a.scope():
+            va = Variable(np.zeros(2), name="va")
+            opt = Adam(0.1) if bound_by == "scope" else None
+        opt = opt or Adam(0.1)
+        with b.scope():
+            vb = Variable(np.zeros(2), name="vb")
+        with twin.scope():
+            vt = Variable(np.zeros(2), name="vt")
+        plain = Variable(np.zeros(2), name="plain")
+        ref = Reference("adam", 0.1)
+        ref.add("va", va.numpy())
+        if bound_by == "first step":
+            await train_step(a, opt, [va], [[np.ones(2)], [np.ones(2)]])
+            ref.apply({"va": np.full(2, 2.0)})
+        how = "it was created in its scope" if bound_by == "scope" else "its first step was in it"
+        owner = "MirroredStrategy(devices=['cpu:0', 'cpu:1'])"
+        before = snapshot(opt, [va, vb, vt, plain])
+        calls = [
+            (b, vb, "MirroredStrategy(devices=['cpu:2', 'cpu:3', 'cpu:4'])"),
+            (twin, vt, f"another {owner}: two strategy objects over the same devices"),
+            (None, plain, DEFAULT),
+        ]
+
+        async def step(strategy: MirroredStrategy | None, variable: Variable) -> Any:
+            if strategy is None:
+                return await opt.apply_gradients([(np.ones(2), variable)])
+            grads = [[np.ones(2)]] * strategy.num_replicas_in_sync
+            return await train_step(strategy, opt, [variable], grads)
+
+        for strategy, variable, stepper in calls:
+            message = belongs_to("Adam", stepper, owner, how)
+            with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+                await step(strategy, variable)
+        assert_unchanged(before, snapshot(opt, [va, vb, vt, plain]))
+        # Still A's: its steps go on, with A's step count (Adam's bias correction).
+        await train_step(a, opt, [va], [[np.ones(2)], [np.ones(2)]])
+        ref.apply({"va": np.full(2, 2.0)})
+        assert_matches(opt, [va], ref)
+
+    async def test_a_first_step_outside_any_run_binds_to_the_default(self) -> None:
+        """Plain variables trained outside any run: the optimizer is the default strategy's,
+        and a strategy's run cannot step it."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            w = Variable(np.zeros(2), name="w")
+        opt = SGD(0.1)
+        await opt.apply_gradients([(np.ones(2), Variable(np.zeros(2), name="plain"))])
+        message = belongs_to(
+            "SGD",
+            "MirroredStrategy(devices=['cpu:0', 'cpu:1'])",
+            DEFAULT,
+            "its first step was in it",
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            await train_step(strategy, opt, [w], [[np.ones(2)], [np.ones(2)]])
+        assert (opt.iterations, w.numpy().tolist()) == (1, [0.0, 0.0])
+
+    async def test_a_failed_or_empty_first_step_binds_nothing(self) -> None:
+        """Only a step that changes something decides: after a refused first step in B and an
+        empty one, A's run can still step the optimizer."""
+        a = MirroredStrategy(host_devices(2))
+        b = MirroredStrategy(["cpu:2", "cpu:3"])
+        with a.scope():
+            va = Variable(np.zeros(2), name="va")
+        with b.scope():
+            vb = Variable(np.zeros(2), name="vb")
+        opt = SGD(0.5)
+        with pytest.raises(ValueError, match="has shape"):
+            await train_step(b, opt, [vb], [[np.ones(3)], [np.ones(3)]])
+        await b.run(opt.apply_gradients, ([],))
+        assert await train_step(a, opt, [va], [[np.ones(2)], [np.ones(2)]]) == 1
+        assert [copy.tolist() for copy in va.values] == [[-1.0, -1.0]] * 2
+
+    async def test_concurrent_first_steps_in_two_strategies(self) -> None:
+        """Two first steps in two strategies at once: the first to commit decides; the other,
+        checked again once it holds its turn, is refused and changes nothing."""
+        gate = anyio.Event()
+        a = MirroredStrategy([GatedDevice(f"gated:{i}", i, gate) for i in range(2)])
+        b = MirroredStrategy(["cpu:2", "cpu:3"])
+        with a.scope():
+            va = Variable(np.zeros(2), name="va")
+        with b.scope():
+            vb = Variable(np.zeros(2), name="vb")
+        opt = SGD(0.5, momentum=0.5)
+        events: list[str] = []
+
+        async def train(name: str, strategy: MirroredStrategy, variable: Variable) -> None:
+            try:
+                await train_step(strategy, opt, [variable], [[np.ones(2)], [np.ones(2)]])
+                events.append(f"{name} stepped")
+            except ValueError as error:
+                events.append(f"{name}: {error}")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(train, "a", a, va)
+            await anyio.wait_all_tasks_blocked()  # a's step holds its turn, waiting on its devices
+            group.start_soon(train, "b", b, vb)
+            await anyio.wait_all_tasks_blocked()  # b's step waits for its turn
+            gate.set()
+        assert sorted(events) == [  # the runs' callers resume in either order
+            "a stepped",
+            "b: "
+            + belongs_to(
+                "SGD",
+                "MirroredStrategy(devices=['cpu:2', 'cpu:3'])",
+                "MirroredStrategy(devices=['gated:0', 'gated:1'])",
+                "its first step was in it",
+            ),
+        ]
+        assert opt.iterations == 1
+        assert [copy.tolist() for copy in vb.values] == [[0.0, 0.0]] * 2
+        assert [slot.name for slot in opt.variables()] == ["va/momentum"]
+
+
 # -- all or nothing --------------------------------------------------------------------------
 
 

@@ -250,6 +250,55 @@ class TestStrategyFactory:
         with pytest.raises(ValueError, match="interleave must be one of"):
             StrategyFactory()(interleave="sorted")
 
+    @pytest.mark.anyio
+    async def test_close_closes_what_it_made_but_a_running_one(self) -> None:
+        """close() closes every strategy the factory made, except one whose run() is in
+        progress (its threads would stop under it), which a later close() closes."""
+        make = StrategyFactory(2)
+        idle, busy = make(), make()
+        release = anyio.Event()
+        events: list[tuple[str, bool, bool]] = []
+
+        async def step() -> None:
+            await release.wait()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(busy.run, step)
+            await anyio.wait_all_tasks_blocked()
+            make.close()
+            events.append(("during the run", idle.closed, busy.closed))
+            release.set()
+        make.close()
+        events.append(("after it", idle.closed, busy.closed))
+        assert events == [("during the run", True, False), ("after it", True, True)]
+
+    def test_the_fixture_closes_its_strategies_and_their_traces(
+        self, pytester: pytest.Pytester
+    ) -> None:
+        """At teardown, strategy_factory closes the strategies it made: their traces are
+        written and stopped, and another test can start one."""
+        result = run_inner(
+            pytester,
+            """
+            import os
+            import pytest
+
+            made = []
+
+            def test_leaves_a_trace_running(strategy_factory, tmp_path_factory):
+                strategy = strategy_factory()
+                path = tmp_path_factory.getbasetemp() / "left.json"
+                strategy.start_trace(path)
+                made.append((strategy, path))
+
+            def test_next(strategy_factory, tmp_path):
+                ((strategy, path),) = made
+                assert strategy.closed and os.path.exists(path)
+                strategy_factory().start_trace(tmp_path / "next.json")
+            """,
+        )
+        result.assert_outcomes(passed=2)
+
 
 class TestFakeDevice:
     def test_is_a_device(self) -> None:
@@ -491,6 +540,89 @@ class TestReplicasMarker:
         )
         result.assert_outcomes(passed=2)
         assert passed_ids(result) == ["test_own[3]", "test_own[5]"]
+
+    def test_marker_on_a_parameter_wins_for_its_items(self, pytester: pytest.Pytester) -> None:
+        """A replicas marker on a pytest.param (of the test's parametrize, or of a fixture's
+        params) gives that parameter's items their counts; the others keep the test's."""
+        result = run_inner(
+            pytester,
+            """
+            import pytest
+
+            @pytest.mark.parametrize("x", [1, pytest.param(2, marks=pytest.mark.replicas(4, 1))])
+            def test_param(strategy_factory, replicas, x):
+                assert strategy_factory().num_replicas_in_sync == replicas
+
+            @pytest.fixture(params=["a", pytest.param("b", marks=pytest.mark.replicas(1))])
+            def letter(request):
+                return request.param
+
+            @pytest.mark.replicas(1, 2)
+            def test_fixture(letter, replicas):
+                pass
+            """,
+        )
+        result.assert_outcomes(passed=6, deselected=4)
+        assert passed_ids(result) == [
+            "test_param[replicas=2-1]",
+            "test_param[replicas=4-2]",
+            "test_param[replicas=1-2]",
+            "test_fixture[a-replicas=1]",
+            "test_fixture[a-replicas=2]",
+            "test_fixture[b-replicas=1]",
+        ]
+
+    def test_marker_on_a_fixture_parameter_needs_a_count_of_the_test(
+        self, pytester: pytest.Pytester
+    ) -> None:
+        """A fixture parameter's marker naming a count the test does not run with (seen only
+        after the test was parametrized) fails that parameter's items at setup, saying so."""
+        result = run_inner(
+            pytester,
+            """
+            import pytest
+
+            @pytest.fixture(params=["a", pytest.param("b", marks=pytest.mark.replicas(3))])
+            def letter(request):
+                return request.param
+
+            def test_fixture(letter, replicas):
+                pass
+            """,
+        )
+        result.assert_outcomes(passed=1, errors=1)
+        assert passed_ids(result) == ["test_fixture[a-replicas=2]"]
+        assert (
+            "@pytest.mark.replicas(3) on a parameter of test_fixture: the test does not run "
+            "with replica count 3 (it runs with 2); a fixture's parameter can only pick among "
+            "those: put the counts on the test (@pytest.mark.replicas) or on a pytest.param of "
+            "its own parametrize"
+        ) in result.outlines
+
+    @pytest.mark.parametrize(
+        ("source", "message"),
+        [
+            (
+                "@pytest.mark.parametrize('x', [pytest.param(1, marks=pytest.mark.replicas(0))])"
+                "\ndef test_it(replicas, x):",
+                REPLICAS_USAGE + "0",
+            ),
+            (
+                "@pytest.mark.parametrize('x', [pytest.param(1, marks=pytest.mark.replicas(2))])"
+                "\ndef test_it(x):",
+                "@pytest.mark.replicas on test_it (on a parameter), which uses neither the "
+                "strategy_factory nor the replicas fixture: the marker would do nothing",
+            ),
+        ],
+        ids=["zero", "unused"],
+    )
+    def test_bad_marker_on_a_parameter_is_a_collection_error(
+        self, pytester: pytest.Pytester, source: str, message: str
+    ) -> None:
+        """A parameter's malformed or useless marker fails collection of its test."""
+        result = run_inner(pytester, f"import pytest\n\n{source}\n    pass\n")
+        result.assert_outcomes(errors=1)
+        assert message in result.outlines
 
     @pytest.mark.parametrize(
         ("decorator", "message"),

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 from collections import Counter, defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -432,6 +434,58 @@ async def test_start_and_stop_refuse_what_they_cannot_do(tmp_path: Path) -> None
     with pytest.raises(IsADirectoryError, match=r"is a folder"):
         strategy.start_trace(tmp_path)
     assert _trace.recorder is None
+
+
+async def test_closing_a_strategy_stops_and_writes_its_trace(tmp_path: Path) -> None:
+    """close() and aclose() end the strategy's trace and write its file; closing a strategy
+    that is not the one traced leaves the trace recording."""
+    events: list[object] = []
+    for how in ("close", "aclose"):
+        strategy = MirroredStrategy(host_devices(2))
+        bystander = MirroredStrategy(host_devices(1))
+        strategy.start_trace(tmp_path / f"{how}.json")
+        await strategy.run(lambda: 1)
+        await bystander.aclose()
+        events.append((how, "bystander closed", _trace.recorder is not None))
+        if how == "close":
+            strategy.close()
+        else:
+            await strategy.aclose()
+        events.append((how, "recording", _trace.recorder is not None))
+        names = {span["name"] for span in spans(load(tmp_path / f"{how}.json"))}
+        events.append((how, "compute spans", "compute" in names))
+    assert events == [
+        ("close", "bystander closed", True),
+        ("close", "recording", False),
+        ("close", "compute spans", True),
+        ("aclose", "bystander closed", True),
+        ("aclose", "recording", False),
+        ("aclose", "compute spans", True),
+    ]
+    with pytest.raises(RuntimeError, match=r"^no trace is being recorded by MirroredStrategy"):
+        strategy.stop_trace()
+
+
+async def test_a_collected_strategys_trace_blocks_no_other(tmp_path: Path) -> None:
+    """A strategy dropped while its trace records (a failed test, say) takes the trace with
+    it once collected, unwritten: another strategy's trace can then start."""
+    dropped = MirroredStrategy(host_devices(2))
+    dropped.start_trace(tmp_path / "dropped.json")
+    await dropped.run(lambda: 1)
+    gone = weakref.ref(dropped)
+    del dropped
+    # Strategies are in reference cycles, and a worker thread lets go of its last job a
+    # moment after the job's result reached the loop: collect until it is gone, within a bound.
+    with anyio.fail_after(5):
+        while gone() is not None:
+            gc.collect()
+            await anyio.sleep(0.01)
+    assert _trace.recorder is None
+    other = MirroredStrategy(host_devices(1))
+    other.start_trace(tmp_path / "other.json")
+    await other.run(lambda: 1)
+    assert os.path.basename(other.stop_trace()) == "other.json"
+    assert sorted(os.listdir(tmp_path)) == ["other.json"]
 
 
 class _Bytes(os.PathLike[bytes]):
