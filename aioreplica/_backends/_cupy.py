@@ -360,9 +360,11 @@ class CupyBackend:
                     out = send = cupy.empty(first.shape, dtype=work_dtype)
                     others = group.replicas[1:]
                     if others:  # the first pass reads two inputs and writes the buffer
-                        local_op(first, inputs[others[0]], out=out)
+                        # In ``work_dtype``: a ufunc picks its loop from the inputs, so a
+                        # mean's sum of bools or int8s would otherwise be or'd or wrap.
+                        local_op(first, inputs[others[0]], out=out, dtype=work_dtype)
                         for position in others[1:]:
-                            local_op(out, inputs[position], out=out)
+                            local_op(out, inputs[position], out=out, dtype=work_dtype)
                     else:
                         out[...] = first
             sends.append(send)
@@ -482,8 +484,9 @@ class CupyBackend:
 
         ``value`` may live on any GPU. On one of the replicas' GPUs it is read on that GPU's
         leader stream after every replica stream there (so whichever replica made it, it is
-        ready); on another GPU it is first copied to the first replica's GPU, and the work that
-        produced it must already be ordered before this call. Host data is copied in.
+        ready); on another GPU it is first copied to the first replica's GPU after the work
+        queued so far on that GPU's current stream (where code outside a step made it), as
+        ``CudaDevice.asarray`` copies it. Host data is copied in.
 
         Raises:
             TypeError: a device is not a GPU device.
@@ -504,11 +507,17 @@ class CupyBackend:
                 source = _contiguous(value)
                 if len(groups) == 1 and source is value:
                     source = value.copy()  # every replica gets an array of its own
+        elif isinstance(value, cupy.ndarray):  # on a GPU that holds no replica
+            root, gpu = 0, value.device.id
+            copied = _copy_from(
+                value, gpu, _get_current_stream(gpu), groups[0].index, groups[0].leader
+            )
+            with _Active(groups[0].index, groups[0].leader):
+                source = _contiguous(copied)
         else:
             root = 0
             with _Active(groups[0].index, groups[0].leader):
-                copied = cupy.copy(value) if isinstance(value, cupy.ndarray) else value
-                source = _contiguous(cupy.asarray(copied))
+                source = _contiguous(cupy.asarray(value))
         if len(groups) == 1:
             return plan.fan_out([source])
         nccl, communicators = self._nccl(plan)

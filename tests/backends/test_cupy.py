@@ -237,6 +237,22 @@ class TestCupyBackend:
                 np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=layout)
 
     @pytest.mark.anyio
+    async def test_mean_of_bools_and_small_ints_is_summed_in_float64(self, cb: Any) -> None:
+        """The mean of bool and int8 inputs is NumPy's float64 mean on every layout, also
+        where a GPU holds several replicas (their sum is not taken in the input's dtype)."""
+        for layout, devices in _layouts(cb).items():
+            for hosts in (
+                [np.array([True, True, False])] * len(devices),
+                [np.array([100, -100, 7], dtype=np.int8)] * len(devices),
+            ):
+                results = await cb.CUPY_BACKEND.all_reduce(
+                    "mean", _to_devices(devices, hosts), devices
+                )
+                expected = np.mean(np.stack(hosts), axis=0)
+                got = [(r.get().dtype, r.get().tolist()) for r in results]
+                assert got == [(expected.dtype, expected.tolist())] * len(devices), layout
+
+    @pytest.mark.anyio
     async def test_every_replica_gets_its_own_result(self, cb: Any) -> None:
         """Results do not alias each other or the inputs, so a replica may change its own."""
         devices = _layouts(cb)["2 replicas, 1 GPU"]
@@ -269,6 +285,24 @@ class TestCupyBackend:
             for result in results:
                 assert result.data.ptr != value.data.ptr
                 np.testing.assert_array_equal(result.get(), np.arange(12.0).reshape(3, 4))
+
+    @pytest.mark.anyio
+    async def test_broadcast_of_a_value_on_another_gpu_waits_for_its_gpu(
+        self, cb: Any, cp: Any
+    ) -> None:
+        """A value made outside a step on a GPU that holds no replica is read after the work
+        queued on that GPU's current stream, and that stream waits for the read."""
+        if cb.visible_device_count() < 2:
+            pytest.skip("needs two GPUs")
+        devices = [cb.cuda_device(0)]
+        with cp.cuda.Device(1):
+            value = cp.asarray(np.arange(6.0).reshape(2, 3)).T  # non-contiguous too
+        results = await cb.CUPY_BACKEND.broadcast(value, devices)
+        assert [(r.device.id, r.get().tolist()) for r in results] == [
+            (0, np.arange(6.0).reshape(2, 3).T.tolist())
+        ]
+        with cp.cuda.Device(1):
+            value += 1  # reuses nothing early: the write is ordered after the read
 
     @pytest.mark.anyio
     async def test_all_reduce_packed_joins_any_layout_per_replica(self, cb: Any) -> None:
