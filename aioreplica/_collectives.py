@@ -988,6 +988,17 @@ def _refuse_components(
             f"{passed} to {what}{at}; collectives take numbers and arrays: pass a number or a "
             f"{backend} array instead"
         )
+    kinds = {f"{type(c).__module__}.{type(c).__name__}" for c in components}
+    if len(kinds) == 1:  # one foreign kind everywhere: nothing is mixed
+        (kind,) = kinds
+        passed = f"{'every replica passes' if per_replica else 'it is'} a {kind}"
+        if per_replica and len(components) == 1:
+            passed = f"replica {first_replica} passes a {kind}"
+        raise TypeError(
+            f"{what}: the value{at} is not a {backend} array ({passed}), but this strategy's "
+            f"devices hold {backend} arrays; put each value on its replica's device with "
+            "ctx.device.asarray(value)"
+        )
     found = ", ".join(
         f"replica {i} passes {type(c).__module__}.{type(c).__name__}"
         for i, c in enumerate(components, start=first_replica)

@@ -345,6 +345,32 @@ class TestAllReduce:
         ):
             await strategy.run(step)
 
+    @pytest.mark.parametrize("per_replica", [True, False], ids=["per replica", "one value"])
+    async def test_foreign_arrays_on_every_replica_are_no_mix(self, per_replica: bool) -> None:
+        """Every replica passing an array of another backend mixes nothing: the message says
+        the value is not an array of the strategy's backend, naming the type once."""
+
+        class FakeCupyArray:
+            shape = (2,)
+
+        FakeCupyArray.__module__ = "cupy._core.core"
+        strategy = MirroredStrategy(host_devices(2))
+        shared = FakeCupyArray()
+
+        async def step() -> Any:
+            return await replica_context().all_reduce(
+                "sum", FakeCupyArray() if per_replica else shared
+            )
+
+        passed = "every replica passes" if per_replica else "it is"
+        with pytest.raises(TypeError) as caught:
+            await strategy.run(step)
+        assert str(caught.value).startswith(
+            f"all_reduce: the value is not a numpy array ({passed} a "
+            "cupy._core.core.FakeCupyArray), but this strategy's devices hold numpy arrays; "
+            "put each value on its replica's device with ctx.device.asarray(value)"
+        ), str(caught.value)
+
     async def test_an_int_too_large_for_numpy_is_named_on_its_replica(self) -> None:
         """A Python int beyond 64 bits from one replica is a TypeError naming that replica and
         saying why, not a shape or dtype mismatch blamed on the others."""
