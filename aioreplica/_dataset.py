@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import contextvars
+import inspect
 import itertools
 import pickle
 import queue
@@ -60,7 +61,7 @@ from . import _loops, _trace, _tree
 from ._backends import host_array
 from ._batched import BatchedIterator, batch_rows, batched
 from ._cluster import WorkersDisagree, error_line, worker_list
-from ._errors import ReplicaSyncError, as_integer
+from ._errors import ReplicaSyncError, as_integer, checked_integer
 from ._options import CaseInsensitiveStrEnum
 from ._values import PerReplica, regroup
 
@@ -87,6 +88,9 @@ __all__ = [
 T = TypeVar("T")
 
 _END: Final = object()
+#: What ``interleaved`` gives for a dataset that ended while others still have data: the
+#: replica gets an empty batch.
+_NO_BATCH: Final = object()
 #: A worker's mark in a pass's agreement when its dataset raised.
 _RAISED: Final = -1
 #: How many rows of each leaf of a global batch, and how many values of each, its fingerprint
@@ -110,6 +114,11 @@ class InputContext:
         input_pipeline_id: this pipeline's number, from 0.
         num_replicas_in_sync: replicas over all pipelines.
 
+    Raises:
+        TypeError: a field is not an int.
+        ValueError: a count is below 1, or ``input_pipeline_id`` is not below
+            ``num_input_pipelines``.
+
     Example:
         >>> InputContext(num_replicas_in_sync=4).get_per_replica_batch_size(64)
         16
@@ -118,6 +127,24 @@ class InputContext:
     num_input_pipelines: int = 1
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
+
+    def __post_init__(self) -> None:
+        pipelines = checked_integer(
+            self.num_input_pipelines, "InputContext: num_input_pipelines must be an int >= 1", 1
+        )
+        replicas = checked_integer(
+            self.num_replicas_in_sync, "InputContext: num_replicas_in_sync must be an int >= 1", 1
+        )
+        pipeline = checked_integer(
+            self.input_pipeline_id,
+            f"InputContext: input_pipeline_id must be an int from 0 to {pipelines - 1} (one "
+            f"of its {pipelines} input pipelines)",
+            0,
+            pipelines - 1,
+        )
+        object.__setattr__(self, "num_input_pipelines", pipelines)
+        object.__setattr__(self, "input_pipeline_id", pipeline)
+        object.__setattr__(self, "num_replicas_in_sync", replicas)
 
     def __str__(self) -> str:
         # TF's wording; the repr names every field.
@@ -130,12 +157,17 @@ class InputContext:
         """The per-replica batch size for ``global_batch_size``.
 
         Raises:
-            ValueError: ``global_batch_size`` is not divisible by the number of replicas.
+            ValueError: ``global_batch_size`` is negative, or not divisible by the number of
+                replicas.
+            TypeError: ``global_batch_size`` is not an int.
 
         Example:
             >>> InputContext(num_replicas_in_sync=2).get_per_replica_batch_size(8)
             4
         """
+        global_batch_size = checked_integer(
+            global_batch_size, "global_batch_size must be an int >= 0", 0
+        )
         if global_batch_size % self.num_replicas_in_sync:
             raise ValueError(
                 f"the global batch size {global_batch_size} is not divisible by the "
@@ -230,15 +262,24 @@ class InputOptions:
 
 def interleaved(datasets: Sequence[Any]) -> Any:
     """One element of each of ``datasets`` in turn (a round per replica, for
-    ``PER_REPLICA`` input), until one of them ends: an iterable, or an async iterable when
-    any of them is asynchronous, whose every pass starts the datasets over (a list's every
-    epoch, as for one dataset).
+    ``PER_REPLICA`` input), while any of them has one: a dataset that ended gives
+    ``_NO_BATCH`` in the rounds that others fill (its replica gets empty batches). An
+    iterable, or an async iterable when any of them is asynchronous (which pulls the others
+    that may block on loader threads), whose every pass starts the datasets over (a list's
+    every epoch, as for one dataset).
 
     Raises:
-        TypeError: a dataset is not iterable, or is a string (characters, not batches).
+        TypeError: a dataset is not iterable, or is a string (characters, not batches), or is
+            a coroutine (then every coroutine among ``datasets`` is closed).
     """
-    for dataset in datasets:
-        check_iterable(dataset)
+    try:
+        for dataset in datasets:
+            check_iterable(dataset)
+    except TypeError:
+        for dataset in datasets:
+            if inspect.iscoroutine(dataset):
+                dataset.close()  # no "never awaited" warning for the others either
+        raise
     if any(hasattr(dataset, "__aiter__") for dataset in datasets):
         return _AsyncInterleaved(datasets)
     return _Interleaved(datasets)
@@ -248,8 +289,16 @@ def check_iterable(dataset: Any) -> None:
     """Refuse a dataset that cannot be iterated, or whose items are characters.
 
     Raises:
-        TypeError: ``dataset`` is neither iterable nor async iterable, or is a string.
+        TypeError: ``dataset`` is neither iterable nor async iterable, is a string, or is a
+            coroutine (which is closed: what an ``async def`` dataset function returns).
     """
+    if inspect.iscoroutine(dataset):
+        dataset.close()
+        raise TypeError(
+            "a dataset must be an iterable or async iterable of batches, got a coroutine: "
+            "dataset_fn must return the dataset, so make it a plain function, not a coroutine "
+            "function (an async generator, or a function returning one, is a dataset)"
+        )
     refuse_characters(dataset)
     if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
         raise TypeError(
@@ -296,38 +345,62 @@ class _AsyncInterleaved:
 
 def _interleaved(datasets: Sequence[Any]) -> Iterator[Any]:
     iterators = [iter(dataset) for dataset in datasets]
+    ended = [False] * len(iterators)
     try:
-        while True:
-            for iterator in iterators:
-                try:
-                    item = next(iterator)
-                except StopIteration:
-                    return
-                yield item
+        while True:  # a round is pulled whole: it is given only if any dataset had an item
+            round_ = [
+                _NO_BATCH if done else next(it, _END)
+                for it, done in zip(iterators, ended, strict=True)
+            ]
+            ended = [item is _END or item is _NO_BATCH for item in round_]
+            if all(ended):
+                return
+            yield from (_NO_BATCH if item is _END else item for item in round_)
     finally:  # the pipelines end with this one (a generator's ``finally`` runs now)
         for iterator in iterators:
             _close(iterator)
 
 
 async def _interleaved_async(datasets: Sequence[Any]) -> AsyncIterator[Any]:
-    iterators = [aiter(d) if hasattr(d, "__aiter__") else iter(d) for d in datasets]
+    # A synchronous dataset that may block is pulled on a loader thread of its own.
+    iterators: list[Any] = [
+        aiter(d)
+        if hasattr(d, "__aiter__")
+        else _LoaderThread(iter(d))
+        if _pulled_on_a_thread(d)
+        else iter(d)
+        for d in datasets
+    ]
+    ended = [False] * len(iterators)
     try:
-        while True:
-            for iterator in iterators:
-                try:
-                    item = (
-                        await anext(iterator) if hasattr(iterator, "__anext__") else next(iterator)
-                    )
-                except (StopIteration, StopAsyncIteration):
-                    return
-                yield item
+        while True:  # as ``_interleaved``
+            round_ = [
+                _NO_BATCH if done else await _next_of(it)
+                for it, done in zip(iterators, ended, strict=True)
+            ]
+            ended = [item is _END or item is _NO_BATCH for item in round_]
+            if all(ended):
+                return
+            for item in round_:
+                yield _NO_BATCH if item is _END else item
     finally:
         for iterator in iterators:
-            close_async = getattr(iterator, "aclose", None)
-            if close_async is not None:
+            if isinstance(iterator, _LoaderThread):
+                await iterator.close()
+            elif (close_async := getattr(iterator, "aclose", None)) is not None:
                 await close_async()
             else:
                 _close(iterator)
+
+
+async def _next_of(iterator: Any) -> Any:
+    """The next item of an async iterator, a loader thread or an in-memory iterator, or
+    ``_END``."""
+    if isinstance(iterator, _LoaderThread):
+        return await iterator.pull()
+    if hasattr(iterator, "__anext__"):
+        return await anext(iterator, _END)
+    return next(iterator, _END)
 
 
 @final
@@ -1047,10 +1120,11 @@ class _Puller:
                 batch = await self._pull()
                 if batch is _END:
                     break
-                leaves, treedef = _tree.flatten(batch)
-                if not _unbatched(leaves):  # elements without a batch dimension pass as they are
-                    batch_rows(leaves, treedef, "distribute_datasets_from_function")
-                self._last = batch
+                if batch is not _NO_BATCH:  # a PER_REPLICA dataset that ended: filled below
+                    leaves, treedef = _tree.flatten(batch)
+                    if not _unbatched(leaves):  # elements without a batch dimension pass as is
+                        batch_rows(leaves, treedef, "distribute_datasets_from_function")
+                    self._last = batch
                 parts.append(batch)
         except BaseException:
             self._round = parts  # the batches pulled so far are the next wait's
@@ -1058,8 +1132,12 @@ class _Puller:
         if not parts:
             return None
         if len(parts) < len(self._devices):  # ran out mid-round: empty batches
-            empty = _zero_rows(self._last, f"after {len(parts)} of this round's elements")
-            parts.extend([empty] * (len(self._devices) - len(parts)))
+            parts.extend([_NO_BATCH] * (len(self._devices) - len(parts)))
+        missing = [part is _NO_BATCH for part in parts]  # ``is``: ``in`` would compare arrays
+        if any(missing):
+            had = len(self._devices) - sum(missing)
+            empty = _zero_rows(self._last, f"after {had} of this round's elements")
+            parts = [empty if part is _NO_BATCH else part for part in parts]
         return parts
 
     async def finish(self) -> None:
@@ -1359,5 +1437,20 @@ def distribute_values(
     value_fn: Callable[[ValueContext], Any], num_replicas: int, ids: range
 ) -> PerReplica[Any]:
     """``PerReplica([value_fn(ValueContext(i, num_replicas)) for i in ids])``: the values of
-    this worker's replicas, ``ids`` their global ids."""
-    return PerReplica([value_fn(ValueContext(i, num_replicas)) for i in ids])
+    this worker's replicas, ``ids`` their global ids.
+
+    Raises:
+        TypeError: ``value_fn`` returned a coroutine (it is closed).
+    """
+    values = []
+    for i in ids:
+        value = value_fn(ValueContext(i, num_replicas))
+        if inspect.iscoroutine(value):
+            value.close()
+            raise TypeError(
+                f"experimental_distribute_values_from_function: value_fn returned a coroutine "
+                f"for replica {i}; it must return the value, so make it a plain function, not "
+                "a coroutine function (await what it needs before the call)"
+            )
+        values.append(value)
+    return PerReplica(values)

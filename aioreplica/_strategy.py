@@ -956,7 +956,8 @@ class MirroredStrategy:
                 ``experimental_per_replica_buffer_size``.
 
         Raises:
-            TypeError: ``dataset_fn`` is not callable; what it returned is not iterable;
+            TypeError: ``dataset_fn`` is not callable, or is an ``async def`` function (it
+                must return the dataset, not a coroutine); what it returned is not iterable;
                 ``prefetch`` is not an int; ``options`` is not an ``InputOptions``; (while
                 iterating) elements without a batch dimension ran out in the middle of a
                 round, which leaves replicas without an element (there are no empty ones of
@@ -1038,7 +1039,8 @@ class MirroredStrategy:
         in their value (as TF's dict of ``PerReplica`` values).
 
         Raises:
-            TypeError: ``value_fn`` is not callable.
+            TypeError: ``value_fn`` is not callable, or is an ``async def`` function (it must
+                return each replica's value, not a coroutine).
             Exception: whatever ``value_fn`` raises.
 
         Example:

@@ -6,8 +6,10 @@ holds the value i, so each replica's slice says which rows it got.
 
 from __future__ import annotations
 
+import gc
 import re
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -856,6 +858,87 @@ class TestInputOptions:
             [[0, 10], [1, 11]]
         ] * 2
 
+    @pytest.mark.parametrize("kind", SOURCES)
+    @pytest.mark.parametrize(
+        ("lengths", "last"),
+        [((3, 2, 3), [[2], [], [22]]), ((2, 3, 3), [[], [12], [22]]), ((3, 3, 2), [[2], [12], []])],
+    )
+    async def test_per_replica_pipelines_go_on_while_any_has_data(
+        self, kind: str, lengths: tuple[int, ...], last: list[list[int]]
+    ) -> None:
+        """Replicas' datasets of different lengths: every batch reaches its replica, whichever
+        ran out first; a replica whose dataset ended gets empty batches until all have."""
+        strategy = MirroredStrategy(host_devices(3))
+
+        def dataset_fn(context: InputContext) -> Any:
+            r = context.input_pipeline_id
+            return source(kind, [np.full(1, 10 * r + i) for i in range(lengths[r])])
+
+        dist = strategy.distribute_datasets_from_function(
+            dataset_fn, aioreplica.InputOptions(experimental_replication_mode="per_replica")
+        )
+        got = [rows_of(element, 3) for element in await collect(dist)]
+        assert got == [[[0], [10], [20]], [[1], [11], [21]], last]
+
+    async def test_a_blocking_loader_beside_an_async_one_leaves_the_loop_free(self) -> None:
+        """PER_REPLICA datasets of both kinds: the synchronous one is pulled on a loader
+        thread, so the event loop runs on while it blocks."""
+        strategy = MirroredStrategy(host_devices(2))
+        started, release = threading.Event(), threading.Event()
+        events: list[str] = []
+
+        async def fast() -> AsyncIterator[Array]:
+            for i in range(2):
+                yield np.full(1, i)
+
+        def slow() -> Iterator[Array]:
+            for i in range(2):
+                events.append(f"pull {i}")
+                started.set()
+                release.wait(2)  # bounded: a blocked loop fails the test instead of hanging
+                yield np.full(1, 10 + i)
+
+        async def release_the_loader() -> None:
+            await settle(started.is_set)
+            events.append("the loop ran")
+            release.set()
+
+        dist = strategy.distribute_datasets_from_function(
+            lambda c: fast() if c.input_pipeline_id == 0 else slow(),
+            aioreplica.InputOptions(experimental_replication_mode="per_replica"),
+            prefetch=0,
+        )
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_the_loader)
+            got = [rows_of(element, 2) for element in await collect(dist)]
+        assert events == ["pull 0", "the loop ran", "pull 1"]
+        assert got == [[[0], [10]], [[1], [11]]]
+
+    @pytest.mark.parametrize("mode", ["per_worker", "per_replica"])
+    def test_an_async_dataset_fn_is_refused(self, mode: str) -> None:
+        """A dataset_fn that is a coroutine function: a TypeError saying what to do, and its
+        coroutines closed (no "never awaited" warning)."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def dataset_fn(context: InputContext) -> list[Array]:
+            return [np.arange(2)]
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(
+                TypeError,
+                match=mentions(
+                    "got a coroutine",
+                    "dataset_fn must return the dataset",
+                    "not a coroutine function",
+                ),
+            ):
+                strategy.distribute_datasets_from_function(
+                    dataset_fn, aioreplica.InputOptions(experimental_replication_mode=mode)
+                )
+            gc.collect()
+        assert [str(w.message) for w in caught] == []
+
     @pytest.mark.parametrize("mode", ["per_worker", "per_replica"])
     @pytest.mark.parametrize("made", [5, "ab", b"ab"], ids=["a number", "a string", "bytes"])
     def test_what_dataset_fn_returns_is_checked(self, made: Any, mode: str) -> None:
@@ -970,6 +1053,40 @@ class TestInputContext:
             "InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=4)"
         )
 
+    @pytest.mark.parametrize(
+        ("fields", "error", "message"),
+        [
+            ({"num_replicas_in_sync": 0}, ValueError, "num_replicas_in_sync must be an int >= 1"),
+            ({"num_input_pipelines": -1}, ValueError, "num_input_pipelines must be an int >= 1"),
+            ({"num_replicas_in_sync": 2.0}, TypeError, "num_replicas_in_sync must be an int"),
+            (
+                {"num_input_pipelines": 2, "input_pipeline_id": 2},
+                ValueError,
+                "input_pipeline_id must be an int from 0 to 1",
+            ),
+            ({"input_pipeline_id": True}, TypeError, "input_pipeline_id must be an int"),
+        ],
+    )
+    def test_bad_fields(self, fields: dict[str, Any], error: type, message: str) -> None:
+        """Counts below one, a pipeline id out of range, or fields that are not ints."""
+        with pytest.raises(error, match=re.escape(message)):
+            InputContext(**fields)
+
+    @pytest.mark.parametrize(
+        ("size", "error"), [(8.0, TypeError), (True, TypeError), ("8", TypeError), (-8, ValueError)]
+    )
+    def test_bad_global_batch_size(self, size: Any, error: type) -> None:
+        """A global batch size that is not an int >= 0 is refused, naming it."""
+        with pytest.raises(error, match=re.escape("global_batch_size must be an int >= 0, got")):
+            InputContext(num_replicas_in_sync=2).get_per_replica_batch_size(size)
+
+    def test_numpy_integers_are_ints(self) -> None:
+        """NumPy's integers count as ints, and become Python ints."""
+        replicas: Any = np.int64(2)
+        context = InputContext(num_replicas_in_sync=replicas)
+        assert type(context.num_replicas_in_sync) is int
+        assert context.get_per_replica_batch_size(np.int64(8)) == 4  # type: ignore[arg-type]
+
     def test_batch_size_not_divisible(self) -> None:
         """A global batch size the replicas do not divide is a ValueError naming both numbers."""
         context = InputContext(num_replicas_in_sync=4)
@@ -1043,6 +1160,27 @@ class TestDistributeValuesFromFunction:
         values = PerReplica([{"a": np.ones(1)}, {"b": np.ones(1)}])
         with pytest.raises(ValueError, match=mentions("reduce", "replica 1", "'a'", "'b'")):
             await strategy.reduce(ReduceOp.SUM, values, axis=None)
+
+    def test_an_async_value_fn_is_refused(self) -> None:
+        """A coroutine function as value_fn: a TypeError saying what to do, and its coroutine
+        closed (no "never awaited" warning)."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def value_fn(context: ValueContext) -> int:
+            return context.replica_id_in_sync_group
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(
+                TypeError,
+                match=mentions(
+                    "value_fn returned a coroutine for replica 0",
+                    "not a coroutine function",
+                ),
+            ):
+                strategy.experimental_distribute_values_from_function(value_fn)
+            gc.collect()
+        assert [str(w.message) for w in caught] == []
 
     def test_value_context_fields(self) -> None:
         """ValueContext holds the replica id and the replica count."""
