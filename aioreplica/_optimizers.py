@@ -569,11 +569,7 @@ class Optimizer:
                 return f"the default strategy {which!r} (outside any strategy.run())"
             return repr(which)
 
-        stepper = (
-            f"another {strategy!r}: two strategy objects over the same devices"
-            if repr(strategy) == repr(owner)
-            else label(strategy)
-        )
+        stepper = _told_apart(strategy, owner, label)
         return ValueError(
             f"apply_gradients() of {type(self).__name__} was called in {stepper}, but this "
             f"optimizer belongs to {label(owner)} ({self._bound_by}); its slots and step "
@@ -598,12 +594,7 @@ class Optimizer:
                 f"trained in {strategy!r}; create model variables inside "
                 "`with strategy.scope():`"
             )
-        # Two strategies over the same devices look alike: say that they are two.
-        trainer = (
-            f"another {strategy!r}: two strategy objects over the same devices"
-            if repr(strategy) == repr(owner)
-            else repr(strategy)
-        )
+        trainer = _told_apart(strategy, owner, repr)
         raise ValueError(
             f"variable {variable.name!r} belongs to {owner!r}, but is trained in {trainer}; "
             "train each variable with the strategy that created it"
@@ -1232,6 +1223,14 @@ async def _the_same_gradients(
         await engine.refuse("apply_gradients()", error)  # on every worker alike
         raise error
     return [list(grads) for grads in per_replica]
+
+
+def _told_apart(strategy: Any, owner: Any, shown: Callable[[Any], str]) -> str:
+    """``strategy`` as a message names it beside ``owner``: ``shown(strategy)``, unless the
+    two look alike (two strategies over the same devices), which the message then says."""
+    if repr(strategy) == repr(owner):
+        return f"another {strategy!r}: two strategy objects over the same devices"
+    return shown(strategy)
 
 
 def _with_gradients(
