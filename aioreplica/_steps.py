@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 from . import _tree
 from ._context import context_state, default_replica_context, get_replica_context
-from ._errors import as_integer, yielding_step
+from ._errors import add_note, as_integer, yielding_step
 from ._values import DistributedValues, misfit, shown_misfit
 
 if TYPE_CHECKING:
@@ -67,11 +67,12 @@ def _check_steps(steps: Any, name: str) -> int:
 class _Feed:
     """The iterator of a ``run_steps`` call, pulled once per step by the merge round."""
 
-    __slots__ = ("iterator", "remaining")
+    __slots__ = ("iterator", "pulled", "remaining")
 
     def __init__(self, iterator: AsyncIterator[Any], steps: int) -> None:
         self.iterator = iterator
         self.remaining = steps
+        self.pulled = 0  # elements pulled so far
 
     async def next_element(self, strategy: Any) -> Any:
         if self.remaining == 0:
@@ -81,6 +82,14 @@ class _Feed:
         except StopAsyncIteration:
             self.remaining = 0
             return _END
+        except Exception as exc:  # the iterator's own error: say where it came from
+            add_note(
+                exc,
+                f"raised by run_steps()'s iterator ({type(self.iterator).__name__}) pulling "
+                f"the element of step {self.pulled + 1}",
+            )
+            raise
+        self.pulled += 1
         self.remaining -= 1
         found = misfit(element, strategy._engine.size)
         if found is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -11,6 +11,9 @@ import pytest
 import aioreplica
 from aioreplica import MirroredStrategy, MultiStepContext, PerReplica, ReplicaSyncError
 from aioreplica.testing import host_devices, replica_context, replica_id
+
+if TYPE_CHECKING:
+    from collections.abc import AsyncIterator
 
 pytestmark = pytest.mark.anyio
 
@@ -151,6 +154,28 @@ class TestRunSteps:
         assert info.value.__notes__ == ["raised in replica 1 of 2 (device cpu:1)"]
         # Step 1 ran on both; in step 2 replica 0 may be cancelled before it starts; no step 3.
         assert {(0, 0), (1, 2), (1, 6)} <= set(steps) <= {(0, 0), (1, 2), (0, 4), (1, 6)}
+
+    async def test_an_iterators_error_says_which_step_pulled_it(self) -> None:
+        """An error the iterator raises comes out of run_steps() itself, with a note naming
+        the iterator and the step whose element it was pulling (not only the merge function
+        that pulls it)."""
+        strategy = MirroredStrategy(host_devices(2))
+        seen: list[int] = []
+
+        async def elements() -> AsyncIterator[Any]:
+            for i in range(2):
+                yield PerReplica([np.full(1, i), np.full(1, i)])
+            raise OSError("the file went away")
+
+        async def step(x: Any) -> None:
+            seen.append(int(x[0]))
+
+        with pytest.raises(OSError, match="the file went away") as info:
+            await strategy.run_steps(step, elements(), 5)
+        assert info.value.__notes__[0] == (
+            "raised by run_steps()'s iterator (async_generator) pulling the element of step 3"
+        )
+        assert seen == [0, 0, 1, 1]
 
     async def test_steps_must_agree_on_merge_calls(self) -> None:
         strategy = MirroredStrategy(host_devices(2))
