@@ -287,24 +287,6 @@ class TestCupyBackend:
                 np.testing.assert_array_equal(result.get(), np.arange(12.0).reshape(3, 4))
 
     @pytest.mark.anyio
-    async def test_broadcast_of_a_value_on_another_gpu_waits_for_its_gpu(
-        self, cb: Any, cp: Any
-    ) -> None:
-        """A value made outside a step on a GPU that holds no replica is read after the work
-        queued on that GPU's current stream, and that stream waits for the read."""
-        if cb.visible_device_count() < 2:
-            pytest.skip("needs two GPUs")
-        devices = [cb.cuda_device(0)]
-        with cp.cuda.Device(1):
-            value = cp.asarray(np.arange(6.0).reshape(2, 3)).T  # non-contiguous too
-        results = await cb.CUPY_BACKEND.broadcast(value, devices)
-        assert [(r.device.id, r.get().tolist()) for r in results] == [
-            (0, np.arange(6.0).reshape(2, 3).T.tolist())
-        ]
-        with cp.cuda.Device(1):
-            value += 1  # reuses nothing early: the write is ordered after the read
-
-    @pytest.mark.anyio
     async def test_all_reduce_packed_joins_any_layout_per_replica(self, cb: Any) -> None:
         """Leaves of any layout (a transposed one too) come back reduced, end to end."""
         for layout, devices in _layouts(cb).items():
@@ -368,6 +350,28 @@ class TestCupyBackend:
     def test_visible_device_count_counts_the_gpus(self, cb: Any, cp: Any) -> None:
         """The count is CuPy's device count."""
         assert cb.visible_device_count() == cp.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("gpus", [2, 4])
+async def test_broadcast_of_a_value_on_a_gpu_without_a_replica_waits_for_its_gpu(
+    gpus: int,
+) -> None:
+    """A value made outside a step on a GPU that holds no replica (there is one only with two
+    GPUs or more) is read after the work queued on that GPU's current stream, and that stream
+    waits for the read: the stand-in reports no race."""
+    with simulated_cupy(gpus) as cp:
+        from aioreplica._backends import _cupy as cb
+
+        devices = [cb.cuda_device(0)]
+        with cp.cuda.Device(gpus - 1):
+            value = cp.asarray(np.arange(6.0).reshape(2, 3)).T  # non-contiguous too
+        results = await cb.CUPY_BACKEND.broadcast(value, devices)
+        assert [(r.device.id, r.get().tolist()) for r in results] == [
+            (0, np.arange(6.0).reshape(2, 3).T.tolist())
+        ]
+        with cp.cuda.Device(gpus - 1):
+            value += 1  # reuses nothing early: the write is ordered after the read
 
 
 def test_docstring_examples_run_on_the_stand_in() -> None:
