@@ -11,10 +11,12 @@ Usage::
     What this installation can run on: the versions of Python, NumPy, anyio, trio, uvloop,
     CuPy, the CUDA runtime and driver, NCCL, mpi4py and the MPI library; the devices
     (``aioreplica.list_devices()``); and, for each backend, what is missing and how to get it.
-    A module that is installed but fails to import is reported with its error; the command
-    itself does not fail. Optional modules are imported only here, never by
-    ``import aioreplica``; MPI is not initialised (mpi4py's ``rc.initialize`` is turned off
-    before ``mpi4py.MPI`` is first imported), so ``info`` is safe on a login node.
+    A module that is installed but fails to import (any exception, ``SystemExit`` included)
+    is reported with its error; the command itself does not fail. What a module prints as it
+    imports goes to stderr, so that stdout holds only the report. Optional modules are
+    imported only here, never by ``import aioreplica``; MPI is not initialised (mpi4py's
+    ``rc.initialize`` is turned off before ``mpi4py.MPI`` is first imported), so ``info`` is
+    safe on a login node.
 
     ``--json`` prints one object with these keys:
 
@@ -57,7 +59,7 @@ Usage::
     trace has no merge round.
 
 Exit status: 0 on success; 2 on a usage error or a trace file that cannot be read (missing,
-not JSON, not a trace, no replica tracks), with a one-line message on stderr.
+not JSON, not a trace, a malformed event, no replica tracks), with a one-line message on stderr.
 """
 
 from __future__ import annotations
@@ -140,6 +142,14 @@ def _recording_warnings(into: list[str]) -> Iterator[None]:
             into.append(text)
 
 
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    """Send what the block prints to stderr: a module that prints as it imports must not
+    break the JSON that ``info --json`` prints on stdout."""
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 def _version_of(module: ModuleType, name: str) -> str | None:
     """The module's ``__version__``, else its distribution's version, else ``None``."""
     version = getattr(module, "__version__", None)
@@ -163,9 +173,9 @@ def _probe(name: str) -> tuple[ModuleType | None, dict[str, Any]]:
         return None, entry
     entry["installed"] = True
     try:
-        with _recording_warnings(entry["warnings"]):
+        with _recording_warnings(entry["warnings"]), _stdout_to_stderr():
             module = importlib.import_module(name)
-    except Exception as exc:  # a broken install raises anything: ImportError, OSError, ...
+    except (Exception, SystemExit) as exc:  # a broken install raises anything: ImportError, ...
         entry["error"] = _error_text(exc)
         return None, entry
     entry["version"] = _version_of(module, name)
@@ -188,13 +198,12 @@ def _cuda_info(cupy: Any) -> dict[str, Any]:
     """The ``cuda`` entry: runtime and driver versions as CuPy reports them."""
     entry: dict[str, Any] = {"runtime": None, "driver": None, "error": None}
     errors = []
-    runtime = cupy.cuda.runtime
     try:
-        entry["runtime"] = _cuda_version(int(runtime.runtimeGetVersion()))
+        entry["runtime"] = _cuda_version(int(cupy.cuda.runtime.runtimeGetVersion()))
     except Exception as exc:  # CuPy cannot load the CUDA runtime library
         errors.append(f"runtime: {_error_text(exc)}")
     try:
-        driver = int(runtime.driverGetVersion())
+        driver = int(cupy.cuda.runtime.driverGetVersion())
     except Exception as exc:  # no driver library
         errors.append(f"driver: {_error_text(exc)}")
     else:
@@ -246,9 +255,9 @@ def _nccl_info() -> dict[str, Any]:
     entry: dict[str, Any] = {"available": False, "version": None, "error": None}
     caught: list[str] = []
     try:
-        with _recording_warnings(caught):
+        with _recording_warnings(caught), _stdout_to_stderr():
             nccl = importlib.import_module("cupy.cuda.nccl")
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         entry["error"] = _error_text(exc)
         return entry
     if not getattr(nccl, "available", False):
@@ -340,8 +349,9 @@ def _list_devices() -> tuple[list[str], str | None]:
     from ._backends import list_devices
 
     try:
-        return list_devices(), None
-    except Exception as exc:  # a CuPy that finds its libraries missing on first use
+        with _stdout_to_stderr():
+            return list_devices(), None
+    except (Exception, SystemExit) as exc:  # a CuPy that finds its libraries missing on first use
         return ["cpu:0"], _error_text(exc)
 
 
@@ -617,6 +627,8 @@ def _load_events(path: Path) -> list[Any]:
         raise TraceFileError(f"{path}: cannot read it ({exc.strerror}): {_WHAT_TO_PASS}") from None
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise TraceFileError(f"{path}: not JSON (nested too deeply): {_WHAT_TO_PASS}") from None
     except json.JSONDecodeError as exc:
         raise TraceFileError(
             f"{path}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno}): "
@@ -644,6 +656,18 @@ def _number(event: dict[str, Any], key: str) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
+
+
+def _track_of(path: Path, index: int, event: dict[str, Any]) -> tuple[Any, Any]:
+    """The event's ``(pid, tid)``, or a :class:`TraceFileError` if either is an array or an
+    object (a track id is a number or a string)."""
+    pid, tid = event.get("pid"), event.get("tid")
+    if isinstance(pid, list | dict) or isinstance(tid, list | dict):
+        raise TraceFileError(
+            f'{path}: event {index} ({event.get("name")!r}) has a "pid" or a "tid" that is not '
+            f"a number or a string: {_WHAT_TO_PASS}"
+        )
+    return pid, tid
 
 
 def _id_order(value: object) -> tuple[int, float, str]:
@@ -685,7 +709,7 @@ def _read_trace(path: Path) -> tuple[_Lanes, list[tuple[dict[str, Any], float, f
             args = event.get("args")
             name = args.get("name") if isinstance(args, dict) else None
             if isinstance(name, str) and name.startswith("replica"):
-                pid, tid = event.get("pid"), event.get("tid")
+                pid, tid = _track_of(path, index, event)
                 match = _REPLICA_TRACK.fullmatch(name)
                 lanes[pid, tid] = ((pid, int(match.group(1)) if match else tid), name)
         elif phase == "X":
@@ -695,6 +719,7 @@ def _read_trace(path: Path) -> tuple[_Lanes, list[tuple[dict[str, Any], float, f
                     f"{path}: event {index} ({event.get('name')!r}) is a complete event "
                     f'without a number "ts" and a non-negative number "dur": {_WHAT_TO_PASS}'
                 )
+            _track_of(path, index, event)
             spans.append((event, start, duration))
     if not lanes:
         raise TraceFileError(
@@ -714,8 +739,10 @@ def summarize_trace(path: str | Path) -> dict[str, Any]:
         The summary ``trace-summary --json`` prints (keys in this module's docstring).
 
     Raises:
-        TraceFileError: the file is missing or unreadable, is not JSON, is not a trace (no
-            ``traceEvents``), has a malformed complete event, or has no replica track.
+        TraceFileError: the file is missing or unreadable, is not JSON (or nested too deeply
+            to read), is not a trace (no ``traceEvents``), has a malformed complete event or
+            an event whose ``pid`` or ``tid`` is an array or an object, has no replica track,
+            or has times too large to add up.
 
     Example:
         >>> events = [
@@ -763,6 +790,10 @@ def summarize_trace(path: str | Path) -> dict[str, Any]:
     for (pid, _), waits in arrivals.items():
         latest = max(start for start, _ in waits)
         last[pid, min((r for start, r in waits if start == latest), key=_id_order)] += 1
+
+    sums = [traced or 0.0, *(t[k] for t in totals.values() for k in ("compute", "merge wait"))]
+    if not all(math.isfinite(value) for value in sums):
+        raise TraceFileError(f"{path}: its times are too large to add up: {_WHAT_TO_PASS}")
 
     def share(value: float) -> float | None:
         return round(value / traced, 4) if traced else None

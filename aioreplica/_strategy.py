@@ -1168,6 +1168,8 @@ class MirroredStrategy:
             TypeError: ``path`` is not a str or ``os.PathLike``.
             FileNotFoundError: the folder of ``path`` does not exist.
             IsADirectoryError: ``path`` is a folder.
+            OSError: the folder of ``path`` does not take a new file (read-only, no
+                permission).
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -1240,6 +1242,8 @@ class MirroredStrategy:
             TypeError: ``path`` is not a str or ``os.PathLike``.
             FileNotFoundError: the folder of ``path`` does not exist.
             IsADirectoryError: ``path`` is a folder.
+            OSError: the folder of ``path`` does not take a new file (read-only, no
+                permission).
             OSError: (at the end) the file cannot be written.
 
         Example:

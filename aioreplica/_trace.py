@@ -489,6 +489,8 @@ def start(path: str, owner: Any, replicas: int, worker: int, version: str) -> Re
 
     Raises:
         RuntimeError: a trace is active already.
+        OSError: ``path``'s folder does not take a new file (read-only, no permission): refused
+            now, rather than the trace being lost when it stops.
     """
     global recorder
     if recorder is not None:
@@ -497,8 +499,30 @@ def start(path: str, owner: Any, replicas: int, worker: int, version: str) -> Re
             "one trace at a time: stop it first (stop_trace(), or leave its "
             "`async with strategy.trace(...)` block)"
         )
+    _check_writable(path)
     recorder = Recorder(path, owner, replicas, worker, version)
     return recorder
+
+
+def _check_writable(path: str) -> None:
+    """Create and remove a temporary file where ``Recorder.write`` will create its own.
+
+    Raises:
+        OSError: it cannot be created; the message names ``path`` and what to do.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        descriptor, temporary = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory
+        )
+    except OSError as exc:
+        raise type(exc)(
+            f"cannot write the trace file {path!r} here: {exc.strerror or exc}; name a file "
+            "in a folder this process can write"
+        ) from exc
+    os.close(descriptor)
+    with contextlib.suppress(OSError):
+        os.unlink(temporary)
 
 
 def stop(owner: Any) -> Recorder:

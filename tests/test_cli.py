@@ -444,6 +444,46 @@ class TestInfo:
         ]
 
     @pytest.mark.timeout(60)
+    def test_a_module_that_exits_as_it_imports_is_reported(self, tmp_path: Path) -> None:
+        """A CuPy and an mpi4py that raise ``SystemExit`` as they import do not end ``info``:
+        both are reported with their error, and the host device is listed."""
+        source = {"__init__.py": "raise SystemExit('no CUDA here')\n"}
+        root = _fake_package(tmp_path, "cupy", source)
+        _fake_package(tmp_path, "mpi4py", source)
+        info = _info(path=(root,))
+        error = "SystemExit: no CUDA here"
+        assert [info["packages"][name]["error"] for name in ("cupy", "mpi4py")] == [error, error]
+        assert info["devices"] == ["cpu:0"]
+        assert info["backends"]["gpu"]["missing"][0].startswith(
+            f"CuPy is installed but does not import ({error})"
+        )
+        assert info["backends"]["multi_worker"]["missing"] == [
+            f"mpi4py is installed but does not import ({error}): reinstall it: {INSTALL_MPI}"
+        ]
+
+    @pytest.mark.timeout(60)
+    def test_a_cupy_without_cuda_and_noise_on_stdout(self, tmp_path: Path) -> None:
+        """A ``cupy`` that is not CuPy (no ``cupy.cuda``) and prints as it imports: ``info``
+        reports what is missing, and what the module printed goes to stderr, so that the JSON
+        on stdout stays whole."""
+        source = "import sys\nprint('hello from cupy')\n__version__ = '0.1'\n"
+        root = _fake_package(tmp_path, "cupy", {"__init__.py": source})
+        completed = _cli("info", "--json", path=(root,))
+        assert (completed.returncode, completed.stderr) == (0, "hello from cupy\n")
+        info = json.loads(completed.stdout)
+        missing = "AttributeError: module 'cupy' has no attribute 'cuda'"
+        assert info["cuda"] == {
+            "runtime": None,
+            "driver": None,
+            "error": f"runtime: {missing}; driver: {missing}",
+        }
+        assert info["backends"]["gpu"]["missing"] == [
+            f"CuPy found no CUDA device ({missing}): check the driver (nvidia-smi) and "
+            "CUDA_VISIBLE_DEVICES"
+        ]
+        assert info["devices"] == ["cpu:0"]
+
+    @pytest.mark.timeout(60)
     def test_optional_modules_load_only_when_the_command_runs(self, tmp_path: Path) -> None:
         """Importing the CLI (and ``aioreplica``) loads none of CuPy, trio, mpi4py, uvloop,
         though the stand-in CuPy and a fake mpi4py are on the path; ``info`` loads them."""
@@ -767,6 +807,35 @@ class TestTraceSummary:
                 "event 0 ('compute') is a complete event without a number \"ts\" and a "
                 'non-negative number "dur"',
                 id="bad-span",
+            ),
+            pytest.param(
+                json.dumps({"traceEvents": [_meta([0], 0, "replica 0")]}).encode(),  # type: ignore[arg-type]
+                'event 0 (\'thread_name\') has a "pid" or a "tid" that is not a number or a string',
+                id="pid-a-list",
+            ),
+            pytest.param(
+                json.dumps(
+                    {"traceEvents": [_meta(0, 0, "replica 0"), _span("compute", 0, {}, 0, 1)]}  # type: ignore[arg-type]
+                ).encode(),
+                'event 1 (\'compute\') has a "pid" or a "tid" that is not a number or a string',
+                id="tid-an-object",
+            ),
+            pytest.param(
+                b"[" * 100_000 + b"]" * 100_000,
+                "not JSON (nested too deeply)",
+                id="nested-too-deeply",
+            ),
+            pytest.param(
+                json.dumps(
+                    {
+                        "traceEvents": [
+                            _meta(0, 0, "replica 0"),
+                            _span("compute", 0, 0, 1e308, 1e308),
+                        ]
+                    }
+                ).encode(),
+                "its times are too large to add up",
+                id="times-too-large",
             ),
         ],
     )

@@ -9,7 +9,8 @@ import subprocess
 import sys
 import weakref
 from collections import Counter, defaultdict
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -19,9 +20,6 @@ from example_modules import EXAMPLES, load_example
 import aioreplica
 from aioreplica import MirroredStrategy, _trace
 from aioreplica.testing import host_devices, replica_id
-
-if TYPE_CHECKING:
-    from pathlib import Path
 
 pytestmark = pytest.mark.anyio
 
@@ -404,6 +402,29 @@ async def test_a_file_that_cannot_be_written_raises_and_ends_the_trace(tmp_path:
     strategy.start_trace(tmp_path / "again.json")  # a new trace can start
     strategy.stop_trace()
     assert load(tmp_path / "again.json")["otherData"]["replicas"] == 1
+
+
+async def test_a_folder_that_cannot_be_written_is_refused_at_the_start(tmp_path: Path) -> None:
+    """A trace that could not be written is refused when it starts, not lost when it stops:
+    no trace is active after the refusal, and nothing is left in the folder."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        if os.access(folder, os.W_OK):  # root writes anywhere; /proc refuses new files
+            if sys.platform != "linux":
+                pytest.skip("no folder here that refuses a new file")
+            folder = Path("/proc")
+        strategy = MirroredStrategy(host_devices(1))
+        with pytest.raises(OSError, match=r"^cannot write the trace file .*run\.json.* here: "):
+            strategy.start_trace(folder / "run.json")
+        with pytest.raises(OSError, match=r"^cannot write the trace file"):
+            async with strategy.trace(folder / "run.json"):
+                pytest.fail("the block must not run")
+        assert _trace.recorder is None
+        assert not any(name.endswith(".tmp") for name in os.listdir(folder))
+    finally:
+        (tmp_path / "read-only").chmod(0o755)
 
 
 async def test_start_and_stop_refuse_what_they_cannot_do(tmp_path: Path) -> None:
