@@ -148,6 +148,36 @@ class TestOverHTTP:
         assert match.group(2) == "0"  # no device worker thread outlived the lifespan
         assert "Traceback" not in text
 
+    @pytest.mark.timeout(60)
+    def test_sigterm_is_a_clean_exit_like_ctrl_c(
+        self, service: types.ModuleType, tmp_path: Path
+    ) -> None:
+        """SIGTERM (what process managers send) ends the lifespan, the training and the device
+        threads and exits with code 0, as Ctrl-C does; uvicorn re-raises the signal it caught."""
+        import httpx
+
+        port = free_port()
+        log = tmp_path / "service.log"
+        with log.open("w") as output:
+            process = subprocess.Popen(
+                [sys.executable, str(EXAMPLES / "service.py"), "--port", str(port)],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+                wait_until_up(client, process, log)
+            process.send_signal(signal.SIGTERM)
+            code = process.wait(timeout=5)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        text = log.read_text()
+        assert code == 0, text
+        assert re.search(r"training stopped after \d+ steps .*; 0 device threads left", text), text
+        assert "Traceback" not in text
+
 
 def wait_until_up(client: httpx.Client, process: subprocess.Popen[bytes], log: Path) -> None:
     """Poll /health until the server answers (it imports, loads data, binds: a few seconds)."""
@@ -229,8 +259,8 @@ class TestInProcess:
             ),
             (b'{"inputs": [[NaN' + b", 0" * 63 + b"]]}", "a value that is not finite"),
             (
-                json.dumps({"inputs": [[0.0] * 64] * 4097}).encode(),
-                '"inputs" has 4097 rows; send at most 4096',
+                json.dumps({"inputs": [[0.0] * 64] * 1025}).encode(),
+                '"inputs" has 1025 rows; send at most 1024',
             ),
         ],
     )
@@ -247,6 +277,110 @@ class TestInProcess:
         assert response.status_code == 400
         assert response.headers["content-type"] == "application/json"
         assert message in response.json()["error"]
+
+    @pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+    async def test_a_body_past_the_limit_is_a_413_and_is_not_parsed(
+        self, service: types.ModuleType, monkeypatch: pytest.MonkeyPatch, declared: bool
+    ) -> None:
+        """A /predict body over MAX_BODY bytes (declared, or streamed without a length) is
+        refused with 413 before it is parsed: parsing a huge body would stall the event loop
+        that training and every other request share."""
+        parsed: list[int] = []
+        parse = service.parse_inputs
+
+        def recording_parse(body: bytes) -> Any:
+            parsed.append(len(body))
+            return parse(body)
+
+        monkeypatch.setattr(service, "parse_inputs", recording_parse)
+        chunk = b" " * 65536
+        chunks = service.MAX_BODY // len(chunk) + 2
+        pulled: list[bool] = []
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:  # a body without a length, chunk by chunk
+            pulled.append(True)
+            return {"type": "http.request", "body": chunk, "more_body": len(pulled) < chunks}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        import httpx
+
+        app = service.create_app(service.Settings(max_steps=0))
+        async with app.router.lifespan_context(app):
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+                if declared:
+                    big = await client.post("/predict", content=chunk * chunks)
+                    status, body = big.status_code, big.content
+                else:
+                    scope = {
+                        "type": "http",
+                        "asgi": {"version": "3.0"},
+                        "http_version": "1.1",
+                        "method": "POST",
+                        "scheme": "http",
+                        "path": "/predict",
+                        "raw_path": b"/predict",
+                        "query_string": b"",
+                        "headers": [(b"host", b"s"), (b"transfer-encoding", b"chunked")],
+                        "server": ("s", 80),
+                        "client": ("test", 1),
+                    }
+                    await app(scope, receive, send)
+                    status = sent[0]["status"]
+                    body = b"".join(m.get("body", b"") for m in sent[1:])
+                fits = await client.post("/predict", json={"inputs": [[0.0] * 64]})
+        assert status == 413
+        assert json.loads(body) == {
+            "error": f"the body is over {service.MAX_BODY} bytes; send at most 1024 rows of "
+            "64 numbers per request"
+        }
+        assert fits.status_code == 200
+        assert parsed == [len(fits.request.content)]
+        if not declared:  # it stopped reading at the first chunk past the limit
+            assert len(pulled) == service.MAX_BODY // len(chunk) + 1
+
+    async def test_a_training_failure_is_reported_and_predictions_go_on(
+        self, service: types.ModuleType, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A replica failing in a training step ends training, not the service: /health says
+        so (503, the error and its replica), /predict answers with the last weights, and the
+        lifespan still ends cleanly, closing the strategy."""
+        step = service.train_digits.train_step
+        calls: list[int] = []
+
+        async def failing_step(*args: Any) -> Any:
+            context = service.aioreplica.get_replica_context()
+            calls.append(context.replica_id_in_sync_group)
+            if len(calls) > 6 and context.replica_id_in_sync_group == 1:
+                raise RuntimeError("the step broke")
+            return await step(*args)
+
+        monkeypatch.setattr(service.train_digits, "train_step", failing_step)
+
+        async def requests(client: httpx.AsyncClient, trainer: Any) -> list[Any]:
+            await trainer.stopped.wait()
+            health = await client.get("/health")
+            answer = await client.post("/predict", json={"inputs": [[0.5] * 64] * 3})
+            return [health.status_code, health.json(), answer.status_code, answer.json()]
+
+        settings = service.Settings(replicas=2)
+        answers, trainer = await run_app(service, settings, requests)
+        assert trainer.steps == 3
+        assert answers[:2] == [
+            503,
+            {
+                "status": "failed",
+                "steps": 3,
+                "training": False,
+                "error": "RuntimeError: the step broke (raised in replica 1 of 2 (device cpu:1))",
+            },
+        ]
+        assert answers[2] == 200
+        assert len(answers[3]["predictions"]) == 3
+        assert trainer.strategy.closed
 
     async def test_metrics_and_health(self, service: types.ModuleType) -> None:
         """/metrics is Prometheus text with the loss, the counters and the statistics; /health
