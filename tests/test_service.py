@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -21,6 +22,8 @@ import numpy as np
 import pytest
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import httpx
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
@@ -81,65 +84,49 @@ class TestOverHTTP:
         """The real server on loopback: /predict classifies, /health stays fast while training
         (p99 under 250 ms, which only a blocked loop breaks), the loss falls, and SIGINT ends
         training and the device threads and exits with code 0 within 5 s."""
-        import httpx
-
         _, _, x_test, y_test = service.train_digits.load_data(0)
-        port = free_port()
         log = tmp_path / "service.log"
-        with log.open("w") as output:
-            process = subprocess.Popen(
-                [sys.executable, str(EXAMPLES / "service.py"), "--port", str(port)],
-                stdout=output,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                wait_until_up(client, process, log)
-
+        with serving(log) as (process, client):
+            first = parse_metrics(client.get("/metrics").text)
+            while first["aioreplica_steps_total"] == 0:  # the loss is NaN before a step
                 first = parse_metrics(client.get("/metrics").text)
-                while first["aioreplica_steps_total"] == 0:  # the loss is NaN before a step
-                    first = parse_metrics(client.get("/metrics").text)
-                health = client.get("/health").json()
-                assert health["status"] == "ok"
-                assert health["training"] is True
+            health = client.get("/health").json()
+            assert health["status"] == "ok"
+            assert health["training"] is True
 
-                latencies = []
-                for _ in range(100):
-                    start = time.perf_counter()
-                    response = client.get("/health")
-                    latencies.append(time.perf_counter() - start)
-                    assert response.status_code == 200
-                middle = parse_metrics(client.get("/metrics").text)
-                assert middle["aioreplica_steps_total"] > first["aioreplica_steps_total"]
-                assert p99(latencies) < 0.25, sorted(latencies)[-5:]
+            latencies = []
+            for _ in range(100):
+                start = time.perf_counter()
+                response = client.get("/health")
+                latencies.append(time.perf_counter() - start)
+                assert response.status_code == 200
+            middle = parse_metrics(client.get("/metrics").text)
+            assert middle["aioreplica_steps_total"] > first["aioreplica_steps_total"]
+            assert p99(latencies) < 0.25, sorted(latencies)[-5:]
 
-                rows = x_test[:50]
-                answer = client.post("/predict", json={"inputs": rows.tolist()})
-                assert answer.status_code == 200
-                predictions = answer.json()["predictions"]
-                assert len(predictions) == 50
-                assert set(predictions) <= set(range(10))
-                bad = client.post("/predict", json={"inputs": [[0.5] * 63]})
-                assert bad.status_code == 400
-                assert "has 63 values" in bad.json()["error"]
+            rows = x_test[:50]
+            answer = client.post("/predict", json={"inputs": rows.tolist()})
+            assert answer.status_code == 200
+            predictions = answer.json()["predictions"]
+            assert len(predictions) == 50
+            assert set(predictions) <= set(range(10))
+            bad = client.post("/predict", json={"inputs": [[0.5] * 63]})
+            assert bad.status_code == 400
+            assert "has 63 values" in bad.json()["error"]
 
-                # Ten epochs later the loss (a mean over the last epoch) is lower.
-                last = middle
-                target = first["aioreplica_steps_total"] + 10 * 22
-                while last["aioreplica_steps_total"] < target:
-                    last = parse_metrics(client.get("/metrics").text)
-                assert last["aioreplica_loss"] < first["aioreplica_loss"]
-                assert last["aioreplica_strategy_merge_rounds_completed"] >= target
-                later = client.post("/predict", json={"inputs": rows.tolist()}).json()
-                accuracy = np.mean(np.array(later["predictions"]) == y_test[:50])
-                assert accuracy >= 0.9
+            # Ten epochs later the loss (a mean over the last epoch) is lower.
+            last = middle
+            target = first["aioreplica_steps_total"] + 10 * 22
+            while last["aioreplica_steps_total"] < target:
+                last = parse_metrics(client.get("/metrics").text)
+            assert last["aioreplica_loss"] < first["aioreplica_loss"]
+            assert last["aioreplica_strategy_merge_rounds_completed"] >= target
+            later = client.post("/predict", json={"inputs": rows.tolist()}).json()
+            accuracy = np.mean(np.array(later["predictions"]) == y_test[:50])
+            assert accuracy >= 0.9
 
             process.send_signal(signal.SIGINT)
             code = process.wait(timeout=5)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
         text = log.read_text()
         assert code == 0, text
         match = re.search(r"training stopped after (\d+) steps \(loss [\d.]+\); (\d+) device", text)
@@ -154,29 +141,37 @@ class TestOverHTTP:
     ) -> None:
         """SIGTERM (what process managers send) ends the lifespan, the training and the device
         threads and exits with code 0, as Ctrl-C does; uvicorn re-raises the signal it caught."""
-        import httpx
-
-        port = free_port()
         log = tmp_path / "service.log"
-        with log.open("w") as output:
-            process = subprocess.Popen(
-                [sys.executable, str(EXAMPLES / "service.py"), "--port", str(port)],
-                stdout=output,
-                stderr=subprocess.STDOUT,
-            )
-        try:
-            with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-                wait_until_up(client, process, log)
+        with serving(log) as (process, _):
             process.send_signal(signal.SIGTERM)
             code = process.wait(timeout=5)
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
         text = log.read_text()
         assert code == 0, text
         assert re.search(r"training stopped after \d+ steps .*; 0 device threads left", text), text
         assert "Traceback" not in text
+
+
+@contextlib.contextmanager
+def serving(log: Path) -> Iterator[tuple[subprocess.Popen[bytes], httpx.Client]]:
+    """The example service on a free loopback port, its output in ``log``, once it answers;
+    with a client of it. Killed on the way out if it is still running."""
+    import httpx
+
+    port = free_port()
+    with log.open("w") as output:
+        process = subprocess.Popen(
+            [sys.executable, str(EXAMPLES / "service.py"), "--port", str(port)],
+            stdout=output,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            wait_until_up(client, process, log)
+            yield process, client
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def wait_until_up(client: httpx.Client, process: subprocess.Popen[bytes], log: Path) -> None:
