@@ -10,16 +10,18 @@ threads fill there). After them:
 
 - **tasks and threads**: none alive that was not alive when warm-up ended. Exact: nothing in
   the loop starts background work, so there is no noise to allow for.
-- **traced memory**: at most ``TRACED_BYTES_PER_STEP`` more per step at the end of the run
-  than at the end of the first traced window. tracemalloc makes a step about four times
+- **traced memory**: at most ``TRACED_BYTES_PER_STEP`` more per step over at least one of the
+  measured windows (those after the first traced one). tracemalloc makes a step about four times
   slower, so it runs over the last ``TRACED_WINDOWS`` windows only. Started in a running
   process, it first sees the allocators' caches turn over (blocks freed before it started are
   reused, new ones it tracks take their place: about 13 KB, nearly all in the first thousand
   steps), so the first traced window only settles. Then what remains is noise: a cache of at
   most about 90 blocks of 57 bytes (5 KB) that fills and empties as NumPy arrays are made
-  read-only, measured from -2 to +4 KB between two window ends. The tolerance over the two
-  measured windows of the default run is 8 KB; the smallest leak there is, one pointer kept per
-  step (a list that only ever grows), is 8 bytes per step: 16 KB.
+  read-only, measured from -2 to +4 KB between two window ends, and now and then a one-time
+  step of 13-21 KB in one window (a table of the interpreter or the loop growing once). A leak
+  grows in every window alike, so the window that grew least is the one compared: 4 KB over a
+  window of the default run; the smallest leak there is, one pointer kept per step (a list that
+  only ever grows), is 8 bytes per step: 8 KB in each window.
 - **resident memory**: at most ``RSS_SLACK`` more at any window's end than when warm-up ended.
   Measured growth is nil (the allocator reuses the same pages). The slack allows for the
   allocator's arenas and page granularity and still catches a leak of 130 bytes per step in
@@ -33,6 +35,7 @@ The default suite runs ``STEPS`` steps (under 10 s per loop on two cores); the `
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import resource
 import threading
@@ -146,13 +149,16 @@ def assert_flat(samples: list[Sample]) -> None:
         assert not new_threads, f"threads started by step {sample.step}: {new_threads}"
         grown = sample.rss - baseline.rss
         assert grown <= RSS_SLACK, f"resident memory grew {grown} bytes by step {sample.step}"
-    settled, last = samples[WINDOWS - TRACED_WINDOWS], samples[-1]
-    assert settled.traced is not None
-    assert last.traced is not None
-    steps = last.step - settled.step
-    grown = last.traced - settled.traced
+    measured = samples[WINDOWS - TRACED_WINDOWS :]  # from the end of the settling window
+    growth = []
+    for before, after in itertools.pairwise(measured):
+        assert before.traced is not None
+        assert after.traced is not None
+        growth.append((after.traced - before.traced, after.step - before.step))
+    grown, steps = min(growth, key=lambda g: g[0] / g[1])
     assert grown <= TRACED_BYTES_PER_STEP * steps, (
-        f"{grown} bytes more allocated and alive after {steps} more steps"
+        f"{grown} bytes more allocated and alive after {steps} more steps, in the window that "
+        f"grew least (each window: {[g for g, _ in growth]})"
     )
 
 
