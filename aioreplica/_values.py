@@ -138,15 +138,25 @@ class PerReplica(DistributedValues[T]):
     """
 
 
+def _operand(value: Any) -> Any:
+    """What a ``Mirrored`` operator computes with for its other operand ``value``: a
+    ``Mirrored``'s value, ``NotImplemented`` for any other distributed value (a
+    ``PerReplica`` has no one value to compute with), else ``value`` itself."""
+    if isinstance(value, Mirrored):
+        return value._value()
+    if isinstance(value, DistributedValues):
+        return NotImplemented
+    return value
+
+
 def _delegate(name: str, reflected: bool = False) -> Any:
     """A ``Mirrored`` operator computing ``name`` on its value (see ``Mirrored._value``)."""
     op = getattr(operator, name)
 
     def method(self: Mirrored[Any], other: Any) -> Any:
-        if isinstance(other, Mirrored):
-            other = other._value()
-        elif isinstance(other, DistributedValues):
-            return NotImplemented  # a PerReplica has no one value to compute with
+        other = _operand(other)
+        if other is NotImplemented:
+            return NotImplemented
         mine = self._value()
         return op(other, mine) if reflected else op(mine, other)
 
@@ -156,13 +166,8 @@ def _delegate(name: str, reflected: bool = False) -> Any:
 
 def _pow(self: Mirrored[Any], other: Any, modulo: Any = None) -> Any:
     """``m ** x`` and ``pow(m, x, modulo)``, computed with ``m``'s value."""
-    if isinstance(other, Mirrored):
-        other = other._value()
-    elif isinstance(other, DistributedValues):
-        return NotImplemented
-    if isinstance(modulo, Mirrored):
-        modulo = modulo._value()
-    elif isinstance(modulo, DistributedValues):
+    other, modulo = _operand(other), _operand(modulo)
+    if other is NotImplemented or modulo is NotImplemented:
         return NotImplemented
     mine = self._value()
     return pow(mine, other) if modulo is None else pow(mine, other, modulo)
