@@ -8,8 +8,11 @@ new slot values (momentum, moments) are computed copy by copy, and all of them, 
 count, are committed at once. If anything fails or the caller is cancelled before that, no
 variable, slot or counter has changed.
 
-Gradient clipping (``clipnorm``, ``global_clipnorm``) works on the summed gradients inside
-that merge round, on each copy's device, so every replica clips alike at no extra round.
+Gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``) works on the summed
+gradients inside that merge round, on each copy's device, so every replica clips alike at no
+extra round. Weight decay (``weight_decay``) is decoupled, as Keras' base class applies it:
+each copy of a variable first shrinks by ``weight_decay`` times the step's learning rate, then
+takes the update; the decay is no gradient, so it is neither summed nor clipped.
 
 The update rules follow Keras' ``SGD``, ``Adam``, ``AdamW``, ``Adagrad`` and ``RMSprop``
 exactly, so the same hyperparameters train the same way.
@@ -41,8 +44,10 @@ if TYPE_CHECKING:
     from ._collectives import ReductionEngine
     from ._context import ReplicaContext
 
+    #: What a callable learning rate returns: a number, or an array of shape () holding one.
+    Rate: TypeAlias = float | np.floating[Any] | np.ndarray[Any, np.dtype[Any]]
     #: A number, a schedule of the step count, or a callable of no arguments.
-    LearningRate: TypeAlias = float | Callable[[int], float] | Callable[[], float]
+    LearningRate: TypeAlias = float | Callable[[int], Rate] | Callable[[], Rate]
 
 __all__ = [
     "ITERATIONS_RANGE",
@@ -85,18 +90,30 @@ class Optimizer:
             be called with no argument (whose parameters all have defaults, say) is called
             with none; one that needs a single positional argument, with the step count (as
             is one whose signature Python cannot read). Set ``learning_rate`` to change it.
+            A callable may return a NumPy array of shape ``()`` (as ``np.where`` does), taken
+            as the number it holds, as Keras takes a schedule's 0-d tensor.
+        weight_decay: if set, ``>= 0``: before its update, each variable (but those that
+            ``exclude_from_weight_decay`` names) is decayed by
+            ``w -= w * weight_decay * learning_rate``, with the step's learning rate (Keras'
+            decoupled ``weight_decay``). ``None``: no decay.
         clipnorm: if set, each summed gradient ``g`` is scaled by ``min(1, clipnorm / ||g||)``
             before the update (Keras' ``clipnorm``).
+        clipvalue: if set, each element of each summed gradient is clipped to
+            ``[-clipvalue, clipvalue]`` before the update (Keras' ``clipvalue``).
         global_clipnorm: if set, all summed gradients are scaled together by
             ``min(1, global_clipnorm / sqrt(sum(||g_i||**2)))`` (Keras' ``global_clipnorm``);
             a non-finite joint norm makes the whole step NaN, as in Keras.
 
+    At most one of ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` can be set, as in
+    Keras 3.
+
     Raises:
         TypeError: ``learning_rate`` is neither a number nor callable, or a callable that
-            needs other arguments than none or the step count; a clipping norm is not a
-            number.
-        ValueError: ``learning_rate`` is not finite; a clipping norm is not finite or not
-            ``> 0``; both ``clipnorm`` and ``global_clipnorm`` are set.
+            needs other arguments than none or the step count; ``weight_decay`` or a clipping
+            bound is not a number.
+        ValueError: ``learning_rate`` is not finite; ``weight_decay`` is not finite or
+            ``< 0``; a clipping bound is not finite or not ``> 0``; more than one of
+            ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` is set.
 
     Example:
         >>> opt = aioreplica.optimizers.SGD(lambda step: 0.1 * 0.5**step)
@@ -108,6 +125,11 @@ class Optimizer:
         1
         >>> w.numpy().round(6)  # the gradient, of norm 5, scaled by 1 / 5
         array([-0.6, -0.8])
+        >>> decayed = aioreplica.optimizers.SGD(0.5, weight_decay=0.1, clipvalue=1.0)
+        >>> anyio.run(decayed.apply_gradients, [(np.array([3.0, 0.5]), w)])
+        1
+        >>> w.numpy().round(6)  # w * (1 - 0.1 * 0.5), then -0.5 * [1.0, 0.5]
+        array([-1.07, -1.01])
     """
 
     #: The names of the per-variable slots this optimizer keeps.
@@ -117,12 +139,21 @@ class Optimizer:
         self,
         learning_rate: LearningRate,
         *,
+        weight_decay: float | None = None,
         clipnorm: float | None = None,
+        clipvalue: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
         self._learning_rate: LearningRate
         self._learning_rate, self._rate_of_step = _learning_rate(learning_rate)
-        self._clipnorm, self._global_clipnorm = _clip_norms(clipnorm, global_clipnorm)
+        self._weight_decay = _weight_decay(weight_decay)
+        self._clipnorm, self._clipvalue, self._global_clipnorm = _clipping(
+            clipnorm, clipvalue, global_clipnorm
+        )
+        # What ``exclude_from_weight_decay`` named: variables by id (the entry holds the
+        # variable, so the id stays valid) and parts of names.
+        self._excluded: dict[int, Variable] = {}
+        self._excluded_names: tuple[str, ...] = ()
         self._iterations = 0
         # Steps and restores take it in turn with the turns of the variables they write.
         self._turn = Turn()
@@ -260,6 +291,60 @@ class Optimizer:
         """
         return [slot for _, slots in self._slots.values() for slot in slots]
 
+    def exclude_from_weight_decay(
+        self, var_list: Iterable[Variable] | None = None, var_names: Iterable[str] | None = None
+    ) -> None:
+        """Leave some variables out of ``weight_decay``, as Keras' method of that name.
+
+        Each call replaces what the previous one excluded (as in Keras), and takes effect from
+        the next step: a step already started decays as it began to.
+
+        Args:
+            var_list: the variables to leave out.
+            var_names: parts of names: a variable whose ``name`` contains any of them is left
+                out (``["bias"]`` leaves out every bias). Keras reads them as regular
+                expressions; here they are plain substrings.
+
+        Raises:
+            TypeError: an item of ``var_list`` is not an ``aioreplica.Variable``;
+                ``var_names`` is a string (not a list of strings) or holds something other
+                than strings. Nothing is excluded differently then.
+
+        Example:
+            >>> w = aioreplica.Variable([1.0], name="dense/kernel")
+            >>> b = aioreplica.Variable([1.0], name="dense/bias")
+            >>> opt = aioreplica.optimizers.SGD(0.5, weight_decay=0.2)
+            >>> opt.exclude_from_weight_decay(var_names=["bias"])
+            >>> anyio.run(opt.apply_gradients, [(np.zeros(1), w), (np.zeros(1), b)])
+            1
+            >>> w.numpy(), b.numpy()  # only the kernel decayed: 1 - 1 * 0.2 * 0.5
+            (array([0.9]), array([1.]))
+        """
+        variables = [] if var_list is None else list(var_list)
+        for variable in variables:
+            _check_variable(variable)
+        if isinstance(var_names, str):
+            raise TypeError(
+                f"exclude_from_weight_decay(): var_names must be a list of strings, got the "
+                f"string {var_names!r}; pass [{var_names!r}] to exclude the variables whose "
+                "names contain it"
+            )
+        names = () if var_names is None else tuple(var_names)
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(
+                    "exclude_from_weight_decay(): var_names must hold strings, got "
+                    f"{type(name).__name__} {name!r:.60}"
+                )
+        self._excluded = {id(variable): variable for variable in variables}
+        self._excluded_names = names
+
+    def _decays(self, variable: Variable) -> bool:
+        """Whether ``weight_decay`` applies to ``variable`` (Keras' ``_use_weight_decay``)."""
+        if self._weight_decay is None or id(variable) in self._excluded:
+            return False
+        return not any(part in variable.name for part in self._excluded_names)
+
     async def apply_gradients(
         self,
         grads_and_vars: Iterable[tuple[Any, Variable]],
@@ -276,8 +361,9 @@ class Optimizer:
         Pairs whose gradient is ``None`` are skipped. An empty list changes nothing and takes
         no merge round, as in TF (every replica must pass one then). Every variable, slot and
         the step count change together, or (on any error or cancellation) none of them. With
-        ``clipnorm`` or ``global_clipnorm``, the summed gradients are clipped in that same
-        round, so every replica applies the same clipped step.
+        ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, the summed gradients are clipped in
+        that same round, so every replica applies the same clipped step; with
+        ``weight_decay``, the variables are decayed in it too, before their update.
 
         Args:
             grads_and_vars: ``(gradient, variable)`` pairs; gradients are arrays of their
@@ -425,22 +511,43 @@ class Optimizer:
                 error = self._foreign(strategy)
                 await engine.refuse("apply_gradients()", error)  # on every worker alike
                 raise error
+            rate = self.current_learning_rate()
+            # Decided now: an exclude_from_weight_decay() while this step awaits is for the next.
+            decays = [self._decays(variable) for variable in variables]
             if engine.cluster is None:
-                return await self._apply(engine, grads, variables, aggregate, strategy)
-            # Every worker's step must be of the same variables, in the same order: its
-            # reductions say which, and the workers compare that before any data moves.
+                return await self._apply(
+                    engine, grads, variables, aggregate, strategy, rate, decays
+                )
+            # Every worker's step must be of the same variables, in the same order, by an
+            # optimizer set alike (else the copies drift apart): its reductions say so, and
+            # the workers compare that before any data moves.
             trained = ", ".join(map(variable_label, variables))
+            setting = self._setting(rate, decays)
             try:
-                with reductions_for(f"apply_gradients() of {trained}"):
-                    return await self._apply(engine, grads, variables, aggregate, strategy)
+                with reductions_for(f"apply_gradients() of {trained} by {setting}"):
+                    return await self._apply(
+                        engine, grads, variables, aggregate, strategy, rate, decays
+                    )
             except WorkersDisagree as exc:
                 add_note(
                     exc,
-                    f"this worker's apply_gradients() trains {trained}; every worker must "
-                    "pass the same variables in the same order, with gradients of the same "
-                    "shapes and dtypes",
+                    f"this worker's apply_gradients() trains {trained} by {setting}; every "
+                    "worker must pass the same variables in the same order, with gradients of "
+                    "the same shapes and dtypes, to optimizers of the same class, "
+                    "hyperparameters, learning rate, step count and weight-decay exclusions",
                 )
                 raise
+
+    def _setting(self, rate: float, decays: list[bool]) -> str:
+        """What this step's optimizer is, as the workers compare it: its class, step count,
+        learning rate, other hyperparameters and which variables decay."""
+        config = self.get_config()
+        del config["learning_rate"]
+        shown = ", ".join(f"{key}={value!r}" for key, value in config.items())
+        setting = f"{type(self).__name__}({shown}) at step {self._iterations}, rate {rate!r}"
+        if self._weight_decay is not None:
+            setting += f", decaying {''.join('1' if decayed else '0' for decayed in decays)}"
+        return setting
 
     def _turns(self, variables: list[Variable]) -> list[Turn]:
         """The turns a step of ``variables`` holds: the optimizer's, theirs and their slots'."""
@@ -460,9 +567,10 @@ class Optimizer:
         variables: list[Variable],
         aggregate: bool,
         strategy: Any,
+        rate: float,
+        decays: list[bool],
     ) -> int:
         step = self._iterations
-        rate = self.current_learning_rate()
         per_replica = [
             grad.values if isinstance(grad, DistributedValues) else (grad,) * engine.size
             for grad in grads
@@ -474,15 +582,23 @@ class Optimizer:
         made: dict[int, tuple[Variable, tuple[Variable, ...]]] = {}
         updates: list[tuple[Variable, list[Any]]] = []
         xp = engine.devices[0].xp  # one backend for every device of a strategy
-        update_step: Callable[..., tuple[Any, ...]] = functools.partial(
-            self._cast_step, xp=xp, rate=rate, step=step
-        )
         scales: tuple[list[Any], ...] = ()  # per copy, the global clipping factor, if any
-        if self._clipnorm is not None:
-            update_step = functools.partial(_clipped_step, update_step, xp, self._clipnorm)
-        elif self._global_clipnorm is not None:
+        if self._global_clipnorm is not None:
             scales = (await _global_scales(engine.devices, summed, self._global_clipnorm),)
-            update_step = functools.partial(_scaled_step, update_step)
+        # The update of a variable that does not decay, and of one that does.
+        update_steps = [
+            self._clipped(
+                functools.partial(
+                    self._cast_step,
+                    xp=xp,
+                    rate=rate,
+                    step=step,
+                    decay=self._weight_decay if decayed else None,
+                ),
+                xp,
+            )
+            for decayed in (False, True)
+        ]
         # Every variable's update in one job per copy: its inputs, one after another.
         targets: list[tuple[Variable, ...]] = []
         inputs: list[Sequence[Any]] = []
@@ -494,8 +610,9 @@ class Optimizer:
             targets.append((variable, *slots))
             inputs += [variable._copies, grad, *scales, *(slot._copies for slot in slots)]
         arities = [len(owned) + 1 + len(scales) for owned in targets]
+        steps = [update_steps[decayed] for decayed in decays]
         new = await compute_copies(
-            engine.devices, functools.partial(_update_all, update_step, arities), inputs
+            engine.devices, functools.partial(_update_all, steps, arities), inputs
         )
         position = 0
         for owned in targets:
@@ -519,9 +636,33 @@ class Optimizer:
         self._iterations = step + 1
         return self._iterations
 
+    def _clipped(
+        self, update_step: Callable[..., tuple[Any, ...]], xp: Any
+    ) -> Callable[..., tuple[Any, ...]]:
+        """``update_step`` with this optimizer's gradient clipping, if any, done first."""
+        if self._clipnorm is not None:
+            return functools.partial(_clipped_step, update_step, xp, self._clipnorm)
+        if self._clipvalue is not None:
+            return functools.partial(_value_clipped_step, update_step, xp, self._clipvalue)
+        if self._global_clipnorm is not None:
+            return functools.partial(_scaled_step, update_step)
+        return update_step
+
     def _cast_step(
-        self, var: Any, grad: Any, *slots: Any, xp: Any, rate: float, step: int
+        self,
+        var: Any,
+        grad: Any,
+        *slots: Any,
+        xp: Any,
+        rate: float,
+        step: int,
+        decay: float | None = None,
     ) -> tuple[Any, ...]:
+        if decay is not None:
+            # Keras' ``_apply_weight_decay``: before the update, in its order of operations
+            # (``variable - variable * wd * lr``), with the hyperparameters in the variable's
+            # dtype, as Python floats are.
+            var = var - var * decay * rate
         # Gradients arrive in the variable's dtype (cast per replica before the merge); the
         # results are cast back, since Python-float hyperparameters may promote them.
         results = self._update_step(xp, var, grad, slots, rate, step)
@@ -606,13 +747,19 @@ class Optimizer:
         Example:
             >>> aioreplica.optimizers.SGD(0.1, clipnorm=1.0).get_config()
             ... # doctest: +NORMALIZE_WHITESPACE
-            {'learning_rate': 0.1, 'momentum': 0.0, 'nesterov': False, 'clipnorm': 1.0,
-             'global_clipnorm': None}
+            {'learning_rate': 0.1, 'momentum': 0.0, 'nesterov': False, 'weight_decay': None,
+             'clipnorm': 1.0, 'global_clipnorm': None, 'clipvalue': None}
         """
-        return {"learning_rate": self._learning_rate, **self._clip_config()}
+        return {"learning_rate": self._learning_rate, **self._base_config()}
 
-    def _clip_config(self) -> dict[str, float | None]:
-        return {"clipnorm": self._clipnorm, "global_clipnorm": self._global_clipnorm}
+    def _base_config(self) -> dict[str, float | None]:
+        """The arguments every optimizer takes, in Keras' order."""
+        return {
+            "weight_decay": self._weight_decay,
+            "clipnorm": self._clipnorm,
+            "global_clipnorm": self._global_clipnorm,
+            "clipvalue": self._clipvalue,
+        }
 
     def __repr__(self) -> str:
         # None only ever means "off" (no clipping): left out, to keep the repr short.
@@ -635,7 +782,8 @@ class SGD(Optimizer):
             as ``Optimizer``.
         momentum: in ``[0, 1]``.
         nesterov: use Nesterov momentum.
-        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+        weight_decay, clipnorm, clipvalue, global_clipnorm: weight decay and gradient
+            clipping, as ``Optimizer``.
 
     Raises:
         ValueError: ``momentum`` outside ``[0, 1]``; as ``Optimizer``.
@@ -656,10 +804,18 @@ class SGD(Optimizer):
         momentum: float = 0.0,
         nesterov: bool = False,
         *,
+        weight_decay: float | None = None,
         clipnorm: float | None = None,
+        clipvalue: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
-        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
+        super().__init__(
+            learning_rate,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+        )
         momentum = _number("momentum", momentum)
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
@@ -683,16 +839,19 @@ class SGD(Optimizer):
             "learning_rate": self._learning_rate,
             "momentum": self._momentum,
             "nesterov": self._nesterov,
-            **self._clip_config(),
+            **self._base_config(),
         }
 
 
 class Adam(Optimizer):
-    """Adam, as Keras' ``Adam``: slots ``m`` and ``v`` (first and second moments).
+    """Adam, as Keras' ``Adam``: slots ``m`` and ``v`` (first and second moments), then
+    ``velocity_hat`` with ``amsgrad``.
 
     With ``t = iterations + 1``: ``m += (g - m) * (1 - beta_1)``,
     ``v += (g**2 - v) * (1 - beta_2)``, and
-    ``w -= m * lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) / (sqrt(v) + epsilon)``.
+    ``w -= m * lr * sqrt(1 - beta_2**t) / (1 - beta_1**t) / (sqrt(v) + epsilon)``. With
+    ``amsgrad`` (Keras' AMSGrad), ``velocity_hat = maximum(velocity_hat, v)`` takes the place
+    of ``v`` in that denominator.
 
     Args:
         learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
@@ -700,12 +859,15 @@ class Adam(Optimizer):
         beta_1: decay of the first moment, in ``[0, 1)``.
         beta_2: decay of the second moment, in ``[0, 1)``.
         epsilon: added to the denominator, ``> 0``.
-        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+        amsgrad: divide by the largest second moment seen so far, in an extra slot
+            ``velocity_hat`` (Keras' name; checkpoints keep it like the other slots).
+        weight_decay, clipnorm, clipvalue, global_clipnorm: weight decay and gradient
+            clipping, as ``Optimizer``.
 
     Raises:
         ValueError: a beta outside ``[0, 1)``, ``epsilon <= 0``, a non-finite number; as
             ``Optimizer``.
-        TypeError: as ``Optimizer``.
+        TypeError: ``amsgrad`` is not a bool; as ``Optimizer``.
 
     Example:
         >>> w = aioreplica.Variable([1.0])
@@ -713,9 +875,14 @@ class Adam(Optimizer):
         1
         >>> w.numpy().round(6)
         array([0.9])
+        >>> opt = Adam(0.1, amsgrad=True)
+        >>> anyio.run(opt.apply_gradients, [(np.array([2.0]), w)])
+        1
+        >>> opt.slot_names, opt.get_slot(w, "velocity_hat").numpy().round(6)
+        (('m', 'v', 'velocity_hat'), array([0.004]))
     """
 
-    slot_names = ("m", "v")
+    slot_names: ClassVar[tuple[str, ...]] = ("m", "v")
 
     def __init__(
         self,
@@ -723,11 +890,20 @@ class Adam(Optimizer):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
+        amsgrad: bool = False,
         *,
+        weight_decay: float | None = None,
         clipnorm: float | None = None,
+        clipvalue: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
-        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
+        super().__init__(
+            learning_rate,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+        )
         self._beta_1 = _number("beta_1", beta_1)
         self._beta_2 = _number("beta_2", beta_2)
         self._epsilon = _number("epsilon", epsilon)
@@ -736,16 +912,23 @@ class Adam(Optimizer):
                 raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
         if self._epsilon <= 0:
             raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        self._amsgrad = _flag("amsgrad", amsgrad)
+        if self._amsgrad:
+            # An instance attribute: whether Adam keeps a third slot depends on amsgrad.
+            self.slot_names = ("m", "v", "velocity_hat")  # type: ignore[misc]
 
     def _update_step(
         self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
     ) -> tuple[Any, ...]:
-        m, v = slots
+        m, v = slots[0], slots[1]
         t = step + 1
         alpha = rate * math.sqrt(1.0 - self._beta_2**t) / (1.0 - self._beta_1**t)
         m = m + (grad - m) * (1.0 - self._beta_1)
         v = v + (grad * grad - v) * (1.0 - self._beta_2)
-        return (var - m * alpha / (xp.sqrt(v) + self._epsilon), m, v)
+        if not self._amsgrad:
+            return (var - m * alpha / (xp.sqrt(v) + self._epsilon), m, v)
+        velocity_hat = xp.maximum(slots[2], v)
+        return (var - m * alpha / (xp.sqrt(velocity_hat) + self._epsilon), m, v, velocity_hat)
 
     def get_config(self) -> dict[str, Any]:
         return {
@@ -753,28 +936,31 @@ class Adam(Optimizer):
             "beta_1": self._beta_1,
             "beta_2": self._beta_2,
             "epsilon": self._epsilon,
-            **self._clip_config(),
+            "amsgrad": self._amsgrad,
+            **self._base_config(),
         }
 
 
 @final
 class AdamW(Adam):
-    """Adam with decoupled weight decay, as Keras' ``AdamW``: slots ``m`` and ``v``.
+    """Adam with decoupled weight decay, as Keras' ``AdamW``: ``Adam`` whose ``weight_decay``
+    is on by default and must be a number.
 
     Each step first decays the weight, ``w -= w * weight_decay * lr`` (with that step's
     learning rate), then takes ``Adam``'s step from the decayed weight. The decay is not part
-    of the gradient, so it is neither summed across replicas nor clipped.
+    of the gradient, so it is neither summed across replicas nor clipped; variables that
+    ``exclude_from_weight_decay`` names are not decayed.
 
     Args:
         learning_rate: a number, a schedule ``step -> rate`` or a callable of no arguments,
             as ``Optimizer``.
         weight_decay: the decay per unit of learning rate, ``>= 0`` (``0`` is ``Adam``).
-        beta_1, beta_2, epsilon: as ``Adam``.
-        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+        beta_1, beta_2, epsilon, amsgrad: as ``Adam``.
+        clipnorm, clipvalue, global_clipnorm: gradient clipping, as ``Optimizer``.
 
     Raises:
         ValueError: ``weight_decay < 0``; as ``Adam``.
-        TypeError: ``weight_decay`` is not a number; as ``Optimizer``.
+        TypeError: ``weight_decay`` is not a number (``None`` included); as ``Adam``.
 
     Example:
         >>> w = aioreplica.Variable([1.0])
@@ -792,8 +978,10 @@ class AdamW(Adam):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
+        amsgrad: bool = False,
         *,
         clipnorm: float | None = None,
+        clipvalue: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
         super().__init__(
@@ -801,28 +989,19 @@ class AdamW(Adam):
             beta_1,
             beta_2,
             epsilon,
+            amsgrad,
+            weight_decay=_number("weight_decay", weight_decay),
             clipnorm=clipnorm,
+            clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
         )
-        self._weight_decay = _number("weight_decay", weight_decay)
-        if self._weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0 (0: no decay), got {weight_decay!r}")
-
-    def _update_step(
-        self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
-    ) -> tuple[Any, ...]:
-        # Keras' order of operations (``variable - variable * wd * lr``), then Adam.
-        decayed = var - var * self._weight_decay * rate
-        return super()._update_step(xp, decayed, grad, slots, rate, step)
 
     def get_config(self) -> dict[str, Any]:
+        # The weight decay right after the learning rate, as in the signature.
         return {
             "learning_rate": self._learning_rate,
             "weight_decay": self._weight_decay,
-            "beta_1": self._beta_1,
-            "beta_2": self._beta_2,
-            "epsilon": self._epsilon,
-            **self._clip_config(),
+            **super().get_config(),
         }
 
 
@@ -839,7 +1018,8 @@ class Adagrad(Optimizer):
             as ``Optimizer``.
         initial_accumulator_value: the accumulator's starting value, ``>= 0``.
         epsilon: added to the accumulator under the square root, ``> 0``.
-        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+        weight_decay, clipnorm, clipvalue, global_clipnorm: weight decay and gradient
+            clipping, as ``Optimizer``.
 
     Raises:
         ValueError: ``initial_accumulator_value < 0``, ``epsilon <= 0``, a non-finite number;
@@ -865,10 +1045,18 @@ class Adagrad(Optimizer):
         initial_accumulator_value: float = 0.1,
         epsilon: float = 1e-7,
         *,
+        weight_decay: float | None = None,
         clipnorm: float | None = None,
+        clipvalue: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
-        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
+        super().__init__(
+            learning_rate,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+        )
         self._initial_accumulator_value = _number(
             "initial_accumulator_value", initial_accumulator_value
         )
@@ -894,7 +1082,7 @@ class Adagrad(Optimizer):
             "learning_rate": self._learning_rate,
             "initial_accumulator_value": self._initial_accumulator_value,
             "epsilon": self._epsilon,
-            **self._clip_config(),
+            **self._base_config(),
         }
 
 
@@ -917,7 +1105,8 @@ class RMSprop(Optimizer):
         momentum: in ``[0, 1]``; ``0`` keeps no ``momentum`` slot.
         epsilon: added to the denominator under the square root, ``> 0``.
         centered: divide by an estimate of the gradient's variance, not its mean square.
-        clipnorm, global_clipnorm: gradient clipping, as ``Optimizer``.
+        weight_decay, clipnorm, clipvalue, global_clipnorm: weight decay and gradient
+            clipping, as ``Optimizer``.
 
     Raises:
         ValueError: ``rho`` outside ``[0, 1]``, ``momentum`` outside ``[0, 1]``,
@@ -944,10 +1133,18 @@ class RMSprop(Optimizer):
         epsilon: float = 1e-7,
         centered: bool = False,
         *,
+        weight_decay: float | None = None,
         clipnorm: float | None = None,
+        clipvalue: float | None = None,
         global_clipnorm: float | None = None,
     ) -> None:
-        super().__init__(learning_rate, clipnorm=clipnorm, global_clipnorm=global_clipnorm)
+        super().__init__(
+            learning_rate,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+        )
         self._rho = _number("rho", rho)
         self._momentum = _number("momentum", momentum)
         self._epsilon = _number("epsilon", epsilon)
@@ -994,7 +1191,7 @@ class RMSprop(Optimizer):
             "momentum": self._momentum,
             "epsilon": self._epsilon,
             "centered": self._centered,
-            **self._clip_config(),
+            **self._base_config(),
         }
 
 
@@ -1005,13 +1202,13 @@ class RMSprop(Optimizer):
 
 
 def _update_all(
-    update_step: Callable[..., tuple[Any, ...]], arities: Sequence[int], *inputs: Any
+    update_steps: Sequence[Callable[..., tuple[Any, ...]]], arities: Sequence[int], *inputs: Any
 ) -> tuple[Any, ...]:
-    """One copy's new arrays for every variable of a step: ``update_step`` on each
-    variable's inputs (``arities[i]`` of them, one after another), results concatenated."""
+    """One copy's new arrays for every variable of a step: ``update_steps[i]`` on variable
+    ``i``'s inputs (``arities[i]`` of them, one after another), results concatenated."""
     results: list[Any] = []
     start = 0
-    for arity in arities:
+    for update_step, arity in zip(update_steps, arities, strict=True):
         results += update_step(*inputs[start : start + arity])
         start += arity
     return tuple(results)
@@ -1028,6 +1225,19 @@ def _clipped_step(
     """``update_step`` with ``grad`` scaled down to norm ``clipnorm`` if it is longer."""
     norm = xp.sqrt(_squared_norm(xp, grad))
     return update_step(var, _times(grad, _clip_factor(xp, norm, clipnorm)), *slots)
+
+
+def _value_clipped_step(
+    update_step: Callable[..., tuple[Any, ...]],
+    xp: Any,
+    clipvalue: float,
+    var: Any,
+    grad: Any,
+    *slots: Any,
+) -> tuple[Any, ...]:
+    """``update_step`` with each element of ``grad`` clipped to ``[-clipvalue, clipvalue]``
+    (Keras' ``ops.clip``; a NaN stays NaN)."""
+    return update_step(var, xp.clip(grad, -clipvalue, clipvalue), *slots)
 
 
 def _scaled_step(
@@ -1111,9 +1321,19 @@ def restore_state(
 
 
 def _number(what: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+    """``value`` as a float: a real number, NumPy's included, or an array of shape ``()``
+    holding one (what a schedule built of ``np.where`` returns, as Keras' return 0-d tensors).
+
+    Raises:
+        TypeError: anything else (a bool, a complex number, an array of another shape).
+        ValueError: a number that is not finite.
+    """
+    held = value
+    if isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iuf":
+        held = value[()]
+    if isinstance(held, bool) or not isinstance(held, int | float | np.integer | np.floating):
         raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
-    number = float(value)
+    number = float(held)
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite, got {value!r}")
     return number
@@ -1157,23 +1377,69 @@ def _flag(what: str, value: Any) -> bool:
     return bool(value)
 
 
-def _clip_norms(clipnorm: Any, global_clipnorm: Any) -> tuple[float | None, float | None]:
-    if clipnorm is not None and global_clipnorm is not None:
-        raise ValueError(
-            f"clipnorm={clipnorm!r} and global_clipnorm={global_clipnorm!r} were both given; "
-            "pick one: clipnorm clips each gradient by its own norm, global_clipnorm all of "
-            "them by their joint norm"
+#: What each clipping argument clips, for the error that refuses two of them.
+_CLIPS: Final = {
+    "clipnorm": "each gradient by its own norm",
+    "clipvalue": "each element to [-clipvalue, clipvalue]",
+    "global_clipnorm": "all of them by their joint norm",
+}
+
+
+def _clipping(
+    clipnorm: Any, clipvalue: Any, global_clipnorm: Any
+) -> tuple[float | None, float | None, float | None]:
+    """The checked clipping bounds, of which Keras 3 allows one at most.
+
+    Raises:
+        ValueError: more than one is set; one is not finite or not ``> 0``.
+        TypeError: one is not a number.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("clipnorm", clipnorm),
+            ("clipvalue", clipvalue),
+            ("global_clipnorm", global_clipnorm),
         )
-    return _clip_norm("clipnorm", clipnorm), _clip_norm("global_clipnorm", global_clipnorm)
+        if value is not None
+    }
+    if len(given) > 1:
+        shown = [f"{name}={value!r}" for name, value in given.items()]
+        first, *others = given
+        meanings = [f"{first} clips {_CLIPS[first]}", *(f"{n} {_CLIPS[n]}" for n in others)]
+        raise ValueError(
+            f"{', '.join(shown[:-1])} and {shown[-1]} were {'both' if len(given) == 2 else 'all'}"
+            f" given; pick one: {', '.join(meanings)}"
+        )
+    return (
+        _clip_bound("clipnorm", clipnorm),
+        _clip_bound("clipvalue", clipvalue),
+        _clip_bound("global_clipnorm", global_clipnorm),
+    )
 
 
-def _clip_norm(what: str, value: Any) -> float | None:
+def _clip_bound(what: str, value: Any) -> float | None:
     if value is None:
         return None
-    norm = _number(what, value)
-    if norm <= 0:
+    bound = _number(what, value)
+    if bound <= 0:
         raise ValueError(f"{what} must be > 0 (or None: no clipping), got {value!r}")
-    return norm
+    return bound
+
+
+def _weight_decay(value: Any) -> float | None:
+    """The checked weight decay: ``None`` (none), or a finite number ``>= 0``.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: not finite, or ``< 0``.
+    """
+    if value is None:
+        return None
+    decay = _number("weight_decay", value)
+    if decay < 0:
+        raise ValueError(f"weight_decay must be >= 0 (0: no decay), got {value!r}")
+    return decay
 
 
 def _check_variable(variable: Any) -> Variable:

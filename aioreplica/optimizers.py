@@ -2,9 +2,9 @@
 and ``RMSprop``.
 
 ``await opt.apply_gradients(grads_and_vars)`` from every replica sums the gradients across
-replicas in one packed all-reduce, clips them if asked (``clipnorm``, ``global_clipnorm``),
-and updates every copy of every variable, all or nothing. See ``help(aioreplica._optimizers)``
-for the design.
+replicas in one packed all-reduce, clips them if asked (``clipnorm``, ``clipvalue`` or
+``global_clipnorm``), decays the variables if asked (``weight_decay``), and updates every copy
+of every variable, all or nothing. See ``help(aioreplica._optimizers)`` for the design.
 """
 
 from ._optimizers import SGD as SGD

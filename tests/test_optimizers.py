@@ -2351,11 +2351,11 @@ class TestConfig:
             "SGD(learning_rate=0.5, momentum=0.9, nesterov=True)"
         )
         assert repr(Adam()) == (
-            "Adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07)"
+            "Adam(learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-07, amsgrad=False)"
         )
         assert repr(AdamW()) == (
             "AdamW(learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, "
-            "epsilon=1e-07)"
+            "epsilon=1e-07, amsgrad=False)"
         )
         assert repr(Adagrad()) == (
             "Adagrad(learning_rate=0.001, initial_accumulator_value=0.1, epsilon=1e-07)"
@@ -2371,7 +2371,7 @@ class TestConfig:
         )
         assert repr(AdamW(global_clipnorm=2)) == (
             "AdamW(learning_rate=0.001, weight_decay=0.004, beta_1=0.9, beta_2=0.999, "
-            "epsilon=1e-07, global_clipnorm=2.0)"
+            "epsilon=1e-07, amsgrad=False, global_clipnorm=2.0)"
         )
 
     def test_get_config(self) -> None:
@@ -2380,16 +2380,21 @@ class TestConfig:
             "learning_rate": 0.1,
             "momentum": 0.0,
             "nesterov": False,
+            "weight_decay": None,
             "clipnorm": None,
             "global_clipnorm": None,
+            "clipvalue": None,
         }
         assert Adam(0.01, beta_1=0, beta_2=0.5, epsilon=1, clipnorm=2).get_config() == {
             "learning_rate": 0.01,
             "beta_1": 0.0,
             "beta_2": 0.5,
             "epsilon": 1.0,
+            "amsgrad": False,
+            "weight_decay": None,
             "clipnorm": 2.0,
             "global_clipnorm": None,
+            "clipvalue": None,
         }
         assert AdamW(0.01, weight_decay=1, global_clipnorm=3).get_config() == {
             "learning_rate": 0.01,
@@ -2397,15 +2402,19 @@ class TestConfig:
             "beta_1": 0.9,
             "beta_2": 0.999,
             "epsilon": 1e-7,
+            "amsgrad": False,
             "clipnorm": None,
             "global_clipnorm": 3.0,
+            "clipvalue": None,
         }
         assert Adagrad(0.5, initial_accumulator_value=0, epsilon=1, clipnorm=2).get_config() == {
             "learning_rate": 0.5,
             "initial_accumulator_value": 0.0,
             "epsilon": 1.0,
+            "weight_decay": None,
             "clipnorm": 2.0,
             "global_clipnorm": None,
+            "clipvalue": None,
         }
         assert RMSprop(
             0.01, rho=0, momentum=1, epsilon=0.5, centered=True, global_clipnorm=3
@@ -2415,8 +2424,10 @@ class TestConfig:
             "momentum": 1.0,
             "epsilon": 0.5,
             "centered": True,
+            "weight_decay": None,
             "clipnorm": None,
             "global_clipnorm": 3.0,
+            "clipvalue": None,
         }
 
     def test_config_round_trips(self) -> None:
