@@ -31,6 +31,7 @@ from ._errors import AioreplicaInternalError as AioreplicaInternalError
 from ._errors import CheckpointError as CheckpointError
 from ._errors import ReplicaSyncError as ReplicaSyncError
 from ._multiworker import Cluster as Cluster
+from ._multiworker import ClusterSpec as ClusterSpec
 from ._multiworker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
 from ._options import CommunicationImplementation as CommunicationImplementation
 from ._options import CommunicationOptions as CommunicationOptions
@@ -62,6 +63,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "Cluster",
+    "ClusterSpec",
     "CommunicationImplementation",
     "CommunicationOptions",
     "Device",

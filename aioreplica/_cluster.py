@@ -27,9 +27,13 @@ traffic on it is never disturbed:
   nested value, then that in words) and the data itself when it is small. Different headers
   raise ``WorkersDisagree`` on every worker alike, before any data moves, so the workers stay
   in step; small reductions and broadcasts are done from the gathered records, in that one
-  message. A worker that refused the arguments of its ``run()`` or of a collective sends a
-  record saying so in place of the collective it would have made next (``refuse_in_step``),
-  so bad input raises on every worker in step and breaks nothing.
+  message. A cross-replica call of several collectives (a ``strategy.reduce`` of a nested
+  value, or along an axis) first exchanges records whose header describes the whole call
+  (``agree``), so that workers passing other structures disagree at once, on every worker,
+  instead of one worker's call ending while another's goes on into the next. A worker that
+  refused the arguments of its ``run()`` or of a collective sends a record saying so in place
+  of the collective it would have made next (``refuse_in_step``), so bad input raises on
+  every worker in step and breaks nothing.
 - **the side channel.** A failure is announced to every peer as a small message on its own
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
@@ -63,6 +67,7 @@ import contextlib
 import functools
 import json
 import math
+import re
 import sys
 import time
 import weakref
@@ -134,6 +139,10 @@ _LOCAL_OPS: Final = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod"
 #: Every collective's first message from each worker, its record: a header (a checksum of
 #: what the collective is, then that in words), then room for small data.
 _HEADER_BYTES: Final = 128
+#: In a header's checksum word: the words go on past the header (``_header_in_full``).
+_CONTINUED: Final = 1 << 32
+#: What a refusal's words say (``refuse_in_step``; a restore refusing its file).
+_REFUSING: Final = re.compile(r" refusing (?:its arguments|the file): ")
 _HEADER_WORDS: Final = _HEADER_BYTES // 8
 _RECORD_BYTES: Final = 1024
 _INLINE_BYTES: Final = _RECORD_BYTES - _HEADER_BYTES
@@ -239,7 +248,16 @@ class WorkersDisagree(ValueError):
 
     Found from what every worker sent, so raised alike on every worker before any data moved:
     the workers stay in step, and the strategy remains usable.
+
+    Attributes:
+        said: what each worker said its collective was, by worker (empty when not known).
+        workers: the workers that refused their arguments, if any did.
     """
+
+    def __init__(self, message: str, *, said: Sequence[str] = (), workers: Sequence[int] = ()):
+        super().__init__(message)
+        self.said = tuple(said)
+        self.workers = tuple(workers)
 
 
 @final
@@ -506,17 +524,26 @@ class Workers:
                 "cross-worker calls: end the job (or handle the failure and start a new one)"
             )
 
-    def announce(self, reason: str, replicas: tuple[int, ...] = ()) -> None:
-        """Tell every peer that this worker failed (``reason``); the cluster is broken.
+    def announce(
+        self, reason: str, replicas: tuple[int, ...] = (), late: tuple[int, ...] = ()
+    ) -> None:
+        """Tell every peer that this worker failed (``reason``), or gave up waiting for the
+        ``late`` workers; the cluster is broken.
 
         Peers waiting in a collective, or reaching one later, raise ``ReplicaSyncError``
-        naming this worker. Announcing twice sends once.
+        naming this worker (the late workers, when it gave up on them). Announcing twice
+        sends once.
         """
         side = self._side
         if side.failure is not None:
             return
-        side.failure = f"worker {self.worker_index} failed: {reason}"
-        notice = {"worker": self.worker_index, "reason": reason, "replicas": list(replicas)}
+        side.failure = f"worker {self.worker_index} {'gave up' if late else 'failed'}: {reason}"
+        notice = {
+            "worker": self.worker_index,
+            "reason": reason,
+            "replicas": list(replicas),
+            "late": list(late),
+        }
         side.send_all(_notice_bytes(notice), _NOTICE)
 
     def _peer_failure(self, what: str) -> ReplicaSyncError | None:
@@ -531,9 +558,10 @@ class Workers:
             notice = json.loads(raw.decode(errors="replace"))
             worker, reason = int(notice["worker"]), str(notice["reason"])
             replicas = tuple(int(r) for r in notice.get("replicas", ()))
+            late = tuple(int(w) for w in notice.get("late", ()))
             left = bool(notice.get("left", False))
         except (ValueError, KeyError, TypeError, AttributeError):
-            worker, reason, replicas, left = -1, raw.decode(errors="replace"), (), False
+            worker, reason, replicas, late, left = -1, raw.decode(errors="replace"), (), (), False
         if left:
             side.peer_left = True
             if side.failure is None:
@@ -546,6 +574,20 @@ class Workers:
                 "MultiWorkerMirroredStrategy makes no more cross-worker calls",
                 merge_number=None,
                 workers=(worker,),
+            )
+        if late:  # it gave up waiting: the late workers are at fault, maybe this one
+            if side.failure is None:
+                side.failure = f"worker {worker} gave up: {reason}"
+            me = self.worker_index
+            this = f" (this worker, worker {me}, among them)" if me in late else ""
+            return ReplicaSyncError(
+                f"worker {worker} gave up waiting for {worker_list(list(late))}{this}: "
+                f"{reason}; every worker's call stops, and this MultiWorkerMirroredStrategy "
+                "makes no more cross-worker calls (MPI cannot cancel a collective): a worker "
+                "is stuck or skips this collective (raise sync_timeout or timeout_seconds if it "
+                "is just slow)",
+                merge_number=None,
+                workers=late,
             )
         if side.failure is None:
             side.failure = f"worker {worker} failed: {reason}"
@@ -652,7 +694,7 @@ class Workers:
             f"it waited {timeout:g} s in {what} (cross-worker collective #{self._sequence}) "
             f"for {named}, which did not arrive"
         )
-        self.announce(reason)
+        self.announce(reason, late=tuple(late))
         return ReplicaSyncError(
             f"worker {self.worker_index} waited {timeout:g} s in {what} for {named}, which did "
             "not arrive; a worker is stuck or skips this collective (raise sync_timeout or "
@@ -1026,7 +1068,7 @@ class Workers:
             or not isinstance(error, (TypeError, ValueError, RuntimeError))
         ):
             return
-        header = _header_of(f"{what} refusing its arguments: {error_line(error)}")
+        header = _header_in_full(f"{what} refusing its arguments: {error_line(error)}")
         await self._begin(what)
         try:
             await self._exchange(what, header)
@@ -1036,20 +1078,40 @@ class Workers:
             self._end()
         self.refused = error
 
-    async def barrier(self, what: str) -> None:
+    async def barrier(self, what: str, detail: str = "") -> None:
         """Wait until every worker has reached this point (``what``: its name, the same on
-        every worker).
+        every worker; ``detail``: more that the workers compare, shown after it).
 
         Raises:
-            WorkersDisagree: a worker made another collective.
+            WorkersDisagree: a worker made another collective, or gave another ``detail``.
         """
-        header = _header_of(what)
+        header = _header_in_full(what + detail)
         if not self._begin_now():
             await self._begin(what)
         try:
             if not self._exchanged(what, header):  # ``_exchange``, written out (``allreduce``)
                 await self._wait(self._exchange_request, what)
                 self._check_agreed(what, header)
+        finally:
+            self._end()
+
+    async def agree(self, what: str, description: str) -> None:
+        """Check that every worker makes the same call ``what`` (one of several collectives:
+        a ``strategy.reduce`` of a nested value, say) on the same kind of value, before any of
+        its collectives moves data: one exchange of the records, whose header is a checksum of
+        ``description`` (what the whole call is, named first: its op, axis, structure, and each
+        leaf's dtype and shape), its start shown in the error. Once they agree, every worker
+        makes the same collectives after it, so a call cannot end on one worker and go on on
+        another.
+
+        Raises:
+            WorkersDisagree: a worker described another call, or made another collective (on
+                every worker alike; nothing was moved).
+        """
+        header = self._called(_header_in_full(description))
+        await self._begin(what)
+        try:
+            await self._exchange(what, header)
         finally:
             self._end()
 
@@ -1081,7 +1143,7 @@ class Workers:
             self._wait_here(self._idup, self._idup_what)
             self._idup_done()
         self._arrive()
-        header = _header_of(what)
+        header = _header_in_full(what)
         if not self._exchanged(what, header):
             self._wait_here(self._exchange_request, what)
             self._check_agreed(what, header)
@@ -1193,7 +1255,8 @@ class Workers:
         call = current_call.get()
         if call is None or not call.holding or call.workers is not self:
             return header
-        return _header_of(f"{call.what}: {header.words}")
+        words = f"{call.what}: {header.words}"
+        return _header_in_full(words) if len(header.data) > _HEADER_BYTES else _header_of(words)
 
     async def _exchange(self, what: str, header: _Header) -> None:
         """Send this worker's record (``header``, then what the caller wrote after it) and
@@ -1215,7 +1278,7 @@ class Workers:
             WorkersDisagree: as ``_exchange``.
         """
         if header is not self._header_sent:  # the record keeps a header until another comes
-            self._record_bytes[:_HEADER_BYTES] = header.data
+            self._record_bytes[: len(header.data)] = header.data
             self._header_sent = header
         if not self._exchange_request.started():
             return False
@@ -1612,7 +1675,9 @@ class _Header(NamedTuple):
     """What a collective is, as every worker sends it first."""
 
     checksum: int  # of the words: what the workers compare
-    data: bytes  # ``_HEADER_BYTES``: the checksum, then the words (cut to fit)
+    # ``_HEADER_BYTES``: the checksum, then the words (cut to fit); or, for a collective
+    # that carries no data (``_header_in_full``), the whole record.
+    data: bytes
     words: str
 
 
@@ -1624,6 +1689,26 @@ def _header_of(words: str) -> _Header:
     checksum = zlib.crc32(text)
     header = checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]
     return _Header(checksum, header.ljust(_HEADER_BYTES, b"\0"), words)
+
+
+@functools.lru_cache(maxsize=256)
+def _header_in_full(words: str) -> _Header:
+    """``_header_of(words)`` for a collective that carries no data in the record (an
+    agreement, a refusal): words too long for the header go on into the record's data, so
+    that a disagreement shows them whole (a refusal's error, a long description), marked by
+    ``_CONTINUED`` in the checksum's word."""
+    text = words.encode()
+    if len(text) <= _HEADER_BYTES - 8:
+        return _header_of(words)
+    checksum = zlib.crc32(text) | _CONTINUED
+    record = checksum.to_bytes(8, "little") + text[: _RECORD_BYTES - 8]
+    return _Header(checksum, record.ljust(_RECORD_BYTES, b"\0"), words)
+
+
+def _words_of(record: np.ndarray[Any, Any]) -> str:
+    """What a gathered record's header says (in full, with ``_CONTINUED``)."""
+    end = _RECORD_BYTES if int(record[:8].view("<i8")[0]) & _CONTINUED else _HEADER_BYTES
+    return bytes(record[8:end]).rstrip(b"\0").decode(errors="replace")
 
 
 class _Plan(NamedTuple):
@@ -1651,14 +1736,22 @@ def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray
 
 def _disagreement(what: str, gathered: np.ndarray[Any, Any]) -> WorkersDisagree:
     """The error of a collective whose workers' headers differ, from the gathered records."""
-    said = [
-        bytes(record[8:_HEADER_BYTES]).rstrip(b"\0").decode(errors="replace") for record in gathered
-    ]
+    said = [_words_of(record) for record in gathered]
     shown = "; ".join(f"worker {w}: {words}" for w, words in enumerate(said))
+    refusing = [w for w, words in enumerate(said) if _REFUSING.search(words)]
+    if refusing:
+        return WorkersDisagree(
+            f"{what}: {worker_list(refusing)} refused what it was given ({shown}); nothing "
+            "was done on any worker, and the workers are still in step: correct what was "
+            "refused",
+            said=said,
+            workers=refusing,
+        )
     return WorkersDisagree(
         f"{what}: the workers passed different values or made different collectives "
         f"({shown}); every worker must make the same collectives in the same order, with the "
-        "same structure, shapes, dtypes and ops"
+        "same structure, shapes, dtypes and ops",
+        said=said,
     )
 
 

@@ -24,7 +24,9 @@ directly with their device objects. Every call goes through one core:
 3. **reduce** (``_reduce_arrays``, and ``_reduce_packed`` for packs) on the backend: host
    replicas share one read-only output; GPU replicas each get theirs (NCCL or on-device). A
    strategy spanning several workers adds its cross-worker step in these two, between the
-   local reduction and the local result.
+   local reduction and the local result. A cross-replica call (``reduce``, ``gather``,
+   ``reduce_to``, ``batch_reduce_to``) that takes several cross-worker collectives first makes
+   the workers agree on the whole call (``_agree``), so that none makes one more than another.
 
 A value passed in is a regrouped structure: a ``PerReplica`` leaf holds one component per
 replica, any other leaf stands for the same value on every replica. A distributed leaf whose
@@ -361,6 +363,10 @@ class ReductionEngine:
         _check_op(op, leaves, integer_mean=True)
         if op is ReduceOp.MEAN:
             leaves = [await self._as_float64(leaf) for leaf in leaves]
+        if self.cluster is not None and (axis is not None or _several(leaves, self.options)):
+            _check_crossing("reduce", leaves)  # bad input is refused before any exchange
+            with self._timeout(self.options):
+                await self._agree("reduce", op, leaves, axes)
         if axis is None:
             reducing = self._reduce_leaves(op, leaves, self.options)
             if _trace.recorder is not None:
@@ -409,6 +415,11 @@ class ReductionEngine:
         """
         leaves, treedef = self._leaves("gather", value)
         axes = [self._check_gather_shapes("gather", leaf, axis) for leaf in leaves]
+        if self.cluster is not None and len(leaves) > 1:
+            _check_crossing("gather", leaves)  # bad input is refused before any exchange
+            along = [((a,), f"axis {a}") for a in axes]
+            with self._timeout(self.options):
+                await self._agree("gather", None, leaves, along)
         gathering = self._gather_leaves("gather", leaves, axes)
         if _trace.recorder is not None:
             gathering = self._traced(gathering, "gather", None, leaves)
@@ -484,6 +495,9 @@ class ReductionEngine:
         if op is ReduceOp.MEAN:
             leaves = [await self._as_float64(leaf) for leaf in leaves]
         opts = self.options.override(options)
+        if self.cluster is not None and _several(leaves, opts):
+            with self._timeout(opts):
+                await self._agree(what, op, leaves)
         reducing = self._reduce_leaves(op, leaves, opts)
         if _trace.recorder is not None:
             reducing = self._traced(reducing, "reduce_to", op, leaves)
@@ -540,6 +554,38 @@ class ReductionEngine:
                 "NumPy array of objects)"
             )
         return array
+
+    async def _agree(
+        self,
+        what: str,
+        op: ReduceOp | None,
+        leaves: list[_LeafArrays],
+        along: Sequence[tuple[tuple[int, ...], str]] = (),
+    ) -> None:
+        """Across workers, before a call (``what``) of several collectives moves any data:
+        every worker makes the same call, with ``op``, on leaves at the same places with the
+        same dtypes and shapes (free along the checked axes of ``along``, one entry per leaf,
+        if given), or every worker raises ``WorkersDisagree`` alike (``Workers.agree``). Else
+        a worker passing one leaf more would make a collective more, which would meet
+        another worker's next call.
+
+        Raises:
+            WorkersDisagree: the workers' calls differ.
+        """
+        assert self.cluster is not None
+        described = []
+        for k, leaf in enumerate(leaves):
+            first = leaf.arrays[0]
+            free = along[k][0] if along else ()
+            shape = tuple("*" if d in free else n for d, n in enumerate(first.shape))
+            place = _tree.format_path(leaf.path) if leaf.path else "the value"
+            shown = str(shape).replace("'", "")  # (*, 3), as a shape is shown
+            described.append(f"{place} {first.dtype.newbyteorder('=')} {shown}")
+        head = " ".join(filter(None, (what, f"({op.value})" if op else "", _reduction_of.get())))
+        if along:
+            head += " along " + along[0][1]
+        count = f"{len(leaves)} leaves" if len(leaves) != 1 else "1 leaf"
+        await self.cluster.agree(what, f"{head} of {count}: {'; '.join(described)}")
 
     # -- the core -------------------------------------------------------------------------
 
@@ -684,14 +730,9 @@ class ReductionEngine:
         Returns, per leaf, one result per replica.
         """
         limit = opts.bytes_per_pack or DEFAULT_PACK_BYTES
-        if len(leaves) > 1:
-            # The common case, the one pack the loop below would make: few small leaves of
-            # one dtype.
-            dtype = leaves[0].arrays[0].dtype
-            if sum(leaf.arrays[0].nbytes for leaf in leaves) < limit and all(
-                leaf.arrays[0].dtype == dtype for leaf in leaves
-            ):
-                return await self._reduce_pack(op, leaves)
+        if len(leaves) > 1 and _one_pack(leaves, limit):
+            # The common case, the one pack the loop below would make.
+            return await self._reduce_pack(op, leaves)
         results: list[list[Any] | None] = [None] * len(leaves)
         packs: dict[Any, list[list[int]]] = {}
         filled: dict[Any, int] = {}  # bytes in the last pack of each dtype
@@ -869,6 +910,9 @@ class ReductionEngine:
         if op is ReduceOp.MEAN:
             first = self.devices[0]
             result = await first.compute(result.nbytes, _divide, first.xp, result, rows)
+        dtype = leaf.arrays[0].dtype
+        if not dtype.isnative:  # reduced in this machine's byte order: the leaf's again
+            result = result.astype(dtype)
         return result
 
 
@@ -936,6 +980,22 @@ def _local_op(op: str) -> str:
     """The op of the local step before the cross-worker one: a mean is summed, then divided
     by the replicas of every worker."""
     return "sum" if op == "mean" else op
+
+
+def _one_pack(leaves: list[_LeafArrays], limit: int) -> bool:
+    """Whether the leaves go in one pack of at most ``limit`` bytes (``_reduce_leaves``): few
+    small leaves of one dtype, the common case."""
+    dtype = leaves[0].arrays[0].dtype
+    return sum(leaf.arrays[0].nbytes for leaf in leaves) < limit and all(
+        leaf.arrays[0].dtype == dtype for leaf in leaves
+    )
+
+
+def _several(leaves: list[_LeafArrays], options: CommunicationOptions) -> bool:
+    """Whether reducing the leaves (``_reduce_leaves``) may take more than one collective:
+    then the workers agree on the whole call first (``ReductionEngine._agree``). One leaf, or
+    one pack, says in its own collective's header all that the workers compare."""
+    return len(leaves) > 1 and not _one_pack(leaves, options.bytes_per_pack or DEFAULT_PACK_BYTES)
 
 
 def _check_crossing(what: str, leaves: list[_LeafArrays], replica: int = 0) -> None:
@@ -1027,7 +1087,12 @@ def _partial_reduction(xp: Any, inner: str, component: Any, axes: tuple[int, ...
     """One replica's reduction along ``axes``; an empty batch gives the op's identity, so it
     changes nothing when the replicas' partials are combined."""
     if inner in ("sum", "prod"):  # in the component's dtype, as TF's (NumPy widens ints)
-        return getattr(xp, inner)(component, axis=axes, dtype=component.dtype)
+        dtype = component.dtype
+        # A ufunc's dtype names no byte order: the other one's is its type (in this
+        # machine's order, which ``_reduce_along`` gives back).
+        return getattr(xp, inner)(
+            component, axis=axes, dtype=dtype if dtype.isnative else dtype.type
+        )
     if all(component.shape[a] for a in axes):
         return getattr(xp, inner)(component, axis=axes)
     shape = tuple(n for d, n in enumerate(component.shape) if d not in axes)

@@ -10,9 +10,12 @@ different workers).
 
 from __future__ import annotations
 
+import functools
 import re
+import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, TypeVar, final
+from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, TypeVar, final
 
 import anyio
 
@@ -33,15 +36,164 @@ from ._values import DistributedValues, PerReplica, regroup
 from ._variables import sync_variables
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping, Sequence
+    from collections.abc import Callable, Iterator
     from contextvars import Token
 
     from ._backends import Device
     from ._options import CommunicationOptions
 
-__all__ = ["Cluster", "MultiWorkerMirroredStrategy"]
+__all__ = ["Cluster", "ClusterSpec", "MultiWorkerMirroredStrategy"]
 
 _T = TypeVar("_T")
+
+
+@final
+class ClusterSpec(Mapping[str, list[str]]):
+    """The workers as jobs of tasks, as TF's ``tf.train.ClusterSpec`` shows them: what
+    ``cluster_resolver.cluster_spec()`` returns.
+
+    A read-only mapping from each job's name to its tasks' addresses, in task order (a new
+    list at each look, so changing one changes nothing here); equal to a dict that holds the
+    same, so code that looked up, iterated or compared the spec as a dict keeps working (it
+    is no dict: give ``as_dict()`` to ``json.dumps``, as for TF's). Jobs are sorted by name,
+    as TF sorts them. Under MPI the one job is ``"worker"``, whose tasks are named by MPI rank.
+
+    Args:
+        cluster: each job's name and its tasks' addresses, by task index.
+
+    Raises:
+        TypeError: ``cluster`` is not a mapping of job names (``str``) to sequences of
+            addresses (``str``).
+
+    Example:
+        >>> spec = ClusterSpec({"worker": ["rank 0", "rank 1"]})
+        >>> spec.jobs, spec.task_indices("worker"), spec.task_address("worker", 1)
+        (['worker'], [0, 1], 'rank 1')
+        >>> spec.as_dict()
+        {'worker': ['rank 0', 'rank 1']}
+    """
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, cluster: Mapping[str, Sequence[str]]) -> None:
+        if not isinstance(cluster, Mapping):
+            raise TypeError(
+                "ClusterSpec: cluster must be a mapping of job names to lists of task "
+                f"addresses, got {type(cluster).__name__} {cluster!r:.60}"
+            )
+        jobs: dict[str, tuple[str, ...]] = {}
+        for job, tasks in cluster.items():
+            if not isinstance(job, str):
+                raise TypeError(
+                    f"ClusterSpec: job names must be str, got {type(job).__name__} {job!r:.60}"
+                )
+            if (
+                isinstance(tasks, (str, bytes))
+                or not isinstance(tasks, Sequence)
+                or not all(isinstance(task, str) for task in tasks)
+            ):
+                raise TypeError(
+                    f"ClusterSpec: job {job!r} must have a sequence of task addresses (str), "
+                    f"got {type(tasks).__name__} {tasks!r:.60}"
+                )
+            jobs[job] = tuple(tasks)
+        self._jobs = dict(sorted(jobs.items()))
+
+    def __getitem__(self, job: str) -> list[str]:
+        return list(self._jobs[job])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._jobs)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __repr__(self) -> str:
+        return f"ClusterSpec({self.as_dict()!r})"
+
+    @property
+    def jobs(self) -> list[str]:
+        """The jobs' names, sorted."""
+        return list(self._jobs)
+
+    def as_dict(self) -> dict[str, list[str]]:
+        """Each job's name and its tasks' addresses, as a new dict (TF's ``as_dict``).
+
+        Example:
+            >>> ClusterSpec({"worker": ["rank 0"]}).as_dict()
+            {'worker': ['rank 0']}
+        """
+        return {job: list(tasks) for job, tasks in self._jobs.items()}
+
+    def num_tasks(self, job_name: str) -> int:
+        """How many tasks ``job_name`` has.
+
+        Raises:
+            ValueError: no job is named ``job_name``.
+
+        Example:
+            >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).num_tasks("worker")
+            2
+        """
+        return len(self._tasks(job_name, "num_tasks"))
+
+    def task_indices(self, job_name: str) -> list[int]:
+        """The indices of ``job_name``'s tasks, in order.
+
+        Raises:
+            ValueError: no job is named ``job_name``.
+
+        Example:
+            >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).task_indices("worker")
+            [0, 1]
+        """
+        return list(range(len(self._tasks(job_name, "task_indices"))))
+
+    def job_tasks(self, job_name: str) -> list[str]:
+        """The addresses of ``job_name``'s tasks, by task index.
+
+        Raises:
+            ValueError: no job is named ``job_name``.
+
+        Example:
+            >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).job_tasks("worker")
+            ['rank 0', 'rank 1']
+        """
+        return list(self._tasks(job_name, "job_tasks"))
+
+    def task_address(self, job_name: str, task_index: int) -> str:
+        """The address of task ``task_index`` of ``job_name``.
+
+        Raises:
+            ValueError: no job is named ``job_name``, or it has no task ``task_index``.
+            TypeError: ``task_index`` is not an int.
+
+        Example:
+            >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).task_address("worker", 1)
+            'rank 1'
+        """
+        tasks = self._tasks(job_name, "task_address")
+        index = as_integer(task_index)
+        if index is None:
+            raise TypeError(
+                f"ClusterSpec.task_address: task_index must be an int, got "
+                f"{type(task_index).__name__} {task_index!r:.60}"
+            )
+        if not 0 <= index < len(tasks):
+            raise ValueError(
+                f"ClusterSpec.task_address: no task with index {index} in job {job_name!r}, "
+                f"whose tasks are 0 to {len(tasks) - 1}"
+            )
+        return tasks[index]
+
+    def _tasks(self, job_name: str, what: str) -> tuple[str, ...]:
+        tasks = self._jobs.get(job_name)
+        if tasks is None:
+            jobs = ", ".join(map(repr, self._jobs)) or "none"
+            raise ValueError(
+                f"ClusterSpec.{what}: no such job in the cluster: {job_name!r}; its jobs are {jobs}"
+            )
+        return tasks
 
 
 @final
@@ -51,7 +203,8 @@ class Cluster:
 
     It is also the strategy's ``cluster_resolver``, with the parts of TF's
     ``ClusterResolver`` that mean something under MPI: ``task_type``, ``task_id``,
-    ``cluster_spec()``, ``master()`` and ``num_accelerators()``.
+    ``cluster_spec()``, ``master()``, ``num_accelerators()``, ``rpc_layer`` and
+    ``environment``.
 
     Attributes:
         worker_index: this worker's index, from 0 (its MPI rank in the strategy's
@@ -104,15 +257,30 @@ class Cluster:
         """``worker_index``, under TF's name."""
         return self.worker_index
 
-    def cluster_spec(self) -> dict[str, list[str]]:
-        """TF's cluster spec as a dict: one ``"worker"`` job with one task per worker, named by
-        its MPI rank (workers under MPI have ranks, not the network addresses of TF's).
+    @property
+    def rpc_layer(self) -> None:
+        """``None``: the workers talk through MPI, not an RPC layer (TF's ``"grpc"``), so
+        there is no protocol to put ahead of an address."""
+        return None
+
+    @property
+    def environment(self) -> str:
+        """``""``: TF's answer outside Google's internal environment."""
+        return ""
+
+    def cluster_spec(self) -> ClusterSpec:
+        """TF's cluster spec: one ``"worker"`` job with one task per worker, named by its MPI
+        rank (workers under MPI have ranks, not the network addresses of TF's). A read-only
+        mapping, equal to the dict it holds.
 
         Example:
-            >>> Cluster(worker_index=0, num_workers=2).cluster_spec()
-            {'worker': ['rank 0', 'rank 1']}
+            >>> spec = Cluster(worker_index=0, num_workers=2).cluster_spec()
+            >>> spec
+            ClusterSpec({'worker': ['rank 0', 'rank 1']})
+            >>> spec.num_tasks("worker"), spec == {"worker": ["rank 0", "rank 1"]}
+            (2, True)
         """
-        return {"worker": [f"rank {i}" for i in range(self.num_workers)]}
+        return ClusterSpec({"worker": [f"rank {i}" for i in range(self.num_workers)]})
 
     def master(
         self, task_type: str | None = None, task_id: int | None = None, rpc_layer: str | None = None
@@ -234,6 +402,9 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     ) -> None:
         self._communicator = communicator
         self._joined = False  # whether this worker reached the workers' first agreement
+        # The merge functions of the last run() that made merge calls, and its end's words.
+        self._merged_before: list[Callable[..., Any]] = []
+        self._merged_words = _END_OF_RUN
         try:
             super().__init__(
                 devices,
@@ -350,7 +521,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             TypeError: as ``MirroredStrategy.run`` (on this worker; the others raise
                 ``WorkersDisagree``).
             ReplicaSyncError: another worker failed (naming it, its replica and what it
-                raised), or a worker was late past ``sync_timeout``.
+                raised), or a worker was late past ``sync_timeout``; or the workers' replicas
+                made different merge calls (how many, which merge functions, in which order:
+                each worker runs its own ``merge_fn``, so the workers compare them at the end
+                of ``run()``), on every worker, naming what each made; the merge functions
+                ran, so the strategy then makes no more cross-worker calls.
             BaseException: what this worker's replica or ``merge_fn`` raised, as
                 ``MirroredStrategy.run``.
 
@@ -385,8 +560,29 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
                     held = await workers.hold()
                 if workers.pending:
                     await sync_variables(workers)
-                result = await self._scheduler.run(fn, parts)
-                await workers.barrier("the end of run()")
+                merged: list[Callable[..., Any]] = []
+                result = await self._scheduler.run(fn, parts, merged)
+                # The workers compare their merge calls here: a merge function makes no
+                # cross-worker collective of its own, so one that differs, or is skipped, on
+                # some workers would go unnoticed. The words for the run's merge functions are
+                # made once while they stay the same (the built-in collectives' do).
+                if not merged:
+                    words = _END_OF_RUN
+                elif merged == self._merged_before:
+                    words = self._merged_words
+                else:
+                    words = self._merged_words = _end_of_run(merged)
+                    self._merged_before = merged
+                try:
+                    await workers.barrier(words)
+                except WorkersDisagree as disagreement:
+                    mismatch = self._merges_differ(disagreement)
+                    if mismatch is None:
+                        raise
+                    # Raised on every worker in step, but after merge functions that ran
+                    # apart (their writes may differ between workers): a failure, after which
+                    # the strategy makes no more cross-worker calls.
+                    raise mismatch from disagreement
             except BaseException as exc:
                 for what, error in workers.refusing:
                     if error is exc:  # a replica's check of a collective's arguments
@@ -459,6 +655,30 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             f"worker {self._cluster.worker_index}; num_replicas_in_sync is "
             f"{self.num_replicas_in_sync} over all workers): each worker passes its own "
             "replicas' values"
+        )
+
+    def _merges_differ(self, disagreement: WorkersDisagree) -> ReplicaSyncError | None:
+        """The error for the end of a ``run()`` where every worker arrived, after merge calls
+        that differ (``disagreement``, from the end's agreement, names what each worker made);
+        ``None`` if some worker made another collective there (``disagreement`` says so).
+        Made from what every worker sent, so the same on every worker."""
+        said = disagreement.said
+        num_workers = self._cluster.num_workers
+        if len(said) != num_workers or not all(w.startswith(_END_OF_RUN) for w in said):
+            return None
+        made = [_merges_made(words.removeprefix(_END_OF_RUN)) for words in said]
+        differ = [w for w in range(1, num_workers) if made[w] != made[0]]
+        local = len(self._device_objects)
+        shown = "; ".join(f"worker {w}: {made[w]}" for w in range(num_workers))
+        return ReplicaSyncError(
+            f"the workers' replicas made different merge calls in this run() ({shown}); every "
+            "replica of every worker must make the same merge_calls, with the same merge "
+            "functions, in the same order: move merge_call out of worker-dependent branches "
+            "(merge_fn runs once on each worker, so the workers compare their merge calls at the "
+            "end of run())",
+            merge_number=None,
+            replicas=[w * local + j for w in differ for j in range(local)],
+            workers=differ,
         )
 
     async def _refuse_step(self, error: BaseException, what: str) -> None:
@@ -574,3 +794,43 @@ class _InProgress:
 
 
 _REPLICA_NOTE = re.compile(r"raised in replica (\d+) of")
+
+#: The end of a ``run()`` that made no merge call, as the workers agree on it.
+_END_OF_RUN: Final = "the end of run()"
+
+
+def _end_of_run(merged: list[Callable[..., Any]]) -> str:
+    """The words of the end of a ``run()`` whose merge rounds ran ``merged``, the same in every
+    process that ran the same ones: their count, their merge functions' qualified names, each
+    once in the order of first use (the part of the words a message shows), and a checksum of
+    the whole sequence by module and qualified name (so another order, or a function of the
+    same name from another module, differs too). No colon: the workers' agreement shows
+    ``what`` ahead of one."""
+    named = [_merge_fn_name(fn) for fn in merged]
+    shown = ", ".join(dict.fromkeys(name for _, name in named))
+    sequence = zlib.crc32(" ".join(f"{module}.{name}" for module, name in named).encode())
+    count = len(named)
+    return (
+        f"{_END_OF_RUN} after {count} merge_call{'' if count == 1 else 's'} of {shown} "
+        f"(sequence {sequence:08x})"
+    )
+
+
+def _merges_made(said: str) -> str:
+    """What a worker's end-of-run words (after ``_END_OF_RUN``) say it made, for a message."""
+    return said.removeprefix(" after ") if said else "no merge_call"
+
+
+def _merge_fn_name(fn: Callable[..., Any]) -> tuple[str, str]:
+    """A merge function's module and qualified name (a partial's function's; a callable
+    object's class's): the same in every process of one program."""
+    inner: Any = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    inner = getattr(inner, "__func__", inner)  # a bound method's function
+    name = getattr(inner, "__qualname__", None)
+    if not isinstance(name, str):
+        inner = type(inner)
+        name = inner.__qualname__
+    module = getattr(inner, "__module__", None)
+    return (module if isinstance(module, str) else "", name)

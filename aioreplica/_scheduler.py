@@ -116,6 +116,7 @@ from ._errors import (
     yielding_step,
 )
 from ._merge import ARGS, FN, KWARGS, MERGE, TIMEOUT, MergeRequest, VariableCreations
+from ._tree import find_mismatch, format_path
 from ._values import (
     DistributedValues,
     Mirrored,
@@ -525,6 +526,7 @@ class _Run:
         *,
         sync_timeout: float | None,
         rng: random.Random | None,
+        merged: list[Callable[..., Any]] | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.strategy = scheduler.strategy
@@ -535,6 +537,7 @@ class _Run:
         self.replicas = [_Replica(self, i) for i in range(self.size)]
         self.sync_timeout = sync_timeout
         self.rng = rng
+        self.merged = merged  # each round's merge function, for those who asked (``run``)
         self.loop = _loops.current()
         self.new_gate = self.loop.gate_factory(ordered=rng is None)
         self.round = self._new_round(1)
@@ -828,6 +831,8 @@ class _Run:
         except (ValueError, TypeError, ReplicaSyncError) as exc:
             self.fail(exc, f"detected in merge_call #{rnd.number}")
             return self._park_failed()
+        if self.merged is not None:
+            self.merged.append(merge_fn)
         track = last.track
         started = track.now() if track is not None else 0  # a traced run: merge_fn starts
         token = context_state.set(self.merge_state)
@@ -1003,17 +1008,51 @@ class _Run:
         try:
             args = regroup(all_args, first_replica=first) if any(all_args) else ()
         except (TypeError, ValueError):
-            mismatch = _collective_mismatch(merge_fn, all_args, first)
+            mismatch = _collective_mismatch(merge_fn, all_args, first) or _arguments_mismatch(
+                "args", all_args, merge_fn, rnd.number, first
+            )
             if mismatch is None:
                 raise
             raise mismatch from None
         all_kwargs = list(map(_request_kwargs, requests))
-        kwargs = (
-            regroup([dict(kw or {}) for kw in all_kwargs], first_replica=first)
-            if any(all_kwargs)
-            else {}
-        )
+        if not any(all_kwargs):
+            return merge_fn, args, {}
+        keywords = [dict(kw or {}) for kw in all_kwargs]
+        try:
+            kwargs = regroup(keywords, first_replica=first)
+        except (TypeError, ValueError):
+            mismatch = _arguments_mismatch("kwargs", keywords, merge_fn, rnd.number, first)
+            if mismatch is None:
+                raise
+            raise mismatch from None
         return merge_fn, args, kwargs
+
+
+def _arguments_mismatch(
+    what: str,
+    per_replica: list[Any],
+    merge_fn: Callable[..., Any],
+    number: int,
+    first_replica: int,
+) -> Exception | None:
+    """The error for merge_call ``what`` (``"args"`` or ``"kwargs"``, one per replica) whose
+    structure differs between replicas, naming the round and the place in them; ``None`` where
+    they match (the regrouping failed for another reason)."""
+    first = per_replica[0]
+    for offset, other in enumerate(per_replica[1:], 1):
+        replica = first_replica + offset
+        found = find_mismatch(
+            first, other, first=f"replica {first_replica}", second=f"replica {replica}"
+        )
+        if found is not None:
+            kind, path, message = found
+            return kind(
+                f"merge_call #{number} ({_describe_fn(merge_fn)}): replica {replica} passed "
+                f"{what} that differ from replica {first_replica}'s at {what}{format_path(path)}: "
+                f"{message}; every replica must pass merge_call {what} of the same structure "
+                "(the values may differ)"
+            )
+    return None
 
 
 def _collective_mismatch(
@@ -1270,14 +1309,18 @@ class Scheduler:
         self,
         fn: Callable[..., Any],
         per_replica_args: Sequence[tuple[tuple[Any, ...], Mapping[str, Any]]],
+        merged: list[Callable[..., Any]] | None = None,
     ) -> list[Any]:
         """Run ``fn`` once per replica; return the results by replica id.
+
+        ``merged``: a list to which each merge round appends its merge function, in order (a
+        multi-worker strategy compares them between workers at the end of its ``run()``).
 
         Raises:
             BaseException: the first failure, unwrapped, with notes, unless a later one is no
                 ``Exception`` (a ``KeyboardInterrupt``): that one (see the module docstring).
         """
-        run = _Run(self, sync_timeout=self._sync_timeout, rng=self._rng)
+        run = _Run(self, sync_timeout=self._sync_timeout, rng=self._rng, merged=merged)
         order = list(run.replicas)
         if self._rng is not None:
             self._rng.shuffle(order)

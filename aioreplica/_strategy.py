@@ -720,7 +720,8 @@ class MirroredStrategy:
                 workers, called from another task while a ``run()`` is in progress there.
             ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range or
                 naming an axis twice; a mirrored variable or a ``Mirrored`` value reduced with
-                ``SUM`` or ``PROD``.
+                ``SUM`` or ``PROD``; across workers, another worker passed another op, axis,
+                structure, shape or dtype (every worker raises it; nothing was reduced).
             TypeError: an op the dtype cannot do; NumPy and CuPy arrays mixed; ``axis`` is
                 neither an integer nor a tuple or list of integers.
 
@@ -745,7 +746,9 @@ class MirroredStrategy:
         Raises:
             RuntimeError: called inside a replica (use ``ctx.all_gather`` there); across
                 workers, called from another task while a ``run()`` is in progress there.
-            ValueError: dtypes or shapes off ``axis`` differ; ``axis`` out of range.
+            ValueError: dtypes or shapes off ``axis`` differ; ``axis`` out of range; across
+                workers, another worker passed another axis, structure, dtype or other
+                trailing dimensions (every worker raises it; nothing was gathered).
             TypeError: ``axis`` is not an integer.
 
         Example:
@@ -754,9 +757,9 @@ class MirroredStrategy:
             >>> anyio.run(strategy.gather, parts)
             array([1, 2, 3])
         """
-        self._check_cross_replica("gather")
         async with self._engine.call("strategy.gather"):
             try:
+                await self._begin_cross_replica("gather")
                 return await self._engine.gather(value, axis)
             except (TypeError, ValueError) as exc:
                 await self._engine.refuse("strategy.gather", exc)
@@ -766,10 +769,16 @@ class MirroredStrategy:
         """The op of a cross-replica reduction ``what``, once it may start: called outside a
         replica, and (across workers) the variables made since the last sync synced."""
         op = ReduceOp.parse(reduce_op)
+        await self._begin_cross_replica(what)
+        return op
+
+    async def _begin_cross_replica(self, what: str) -> None:
+        """Once a cross-replica call ``what`` that reads its value's variables may start:
+        called outside a replica, and (across workers) the variables made since the last sync
+        synced, so that each worker's copies hold the chief's values."""
         self._check_cross_replica(what)
         if self._engine.cluster is not None:
             await self._sync_new_variables()
-        return op
 
     def _check_cross_replica(self, what: str) -> None:
         state = context_state.get()

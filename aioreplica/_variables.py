@@ -25,7 +25,7 @@ import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
-from ._cluster import call_of, error_line
+from ._cluster import WorkersDisagree, call_of, error_line
 from ._collectives import reductions_for, register_copied_type
 from ._context import ContextState, ReplicaContext, context_state, default_replica_context
 from ._errors import ReplicaSyncError, add_note, replica_list
@@ -372,7 +372,27 @@ class Variable(NDArrayOperatorsMixin):
 
     @property
     def values(self) -> tuple[Any, ...]:
-        """The copies, one per replica (host replicas may share one read-only array)."""
+        """The copies, one per replica (host replicas may share one read-only array).
+
+        Across workers, this worker's copies. Reading them is a read like ``value()``: a
+        variable not used yet takes the chief's value first, so every worker must read it.
+
+        Raises:
+            RuntimeError: across workers, a first read while another cross-worker call or
+                collective is in progress on this worker; a worker failed or was late
+                (``ReplicaSyncError``); the cluster is broken (``ClusterBroken``).
+            ValueError: across workers, a first read of variables made in another order,
+                or of another kind, dtype or shape, on another worker (``WorkersDisagree``).
+
+        Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     w = Variable([1.0, 2.0], name="w")
+            >>> [copy.tolist() for copy in w.values]
+            [[1.0, 2.0], [1.0, 2.0]]
+        """
+        if self._unsynced:  # this worker's own initial value until then, not the variable's
+            sync_variables_now(self._engine)
         return self._copies
 
     # -- reads ----------------------------------------------------------------------------
@@ -549,7 +569,7 @@ class Variable(NDArrayOperatorsMixin):
 
     def __repr__(self) -> str:
         try:
-            shown = self._shown()
+            shown = self._shown_pending() if self._unsynced else self._shown()
         except Exception:  # a repr must not raise
             shown = "<unreadable>"
             if isinstance(self, SyncOnReadVariable) and self._aggregation is _Agg.NONE:
@@ -563,6 +583,15 @@ class Variable(NDArrayOperatorsMixin):
         """The value a repr shows (its cross-replica read)."""
         value, device = snapshot(self)
         return repr(host_array(value, device))
+
+    def _shown_pending(self) -> str:
+        """What a repr shows of a variable across workers before its first read or write:
+        this worker's copies, named as such. Taking the chief's value is a collective, which a
+        repr (a log line on the chief alone, say) must not make."""
+        copies = ", ".join(
+            repr(host_array(c, d)) for c, d in zip(self._copies, self._devices, strict=True)
+        )
+        return f"<takes the chief's value when first used; this worker's copies: {copies}>"
 
     def _placement(self) -> str:
         if self._strategy is None:
@@ -1079,18 +1108,40 @@ async def sync_variables(workers: Workers) -> None:
         copy, device = variable._copies[0], variable._devices[0]
         await device.synchronize()
         made = f"{variable_label(variable)} {_kind(variable)}"
-        value = await workers.broadcast(host_array(copy, device), 0, made)
+        try:
+            value = await workers.broadcast(host_array(copy, device), 0, made)
+        except WorkersDisagree as exc:
+            _note_unsynced(exc, pending)
+            raise
         _start_from(variable, value)
         del pending[0]
 
 
+def _note_unsynced(error: WorkersDisagree, pending: list[Any]) -> None:
+    """Say what a disagreement in a first sync means for the calls after it."""
+    add_note(
+        error,
+        f"new variables are not synced here ({', '.join(map(_identity, pending))}): every "
+        "worker must make the same variables in the same order (a variable whose making "
+        "failed on one worker must not be made on the others). Every cross-worker call "
+        "syncs new variables first, so each raises this again: make a new strategy, and the "
+        "variables again, on every worker",
+    )
+
+
 def variable_label(variable: Variable) -> str:
-    """``variable`` as the workers compare it in what a collective is for: its number among
-    the variables made on the communicator (two variables may share a name), then its name;
-    in one process (and for slots, which follow their variables), its name."""
+    """``variable`` as the workers compare it in what a collective is for: ``"variable "``
+    and its ``_identity``."""
+    return f"variable {_identity(variable)}"
+
+
+def _identity(variable: Variable) -> str:
+    """``variable``'s number among the variables made on the communicator (two variables may
+    share a name), then its name; in one process (and for slots, which follow their
+    variables), its name."""
     if variable._number is None:
-        return f"variable {variable._name!r}"
-    return f"variable #{variable._number} {variable._name!r}"
+        return repr(variable._name)
+    return f"#{variable._number} {variable._name!r}"
 
 
 def _kind(variable: Variable) -> str:
@@ -1126,12 +1177,25 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
             _start_from(variable, value)
 
     # What every worker's variables are, so that workers disagreeing refuse before any data.
-    made = ", ".join(
-        f"{variable_label(v).removeprefix('variable ')} {v._dtype.name} {v.shape} {_kind(v)}"
-        for v in pending
-    )
-    workers.blocking(f"the first read of variables {made}", broadcast)
+    made = ", ".join(f"{_identity(v)} {v._dtype.name} {v.shape} {_kind(v)}" for v in pending)
+    try:
+        workers.blocking(f"the first read of variables {made}", broadcast)
+    except WorkersDisagree as exc:
+        _note_unsynced(exc, pending)
+        raise
     workers.pending = []
+
+
+async def _sync_before_replacing(variable: Variable) -> None:
+    """Before every worker computes new copies of ``variable`` alike (a restore, an update
+    outside a ``run()``): a variable not used yet takes the chief's value first, with the
+    other new variables, as before its first write. Its first sync copies the chief's first
+    copy into every copy, which would replace the new copies where they differ (a ``SUM``
+    sync-on-read variable's split total, an update's per-replica arguments). Nothing to do
+    where the workers make no collectives together (``_agreeing``)."""
+    engine = _agreeing(variable._engine) if variable._unsynced else None
+    if engine is not None and engine.cluster is not None:
+        await sync_variables(engine.cluster)
 
 
 def _global_copies(variable: Variable) -> tuple[int | None, int]:
@@ -1156,7 +1220,12 @@ async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tu
 
     A sync-on-read variable with ``SUM`` aggregation gets ``value / num_copies`` in each copy
     (integers: exactly, the remainder on copy 0), so its aggregate is the saved value.
+
+    Across workers (every worker restores the same file) a variable not used yet takes the
+    chief's value first (``_sync_before_replacing``); a restore that fails after that leaves
+    it holding the value it had, the chief's.
     """
+    await _sync_before_replacing(variable)
     value = host_value.astype(variable._dtype, copy=False)
     values = [value] * len(variable._devices)
     if isinstance(variable, SyncOnReadVariable) and variable._aggregation is _Agg.SUM:
@@ -1336,7 +1405,8 @@ async def update(
 
     Returns the new copies, one per replica (in replica context every replica gets them all,
     after one merge round); the facade groups them as its caller asked. Across workers,
-    outside a ``run()``, arguments refused on one worker are refused on every worker.
+    outside a ``run()``, a variable not used yet takes the chief's value first, and arguments
+    refused on one worker are refused on every worker.
     """
     replica = context_state.get().replica
     if replica is not None:
@@ -1362,6 +1432,7 @@ async def update(
             if agreeing is not None:
                 await agreeing.refuse("update()", exc)  # on every worker alike
             raise
+        await _sync_before_replacing(variable)  # fn then reads the chief's value
         return await _update(strategy, variable, fn, args, kwargs)
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from aioreplica import Checkpoint, CheckpointManager, ReplicaSyncError, Variable
+from aioreplica._cluster import WorkersDisagree
 from aioreplica.optimizers import Adam
 from aioreplica.testing import replica_id
 from multiworker.mwtools import (
@@ -320,8 +321,9 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
             path = first
         elif RANK == 1 and case == "no checkpoint":
             path = None
-        elif RANK == 1 and case == "missing file":
-            path = os.path.join(directory, "missing.npz")
+        elif RANK == 1 and case == "missing file":  # a long path, whose error reaches
+            # every worker whole
+            path = os.path.join(directory, "a-run-of-a-long-name-" * 8, "missing.npz")
         elif RANK == 1:
             path = os.path.join(directory, "corrupted.npz")
             await anyio.Path(path).write_bytes(b"not a checkpoint")
@@ -329,16 +331,7 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         expected = own.get(case, ValueError) if RANK == 1 else ValueError
         with pytest.raises(expected) as caught:
             await model.checkpoint().restore(path)
-        if RANK != 1:
-            message = str(caught.value)
-            assert "worker 1" in message
-            if case == "no checkpoint":
-                assert "worker 1: Checkpoint.restore of no checkpoint (path None)" in message
-            elif case != "other file":
-                assert "Checkpoint.restore refusing the file" in message
-                assert ("FileNotFoundError" if case == "missing file" else "CheckpointError") in (
-                    message
-                )
+        refused = allgather(str(caught.value).splitlines()[0])[1]
         for copy, kept in zip(model.w.values, before, strict=True):
             np.testing.assert_array_equal(copy, kept)
         assert_same_on_every_worker(*model.state())
@@ -346,6 +339,22 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
         await model.train(3.0)  # the strategy goes on working
         assert_same_on_every_worker(*model.state())
         WORLD.Barrier()
+    # What the others were told (checked once every worker has left the shared directory):
+    if RANK != 1:
+        message = str(caught.value)
+        assert "worker 1" in message
+        if case in ("missing file", "corrupted file"):
+            assert isinstance(caught.value, WorkersDisagree)
+            assert caught.value.workers == (1,)
+            assert ": worker 1 refused what it was given (worker 0: " in message, message
+            assert refused in message, (refused, message)  # whole, however long
+        if case == "no checkpoint":
+            assert "worker 1: Checkpoint.restore of no checkpoint (path None)" in message
+        elif case != "other file":
+            assert "Checkpoint.restore refusing the file" in message
+            assert ("FileNotFoundError" if case == "missing file" else "CheckpointError") in (
+                message
+            )
 
 
 async def test_a_restore_into_other_variables_on_one_worker_restores_nowhere(

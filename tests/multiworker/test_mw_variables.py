@@ -451,10 +451,15 @@ async def test_variables_of_other_shapes_are_refused_on_every_worker(
             await use()
         assert "worker 0" in str(caught.value), (attempt, str(caught.value))
         assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
+        notes = "\n".join(getattr(caught.value, "__notes__", []))
+        unsynced = "#0 'good', #1 'bad'" if first_use == "read" else "#1 'bad'"
+        assert f"new variables are not synced here ({unsynced})" in notes, notes
+        assert "make a new strategy, and the variables again, on every worker" in notes
     if first_use == "run":  # synced one by one, in order of making: "good" came first
         assert_copies_equal(good, worker_value(0))
-    else:  # a synchronous first read syncs every new variable at once: none was
-        np.testing.assert_array_equal(good.values[0], worker_value(RANK))
+    else:  # a synchronous first read syncs every new variable at once: none was (the
+        # repr shows a worker's own copies without syncing)
+        assert f"this worker's copies: {worker_value(RANK)!r}>" in repr(good)
 
 
 @pytest.mark.parametrize("first_use", ["run", "read"])
@@ -482,8 +487,9 @@ async def test_variables_made_in_another_order_are_refused_on_every_worker(
     assert "worker 1" in str(caught.value)
     # The same after the what (each worker's own list of variables, in a first read):
     assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
-    np.testing.assert_array_equal(a.values[0], worker_value(RANK))
-    np.testing.assert_array_equal(b.values[0], worker_value(RANK) + 1)
+    # No copy changed (the repr shows a worker's own copies without syncing):
+    assert f"this worker's copies: {worker_value(RANK)!r}>" in repr(a)
+    assert f"this worker's copies: {worker_value(RANK) + 1!r}>" in repr(b)
 
 
 @pytest.mark.parametrize("local", [1, 2])
@@ -742,8 +748,8 @@ async def test_a_write_reached_late_under_sync_timeout_changes_nothing_anywhere(
     make_strategy: MakeStrategy, write: str
 ) -> None:
     """Outside run(), under sync_timeout, a worker reaching a write after the others gave up
-    on it raises too, naming the worker that gave up, instead of writing alone: every copy
-    on every worker keeps its value."""
+    on it raises too, instead of writing alone, naming itself as the late worker (the fault
+    is its own): every copy on every worker keeps its value."""
     strategy = make_strategy(1, sync_timeout=1.0)
     with strategy.scope():
         v = Variable(np.zeros(3), name="v")
@@ -759,11 +765,11 @@ async def test_a_write_reached_late_under_sync_timeout_changes_nothing_anywhere(
 
     with anyio.fail_after(20), pytest.raises(aioreplica.ReplicaSyncError) as caught:
         await call()
+    assert caught.value.workers == (late,)
     if late == RANK:  # told by a worker that gave up on it
-        assert caught.value.workers
-        assert late not in caught.value.workers
-    else:
-        assert caught.value.workers == (late,)
+        message = str(caught.value)
+        assert message.startswith(f"worker 0 gave up waiting for worker {late} (this worker")
+        assert "it waited 1 s in " in message
     for copy in v.values:
         np.testing.assert_array_equal(copy, np.zeros(3), strict=True)
     # Both done with this strategy before either closes it (its communicators are freed),
@@ -814,6 +820,75 @@ async def test_an_optimizer_step_of_other_variables_on_a_worker_is_refused(
     scale = 1 if aggregate else 1 / (local * WORKERS)  # each replica's own step, not summed
     assert_copies_equal(a, np.full(2, -1.0 * local * WORKERS * scale))
     assert_copies_equal(b, np.full(2, -10.0 * local * WORKERS * scale))
+
+
+def _optimizer_set_apart(how: str) -> Optimizer:
+    """An optimizer set as on the other worker, except on worker 1 where ``how`` says."""
+    other = RANK == 1
+    if how == "learning rate":
+        return SGD(0.2 if other else 0.1)
+    if how == "class":
+        return Adam(0.1) if other else SGD(0.1)
+    if how == "hyperparameter":
+        return SGD(0.1, momentum=0.9 if other else 0.0)
+    if how == "clipping":
+        return SGD(0.1, clipnorm=0.5 if other else None)
+    if how == "step count":
+        optimizer = SGD(lambda step: 0.1)
+        optimizer.iterations = 3 if other else 0
+        return optimizer
+    assert how == "weight-decay exclusion"
+    optimizer = SGD(0.1, weight_decay=0.5)
+    if other:
+        optimizer.exclude_from_weight_decay(var_names=["w"])
+    return optimizer
+
+
+@pytest.mark.parametrize("local", [1, 2])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "learning rate",
+        "class",
+        "hyperparameter",
+        "clipping",
+        "step count",
+        "weight-decay exclusion",
+    ],
+)
+async def test_an_optimizer_set_otherwise_on_a_worker_is_refused(
+    make_strategy: MakeStrategy, local: int, how: str
+) -> None:
+    """Optimizers set apart between workers (another learning rate, class, hyperparameter,
+    clipping, step count or weight-decay exclusion) would step the same variable apart, so
+    its copies would differ between workers for good: every worker's run() raises the same
+    ValueError before any copy changed, each naming its own setting, and the workers stay
+    in step."""
+    strategy = make_strategy(local)
+    with strategy.scope():
+        w = Variable(np.ones(2), name="w")
+    optimizer = _optimizer_set_apart(how)
+    before = optimizer.iterations
+
+    async def step() -> int:
+        return await optimizer.apply_gradients([(np.ones(2), w)])
+
+    with pytest.raises(ValueError, match=r"apply_gradients\(\) of variable #0 'w' by ") as caught:
+        await strategy.run(step)
+    assert len(set(allgather(str(caught.value)))) == 1
+    notes = "\n".join(getattr(caught.value, "__notes__", []))
+    assert (
+        f"this worker's apply_gradients() trains variable #0 'w' by {type(optimizer).__name__}("
+        in notes
+    )
+    assert optimizer.iterations == before
+    assert_copies_equal(w, np.ones(2))
+
+    async def count() -> Any:  # the workers are still in step
+        return await replica_context().all_reduce("sum", np.ones(1))
+
+    for total in strategy.experimental_local_results(await strategy.run(count)):
+        np.testing.assert_array_equal(total, [local * WORKERS])
 
 
 @pytest.mark.parametrize("local", [1, 2])

@@ -1,0 +1,78 @@
+"""What merge_call says when the replicas pass it arguments of different structures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from aioreplica import MirroredStrategy
+from aioreplica.testing import host_devices, replica_context, replica_id
+
+pytestmark = pytest.mark.anyio
+
+
+def keep(strategy: MirroredStrategy, *args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+class TestMergeArguments:
+    async def test_args_of_other_structures_name_the_args_and_the_round(self) -> None:
+        """Replicas passing args whose dicts have other keys, in the second merge round: the
+        error names merge_call's args, the place in them, the replicas and the round; it does
+        not ask the replicas to return anything."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step() -> int:
+            ctx = replica_context()
+            await ctx.merge_call(keep, args=(1.0,))
+            value = {"b" if replica_id() == 0 else "a": 1.0}
+            result: int = await ctx.merge_call(keep, args=(0, value))
+            return result
+
+        with pytest.raises(ValueError, match="args") as caught:
+            await strategy.run(step)
+        message = str(caught.value)
+        assert message.startswith("merge_call #2 (keep ("), message
+        assert message.endswith(
+            "): replica 1 passed args that differ from replica 0's at args[1]: keys differ: "
+            "'b' only in replica 0, 'a' only in replica 1; every replica must pass merge_call "
+            "args of the same structure (the values may differ)"
+        ), message
+        assert caught.value.__notes__ == ["detected in merge_call #2"]
+
+    async def test_kwargs_of_other_structures_name_the_kwargs(self) -> None:
+        """Replicas passing kwargs with other names, or values of other structures: the error
+        names merge_call's kwargs and the place in them."""
+        strategy = MirroredStrategy(host_devices(3))
+
+        async def step() -> int:
+            kwargs: dict[str, Any] = {"x": [1.0, 2.0]} if replica_id() < 2 else {"x": [1.0]}
+            result: int = await replica_context().merge_call(keep, kwargs=kwargs)
+            return result
+
+        with pytest.raises(ValueError, match="kwargs") as caught:
+            await strategy.run(step)
+        message = str(caught.value)
+        assert message.startswith("merge_call #1 (keep ("), message
+        assert "): replica 2 passed kwargs that differ from replica 0's at kwargs['x']: " in message
+        assert message.endswith(
+            "every replica must pass merge_call kwargs of the same structure (the values may "
+            "differ)"
+        ), message
+
+    async def test_kwargs_given_by_some_replicas_only(self) -> None:
+        """A replica passing kwargs where the others pass none: the error names the keys."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step() -> int:
+            kwargs = {"scale": 2.0} if replica_id() == 1 else None
+            result: int = await replica_context().merge_call(keep, kwargs=kwargs)
+            return result
+
+        with pytest.raises(ValueError, match="kwargs") as caught:
+            await strategy.run(step)
+        assert "replica 1 passed kwargs that differ from replica 0's at kwargs: " in str(
+            caught.value
+        )
+        assert "'scale' only in replica 1" in str(caught.value)
