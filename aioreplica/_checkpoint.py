@@ -8,7 +8,7 @@ File format
           {"path": ["model", "w"], "kind": "variable", "array": "a0", "dtype": "<f8",
            "shape": [64, 10], "synchronization": "auto", "aggregation": "none"},
           {"path": ["optimizer"], "kind": "optimizer", "class": "SGD", "array": "a1",
-           "slot_names": ["momentum"],
+           "slot_names": ["momentum"], "learning_rate": "a4",
            "slots": [{"variable": ["model", "w"], "slot": "momentum", "array": "a2",
                       "dtype": "<f8", "shape": [64, 10]}]},
           {"path": ["epoch"], "kind": "number", "type": "int", "array": "a3"},
@@ -20,7 +20,11 @@ File format
     list indices. A mirrored variable saves its primary copy, a sync-on-read variable its
     aggregate (restored as in TF: ``SUM`` divided again by the replica count), so a
     checkpoint restores into any number of replicas, on any kind of device. An optimizer saves
-    its step count, and its slots under the path of the variable they belong to.
+    its step count, and its slots under the path of the variable they belong to. A variable
+    the optimizer has no slots for yet (no step trained it) has none in the file: restored,
+    its slots restart at their initial values. A number learning rate is saved as an array
+    (``learning_rate`` names it); a schedule or callable is code, never saved: ``null``.
+    Files written before learning rates were saved have no ``learning_rate`` field.
 
     An ``iterator`` entry is the place of an iterator over a ``batched`` dataset, a plain one
     (``iter(batched(...))``) or a distributed one (``aiter(strategy.distribute_dataset(...))``),
@@ -106,6 +110,7 @@ import functools
 import inspect
 import json
 import math
+import operator
 import os
 import re
 import secrets
@@ -117,7 +122,7 @@ import warnings
 import zipfile
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Final, Literal, SupportsIndex, final
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, SupportsIndex, final, overload
 
 import anyio
 import numpy as np
@@ -127,7 +132,7 @@ from ._batched import BatchedIterator, ResumableInput, batched
 from ._cluster import WorkersDisagree, call_of, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
-from ._errors import CheckpointError, add_note, checked_integer
+from ._errors import CheckpointError, add_note, as_real, checked_integer
 from ._optimizers import (
     MAX_ITERATIONS,
     Optimizer,
@@ -135,13 +140,30 @@ from ._optimizers import (
     slot_table,
     slots_to_restore,
 )
-from ._variables import Variable, new_copies, snapshot, sync_variables, variable_label
+from ._variables import (
+    SyncOnReadVariable,
+    Variable,
+    new_copies,
+    snapshot,
+    sync_variables,
+    variable_label,
+)
 from ._writes import Turn, commit, taking_turns, to_host
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
 
+    from typing_extensions import TypeVar
+
     from ._cluster import Workers
+
+    #: The type of a ``CheckpointManager``'s ``checkpoint_interval``: with one, ``save``
+    #: returns ``str | None`` (a save it holds back returns ``None``), else ``str``.
+    _Interval = TypeVar("_Interval", bound="SupportsIndex | None", default=None, covariant=True)
+else:  # a default needs typing_extensions before Python 3.13; only type checkers use it
+    from typing import TypeVar
+
+    _Interval = TypeVar("_Interval", covariant=True)
 
 __all__ = ["Checkpoint", "CheckpointManager", "RestoreReport"]
 
@@ -225,6 +247,11 @@ class Checkpoint:
         try:
             return self._objects[name]
         except KeyError:
+            instead = _TF_ONLY.get(name)
+            if instead is not None:
+                raise AttributeError(
+                    f"aioreplica's Checkpoint has no {name!r} (TF's Checkpoint.{name}); {instead}"
+                ) from None
             raise AttributeError(f"this Checkpoint holds no object named {name!r}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -263,7 +290,10 @@ class Checkpoint:
             TypeError: ``path`` is not a path (a str, bytes or ``os.PathLike``); a container
                 of the checkpoint now holds an object of another kind (a str, None, ...), a
                 number inside a tuple, or a dict key that is not a string.
-            OSError: the file cannot be written; any previous file at ``path`` is intact.
+            OSError: the file cannot be written: the OS's very error, naming ``path`` (a
+                note names the temporary file the save was writing); across workers, on the
+                other workers, an ``OSError`` naming the chief and that error. Any previous
+                file at ``path`` is intact.
 
         Example:
             >>> ckpt = Checkpoint(step=3)
@@ -322,9 +352,14 @@ class Checkpoint:
         return None
 
     async def _collective_snapshot(self, workers: Workers, caller: str) -> _Snapshot:
-        """The snapshot of a save on several workers: once every worker is here, new
-        variables take the chief's values, and sync-on-read ones are read over all workers."""
-        await workers.barrier("Checkpoint.save")
+        """The snapshot of a save on several workers, once every worker is here (an
+        agreement named ``caller``, as a wait there for a late or cancelled worker says)."""
+        await workers.barrier(caller)
+        return await self._synced_snapshot(workers, caller)
+
+    async def _synced_snapshot(self, workers: Workers, caller: str) -> _Snapshot:
+        """The snapshot of a save on several workers, every worker here: new variables take
+        the chief's values, and sync-on-read ones are read over all workers."""
         if workers.pending:
             await sync_variables(workers)
         return self._snapshot(caller)
@@ -366,7 +401,11 @@ class Checkpoint:
         Every entry is checked first: each object must be in the file with the same kind,
         dtype and shape, and the file must hold nothing else. The number of replicas and the
         kind of device may differ from when it was saved. An optimizer without slots yet
-        gets them from the file. An iterator continues where the saved one was. The objects
+        gets them from the file; one with slots for a variable that the file restores but
+        holds no slots for (saved before a step trained it) has them reset to their initial
+        values, as they were then. A number learning rate is restored into an optimizer
+        whose learning rate is a number; a number on one side and a schedule or callable on
+        the other is a mismatch. An iterator continues where the saved one was. The objects
         themselves are checked again too, as ``Checkpoint(...)`` checks them (a dict or list
         given to the checkpoint may have changed since), before anything changes, and once
         more just before the restore commits.
@@ -548,6 +587,17 @@ class Checkpoint:
         _parent(self._objects, path)[path[-1]] = value
 
 
+#: TF's ``Checkpoint`` members that this one has no use for, with what to use instead.
+_TF_ONLY: Final = {
+    "write": "await ckpt.save(path) writes exactly the path given, atomically, as TF's write "
+    "does; number the files with a CheckpointManager",
+    "read": "await ckpt.restore(path) reads exactly the path given, as TF's read does",
+    "save_counter": "a Checkpoint numbers nothing: a CheckpointManager numbers its saves "
+    "(manager.checkpoints, manager.latest); to count saves or steps, keep an int or a "
+    "variable in the checkpoint",
+}
+
+
 @final
 @dataclass(frozen=True)
 class RestoreReport:
@@ -601,6 +651,77 @@ class RestoreReport:
         """Whether nothing was skipped: every object of both sides was restored."""
         return not (self.only_in_file or self.only_in_program or self.mismatched)
 
+    def assert_consumed(self) -> RestoreReport:
+        """Check that the restore was complete, as TF's status method of this name does:
+        every object of the file and of the program restored, nothing skipped.
+
+        Returns:
+            This report, so that calls chain.
+
+        Raises:
+            AssertionError: something was skipped (named, as ``str(report)`` names it), or
+                there was no checkpoint (``path`` None).
+
+        Example:
+            >>> RestoreReport("c.npz", restored=("w",)).assert_consumed().restored
+            ('w',)
+            >>> RestoreReport("c.npz", only_in_file=("head/w",)).assert_consumed()
+            Traceback (most recent call last):
+            AssertionError: not every object was matched: restored 0 of the objects ...
+        """
+        if self.path is None or not self.complete:
+            raise AssertionError(f"not every object was matched: {self}")
+        return self
+
+    def assert_existing_objects_matched(self) -> RestoreReport:
+        """Check that every object of the program was restored, as TF's status method of
+        this name does; what only the file holds does not count.
+
+        Returns:
+            This report, so that calls chain.
+
+        Raises:
+            AssertionError: an object of the program (or an optimizer's slots) was not in
+                the file or did not match it (each named), or there was no checkpoint
+                (``path`` None).
+
+        Example:
+            >>> report = RestoreReport("c.npz", restored=("w",), only_in_file=("head/w",))
+            >>> report.assert_existing_objects_matched().complete
+            False
+            >>> RestoreReport("c.npz", only_in_program=("b",)).assert_existing_objects_matched()
+            Traceback (most recent call last):
+            AssertionError: objects of this program were not restored from 'c.npz': b
+        """
+        unmatched = [*self.only_in_program, *(path for path, _ in self.mismatched)]
+        if self.path is None:
+            raise AssertionError(f"not every object was matched: {self}")
+        if unmatched:
+            raise AssertionError(
+                f"objects of this program were not restored from {self.path!r}: "
+                f"{', '.join(sorted(unmatched))}"
+            )
+        return self
+
+    def expect_partial(self) -> RestoreReport:
+        """Return this report, as TF's status method of this name returns its status.
+
+        TF warns at exit about what a restore left unused unless this is called; nothing
+        here warns (a strict restore refuses a mismatch, and a partial one reports it), so
+        there is nothing to silence.
+
+        Returns:
+            This report.
+
+        Raises:
+            Nothing.
+
+        Example:
+            >>> RestoreReport("c.npz", only_in_file=("head/w",)).expect_partial().skipped
+            ('head/w',)
+        """
+        return self
+
     def __str__(self) -> str:
         if self.path is None:
             return "no checkpoint to restore (path None): every object kept its value"
@@ -623,7 +744,7 @@ class RestoreReport:
 
 
 @final
-class CheckpointManager:
+class CheckpointManager(Generic[_Interval]):
     """Numbered checkpoints in a directory, keeping the newest ``max_to_keep``.
 
     Files are named ``<checkpoint_name>-<number>.npz``. Existing ones in ``directory`` are
@@ -644,21 +765,45 @@ class CheckpointManager:
     hand; a manager made later over the directory finds it again, and tries again to delete
     it when it is beyond ``max_to_keep``.
 
+    ``keep_checkpoint_every_n_hours`` works as TF's: a checkpoint pushed out of the newest
+    ``max_to_keep`` is kept on disk, and no longer listed, when it was saved at least that
+    many hours after the last one kept so (or after the manager was made, for the first). A
+    checkpoint's time is when its save finished; with no state file, that of a checkpoint
+    found in the directory is its file's modification time (at most now). With
+    ``keep_checkpoint_every_n_hours``, the checkpoints found beyond the newest
+    ``max_to_keep`` count as kept so by an earlier manager: they stay, unlisted, and the
+    newest of them starts the count of hours.
+
+    ``checkpoint_interval`` works as TF's: ``save()`` reads ``step_counter`` and saves only
+    if it moved by at least that many steps since the last save (the first save always
+    saves); otherwise it returns ``None``. ``save(check_interval=False)`` saves whenever the
+    step moved at all; a save at the same step as the last returns ``None`` in any case.
+    Across workers the chief reads its step counter and decides for every worker.
+
     Args:
         checkpoint: the ``Checkpoint`` to save.
         directory: where the files go (created on the first save).
         max_to_keep: how many to keep, oldest deleted first; ``None`` keeps all.
+        keep_checkpoint_every_n_hours: a number of hours > 0, or ``None``: which
+            checkpoints pushed out of the newest ``max_to_keep`` stay on disk (see above).
         checkpoint_name: the file name prefix, a str.
+        step_counter: a 0-d integer ``Variable`` counting the steps, which
+            ``checkpoint_interval`` needs.
+        checkpoint_interval: an int >= 1, or ``None``: the fewest steps between two saves.
         init_fn: what ``restore_or_initialize`` calls when there is no checkpoint yet (to
             start from pretrained weights, say): a function of no arguments, plain or async.
 
     Raises:
         TypeError: ``checkpoint`` is not a ``Checkpoint``; ``directory`` is not a path;
             ``checkpoint_name`` is not a str; ``init_fn`` is not callable; ``max_to_keep``
-            is not an int or None (a bool is not one).
+            or ``checkpoint_interval`` is not an int or None (a bool is not one);
+            ``keep_checkpoint_every_n_hours`` is not a number or None; ``step_counter`` is
+            not a 0-d integer ``Variable`` or None.
         ValueError: ``max_to_keep`` is below 1; ``checkpoint_name`` is
             empty or holds a path separator (or a NUL); ``directory`` is empty (give ``"."``
-            for the current folder).
+            for the current folder); ``keep_checkpoint_every_n_hours`` is not finite and
+            > 0; ``checkpoint_interval`` is below 1, or given without ``step_counter``.
+        NotADirectoryError: ``directory`` is an existing file.
 
     Example:
         >>> manager = CheckpointManager(Checkpoint(step=1), tmp / "run", max_to_keep=2)
@@ -668,6 +813,18 @@ class CheckpointManager:
         ['ckpt-2.npz', 'ckpt-3.npz']
         >>> os.path.basename(manager.latest)
         'ckpt-3.npz'
+
+        Saving at most every 100 steps:
+
+        >>> step = aioreplica.Variable(np.int64(0))
+        >>> every = CheckpointManager(
+        ...     Checkpoint(step=step), tmp / "every", step_counter=step, checkpoint_interval=100
+        ... )
+        >>> os.path.basename(anyio.run(every.save))
+        'ckpt-1.npz'
+        >>> _ = anyio.run(step.assign, 50)
+        >>> print(anyio.run(every.save))  # 50 steps later: not yet
+        None
     """
 
     def __init__(
@@ -675,8 +832,11 @@ class CheckpointManager:
         checkpoint: Checkpoint,
         directory: str | os.PathLike[str],
         max_to_keep: SupportsIndex | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
         *,
         checkpoint_name: str = "ckpt",
+        step_counter: Variable | None = None,
+        checkpoint_interval: _Interval | None = None,
         init_fn: Callable[[], Any] | None = None,
     ) -> None:
         if not isinstance(checkpoint, Checkpoint):
@@ -698,6 +858,8 @@ class CheckpointManager:
                 "checkpoint_name must be a non-empty file name prefix, with no path separator, "
                 f"such as 'ckpt'; got {checkpoint_name!r}"
             )
+        hours = _hours(keep_checkpoint_every_n_hours)
+        interval = _interval(step_counter, checkpoint_interval)
         self._checkpoint = checkpoint
         self._directory = _path_of("CheckpointManager", directory)
         if not self._directory:
@@ -705,10 +867,30 @@ class CheckpointManager:
                 "CheckpointManager: directory is empty; give the folder of the checkpoints "
                 "('.' for the current one)"
             )
+        if os.path.exists(self._directory) and not os.path.isdir(self._directory):
+            raise NotADirectoryError(
+                errno.ENOTDIR,
+                f"CheckpointManager: directory {self._directory!r} is a file, not a folder; "
+                "give the folder for the checkpoints (a new one is created on the first save)",
+            )
         self._max_to_keep = keep
         self._name = checkpoint_name
         self._init_fn = init_fn
         self._numbers = sorted(self._existing())
+        self._keep_hours = hours
+        self._step_counter = step_counter
+        self._interval = interval
+        self._last_step: int | None = None  # the step of the last save, for the interval
+        now = time.time()
+        # When each listed checkpoint was saved, and the last one kept for the hours.
+        self._times = {
+            number: min(_mtime(self._path(number), now), now) for number in self._numbers
+        }
+        self._last_preserved = now - 1.0  # as TF's, made with no state: just before now
+        if hours is not None and keep is not None and len(self._numbers) > keep:
+            preserved = self._numbers[:-keep]  # kept so by an earlier manager: left alone
+            self._last_preserved = max(self._times.pop(number) for number in preserved)
+            del self._numbers[:-keep]
         # Saves take it in turn: number, write, bookkeeping and deletions, one save at a time.
         self._turn = Turn()
         # Stale temporaries are removed by the first save, not here: in a worker thread,
@@ -720,6 +902,11 @@ class CheckpointManager:
     def directory(self) -> str:
         """The directory of the checkpoints."""
         return self._directory
+
+    @property
+    def checkpoint_interval(self) -> int | None:
+        """The fewest steps between two saves (``None``: every save saves), as in TF."""
+        return self._interval
 
     @property
     def checkpoints(self) -> list[str]:
@@ -752,15 +939,27 @@ class CheckpointManager:
         as ``Checkpoint.restore`` does (everything checked first; across workers collective,
         every worker finding the same newest checkpoint, or none).
 
+        Across workers every worker calls ``init_fn``, and the call ends as a ``run()`` does,
+        with an agreement that ``init_fn`` succeeded on every worker: an ``init_fn`` that
+        raises on one worker (before its collectives, between them or after the last) makes
+        that worker raise its exception and every other worker's call raise
+        ``ReplicaSyncError`` naming it and the exception, and then, as after a failed
+        ``run()``, the strategy makes no more cross-worker calls.
+
         Returns:
             The path restored, or ``None`` when there was no checkpoint.
 
         Raises:
             CheckpointError: as ``Checkpoint.restore``; nothing changed.
             ValueError: (several workers) as ``Checkpoint.restore``: another worker found
-                another checkpoint, or none (``WorkersDisagree``, naming it).
+                another checkpoint, or none (``WorkersDisagree``, naming it); the workers'
+                ``init_fn`` made different collectives.
+            ReplicaSyncError: (several workers) another worker's ``init_fn`` raised (naming
+                the worker and its exception), or a worker was late past the strategy's
+                ``sync_timeout``; the strategy makes no more cross-worker calls.
             RuntimeError: called inside a replica.
-            Exception: whatever ``init_fn`` raises.
+            Exception: whatever ``init_fn`` raises (across workers, the strategy then makes
+                no more cross-worker calls).
 
         Example:
             >>> w = aioreplica.Variable(0.0)
@@ -775,17 +974,37 @@ class CheckpointManager:
             (True, 5.0)
         """
         _check_not_in_replica("CheckpointManager.restore_or_initialize")
+        workers = self._checkpoint._workers()
         # Across workers one call, init_fn's work included (none held after a failure).
-        async with call_of(self._checkpoint._workers(), "CheckpointManager.restore_or_initialize"):
+        async with call_of(workers, "CheckpointManager.restore_or_initialize"):
             latest = self.latest
             await self._checkpoint.restore(latest)
+            if latest is not None and self._interval is not None:
+                self._last_step = self._step()  # as TF: the interval counts from the restore
             if latest is None and self._init_fn is not None:
-                started = self._init_fn()
-                if inspect.isawaitable(started):
-                    await started
+                if workers is None or workers.broken:  # this worker's own, as the restore was
+                    await _initialize(self._init_fn)
+                else:
+                    await _initialize_on(workers, self._init_fn)
             return latest
 
-    async def save(self, checkpoint_number: SupportsIndex | None = None) -> str:
+    @overload
+    async def save(
+        self: CheckpointManager[None],
+        checkpoint_number: SupportsIndex | None = None,
+        check_interval: bool = True,
+    ) -> str: ...
+
+    @overload
+    async def save(
+        self: CheckpointManager[SupportsIndex | None],
+        checkpoint_number: SupportsIndex | None = None,
+        check_interval: bool = True,
+    ) -> str | None: ...
+
+    async def save(
+        self, checkpoint_number: SupportsIndex | None = None, check_interval: bool = True
+    ) -> str | None:
         """Save the checkpoint as the next number (or ``checkpoint_number``); prune old ones.
 
         The values saved are those at the moment of the call. Saves of one manager run one
@@ -797,23 +1016,31 @@ class CheckpointManager:
         A kept checkpoint beyond ``max_to_keep`` that cannot be deleted is reported as a
         ``RuntimeWarning`` and no longer listed; the save itself succeeds (see the class).
 
+        With a ``checkpoint_interval``, the step counter is read first, as in TF: a save
+        less than ``checkpoint_interval`` steps after the last one (``check_interval``
+        True), or at the same step (in any case), saves nothing and returns ``None``.
+
         Args:
             checkpoint_number: the number to save as: a file of that number is replaced,
                 whoever wrote it, as in TF. By default one more than the highest number this
                 manager keeps or finds in its directory as the file is put in place (1 when
                 there is none), so that it never replaces a file: two managers saving into
                 one directory each get numbers of their own.
+            check_interval: whether ``checkpoint_interval`` holds back this save (a bool;
+                without a ``checkpoint_interval``, it changes nothing).
 
         Returns:
-            The path written.
+            The path written, or ``None`` when ``checkpoint_interval`` held the save back.
 
         Raises:
             ValueError: ``checkpoint_number`` is negative; as ``Checkpoint.save``.
             TypeError: ``checkpoint_number`` is not an integer (a bool, a float, or a
-                variable that is not a 0-d integer one); as ``Checkpoint.save``: a container
-                of the checkpoint now holds an object it cannot save. Nothing is written.
+                variable that is not a 0-d integer one); ``check_interval`` is not a bool;
+                as ``Checkpoint.save``: a container of the checkpoint now holds an object it
+                cannot save. Nothing is written.
             RuntimeError: called inside a replica.
-            OSError: as ``Checkpoint.save``; older checkpoints are kept.
+            OSError: as ``Checkpoint.save``, for the checkpoint's path (also when its
+                directory cannot be made); older checkpoints are kept.
 
         Example:
             >>> manager = CheckpointManager(Checkpoint(step=1), tmp / "numbered")
@@ -831,6 +1058,11 @@ class CheckpointManager:
                 )
             except (TypeError, ValueError) as exc:
                 error = exc
+        if error is None and not isinstance(check_interval, bool):
+            error = TypeError(
+                f"CheckpointManager.save: check_interval must be True or False, got "
+                f"{type(check_interval).__name__} {check_interval!r:.60}"
+            )
         if error is None and workers is not None:
             try:  # as Checkpoint.save: refused before any collective, on every worker alike
                 self._checkpoint._check("CheckpointManager.save")
@@ -841,25 +1073,73 @@ class CheckpointManager:
                 if error is not None:  # refused on every worker, in step
                     await workers.refuse_in_step("CheckpointManager.save", error)
                     raise error
-                return await self._save_on_workers(workers, number)
+                return await self._save_on_workers(workers, number, check_interval)
         if error is not None:
             raise error
         # References only (copies never change in place); the objects are checked first.
         values = self._checkpoint._snapshot("CheckpointManager.save")
-        async with self._turn:
-            return await self._save(values, number)
+        last = self._last_step
+        if self._held_back(self._step(), check_interval):
+            return None
+        try:
+            async with self._turn:
+                return await self._save(values, number)
+        except BaseException:
+            self._last_step = last  # a save that failed saved no step
+            raise
 
-    async def _save_on_workers(self, workers: Workers, checkpoint_number: int | None) -> str:
+    def _step(self) -> int | None:
+        """The step counter's value now (``None`` without a ``checkpoint_interval``)."""
+        if self._interval is None or self._step_counter is None:
+            return None
+        return operator.index(self._step_counter)
+
+    def _held_back(self, step: int | None, check_interval: bool) -> bool:
+        """Whether ``checkpoint_interval`` holds back a save at ``step``, as TF decides; a
+        save that goes ahead records its step (the caller puts back the last one if it
+        fails)."""
+        if self._interval is None or step is None:
+            return False
+        last = self._last_step
+        if last is not None and (step == last or (check_interval and step < last + self._interval)):
+            return True
+        self._last_step = step
+        return False
+
+    async def _save_on_workers(
+        self, workers: Workers, checkpoint_number: int | None, check_interval: bool
+    ) -> str | None:
         """A collective save: the chief numbers, writes and prunes; the others take its list
         of checkpoints (no worker ever deletes another's files), its directory and its
         ``checkpoint_name``, so that ``latest`` names the file that ``save()`` returned on
         every worker (one made with another directory, a temporary one as in TF's
         multi-worker programs, say, then names the chief's files, which it never writes)."""
         async with self._turn:
-            values = await self._checkpoint._collective_snapshot(workers, "CheckpointManager.save")
-            path = await _chief_writes(
-                workers, lambda: self._save(values, checkpoint_number), self._numbers
-            )
+            # Every worker here first: a wait for a late or cancelled one names this call (and
+            # the workers compare whether their managers have an interval).
+            interval = f" every {self._interval} steps" if self._interval is not None else ""
+            await workers.barrier("CheckpointManager.save", interval)
+            if workers.pending:  # on every worker, before the chief alone reads its step
+                await sync_variables(workers)
+            last = self._last_step
+            if self._interval is not None:  # the chief decides for every worker
+                decided = None
+                if workers.is_chief:
+                    step = self._step()
+                    decided = {"step": step, "held": self._held_back(step, check_interval)}
+                sent = json.dumps(decided).encode()
+                decided = json.loads(await workers.broadcast_bytes(sent, 0))
+                if decided["held"]:
+                    return None
+                self._last_step = decided["step"]
+            try:
+                values = await self._checkpoint._synced_snapshot(workers, "CheckpointManager.save")
+                path = await _chief_writes(
+                    workers, lambda: self._save(values, checkpoint_number), self._numbers
+                )
+            except BaseException:
+                self._last_step = last  # a save that failed saved no step
+                raise
             if not workers.is_chief:
                 self._directory = os.path.dirname(path)
                 self._name = os.path.basename(path).rsplit("-", 1)[0]  # <name>-<number>.npz
@@ -870,7 +1150,7 @@ class CheckpointManager:
         number = checkpoint_number
         if number is None:  # never one kept: ``_numbers`` is in save order, not sorted
             number = max(self._numbers) + 1 if self._numbers else 1
-        await anyio.to_thread.run_sync(_make_directory, self._directory)
+        await anyio.to_thread.run_sync(_make_directory, self._directory, self._path(number))
         if not self._swept:
             await anyio.to_thread.run_sync(_remove_stale_temporaries, self._directory, self._name)
             self._swept = True
@@ -903,6 +1183,7 @@ class CheckpointManager:
                 if number in self._numbers:
                     self._numbers.remove(number)
                 self._numbers.append(number)
+                self._times[number] = time.time()
                 await self._prune()
             except BaseException as exc:  # handed to the caller as it is
                 outcome.append(exc)
@@ -917,10 +1198,24 @@ class CheckpointManager:
         """
         if self._max_to_keep is None or len(self._numbers) <= self._max_to_keep:
             return
-        drop = self._numbers[: -self._max_to_keep]
+        beyond = self._numbers[: -self._max_to_keep]
+        drop = []
+        for number in beyond:  # as TF's sweep: kept on disk every n hours, and forgotten
+            saved_at = self._times.get(number, self._last_preserved)
+            hours = self._keep_hours
+            if hours is not None and saved_at - hours * 3600.0 >= self._last_preserved:
+                self._last_preserved = saved_at
+                self._numbers.remove(number)
+                self._times.pop(number, None)
+            else:
+                drop.append(number)
+        if not drop:
+            return
         # Delete, then forget: a save cancelled in between leaves them listed, for the next.
         failures = await anyio.to_thread.run_sync(_remove, [self._path(n) for n in drop])
         del self._numbers[: len(drop)]
+        for number in drop:
+            self._times.pop(number, None)
         for path, error in failures:  # warned once forgotten: a warning made an error is safe
             warnings.warn(
                 f"CheckpointManager: could not delete old checkpoint {path!r} ({error}); it "
@@ -979,6 +1274,68 @@ class CheckpointManager:
         return f"CheckpointManager({self._directory!r}, latest={self.latest!r})"
 
 
+def _hours(value: Any) -> float | None:
+    """``keep_checkpoint_every_n_hours`` checked: a finite number > 0, or ``None``.
+
+    Raises:
+        TypeError: not a number (a bool is not one) nor None.
+        ValueError: a number that is not finite and > 0.
+    """
+    if value is None:
+        return None
+    hours = as_real(value)
+    if hours is None:
+        raise TypeError(
+            "keep_checkpoint_every_n_hours must be a number of hours or None, got "
+            f"{type(value).__name__} {value!r:.60}"
+        )
+    if not (math.isfinite(hours) and hours > 0):
+        raise ValueError(
+            f"keep_checkpoint_every_n_hours must be a finite number of hours > 0 (or None: "
+            f"keep none beyond max_to_keep), got {value!r}"
+        )
+    return hours
+
+
+def _interval(step_counter: Any, checkpoint_interval: Any) -> int | None:
+    """``checkpoint_interval`` checked, with its ``step_counter``: an int >= 1 and a 0-d
+    integer variable, or ``None``.
+
+    Raises:
+        TypeError: ``checkpoint_interval`` is not an int or None; ``step_counter`` is not a
+            0-d integer ``Variable`` or None.
+        ValueError: ``checkpoint_interval`` is below 1, or given without ``step_counter``.
+    """
+    if step_counter is not None and not (
+        isinstance(step_counter, Variable)
+        and not isinstance(step_counter, SyncOnReadVariable)  # a read that aggregates
+        and step_counter.shape == ()
+        and step_counter.dtype.kind in "iu"
+    ):
+        shown = f"{type(step_counter).__name__} {step_counter!r:.80}"
+        raise TypeError(
+            "step_counter must be a 0-d integer aioreplica.Variable that counts the steps (such "
+            f"as Variable(np.int64(0))), not a sync-on-read one, or None; got {shown}"
+        )
+    if checkpoint_interval is None:
+        return None
+    interval = checked_integer(checkpoint_interval, "checkpoint_interval must be an int >= 1", 1)
+    if step_counter is None:
+        raise ValueError(
+            f"checkpoint_interval={interval} needs a step_counter, the variable whose steps it "
+            "counts: pass step_counter=<a 0-d integer Variable>"
+        )
+    return interval
+
+
+def _mtime(path: str, default: float) -> float:
+    """When the file at ``path`` was last modified, or ``default`` if it cannot be told."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return default
+
+
 def _path_of(what: str, path: Any) -> str:
     """``path`` (a str, bytes or ``os.PathLike``) as a str.
 
@@ -1014,6 +1371,42 @@ def _file_path_of(what: str, path: Any, *, writing: bool = False) -> str:
             "give the file to write in it, such as 'model.npz'"
         )
     return text
+
+
+async def _initialize(init_fn: Callable[[], Any]) -> None:
+    """Call a manager's ``init_fn``, plain or async."""
+    started = init_fn()
+    if inspect.isawaitable(started):
+        await started
+
+
+async def _initialize_on(workers: Workers, init_fn: Callable[[], Any]) -> None:
+    """``init_fn`` on every worker, which then agree that it succeeded everywhere, as at the
+    end of a ``run()``. A failure on one worker is announced, as a failed ``run()``'s is: the
+    others raise ``ReplicaSyncError`` naming it, in ``init_fn``'s collectives or in that
+    agreement, rather than pairing their next collectives with its next call.
+
+    Raises:
+        ReplicaSyncError: another worker failed, or a worker was late past the timeout.
+        WorkersDisagree: a worker made other collectives (on every worker alike).
+        Exception: what ``init_fn`` raised.
+    """
+    try:
+        await _initialize(init_fn)
+        await workers.barrier(_INITIALIZED)
+    except Exception as exc:  # (cancelled or interrupted: the call's end announces it)
+        # Unless every worker raised in step (arguments refused, collectives that differ), or
+        # the cluster broke already (a peer's failure, a timeout): nothing more to tell.
+        if exc is workers.refused:
+            workers.refused = None
+        elif not (workers.broken or isinstance(exc, WorkersDisagree)):
+            workers.announce(f"{error_line(exc)} was raised in its init_fn ({_INITIALIZING})")
+        raise
+
+
+#: What the workers call the end of a manager's ``init_fn``, and ``init_fn`` itself.
+_INITIALIZING: Final = "CheckpointManager.restore_or_initialize"
+_INITIALIZED: Final = f"the end of the init_fn of {_INITIALIZING}"
 
 
 async def _refuse_restore(workers: Workers, error: BaseException) -> None:
@@ -1142,12 +1535,16 @@ def _optimizer_entry(
                     "shape": list(slot.shape),
                 }
             )
+    rate = optimizer.learning_rate
     return {
         "path": list(path),
         "kind": "optimizer",
         "class": type(optimizer).__name__,
         "slot_names": list(optimizer.slot_names),
         "array": add(optimizer.iterations),
+        # A number is saved, as Keras saves it (a variable); a schedule or callable is code,
+        # which a checkpoint never holds: null says the program gives it.
+        "learning_rate": None if callable(rate) else add(float(rate)),
         "slots": slots,
     }
 
@@ -1166,24 +1563,59 @@ def _write_atomic(
     )
     fd = _create(temporary, path)
     try:
-        with os.fdopen(fd, "wb") as file:
-            with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-                archive.writestr(_MANIFEST, manifest)
-                for member, array in arrays:
-                    with archive.open(f"{member}.npy", "w", force_zip64=True) as out:
-                        np.lib.format.write_array(out, array, allow_pickle=False)
-            file.flush()
-            os.fsync(file.fileno())
+        try:
+            with os.fdopen(fd, "wb") as file:
+                with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+                    archive.writestr(_MANIFEST, manifest)
+                    for member, array in arrays:
+                        with archive.open(f"{member}.npy", "w", force_zip64=True) as out:
+                            np.lib.format.write_array(out, array, allow_pickle=False)
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as exc:  # no space left on the device, an I/O error...
+            _name_the_save(path, exc, f"writing its temporary file {temporary!r}")
+            raise
         if place is None:
-            os.replace(temporary, path)
+            _replace(temporary, path)
         else:
-            path = place(temporary)
+            try:
+                path = place(temporary)
+            except OSError as exc:
+                moving = f"putting its temporary file {temporary!r} in place"
+                _name_the_save(path, exc, moving)
+                raise
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
     _fsync_directory(directory)
     return path
+
+
+def _replace(temporary: str, path: str) -> None:
+    """Rename the written ``temporary`` over ``path``; an error is named as the user gave the
+    path, not as the temporary."""
+    try:
+        os.replace(temporary, path)
+    except IsADirectoryError:
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"cannot save checkpoint {path!r}: it is a folder; give the file to write, such as "
+            f"{os.path.join(path, 'model.npz')!r}",
+        ) from None
+    except OSError as exc:
+        _name_the_save(path, exc, f"renaming its temporary file {temporary!r} to it")
+        raise
+
+
+def _name_the_save(path: str, error: OSError, doing: str) -> None:
+    """Name ``path``, the file the user gave, in ``error``, met while ``doing`` (what, with
+    the temporary file): the OS's error stays the very object raised, its file name the path
+    (not the temporary; a rename's error names both already), and a note says what the save
+    was doing."""
+    if error.errno is not None and error.strerror is not None and error.filename2 is None:
+        error.filename = path
+    add_note(error, f"while saving checkpoint {path!r}: {doing}; any file already there is intact")
 
 
 #: Numbered saves of this process's managers pick their numbers one at a time.
@@ -1230,22 +1662,35 @@ def _host() -> str:
 
 
 def _create(temporary: str, path: str) -> int:
-    """Create ``temporary`` for writing; a missing folder is named as the user gave it."""
+    """Create ``temporary`` for writing; an error is named as the user gave the path, not as
+    the temporary."""
     try:
         # os.open applies the umask, as for any new file (mkstemp would force 0600).
         return os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
         folder = os.path.dirname(temporary)
+        if os.path.isdir(folder):  # a file system that takes no new files (/proc, say)
+            _name_the_save(path, exc, f"creating its temporary file {temporary!r}")
+            raise
         raise FileNotFoundError(
             errno.ENOENT,
             f"cannot save checkpoint {path!r}: its folder {folder!r} does not exist; create "
             "it first (os.makedirs), or save through a CheckpointManager, which creates its "
             "directory",
         ) from None
+    except OSError as exc:  # no permission, a file where a folder should be...
+        _name_the_save(path, exc, f"creating its temporary file {temporary!r}")
+        raise
 
 
-def _make_directory(directory: str) -> None:
-    os.makedirs(directory, exist_ok=True)
+def _make_directory(directory: str, path: str) -> None:
+    """Make a manager's ``directory`` for the checkpoint ``path``; an error names them both,
+    not the part of the directory where making it failed."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:  # a file on the way, no permission...
+        _name_the_save(path, exc, f"making its folder {directory!r}")
+        raise
 
 
 def _remove_stale_temporaries(directory: str, name: str) -> None:
@@ -1452,6 +1897,8 @@ def _members(manifest: dict[str, Any]) -> list[str]:
         members.append(entry["array"])
         if entry["kind"] == "optimizer":
             members += [slot["array"] for slot in entry["slots"]]
+            if isinstance(entry.get("learning_rate"), str):
+                members.append(entry["learning_rate"])
     return members
 
 
@@ -1510,6 +1957,10 @@ def _entry_problems(where: str, entry: dict[str, Any]) -> list[str]:
     if not isinstance(kind, str) or kind not in _FIELDS:
         return [f"{where}: 'kind' must be one of {', '.join(map(repr, _FIELDS))}, {_got(kind)}"]
     problems = _field_problems(where, entry, _FIELDS[kind])
+    rate = entry.get("learning_rate", _MISSING)
+    if kind == "optimizer" and rate is not _MISSING and not (rate is None or _is_str(rate)):
+        # (absent in files written before learning rates were saved)
+        problems.append(f"{where}: 'learning_rate' must be a string or null, {_got(rate)}")
     if kind == "optimizer" and not problems:
         first: dict[tuple[Path, str], int] = {}  # each slot's first place
         for index, slot in enumerate(entry["slots"]):
@@ -1779,6 +2230,7 @@ class _Plan:
         ):
             self.problems.append(f"{_show(path)}: its step count is not an int from 0 to 2**63 - 1")
             return False
+        rate = self._learning_rate(path, optimizer, entry)
         variables = {p: v for p, v in leaves() if isinstance(v, Variable)}
         saved: dict[Path, dict[str, np.ndarray[Any, Any]]] = {}
         in_file: set[Path] = set()
@@ -1790,6 +2242,7 @@ class _Plan:
             if array is not None:
                 saved.setdefault(variable_path, {})[slot["slot"]] = array
         restore = _OptimizerRestore(path, optimizer, int(iterations), saved, in_file, variables)
+        restore.learning_rate = rate
         self._uncovered(restore)
         for variable_path, arrays in saved.items():
             if set(arrays) != set(optimizer.slot_names):
@@ -1799,6 +2252,45 @@ class _Plan:
                 )
         self.optimizers.append(restore)
         return True
+
+    def _learning_rate(
+        self, path: Path, optimizer: Optimizer, entry: dict[str, Any]
+    ) -> float | None:
+        """The number learning rate to restore into ``optimizer``, if any.
+
+        A file's number restores into an optimizer whose learning rate is a number; a number
+        on one side against a schedule or callable on the other is a mismatch, which a
+        partial restore skips, keeping the program's. A file written before learning rates
+        were saved has none, and the program's stays.
+        """
+        saved = entry.get("learning_rate")
+        here = optimizer.learning_rate
+        where = (*path, "learning_rate")
+        if saved is None:  # none saved, or a schedule or callable (code, never saved)
+            if "learning_rate" in entry and not callable(here):
+                self._skip(
+                    "mismatch",
+                    where,
+                    f"a schedule or callable in the checkpoint (its code is not saved), the "
+                    f"number {here!r} here",
+                )
+            return None
+        array = self.arrays[saved]
+        if array.shape != () or array.dtype.kind != "f" or not math.isfinite(float(array)):
+            self.problems.append(
+                f"{_show(where)}: the file holds an array of dtype {array.dtype} and shape "
+                f"{array.shape} with value {array!r:.40}, not a finite float (the file is "
+                "corrupted)"
+            )
+            return None
+        if callable(here):
+            self._skip(
+                "mismatch",
+                where,
+                f"the number {float(array)!r} in the checkpoint, a schedule or callable here",
+            )
+            return None
+        return float(array)
 
     def _slot_array(
         self,
@@ -1825,10 +2317,11 @@ class _Plan:
         return array
 
     def _uncovered(self, restore: _OptimizerRestore) -> None:
-        """The optimizer's slots that the file has nothing for, as problems: all of them in a
-        strict restore; in a partial one, those of variables outside the checkpoint (the
-        others are left as they are, and reported once the restore holds its turns)."""
-        for variable_path, problem in restore.uncovered_slots():
+        """The optimizer's slots that the file has nothing for and that a restore cannot
+        reset, as problems: all of them in a strict restore; in a partial one, those of
+        variables outside the checkpoint (the others are left as they are, and reported once
+        the restore holds its turns)."""
+        for variable_path, problem in restore.uncovered_slots(self._fits):
             if variable_path is None or not self.partial:
                 self.problems.append(problem)
 
@@ -1903,18 +2396,24 @@ class _Plan:
         problems: list[str] = []
         slots_left: list[str] = []  # of a partial restore: reported once it is done
         for restore in self.optimizers:
-            for variable_path, problem in restore.uncovered_slots():
+            for variable_path, problem in restore.uncovered_slots(self._fits):
                 if variable_path is None or not self.partial:
                     problems.append(problem)
                 else:
                     slots_left += restore.slot_paths(variable_path)
+            if restore.learning_rate is not None and callable(restore.optimizer.learning_rate):
+                problems.append(
+                    f"{_show((*restore.path, 'learning_rate'))}: it became a schedule or "
+                    "callable while the restore waited for its turn, and the checkpoint holds "
+                    "a number; nothing was restored: restore again"
+                )
         if problems:
             raise CheckpointError(self.path, problems)
         tables = [restore.slot_ids() for restore in self.optimizers]
         slots = [restore.slots() for restore in self.optimizers]
         writes = list(self.variables)
         for restore, made in zip(self.optimizers, slots, strict=True):
-            writes += restore.writes(made)
+            writes += restore.writes(made) + restore.resets(self._fits)
         updates = [(variable, await new_copies(variable, array)) for variable, array in writes]
         if tables != [restore.slot_ids() for restore in self.optimizers]:
             return False
@@ -1931,6 +2430,8 @@ class _Plan:
         commit(updates)
         for restore, made in zip(self.optimizers, slots, strict=True):
             restore_state(restore.optimizer, restore.iterations, made)
+            if restore.learning_rate is not None:  # a finite float: the setter takes it
+                restore.optimizer.learning_rate = restore.learning_rate
         for path, number in self.numbers:
             set_number(path, number)
         for _, iterator, state in self.iterators:
@@ -1953,7 +2454,15 @@ class _Plan:
 class _OptimizerRestore:
     """An optimizer's part of a restore: its step count and the saved values of its slots."""
 
-    __slots__ = ("in_file", "iterations", "optimizer", "path", "saved", "variables")
+    __slots__ = (
+        "in_file",
+        "iterations",
+        "learning_rate",
+        "optimizer",
+        "path",
+        "saved",
+        "variables",
+    )
 
     def __init__(
         self,
@@ -1970,11 +2479,18 @@ class _OptimizerRestore:
         self.saved = saved  # variable path -> slot name -> saved value, for those restored
         self.in_file = in_file  # the variables the file holds slots for, restored or not
         self.variables = variables  # every variable of the checkpoint, by path
+        self.learning_rate: float | None = None  # the number to restore, if any
 
-    def uncovered_slots(self) -> list[tuple[Path | None, str]]:
-        """The optimizer's slots that the file has nothing for, each with its problem.
+    def uncovered_slots(
+        self, restored: Callable[[Path, Variable], bool]
+    ) -> list[tuple[Path | None, str]]:
+        """The optimizer's slots that the file has nothing for and that are not reset, each
+        with its problem.
 
-        Each is a variable's path, with the problem for a strict restore, or ``None`` for the
+        A file without slots for a variable it restores (``restored(path, variable)``) was
+        saved while that variable's slots had their initial values (before the first step
+        that trained it): those slots are reset (``resets``), not uncovered. Each uncovered
+        slot is a variable's path, with the problem for a strict restore, or ``None`` for the
         slots of a variable outside this checkpoint (refused by any restore). Its slots can
         change until the restore holds its turn (a step makes them): checked when the restore
         is planned, and again once it holds the turns.
@@ -1991,7 +2507,11 @@ class _OptimizerRestore:
                         "is not in this checkpoint",
                     )
                 )
-            elif owned not in self.in_file and self.optimizer.slot_names:
+            elif (
+                owned not in self.in_file
+                and self.optimizer.slot_names
+                and not restored(owned, variable)
+            ):
                 uncovered.append(
                     (
                         owned,
@@ -2000,6 +2520,23 @@ class _OptimizerRestore:
                     )
                 )
         return uncovered
+
+    def resets(
+        self, restored: Callable[[Path, Variable], bool]
+    ) -> list[tuple[Variable, np.ndarray[Any, Any]]]:
+        """Each slot the optimizer has now for a variable that the restore sets
+        (``restored(path, variable)``) but the file holds no slots for, with its initial
+        value: the file was saved before any step trained that variable."""
+        paths = {id(v): p for p, v in self.variables.items()}
+        resets = []
+        for variable, slots in slot_table(self.optimizer):
+            owned = paths.get(id(variable))
+            if owned is None or owned in self.in_file or not restored(owned, variable):
+                continue
+            for name, slot in zip(self.optimizer.slot_names, slots, strict=True):
+                initial = self.optimizer._slot_initial(name)
+                resets.append((slot, np.full(slot.shape, initial, dtype=slot.dtype)))
+        return resets
 
     def slot_paths(self, variable_path: Path) -> list[str]:
         """The paths of the optimizer's slots of the variable at ``variable_path``."""

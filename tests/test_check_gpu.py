@@ -292,11 +292,11 @@ def test_a_layout_that_times_out_fails_by_name_and_the_next_layout_runs(
 
     monkeypatch.setattr(check_gpu, "check_collectives", hang_in_the_first_layout)
     with simulated_cupy(1):
-        status = check_gpu.main(["--loop", "asyncio", "--layout-timeout", "0.5"])
+        status = check_gpu.main(["--loop", "asyncio", "--layout-timeout", "3"])
     output = capsys.readouterr().out
     assert status == 1
     assert summary(output)[1] == 1
-    assert "FAIL [1 replica on gpu:0, asyncio] finished within 0.5 s: timed out" in output
+    assert "FAIL [1 replica on gpu:0, asyncio] finished within 3 s: timed out" in output
     for label in ("2 replicas on gpu:0", "4 replicas on gpu:0"):
         assert_every_part_passed(output, f"{label}, asyncio")
 

@@ -383,7 +383,7 @@ class TestFileFormat:
         path = await ckpt.save(tmp_path / "ckpt.npz")
 
         with np.load(path, allow_pickle=False) as npz:
-            assert npz.files == ["manifest.json", "a0", "a1", "a2", "a3", "a4"]
+            assert npz.files == ["manifest.json", "a0", "a1", "a2", "a3", "a4", "a5"]
             assert npz["a0"].tolist() == 3
             assert npz["a0"].shape == ()
         assert manifest(path) == {
@@ -415,6 +415,7 @@ class TestFileFormat:
                     "class": "SGD",
                     "slot_names": ["momentum"],
                     "array": "a4",
+                    "learning_rate": "a5",
                     "slots": [
                         {
                             "variable": ["model", "w"],

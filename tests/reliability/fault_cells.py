@@ -1209,7 +1209,9 @@ CELLS: Final = [
         injection="the file's fsync raises OSError(ENOSPC)",
         scenario=fsync_raises(_disk_full),
         raises=OSError,
-        message="no space left on device",
+        message="no space left on device: '…/ckpt-2.npz'",
+        note="while saving checkpoint '…/ckpt-2.npz': writing its temporary file "
+        "'…/.ckpt-2.npz.….tmp'; any file already there is intact",
     ),
     Cell(
         id="save-cancel",
