@@ -1423,6 +1423,9 @@ async def _refuse_restore(workers: Workers, error: BaseException) -> None:
 
 # -- saving ---------------------------------------------------------------------------------
 
+#: What the other workers wait for while the chief writes a checkpoint (a wait's name).
+_CHIEF_WRITES: Final = "the chief's writing of the checkpoint"
+
 
 async def _chief_writes(
     workers: Workers, write: Callable[[], Awaitable[str]], numbers: list[int] | None
@@ -1443,7 +1446,8 @@ async def _chief_writes(
             outcome["numbers"] = numbers
     shown = {key: value for key, value in outcome.items() if key != "exception"}
     with anyio.CancelScope(shield=True):  # the others wait for this answer: always send it
-        answer = json.loads(await workers.broadcast_bytes(json.dumps(shown).encode(), 0))
+        said = json.dumps(shown).encode()
+        answer = json.loads(await workers.broadcast_bytes(said, 0, _CHIEF_WRITES))
     if "exception" in outcome:
         raise outcome["exception"]
     if "error" in answer:

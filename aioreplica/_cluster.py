@@ -1008,20 +1008,21 @@ class Workers:
             return np.array(data, dtype=dtype, copy=True)
         return data.astype(dtype, copy=False)
 
-    async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
-        """Worker ``root``'s ``data`` on every worker (the others pass anything).
+    async def broadcast_bytes(self, data: bytes, root: int, what: str = "broadcast") -> bytes:
+        """Worker ``root``'s ``data`` on every worker (the others pass anything); ``what``
+        names the wait (what the others wait for: the chief's write of a checkpoint, say).
 
         Raises:
             WorkersDisagree: a worker made another collective.
         """
         header = _header_of(f"broadcast of bytes from worker {root}")
         sending = self.worker_index == root
-        await self._begin("broadcast")
+        await self._begin(what)
         try:
             if sending:
                 self._put(data)
-            await self._exchange("broadcast", header)
-            return await self._taken(data if sending else None, root)
+            await self._exchange(what, header)
+            return await self._taken(data if sending else None, root, what)
         finally:
             self._end()
 
@@ -1032,7 +1033,7 @@ class Workers:
         if _PUT_AT + len(data) <= _RECORD_BYTES:
             self._record_bytes[_PUT_AT : _PUT_AT + len(data)] = data
 
-    async def _taken(self, data: bytes | None, root: int) -> bytes:
+    async def _taken(self, data: bytes | None, root: int, what: str = "broadcast") -> bytes:
         """Once the records are exchanged, the bytes that worker ``root`` put in its record
         (``_put``; ``data``: the same, on the root itself), from its record or by ``Ibcast``
         when they did not fit; the caller holds the turn."""
@@ -1042,7 +1043,7 @@ class Workers:
                 return data
             return self._gathered[root, _PUT_AT : _PUT_AT + size].tobytes()
         buffer = bytearray(size) if data is None else bytearray(data)
-        await self._wait(self._comm.Ibcast(buffer, root), "broadcast", size)
+        await self._wait(self._comm.Ibcast(buffer, root), what, size)
         return bytes(buffer)
 
     async def refuse_in_step(self, what: str, error: BaseException) -> None:

@@ -1780,7 +1780,7 @@ class FakeWorkers:
     async def barrier(self, what: str) -> None:
         self.collectives.append(what.split(": ")[0])
 
-    async def broadcast_bytes(self, data: bytes, root: int) -> bytes:
+    async def broadcast_bytes(self, data: bytes, root: int, what: str = "broadcast") -> bytes:
         self.collectives.append("broadcast")
         return data
 

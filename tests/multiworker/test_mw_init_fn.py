@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import time
 from typing import TYPE_CHECKING
 
 import anyio
@@ -319,3 +320,38 @@ async def test_a_checkpoint_interval_on_some_workers_only_is_refused_in_step(
         assert manager.checkpoints == []
         assert await strategy.run(lambda: RANK) == RANK  # still in step
         WORLD.Barrier()
+
+
+async def test_a_chief_writing_past_sync_timeout_is_named_as_such(
+    make_strategy: MakeStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chief whose write of the file outlasts ``sync_timeout``: the others' ReplicaSyncError
+    says they waited for the chief's writing of the checkpoint (not for a "broadcast"), naming
+    the chief; the chief raises too, told that they gave up on it."""
+    strategy = make_strategy(1, sync_timeout=1)
+    with strategy.scope():
+        w = Variable(np.zeros(3), name="w")
+    await strategy.run(lambda: None)  # w synced: the save's first collective is the write's
+    if RANK == 0:
+        fsync = os.fsync
+
+        def slow_fsync(fd: int) -> None:  # on the save's worker thread, off the event loop
+            time.sleep(2.5)
+            fsync(fd)
+
+        monkeypatch.setattr(os, "fsync", slow_fsync)
+    with shared_directory() as directory:
+        with anyio.fail_after(20), pytest.raises(ReplicaSyncError) as caught:
+            await Checkpoint(w=w).save(os.path.join(directory, "slow.npz"))
+        monkeypatch.undo()
+        message = str(caught.value)
+        assert caught.value.workers == (0,), message
+        if RANK == 0:
+            assert message.startswith(
+                "worker 1 gave up waiting for worker 0 (this worker, worker 0, among them): it "
+                "waited 1 s in the chief's writing of the checkpoint"
+            ), message
+        else:
+            assert message.startswith(
+                "worker 1 waited 1 s in the chief's writing of the checkpoint for worker 0"
+            ), message
