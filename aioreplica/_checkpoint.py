@@ -2179,7 +2179,7 @@ class _Plan:
         array = self._saved_array(path, entry)
         if array is None:
             return None
-        if array.dtype != dtype or tuple(array.shape) != shape:
+        if not _is_of(array, dtype, shape):
             self._skip(
                 "mismatch",
                 path,
@@ -2192,7 +2192,7 @@ class _Plan:
     def _saved_array(self, path: Path, entry: dict[str, Any]) -> np.ndarray[Any, Any] | None:
         """The entry's array if it is what its manifest says (else a problem: corrupted)."""
         array = self.arrays[entry["array"]]
-        if entry["dtype"] != array.dtype.str or entry["shape"] != list(array.shape):
+        if not _as_its_entry_says(array, entry):
             self.problems.append(
                 f"{_show(path)}: the file's array has dtype {array.dtype} and shape "
                 f"{array.shape}, not what its manifest says (the file is corrupted)"
@@ -2206,12 +2206,7 @@ class _Plan:
         if entry is None or entry["kind"] != "variable":
             return False
         array = self.arrays[entry["array"]]
-        return (
-            entry["dtype"] == array.dtype.str
-            and entry["shape"] == list(array.shape)
-            and array.dtype == variable.dtype
-            and tuple(array.shape) == variable.shape
-        )
+        return _as_its_entry_says(array, entry) and _is_of(array, variable.dtype, variable.shape)
 
     def _expect_optimizer(
         self, path: Path, optimizer: Optimizer, entry: dict[str, Any], leaves: Any
@@ -2580,6 +2575,18 @@ class _OptimizerRestore:
 
 
 # -- checks ---------------------------------------------------------------------------------
+
+
+def _as_its_entry_says(array: np.ndarray[Any, Any], entry: dict[str, Any]) -> bool:
+    """Whether a file's ``array`` has the dtype and shape its manifest ``entry`` says (the
+    check of ``_saved_array``, and of ``_fits`` without its side effect)."""
+    return bool(entry["dtype"] == array.dtype.str and entry["shape"] == list(array.shape))
+
+
+def _is_of(array: np.ndarray[Any, Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> bool:
+    """Whether ``array`` has an object's ``dtype`` and ``shape`` (the check of ``_array``, and
+    of ``_fits`` without its side effect)."""
+    return array.dtype == dtype and tuple(array.shape) == shape
 
 
 def _check_name(name: str) -> None:

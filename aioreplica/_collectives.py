@@ -364,7 +364,6 @@ class ReductionEngine:
         if op is ReduceOp.MEAN:
             leaves = [await self._as_float64(leaf) for leaf in leaves]
         if self.cluster is not None and (axis is not None or _several(leaves, self.options)):
-            _check_crossing("reduce", leaves)  # bad input is refused before any exchange
             with self._timeout(self.options):
                 await self._agree("reduce", op, leaves, axes)
         if axis is None:
