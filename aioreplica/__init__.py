@@ -29,7 +29,9 @@ from ._dataset import OptionalValue as OptionalValue
 from ._dataset import ValueContext as ValueContext
 from ._errors import AioreplicaInternalError as AioreplicaInternalError
 from ._errors import CheckpointError as CheckpointError
+from ._errors import ClusterBroken as ClusterBroken
 from ._errors import ReplicaSyncError as ReplicaSyncError
+from ._errors import WorkersDisagree as WorkersDisagree
 from ._multiworker import Cluster as Cluster
 from ._multiworker import ClusterSpec as ClusterSpec
 from ._multiworker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -63,6 +65,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointManager",
     "Cluster",
+    "ClusterBroken",
     "ClusterSpec",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -91,6 +94,7 @@ __all__ = [
     "Variable",
     "VariableAggregation",
     "VariableSynchronization",
+    "WorkersDisagree",
     "batched",
     "get_cross_replica_context",
     "get_replica_context",

@@ -904,6 +904,11 @@ class CheckpointManager(Generic[_Interval]):
         return self._directory
 
     @property
+    def checkpoint(self) -> Checkpoint:
+        """The ``Checkpoint`` this manager saves and restores, as TF's ``checkpoint``."""
+        return self._checkpoint
+
+    @property
     def checkpoint_interval(self) -> int | None:
         """The fewest steps between two saves (``None``: every save saves), as in TF."""
         return self._interval

@@ -79,7 +79,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, final
 import anyio
 import numpy as np
 
-from ._errors import ReplicaSyncError
+from ._errors import ClusterBroken, ReplicaSyncError, WorkersDisagree
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator, Sequence
@@ -141,6 +141,8 @@ _LOCAL_OPS: Final = {"sum": np.add, "max": np.maximum, "min": np.minimum, "prod"
 _HEADER_BYTES: Final = 128
 #: In a header's checksum word: the words go on past the header (``_header_in_full``).
 _CONTINUED: Final = 1 << 32
+#: In a record's checksum word: the collective belongs to a ``run()``'s step.
+_IN_STEP: Final = 1 << 34
 #: What a refusal's words say (``refuse_in_step``; a restore refusing its file).
 _REFUSING: Final = re.compile(r" refusing (?:its arguments|the file): ")
 _HEADER_WORDS: Final = _HEADER_BYTES // 8
@@ -236,28 +238,6 @@ def import_mpi() -> Any:
             "one process per worker with that environment's `mpiexec -n N python ...`"
         ) from exc
     return MPI
-
-
-class ClusterBroken(RuntimeError):
-    """The workers fell out of step (a failure, a timeout, a cancelled wait): no more calls."""
-
-
-class WorkersDisagree(ValueError):
-    """The workers made different collectives, or passed one collective values of other
-    shapes, dtypes or ops.
-
-    Found from what every worker sent, so raised alike on every worker before any data moved:
-    the workers stay in step, and the strategy remains usable.
-
-    Attributes:
-        said: what each worker said its collective was, by worker (empty when not known).
-        workers: the workers that refused their arguments, if any did.
-    """
-
-    def __init__(self, message: str, *, said: Sequence[str] = (), workers: Sequence[int] = ()):
-        super().__init__(message)
-        self.said = tuple(said)
-        self.workers = tuple(workers)
 
 
 @final
@@ -369,6 +349,7 @@ class Workers:
     _record_bytes: memoryview
     _record_words: np.ndarray[Any, Any]
     _header_sent: _Header | None
+    _word_sent: int
     _gathered: np.ndarray[Any, Any]
     _gathered_words: np.ndarray[Any, Any]
     _checksums: np.ndarray[Any, Any]
@@ -388,6 +369,7 @@ class Workers:
         "_header_sent",
         "_idup",
         "_idup_what",
+        "_in_step",
         "_left",
         "_persistent",
         "_plans",
@@ -401,6 +383,7 @@ class Workers:
         "_single",
         "_stream",
         "_turn",
+        "_word_sent",
         "default_timeout",
         "mpi",
         "num_workers",
@@ -438,6 +421,7 @@ class Workers:
         self._calls = _Turn()  # one call at a time (``call``)
         self._turn = _Turn()  # one collective at a time, within the call or the run()
         self._single = False  # the collective in progress holds ``_calls`` for itself alone
+        self._in_step = False  # the collective in progress belongs to a run()'s step
         # A duplicate's ``Idup`` until it completes, and the wait's name (``duplicate``).
         self._idup: Any = None
         self._idup_what = ""
@@ -453,6 +437,7 @@ class Workers:
         self._primary = True
         self._sequence = 0  # collectives started on this communicator
         self._stream = 0  # which of the side channel's communicators this is (0: the first)
+        self._side.members[0] = self
         #: The timeout of a wait when the call sets none (the strategy's ``sync_timeout``).
         self.default_timeout: float | None = None
         #: Variables made since the last sync, which start from the chief's values.
@@ -517,6 +502,10 @@ class Workers:
         Raises:
             ClusterBroken: the cluster is broken.
         """
+        deferred = self._side.deferred
+        if deferred is not None:  # a peer's failure after the last collective this one made
+            self._side.deferred = None
+            raise deferred
         if self.failure is not None:
             raise ClusterBroken(
                 f"{what} was refused: the workers fell out of step ({self.failure}); MPI cannot "
@@ -543,16 +532,41 @@ class Workers:
             "reason": reason,
             "replicas": list(replicas),
             "late": list(late),
+            # Where this worker stopped, on each of its communicators: the last collective it
+            # began, and whether it is still inside it (it will not finish it).
+            "at": [[n, w._sequence, w._turn.busy] for n, w in list(side.members.items())],
         }
         side.send_all(_notice_bytes(notice), _NOTICE)
 
     def _peer_failure(self, what: str) -> ReplicaSyncError | None:
         """The failure a peer announced, as the error to raise here in ``what``, or ``None``
-        (a test)."""
+        (a test).
+
+        The notice comes once, but every wait on this side channel's communicators gets it (a
+        dataset pass's agreement and a step's collective wait side by side): the one that
+        takes it must not leave the others waiting for a collective that the failed peer
+        will never make.
+        """
         side = self._side
-        if side.notice_request is None or not side.notice_request.Test():
-            return None
-        side.notice_request = None
+        if side.notice_request is not None:
+            if not side.notice_request.Test():
+                return None
+            side.notice_request = None
+            side.notice_came = True
+            return self._noticed(what)
+        return self._noticed(what) if side.notice_came else None
+
+    def _raised(self, failure: ReplicaSyncError) -> ReplicaSyncError:
+        """``failure``, raised here: on the strategy's own communicator, the last a peer's
+        notice needs to reach (no later call raises it again)."""
+        if self._primary:
+            self._side.deferred = None
+        return failure
+
+    def _noticed(self, what: str) -> ReplicaSyncError:
+        """The failure in the peer's notice (``_SideChannel.notice``), as the error to raise
+        here in ``what``."""
+        side = self._side
         raw = bytes(side.notice).rstrip(b"\0")
         try:
             notice = json.loads(raw.decode(errors="replace"))
@@ -560,6 +574,7 @@ class Workers:
             replicas = tuple(int(r) for r in notice.get("replicas", ()))
             late = tuple(int(w) for w in notice.get("late", ()))
             left = bool(notice.get("left", False))
+            side.peer_at = {int(n): (int(q), bool(inside)) for n, q, inside in notice.get("at", ())}
         except (ValueError, KeyError, TypeError, AttributeError):
             worker, reason, replicas, late, left = -1, raw.decode(errors="replace"), (), (), False
         if left:
@@ -631,9 +646,14 @@ class Workers:
                 if polls & 15 == 0 or pause:  # now and then: the side channel, the clock
                     failure = self._peer_failure(what)
                     if failure is not None:
-                        if self._side.peer_left and await _finishes_soon(test):
-                            return  # its last collective was this one (the notice came first)
-                        raise failure
+                        # A peer whose program ended, or that failed once past this
+                        # collective, made it: it completes (the notice came first).
+                        if (self._side.peer_left or self._peer_went_past()) and (
+                            await _finishes_soon(test)
+                        ):
+                            self._defer(failure)
+                            return
+                        raise self._raised(failure)
                     pause = self._next_pause(what, started, timeout, busy, pause)
         except BaseException as exc:  # a peer's failure, a timeout, or cancelled meanwhile
             self._left.append(request)
@@ -658,9 +678,10 @@ class Workers:
             while not _spin(test):
                 failure = self._peer_failure(what)
                 if failure is not None:
-                    if self._side.peer_left and _finishes(test):
+                    if (self._side.peer_left or self._peer_went_past()) and _finishes(test):
+                        self._defer(failure)
                         return
-                    raise failure
+                    raise self._raised(failure)
                 pause = self._next_pause(what, started, timeout, _BUSY_SECONDS, pause)
                 if pause:
                     time.sleep(pause)
@@ -798,6 +819,7 @@ class Workers:
                 self._calls.release()
             raise
         self._single = single
+        self._in_step = self.in_step
         self._arrive()
 
     def _begin_now(self) -> bool:
@@ -815,6 +837,7 @@ class Workers:
         ):
             return False
         turn.busy = True
+        self._in_step = True
         self._arrive()
         return True
 
@@ -1139,10 +1162,11 @@ class Workers:
             )
         failure = self._peer_failure(what)
         if failure is not None:
-            raise failure
+            raise self._raised(failure)
         if self._idup is not None:
             self._wait_here(self._idup, self._idup_what)
             self._idup_done()
+        self._in_step = self.in_step
         self._arrive()
         header = _header_in_full(what)
         if not self._exchanged(what, header):
@@ -1175,6 +1199,7 @@ class Workers:
         twin._calls = _Turn()
         twin._turn = _Turn()
         twin._single = False
+        twin._in_step = False
         twin._persistent = []
         twin._left = []
         twin._release = twin._finalizer()
@@ -1183,6 +1208,7 @@ class Workers:
         twin._sequence = 0
         self._side.streams += 1
         twin._stream = self._side.streams  # the same on every worker: made in the same order
+        self._side.members[twin._stream] = twin
         if self._timeout() is not None:
             twin._tell_arrival()  # collective 0: its start, which its first collective awaits
         return twin
@@ -1241,6 +1267,7 @@ class Workers:
         self._record_bytes = self._record.data
         self._record_words = self._record.view("<i8")
         self._header_sent = None
+        self._word_sent = 0
         self._plans = {}
         # The records' exchange, made once (persistent requests: the buffers never change,
         # and starting them costs a fraction of posting new ones), freed with the communicator.
@@ -1278,14 +1305,21 @@ class Workers:
         Raises:
             WorkersDisagree: as ``_exchange``.
         """
-        if header is not self._header_sent:  # the record keeps a header until another comes
+        # The checksum's word says too whether the collective belongs to a run()'s step:
+        # workers that differ there are out of step (``_disagree``).
+        in_step = self._in_step  # (``_begin``'s)
+        word = header.checksum | _IN_STEP if in_step else header.checksum
+        if header is not self._header_sent or word != self._word_sent:
+            # (the record keeps a header until another comes)
             self._record_bytes[: len(header.data)] = header.data
+            self._record_words[0] = word
             self._header_sent = header
+            self._word_sent = word
         if not self._exchange_request.started():
             return False
-        if self._checksums.tolist().count(header.checksum) != self.num_workers:
-            raise _disagreement(what, self._gathered)  # (``_check_agreed``, written out)
-        if self.default_timeout is not None or collective_timeout.get() is not None:
+        if self._checksums.tolist().count(word) != self.num_workers:
+            raise self._disagree(what)  # (``_check_agreed``, written out)
+        if not in_step or self.default_timeout is not None or collective_timeout.get() is not None:
             self._check_nobody_gave_up(what)
         return True
 
@@ -1296,10 +1330,31 @@ class Workers:
             WorkersDisagree: as ``_exchange``.
             ReplicaSyncError: under a timeout, a peer gave up on this worker meanwhile.
         """
-        if self._checksums.tolist().count(header.checksum) != self.num_workers:
-            raise _disagreement(what, self._gathered)
-        if self.default_timeout is not None or collective_timeout.get() is not None:
+        word = self._word_sent
+        if self._checksums.tolist().count(word) != self.num_workers:
+            raise self._disagree(what)
+        if (
+            not word & _IN_STEP
+            or self.default_timeout is not None
+            or collective_timeout.get() is not None
+        ):
             self._check_nobody_gave_up(what)
+
+    def _disagree(self, what: str) -> WorkersDisagree:
+        """The error of a collective whose workers' records differ. Where some workers made it
+        in a ``run()``'s step and others outside any (a call made on some workers only, or a
+        ``run()`` on some), the workers no longer pair their collectives: every worker sees
+        the same records, so each marks the cluster broken alike, and later calls are refused
+        instead of pairing one worker's step with another's next one."""
+        words = self._checksums.tolist()
+        in_runs = [w for w, word in enumerate(words) if word & _IN_STEP]
+        if not in_runs or len(in_runs) == len(words):
+            return _disagreement(what, self._gathered)
+        others = [w for w in range(len(words)) if w not in in_runs]
+        apart = f"{worker_list(in_runs)} made it in a run(), {worker_list(others)} outside one"
+        if self._side.failure is None:
+            self._side.failure = f"the workers fell out of step in {what} ({apart})"
+        return _disagreement(what, self._gathered, apart)
 
     def _check_nobody_gave_up(self, what: str) -> None:
         """Under a timeout, once this worker's record met every peer's: raise the failure a
@@ -1312,8 +1367,31 @@ class Workers:
             ReplicaSyncError: the failure a peer announced.
         """
         failure = self._peer_failure(what)
-        if failure is not None and not self._side.peer_left:
-            raise failure
+        if failure is None:
+            return
+        if self._side.peer_left or self._peer_went_past():
+            self._defer(failure)
+        else:
+            raise self._raised(failure)
+
+    def _peer_went_past(self) -> bool:
+        """Whether the peer whose failure notice came had made the collective in progress
+        here before it failed (it began a later one, or left this one complete): its data
+        for it was sent, so it completes here, and this worker raises at its next call
+        instead (``_defer``). Else the peer stopped before it, or inside it, and it cannot
+        complete."""
+        at = self._side.peer_at.get(self._stream)
+        if at is None:
+            return False
+        sequence, inside = at
+        return sequence > self._sequence or (sequence == self._sequence and not inside)
+
+    def _defer(self, failure: ReplicaSyncError) -> None:
+        """Keep a peer's ``failure`` for this worker's next cross-worker call (``check``
+        raises it, then ``ClusterBroken``), or for none if its program ended: the collective
+        in progress completed on every worker, so it succeeds here as it did there."""
+        if not self._side.peer_left:
+            self._side.deferred = failure
 
     def _plan(self, op: str, out: np.ndarray[Any, Any], layout: str) -> _Plan:
         """How this worker all-reduces ``out``: its header, and for data small enough to
@@ -1371,7 +1449,16 @@ class _SideChannel:
         #: Why the workers fell out of step (``failure``), in a list the finalizers share.
         self.failure_box: list[str | None] = [None]
         self.peer_left = False  # a peer's program ended (the failure, unless one came first)
+        #: The communicators made over this side channel, by number (``Workers._stream``).
+        self.members: weakref.WeakValueDictionary[int, Workers] = weakref.WeakValueDictionary()
+        #: Where the peer whose failure notice came stopped: per communicator, the last
+        #: collective it began and whether it was still inside it.
+        self.peer_at: dict[int, tuple[int, bool]] = {}
+        #: A peer's failure after a collective that completed here, raised by the next call.
+        self.deferred: ReplicaSyncError | None = None
         self.notice = bytearray(_NOTICE_BYTES)
+        #: Whether a peer's notice came (into ``notice``): every wait then raises its failure.
+        self.notice_came = False
         # The posted notice receive (``None`` once a notice came), in a list the finalizer
         # shares: it is withdrawn before the communicator is freed.
         self._receive: list[Any] = [comm.Irecv(self.notice, mpi.ANY_SOURCE, _NOTICE)]
@@ -1735,10 +1822,19 @@ def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray
         ufunc(out, part, out=out)
 
 
-def _disagreement(what: str, gathered: np.ndarray[Any, Any]) -> WorkersDisagree:
-    """The error of a collective whose workers' headers differ, from the gathered records."""
+def _disagreement(what: str, gathered: np.ndarray[Any, Any], apart: str = "") -> WorkersDisagree:
+    """The error of a collective whose workers' headers differ, from the gathered records;
+    ``apart`` says how the workers fell out of step, if they did."""
     said = [_words_of(record) for record in gathered]
     shown = "; ".join(f"worker {w}: {words}" for w, words in enumerate(said))
+    if apart:
+        return WorkersDisagree(
+            f"{what}: the workers made different collectives ({shown}): {apart}, so they no "
+            "longer pair their collectives (a call made on some workers only, or a run() on "
+            "some, say); this MultiWorkerMirroredStrategy makes no more cross-worker calls: "
+            "make every call on every worker, in the same order, and start the job again",
+            said=said,
+        )
     refusing = [w for w, words in enumerate(said) if _REFUSING.search(words)]
     if refusing:
         return WorkersDisagree(

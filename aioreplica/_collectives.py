@@ -25,8 +25,9 @@ directly with their device objects. Every call goes through one core:
    replicas share one read-only output; GPU replicas each get theirs (NCCL or on-device). A
    strategy spanning several workers adds its cross-worker step in these two, between the
    local reduction and the local result. A cross-replica call (``reduce``, ``gather``,
-   ``reduce_to``, ``batch_reduce_to``) that takes several cross-worker collectives first makes
-   the workers agree on the whole call (``_agree``), so that none makes one more than another.
+   ``reduce_to``, ``batch_reduce_to``) that takes several cross-worker collectives, or none (an
+   empty structure), first makes the workers agree on the whole call (``_agree``), so that
+   none makes one more than another.
 
 A value passed in is a regrouped structure: a ``PerReplica`` leaf holds one component per
 replica, any other leaf stands for the same value on every replica. A distributed leaf whose
@@ -414,7 +415,7 @@ class ReductionEngine:
         """
         leaves, treedef = self._leaves("gather", value)
         axes = [self._check_gather_shapes("gather", leaf, axis) for leaf in leaves]
-        if self.cluster is not None and len(leaves) > 1:
+        if self.cluster is not None and len(leaves) != 1:  # several collectives, or none
             _check_crossing("gather", leaves)  # bad input is refused before any exchange
             along = [((a,), f"axis {a}") for a in axes]
             with self._timeout(self.options):
@@ -561,12 +562,12 @@ class ReductionEngine:
         leaves: list[_LeafArrays],
         along: Sequence[tuple[tuple[int, ...], str]] = (),
     ) -> None:
-        """Across workers, before a call (``what``) of several collectives moves any data:
-        every worker makes the same call, with ``op``, on leaves at the same places with the
-        same dtypes and shapes (free along the checked axes of ``along``, one entry per leaf,
-        if given), or every worker raises ``WorkersDisagree`` alike (``Workers.agree``). Else
-        a worker passing one leaf more would make a collective more, which would meet
-        another worker's next call.
+        """Across workers, before a call (``what``) of several collectives moves any data, or
+        in place of a call of none (an empty structure): every worker makes the same call,
+        with ``op``, on leaves at the same places with the same dtypes and shapes (free along
+        the checked axes of ``along``, one entry per leaf, if given), or every worker raises
+        ``WorkersDisagree`` alike (``Workers.agree``). Else a worker passing one leaf more
+        would make a collective more, which would meet another worker's next call.
 
         Raises:
             WorkersDisagree: the workers' calls differ.
@@ -583,8 +584,9 @@ class ReductionEngine:
         head = " ".join(filter(None, (what, f"({op.value})" if op else "", _reduction_of.get())))
         if along:
             head += " along " + along[0][1]
-        count = f"{len(leaves)} leaves" if len(leaves) != 1 else "1 leaf"
-        await self.cluster.agree(what, f"{head} of {count}: {'; '.join(described)}")
+        count = {0: "no leaves", 1: "1 leaf"}.get(len(leaves), f"{len(leaves)} leaves")
+        listed = f": {'; '.join(described)}" if described else ""
+        await self.cluster.agree(what, f"{head} of {count}{listed}")
 
     # -- the core -------------------------------------------------------------------------
 
@@ -991,10 +993,14 @@ def _one_pack(leaves: list[_LeafArrays], limit: int) -> bool:
 
 
 def _several(leaves: list[_LeafArrays], options: CommunicationOptions) -> bool:
-    """Whether reducing the leaves (``_reduce_leaves``) may take more than one collective:
+    """Whether reducing the leaves (``_reduce_leaves``) may take other than one collective:
     then the workers agree on the whole call first (``ReductionEngine._agree``). One leaf, or
-    one pack, says in its own collective's header all that the workers compare."""
-    return len(leaves) > 1 and not _one_pack(leaves, options.bytes_per_pack or DEFAULT_PACK_BYTES)
+    one pack, says in its own collective's header all that the workers compare. No leaves
+    make no collective: the agreement stands in for one, so that another worker's collective
+    meets it rather than this worker's next call."""
+    return len(leaves) != 1 and (
+        not leaves or not _one_pack(leaves, options.bytes_per_pack or DEFAULT_PACK_BYTES)
+    )
 
 
 def _check_crossing(what: str, leaves: list[_LeafArrays], replica: int = 0) -> None:

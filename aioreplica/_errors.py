@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 __all__ = [
     "AioreplicaInternalError",
     "CheckpointError",
+    "ClusterBroken",
     "ReplicaSyncError",
+    "WorkersDisagree",
     "add_note",
     "as_integer",
     "as_real",
@@ -143,6 +145,39 @@ class ReplicaSyncError(RuntimeError):
         self.replicas = tuple(sorted(replicas))
         self.waiting = tuple(sorted(waiting))
         self.workers = tuple(sorted(workers))
+
+
+class ClusterBroken(RuntimeError):
+    """A ``MultiWorkerMirroredStrategy`` refuses a call because its workers fell out of step.
+
+    After a cross-worker failure (a worker's replica raised, a worker was late past
+    ``sync_timeout``, a ``run()`` was cancelled on one worker), MPI cannot take back the
+    collectives under way, so the strategy makes no more cross-worker calls: every later call
+    raises this, naming the failure. End the job (or handle the failure and start a new one).
+    The failure itself is raised once, as a ``ReplicaSyncError`` on the workers that did not
+    fail; this is what the calls after it raise.
+    """
+
+
+class WorkersDisagree(ValueError):
+    """The workers of a ``MultiWorkerMirroredStrategy`` made different collectives, or passed
+    one collective values of other shapes, dtypes or ops, or one worker refused its arguments.
+
+    Found from what every worker sent, so raised alike on every worker before any data moved:
+    the workers stay in step, and the strategy remains usable. Unless some workers made the
+    collective in a ``run()`` and others outside one (a call made on some workers only): their
+    programs then stand at different points, and the strategy is broken on every worker alike
+    (``ClusterBroken`` afterwards).
+
+    Attributes:
+        said: what each worker said its collective was, by worker (empty when not known).
+        workers: the workers that refused their arguments, if any did.
+    """
+
+    def __init__(self, message: str, *, said: Sequence[str] = (), workers: Sequence[int] = ()):
+        super().__init__(message)
+        self.said = tuple(said)
+        self.workers = tuple(workers)
 
 
 class CheckpointError(ValueError):

@@ -288,7 +288,9 @@ class Cluster:
         """``""``: there is no gRPC master to connect to (TF's answer for a local cluster).
 
         A task named by ``task_type`` and ``task_id`` (both given, as TF reads them) must be
-        one of the cluster's, as TF's ``ClusterSpec.task_address`` requires.
+        one of the cluster's, as TF's ``ClusterSpec.task_address`` requires. ``rpc_layer``
+        (TF's protocol prefix, such as ``"grpc"``) is accepted and changes nothing: there is
+        no address to prefix.
 
         Raises:
             ValueError: ``task_type`` is not ``"worker"``, or ``task_id`` not a worker's
@@ -323,7 +325,9 @@ class Cluster:
         self, task_type: str | None = None, task_id: int | None = None, config_proto: Any = None
     ) -> dict[str, int]:
         """This worker's accelerators, as TF's: ``{"GPU": n}`` for the GPUs its replicas use,
-        ``{}`` for host replicas (every worker has as many).
+        ``{}`` for host replicas (every worker has as many). ``task_type``, ``task_id`` and
+        ``config_proto`` are TF's and accepted: every worker has the same devices, so the
+        answer is the same for any task.
 
         Example:
             >>> Cluster(worker_index=0, num_workers=2, gpus=4).num_accelerators()
@@ -602,13 +606,16 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
         """``MirroredStrategy.run_steps`` on every worker; they leave it together.
 
-        The workers first agree that every one of them accepted its arguments: arguments
-        refused on one worker (``steps=-1``, say) make ``run_steps()`` raise on every worker,
-        as ``run()`` does, before any step or any pull from the iterator.
+        The workers first agree that every one of them accepted its arguments and was given
+        the same ``steps``: arguments refused on one worker (``steps=-1``, say), or another
+        ``steps`` on one worker, make ``run_steps()`` raise on every worker, as ``run()`` does,
+        before any step or any pull from the iterator; the strategy goes on working.
 
         Raises:
             RuntimeError: as ``run()``.
-            ValueError: another worker refused its arguments (``WorkersDisagree``, naming it).
+            ValueError: another worker refused its arguments (``WorkersDisagree``, naming it);
+                the workers were given different ``steps`` (``WorkersDisagree``, on every
+                worker, naming each worker's).
             ReplicaSyncError: as ``run()``.
             BaseException: as ``MirroredStrategy.run_steps``.
 
@@ -624,28 +631,41 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         # The steps are one run() of replicas that loop: that run() is the collective step.
         return await MirroredStrategy.run_steps(self, step_fn, iterator, steps)
 
-    async def _accepted(self, what: str, check: Callable[[], _T]) -> _T:
-        """``check()``, once every worker's check of its arguments to ``what`` passed: an
-        agreement, or (refused here) a refusal in its place, so that every worker raises in
-        step. Else a worker alone would raise, and the others would wait for it in the
-        first pull from their iterators, which is not on the strategy's communicator.
+    async def _accepted(
+        self, what: str, check: Callable[[], tuple[_T, int]], counted: str
+    ) -> tuple[_T, int]:
+        """``check()`` (what it accepted, and the number of steps: the argument ``counted``),
+        once every worker's check of its arguments to ``what`` passed and every worker was
+        given the same number of steps: an agreement that compares the numbers, or (refused
+        here) a refusal in its place, so that every worker raises in step. Else a worker alone
+        would raise, and the others would wait for it in the first pull from their iterators,
+        which is not on the strategy's communicator; and a worker with more steps than the
+        others would pair its extra steps with their next calls.
 
         Raises:
             TypeError: as ``check()`` (the other workers raise ``WorkersDisagree``).
-            ValueError: as ``check()``; another worker refused (``WorkersDisagree``).
+            ValueError: as ``check()``; another worker refused, or the workers were given
+                different numbers of steps (``WorkersDisagree``, on every worker alike).
             RuntimeError: as ``run()``.
             ReplicaSyncError: another worker failed, or was late past ``sync_timeout``.
         """
         self._check_usable(what)
         try:
             self._check_open(what)
-            accepted = check()
+            accepted, count = check()
         except (TypeError, ValueError, RuntimeError) as exc:  # bad input, closed
             await self._refuse_step(exc, what)
             raise
+        start = f"the start of {what}"
         async with self._in_progress():
-            await self._workers.barrier(f"the start of {what}")
-        return accepted
+            try:
+                await self._workers.barrier(start, f" with {counted}={count}")
+            except WorkersDisagree as disagreement:
+                differ = _counts_differ(what, start, counted, disagreement)
+                if differ is None:
+                    raise
+                raise differ from disagreement
+        return accepted, count
 
     def _wrong_length(self, name: str, leaf: DistributedValues[Any]) -> ValueError:
         local = len(self._device_objects)
@@ -813,6 +833,28 @@ def _end_of_run(merged: list[Callable[..., Any]]) -> str:
     return (
         f"{_END_OF_RUN} after {count} merge_call{'' if count == 1 else 's'} of {shown} "
         f"(sequence {sequence:08x})"
+    )
+
+
+def _counts_differ(
+    what: str, start: str, counted: str, disagreement: WorkersDisagree
+) -> WorkersDisagree | None:
+    """The error of the start of a loop of steps (``what``, whose agreement is named ``start``)
+    where every worker accepted its arguments but the numbers of steps (the argument
+    ``counted``) differ; ``None`` if some worker refused its arguments or made another
+    collective there (``disagreement`` says so). Made from what every worker sent, so the
+    same on every worker."""
+    said = disagreement.said
+    given = f"{start} with "
+    if not said or not all(words.startswith(given) for words in said):
+        return None
+    shown = "; ".join(f"worker {w}: {words.removeprefix(given)}" for w, words in enumerate(said))
+    return WorkersDisagree(
+        f"{what}: the workers were given different numbers of steps ({shown}); nothing was run "
+        "or pulled from an iterator on any worker, and the workers are still in step: pass the "
+        f"same {counted} on every worker (the workers make each step's collectives together, "
+        "so a step more on one worker would meet the others' next call)",
+        said=said,
     )
 
 

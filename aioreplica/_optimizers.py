@@ -23,21 +23,20 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, Final, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Self, final
 
 import numpy as np
 
-from ._cluster import WorkersDisagree
 from ._collectives import reductions_for
 from ._context import context_state, default_replica_context, get_replica_context
-from ._errors import ReplicaSyncError, add_note, checked_integer, replica_list
+from ._errors import ReplicaSyncError, WorkersDisagree, add_note, checked_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
 from ._variables import Variable, bits_differ, slot_variable, variable_label, which_differ
 from ._writes import Turn, commit, compute_copies, taking_turns
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
     from typing import TypeAlias
 
     from ._backends import Device
@@ -751,6 +750,25 @@ class Optimizer:
              'clipnorm': 1.0, 'global_clipnorm': None, 'clipvalue': None}
         """
         return {"learning_rate": self._learning_rate, **self._base_config()}
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> Self:
+        """An optimizer of this class made from ``config``, a ``get_config()`` dictionary
+        (Keras' ``from_config``); it has no slots and no steps yet.
+
+        Raises:
+            TypeError: ``config`` names an argument this class does not take, or as the
+                constructor.
+            ValueError: as the constructor.
+
+        Example:
+            >>> adam = aioreplica.optimizers.Adam(0.01, amsgrad=True)
+            >>> aioreplica.optimizers.Adam.from_config(adam.get_config()).get_config() == (
+            ...     adam.get_config()
+            ... )
+            True
+        """
+        return cls(**config)
 
     def _base_config(self) -> dict[str, float | None]:
         """The arguments every optimizer takes, in Keras' order."""

@@ -70,6 +70,26 @@ class ReduceOp(CaseInsensitiveStrEnum):
     MIN = "min"
     PROD = "prod"
 
+    @staticmethod
+    def from_variable_aggregation(aggregation: object) -> ReduceOp:
+        """The op of a variable aggregation (``VariableAggregation`` or its name), as TF's:
+        ``SUM`` and ``MEAN`` have one; ``NONE`` and ``ONLY_FIRST_REPLICA`` have none.
+
+        Raises:
+            ValueError: ``aggregation`` has no reduce op, or is no aggregation.
+
+        Example:
+            >>> ReduceOp.from_variable_aggregation(aioreplica.VariableAggregation.MEAN)
+            <ReduceOp.MEAN: 'mean'>
+        """
+        name = getattr(aggregation, "value", aggregation)
+        if isinstance(name, str) and name.lower() in ("sum", "mean"):
+            return ReduceOp(name.lower())
+        raise ValueError(
+            f"cannot convert the variable aggregation {aggregation!r} to a ReduceOp: only "
+            "SUM and MEAN have one (as in TF)"
+        )
+
 
 class CommunicationImplementation(CaseInsensitiveStrEnum):
     """Which transport collectives should use: TF's hint, under TF's names.

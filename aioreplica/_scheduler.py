@@ -162,6 +162,27 @@ def _describe_fn(fn: Callable[..., Any] | None) -> str:
     return f"{name}{where}"
 
 
+#: The library's own merge functions (by qualified name), as the calls that make them.
+_CALLS: Final = {
+    "_merge_all_reduce": "all_reduce",
+    "_merge_all_gather": "all_gather",
+    "_merge_broadcast": "broadcast",
+    "_merge_reduce_scatter": "reduce_scatter",
+    "_merge_barrier": "barrier",
+    "_merge_write": "a write of a variable (assign, assign_add or assign_sub)",
+    "_merge_update": "extended.update of a variable",
+    "Optimizer._merge_apply": "an optimizer step (apply_gradients)",
+}
+
+
+def _call_of(fn: Callable[..., Any] | None) -> str:
+    """The call a merge function of the library's own stands for (a collective, a write), or
+    ``""`` for any other."""
+    if not getattr(fn, "__module__", "").startswith("aioreplica."):
+        return ""
+    return _CALLS.get(getattr(fn, "__qualname__", ""), "")
+
+
 class _RunFailed(BaseException):
     """Ends a replica that no cancellation can reach (it is inside an anyio shield) at a merge
     point of a run that has failed: that round can never complete. The run raises its own
@@ -997,10 +1018,24 @@ class _Run:
                 agreed(PerReplica(fns), "the merge function", first_replica=self.first_replica)
             except ReplicaSyncError as exc:
                 exc.merge_number = rnd.number
-                exc.add_note(
-                    "move the branch inside merge_fn, or pass the same function (a partial "
-                    "with equal arguments) from every replica"
-                )
+                calls = [_call_of(fn) for fn in fns]
+                if any(calls):  # a collective or a write, which merges for the replica
+                    made = "; ".join(
+                        f"replica {self.first_replica + i}: "
+                        f"{call or f'merge_call({_describe_fn(fn)})'}"
+                        for i, (fn, call) in enumerate(zip(fns, calls, strict=True))
+                    )
+                    exc.add_note(
+                        f"the replicas made different calls here ({made}): every replica must "
+                        "make the same collectives, variable writes, optimizer steps and "
+                        "merge_calls, in the same order; keep them out of branches that "
+                        "depend on the replica"
+                    )
+                else:
+                    exc.add_note(
+                        "move the branch inside merge_fn, or pass the same function (a partial "
+                        "with equal arguments) from every replica"
+                    )
                 raise
         # merge_call checked the types: args are tuples, kwargs mappings or None.
         all_args = list(map(_request_args, requests))

@@ -104,12 +104,12 @@ class _Feed:
 async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
     """``strategy.run_steps``: see its docstring."""
 
-    def checked() -> _Feed:
+    def checked() -> tuple[AsyncIterator[Any], int]:
         if not callable(step_fn):
             raise TypeError(f"run_steps() needs a callable step_fn, got {type(step_fn).__name__}")
-        return _Feed(_check_iterator(iterator, "run_steps()"), _check_steps(steps, "steps"))
+        return _check_iterator(iterator, "run_steps()"), _check_steps(steps, "steps")
 
-    feed = await strategy._accepted("run_steps()", checked)
+    feed = _Feed(*await strategy._accepted("run_steps()", checked, "steps"))
 
     async def replica_loop() -> Any:
         context = get_replica_context()
@@ -262,7 +262,7 @@ async def run_steps_on_iterator(
             raise TypeError(f"{what} needs a callable fn, got {type(fn).__name__}")
         return _check_iterator(iterator, what), _check_steps(iterations, "iterations")
 
-    feed, count = await strategy._accepted(what, checked)
+    feed, count = await strategy._accepted(what, checked, "iterations")
     context = MultiStepContext()
     context._last_step_outputs.update(initial_loop_values or {})
     for _ in range(count):

@@ -482,7 +482,9 @@ class StrategyExtended:
 
         Raises:
             TypeError: ``fn`` is not callable; ``iterator`` is not an async iterator.
-            ValueError: ``iterations`` is negative.
+            ValueError: ``iterations`` is negative; across workers, another worker refused
+                its arguments, or the workers were given different ``iterations``
+                (``WorkersDisagree``, on every worker, before any step).
             Exception: whatever ``fn`` raises.
 
         Example:
@@ -1584,9 +1586,12 @@ class MirroredStrategy:
             raise TypeError(f"kwargs must be a mapping or None, got {type(kwargs).__name__}")
         return self._per_replica_arguments(tuple(args), dict(kwargs) if kwargs else {})
 
-    async def _accepted(self, what: str, check: Callable[[], _T]) -> _T:
+    async def _accepted(
+        self, what: str, check: Callable[[], tuple[_T, int]], counted: str
+    ) -> tuple[_T, int]:
         """``check()``: the arguments of ``what`` (``run_steps()``, say) checked before it
-        starts. A strategy spanning several workers checks them on every worker together."""
+        starts, and its number of steps (the argument named ``counted``). A strategy spanning
+        several workers checks them on every worker together, and compares the numbers."""
         return check()
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
@@ -1752,7 +1757,12 @@ class _Scope:
                         raise self._left_elsewhere() from None
                 _entered.set(stack[:position] + stack[position + 1 :])
                 return
-        raise self._left_elsewhere()
+        raise RuntimeError(
+            f"the scope of {self._strategy!r} was exited, but this task holds no entry of it: "
+            "it was not entered, or was exited already, here (or was entered in another task "
+            "or thread); exit a scope once per entry, in the task that entered it (`with "
+            "strategy.scope():` does); nothing was changed"
+        )
 
     def _left_elsewhere(self) -> RuntimeError:
         return RuntimeError(

@@ -18,6 +18,7 @@ sync-on-read variable's aggregate.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, final, overload
 
@@ -143,31 +144,37 @@ class Variable(NDArrayOperatorsMixin):
 
     Args:
         initial_value: an array-like, or a callable returning one (called once).
+        trainable: whether optimizers should train it (recorded, as in TF); by default
+            ``True``, except with ``synchronization="on_read"`` (``False``, as in TF). The
+            second positional argument, as in TF; the others are keyword-only.
         name: a name for messages and reprs; default ``"Variable"``.
         dtype: the dtype to store; default: ``initial_value``'s (Python floats: float64).
             The initial value is cast to it as a write would be: an array of another kind of
             number (a float array to an integer dtype, say) is refused; Python numbers take
             it where they fit (an int takes an integer, float or complex dtype, and bool as
             ``0`` or ``1``; a float takes a float or complex dtype).
-        trainable: whether optimizers should train it (recorded, as in TF); by default
-            ``True``, except with ``synchronization="on_read"`` (``False``, as in TF).
         synchronization: a ``VariableSynchronization`` or its name; ``None`` means ``AUTO``.
         aggregation: a ``VariableAggregation`` or its name; ``None`` means ``NONE``.
+        shape: the shape, checked against the initial value's (a variable's shape never
+            changes, so TF's partly unknown shapes have no use here); ``None``: the initial
+            value's.
 
     Raises:
         ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
             valid ones); ``synchronization="none"`` inside a strategy scope; an integer of
-            ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around).
+            ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around);
+            ``shape`` differs from the initial value's.
         TypeError: ``initial_value`` is not numeric or bool; ``dtype`` is not a numeric or
             bool NumPy dtype, or ``initial_value`` does not cast to it without losing its kind
             of number (a float to an integer, a complex to a float); a sync-on-read variable with
             ``aggregation="mean"`` and a dtype that cannot be averaged (integers, bool);
-            ``name`` is not a string or ``trainable`` not a bool.
+            ``name`` is not a string, ``trainable`` not a bool, or ``shape`` not ints.
         RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
-            class, synchronization, aggregation or initial shape from the one another replica
-            made as its ``k``-th (every replica must make the same variables in the same
-            order); inside a replica of a ``MultiWorkerMirroredStrategy`` (make them in its
-            scope, outside ``run()``, where every worker starts them from the chief's value).
+            class, synchronization, aggregation, dtype, ``trainable`` or initial shape from
+            the one another replica made as its ``k``-th (every replica must make the same
+            variables in the same order); inside a replica of a ``MultiWorkerMirroredStrategy``
+            (make them in its scope, outside ``run()``, where every worker starts them from the
+            chief's value).
 
     Example:
         >>> v = Variable(np.zeros(3), name="bias")
@@ -180,6 +187,8 @@ class Variable(NDArrayOperatorsMixin):
         ...     w = Variable(np.ones(2), name="w")
         >>> type(w).__name__, len(w.values)
         ('MirroredVariable', 2)
+        >>> Variable(np.zeros(2), False, shape=(2,)).trainable
+        False
     """
 
     __slots__ = (
@@ -232,12 +241,13 @@ class Variable(NDArrayOperatorsMixin):
     def __init__(
         self,
         initial_value: Any,
+        trainable: bool | None = None,
         *,
         name: str | None = None,
         dtype: Any = None,
-        trainable: bool | None = None,
         synchronization: VariableSynchronization | str | None = "auto",
         aggregation: VariableAggregation | str | None = "none",
+        shape: Sequence[int] | int | None = None,
     ) -> None:
         if context_state.get().replica is not None:
             return  # ``__new__`` has returned the replicas' shared variable, made already
@@ -254,7 +264,7 @@ class Variable(NDArrayOperatorsMixin):
         value = initial_value() if callable(initial_value) else initial_value
         if trainable is None:
             trainable = sync is not _Sync.ON_READ
-        self._init(strategy, engine, value, name, dtype, bool(trainable), sync, agg)
+        self._init(strategy, engine, value, name, dtype, bool(trainable), sync, agg, shape)
         workers = engine.cluster if engine is not None else None
         if workers is not None:  # it starts from the chief's value, fetched before first use
             self._unsynced = True
@@ -272,8 +282,11 @@ class Variable(NDArrayOperatorsMixin):
         trainable: bool,
         sync: VariableSynchronization,
         agg: VariableAggregation,
+        shape: Sequence[int] | int | None = None,
     ) -> None:
         array = _initial_array(value, dtype, name)
+        if shape is not None:
+            _check_shape(shape, tuple(array.shape), name)
         _check_aggregation_dtype(agg, array.dtype, name, sync is _Sync.ON_READ)
         self._strategy = strategy
         self._engine = engine
@@ -543,7 +556,14 @@ class Variable(NDArrayOperatorsMixin):
             (array([1., 1.]), array([0., 0.]))
         """
         new = object.__new__(type(self))
-        for name in ("_aggregation", "_devices", "_dtype", "_engine", "_name", "_shape"):
+        for name in (
+            "_aggregation",
+            "_devices",
+            "_dtype",
+            "_engine",
+            "_name",
+            "_shape",
+        ):
             setattr(new, name, getattr(self, name))
         new._strategy = self._strategy
         new._synchronization = self._synchronization
@@ -844,6 +864,7 @@ class Variable(NDArrayOperatorsMixin):
             RuntimeError: across workers, called from another task while a ``run()`` is in
                 progress on this worker.
         """
+        self._check_own_strategy(op)
         engine = _writing_as_the_chief(self)
         if engine is None:
             return self._cross_replica_values(op, value)
@@ -860,6 +881,23 @@ class Variable(NDArrayOperatorsMixin):
         ]
         # The workers compare which variable it is, too (by number: names may repeat).
         return await engine.broadcast(PerReplica(mine), 0, f"{op}() of {variable_label(self)}")
+
+    def _check_own_strategy(self, op: str) -> None:
+        """Refuse a cross-replica write (``op``) of this distributed variable in the scope, or
+        a ``merge_fn``, of another strategy, as TF refuses to mix strategies and as that
+        strategy's replicas and ``extended.update`` refuse it; nothing is written.
+
+        Raises:
+            RuntimeError: naming the variable and both strategies.
+        """
+        current = context_state.get().strategy
+        if current is not None and current is not self._strategy:
+            raise RuntimeError(
+                f"{op}() of variable {self._name!r}, created in the scope of "
+                f"{self._strategy!r}, was called in the scope of {current!r}; strategies "
+                'cannot be mixed (TF: "Mixing different tf.distribute.Strategy objects"): '
+                "write it outside that scope, or in its own strategy's"
+            )
 
     def _cross_replica_values(self, op: str, value: Any) -> list[Any]:
         """One checked value per copy from the argument of a write (``op``) in cross-replica
@@ -1267,7 +1305,8 @@ async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given:
     """A ``MirroredVariable`` write from replica context: aggregate, then write every copy.
 
     ``given`` is what each replica passed, before conversion: the very same object from every
-    replica is one value, not one per replica, and cannot be summed (as in TF).
+    replica is one value, not one per replica, and cannot be summed (as in TF), unless it
+    stands for one value per replica (``_one_per_replica``).
     """
     engine: ReductionEngine = strategy._engine
     try:
@@ -1278,13 +1317,19 @@ async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given:
             variable._aggregation is _Agg.SUM
             and len(variable._devices) > 1
             and not isinstance(given, DistributedValues)
+            and not _one_per_replica(given)
         ):
             raise ValueError(
                 f"{op}() of MirroredVariable {variable._name!r} (aggregation SUM): every "
                 f"replica passed the same object ({_short(given)}), which is one value, not one "
                 "per replica, so it cannot be reduced with SUM (it would count it once per "
-                "replica); pass a value computed in each replica, use aggregation 'mean' or "
-                "'only_first_replica', or write it in cross-replica context"
+                'replica; TF refuses it too: "A non-DistributedValues value cannot be reduced '
+                'with the given reduce op"). A literal, a name the replicas share, and an int '
+                "from -5 to 256 (CPython keeps one object for each, so equal counts such as "
+                "len(batch) are one object) are the same object everywhere; pass a value made "
+                "in each replica (for a count, np.int64(n) or np.float64(n) as the variable's "
+                "dtype takes it), use aggregation 'mean' or 'only_first_replica', or write it "
+                "in cross-replica context"
             )
     except (ValueError, ReplicaSyncError) as exc:
         await engine.refuse("a write of a variable", exc)  # on every worker alike
@@ -1295,6 +1340,29 @@ async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given:
         with reductions_for(f"{op}() of {variable_label(variable)}"):
             reduced = await _aggregate(variable, value)
     await variable._write_copies(op, reduced)
+
+
+def _one_per_replica(given: Any) -> bool:
+    """Whether ``given``, the very object that every replica passed to a write of a ``SUM``
+    mirrored variable, still stands for one value per replica, which the sum counts once per
+    replica (as TF sums them):
+
+    - a distributed variable: each replica wrote its own copy, read in the replica (TF's
+      regroup keeps the variable, and its reduction sums the copies);
+    - a read-only NumPy array: what the library hands every host replica as one shared array
+      (a host collective's output, a mirrored variable's host copy), where GPU replicas get
+      an array each, which TF sums too (a read-only array read outside the step cannot be
+      told apart: it is summed as well, where TF would refuse it);
+    - a Python or NumPy scalar equal to 0, which TF's ``reduce_non_distributed_value`` reduces
+      to 0 (so ``assign(0.0)`` resets the variable in replica context).
+
+    A writeable array or any other number shared by every replica is one value: refused.
+    """
+    if isinstance(given, MirroredVariable | SyncOnReadVariable):
+        return True
+    if isinstance(given, np.ndarray):
+        return not given.flags.writeable
+    return isinstance(given, int | float | complex | np.generic) and bool(given == 0)
 
 
 async def _aggregate(variable: Variable, value: Any) -> list[Any]:
@@ -1752,7 +1820,8 @@ def _shared(
         if k < len(creations.variables):
             variable, maker = creations.variables[k]
             initial = args[0] if args else kwargs.get("initial_value")
-            _check_same_creation(cls, variable, maker, replica, k, name, kwargs, initial)
+            trainable = args[1] if len(args) > 1 else kwargs.get("trainable")
+            _check_same_creation(cls, variable, maker, replica, k, name, kwargs, initial, trainable)
         else:
             token = context_state.set(ContextState(strategy=replica.strategy, engine=engine))
             try:
@@ -1773,13 +1842,16 @@ def _check_same_creation(
     name: str,
     kwargs: dict[str, Any],
     initial: Any,
+    trainable: Any,
 ) -> None:
     """Refuse a replica's ``k``-th ``Variable(...)`` call that asks for another variable than
-    the ``k``-th one ``maker`` made (a name, class, synchronization or aggregation of its own,
-    or an initial value of another shape; a callable one is not called).
+    the ``k``-th one ``maker`` made (a name, class, synchronization, aggregation, dtype or
+    ``trainable`` of its own, or an initial value of another shape; a callable one is not
+    called, so only a ``dtype`` given tells its dtype).
 
     Raises:
-        RuntimeError: naming both replicas and both variables.
+        RuntimeError: naming both replicas and both variables (with the dtypes, or whether
+            each is trainable, where those differ).
     """
     sync = _sync_of(kwargs.get("synchronization"))
     agg = _agg_of(kwargs.get("aggregation"))
@@ -1788,22 +1860,33 @@ def _check_same_creation(
         shape = None if callable(initial) else tuple(np.shape(initial))
     except (TypeError, ValueError):  # no shape to tell (a ragged list): creating one would say
         shape = None
+    dtype = _asked_dtype(initial, kwargs.get("dtype"))
+    same_kind = (variable._synchronization is _Sync.ON_READ) == on_read
+    if trainable is None:  # the default follows the synchronization, compared on its own
+        trainable = not on_read if same_kind else variable._trainable
+    other_trainable = bool(trainable) != variable._trainable
+    other_dtype = dtype not in (None, variable._dtype)
     if (
         variable._name == name
-        and (variable._synchronization is _Sync.ON_READ) == on_read
+        and same_kind
         and variable._aggregation is agg
         and isinstance(variable, cls)
         and shape in (None, variable._shape)
+        and not other_dtype
+        and not other_trainable
     ):
         return
     of_shape = "" if shape is None else f" of shape {shape}"
     wanted = (
-        f"{cls.__name__} {name!r}{of_shape} (synchronization {sync.name}, aggregation {agg.name})"
+        f"{cls.__name__} {name!r}{of_shape} (synchronization {sync.name}, aggregation "
+        f"{agg.name}{f', dtype {dtype}' if other_dtype else ''}"
+        f"{f', trainable {bool(trainable)}' if other_trainable else ''})"
     )
     made = (
         f"{type(variable).__name__} {variable._name!r} of shape {variable._shape} "
         f"(synchronization {variable._synchronization.name}, aggregation "
-        f"{variable._aggregation.name})"
+        f"{variable._aggregation.name}{f', dtype {variable._dtype}' if other_dtype else ''}"
+        f"{f', trainable {variable._trainable}' if other_trainable else ''})"
     )
     raise RuntimeError(
         f"replica {replica.replica_id_in_sync_group} asked for {wanted} as its variable "
@@ -1811,6 +1894,46 @@ def _check_same_creation(
         "of a run share their variables, so every replica must create the same variables in "
         "the same order"
     )
+
+
+def _check_shape(shape: Any, initial: tuple[int, ...], name: str) -> None:
+    """Refuse a ``shape`` argument that is not the initial value's shape (a variable's shape
+    never changes).
+
+    Raises:
+        TypeError: ``shape`` is not an int or a sequence of ints.
+        ValueError: it differs from the initial value's shape.
+    """
+    dims = (shape,) if isinstance(shape, int | np.integer) else shape
+    try:
+        wanted = tuple(operator.index(d) for d in dims)
+    except TypeError:
+        raise TypeError(
+            f"variable {name!r}: shape must be an int, a sequence of ints or None, got "
+            f"{shape!r:.60}"
+        ) from None
+    if wanted != initial:
+        raise ValueError(
+            f"variable {name!r}: shape {wanted} was given, but the initial value has shape "
+            f"{initial}; pass an initial value of that shape (np.broadcast_to(value, shape)), "
+            "or leave shape out"
+        )
+
+
+def _asked_dtype(initial: Any, dtype: Any) -> np.dtype[Any] | None:
+    """The dtype a ``Variable(initial, dtype=dtype)`` call asks for, as the constructor
+    takes it (``dtype`` if given, else the initial value's own), or ``None`` where that cannot
+    be told without making it (a callable initial value, an invalid dtype: creating one would
+    say)."""
+    if dtype is None and callable(initial):
+        return None
+    if dtype is None:  # an array's, a variable's or a NumPy scalar's own, else NumPy's guess
+        dtype = getattr(initial, "dtype", None)
+    try:
+        asked: np.dtype[Any] = np.dtype(dtype if dtype is not None else np.asarray(initial).dtype)
+    except (TypeError, ValueError):
+        return None
+    return asked
 
 
 def _check_kind(

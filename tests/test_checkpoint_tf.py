@@ -323,10 +323,11 @@ class TestCheckpointInterval:
         interval; the same step never saves twice; ``check_interval=False`` saves any new
         step. Each held-back save returns None and writes nothing."""
         step = Variable(np.int64(0), name="step")
+        checkpoint = Checkpoint(step=step)
         manager = CheckpointManager(
-            Checkpoint(step=step), tmp_path, None, step_counter=step, checkpoint_interval=3
+            checkpoint, tmp_path, None, step_counter=step, checkpoint_interval=3
         )
-        assert manager.checkpoint_interval == 3
+        assert (manager.checkpoint_interval, manager.checkpoint) == (3, checkpoint)
         results = []
         for value, check in [(0, True), (2, True), (3, True), (3, False), (4, False), (6, True)]:
             await step.assign(value)

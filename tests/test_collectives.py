@@ -21,6 +21,7 @@ from aioreplica import (
     PerReplica,
     ReduceOp,
     ReplicaSyncError,
+    VariableAggregation,
 )
 from aioreplica._backends import HostDevice, _hostreduce, _numpy
 from aioreplica._backends._numpy import INLINE_BYTES
@@ -52,6 +53,14 @@ class TestReduceOp:
         assert ReduceOp.parse(ReduceOp.MEAN) is ReduceOp.MEAN
         with pytest.raises(ValueError, match="unknown reduce op 'avg': use a ReduceOp or one of"):
             ReduceOp.parse("avg")
+
+    def test_from_variable_aggregation(self) -> None:
+        """TF's mapping: SUM and MEAN have an op (members or names); the others raise."""
+        assert ReduceOp.from_variable_aggregation(VariableAggregation.SUM) is ReduceOp.SUM
+        assert ReduceOp.from_variable_aggregation("MEAN") is ReduceOp.MEAN
+        for aggregation in [VariableAggregation.NONE, "only_first_replica", 3]:
+            with pytest.raises(ValueError, match="only SUM and MEAN have one"):
+                ReduceOp.from_variable_aggregation(aggregation)
 
 
 class TestCommunicationOptions:

@@ -489,11 +489,26 @@ class TestScope:
         assert events == [
             ("started inside", message),
             ("started inside", True),
-            ("started before", message),
+            ("started before", _no_entry(strategy)),
             ("started before", False),
             ("parent", True),
             ("parent after", False),
         ]
+
+    def test_scope_exited_twice_or_never_entered_says_so(self) -> None:
+        """Exiting a scope once more than it was entered, or one never entered, raises
+        RuntimeError saying the task holds no entry of it, and changes nothing."""
+        strategy = two()
+        scope = strategy.scope()
+        errors = []
+        with scope:
+            pass
+        for exited in (scope, strategy.scope()):
+            with pytest.raises(RuntimeError) as caught:
+                exited.__exit__(None, None, None)
+            errors.append(str(caught.value))
+        assert errors == [_no_entry(strategy)] * 2
+        assert not aioreplica.has_strategy()
 
     @pytest.mark.anyio
     async def test_another_strategys_calls_in_a_scope_are_refused(self) -> None:
@@ -855,3 +870,13 @@ class TestMergeCallMisuseAsyncio:
         assert re.fullmatch(
             r"raised in replica [01] of 2 \(device cpu:[01]\)", info.value.__notes__[0]
         )
+
+
+def _no_entry(strategy: Any) -> str:
+    """The error of a scope exited where no entry of it is held."""
+    return (
+        f"the scope of {strategy!r} was exited, but this task holds no entry of it: it was not "
+        "entered, or was exited already, here (or was entered in another task or thread); "
+        "exit a scope once per entry, in the task that entered it (`with strategy.scope():` "
+        "does); nothing was changed"
+    )

@@ -134,6 +134,8 @@ class TestAll:
         assert issubclass(aioreplica.ReplicaSyncError, RuntimeError)
         assert issubclass(aioreplica.AioreplicaInternalError, RuntimeError)
         assert issubclass(aioreplica.CheckpointError, ValueError)
+        assert issubclass(aioreplica.WorkersDisagree, ValueError)
+        assert issubclass(aioreplica.ClusterBroken, RuntimeError)
 
     def test_variable_classes(self) -> None:
         """``Variable`` is the base of the distributed variables, open for them only."""

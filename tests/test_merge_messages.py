@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 
-from aioreplica import MirroredStrategy
+from aioreplica import MirroredStrategy, ReplicaSyncError, Variable
 from aioreplica.testing import host_devices, replica_context, replica_id
 
 pytestmark = pytest.mark.anyio
@@ -76,3 +77,48 @@ class TestMergeArguments:
             caught.value
         )
         assert "'scale' only in replica 1" in str(caught.value)
+
+
+class TestDifferentCalls:
+    async def test_a_collective_against_a_write_names_the_calls(self) -> None:
+        """One replica all-reduces while the other writes a variable: the replicas never
+        called merge_call themselves, so the note names the calls each made, not merge
+        functions, and gives no merge_call advice."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(0.0, aggregation="mean", name="v")
+
+        async def step() -> None:
+            if replica_id() == 1:
+                await replica_context().all_reduce("sum", 1.0)
+            else:
+                await v.assign_add(1.0)
+
+        with pytest.raises(ReplicaSyncError) as caught:
+            await strategy.run(step)
+        notes = caught.value.__notes__
+        assert notes[0] == (
+            "the replicas made different calls here (replica 0: a write of a variable (assign, "
+            "assign_add or assign_sub); replica 1: all_reduce): every replica must make the "
+            "same collectives, variable writes, optimizer steps and merge_calls, in the same "
+            "order; keep them out of branches that depend on the replica"
+        )
+        assert float(v) == 0.0
+
+    async def test_a_collective_against_a_merge_call_names_both(self) -> None:
+        """A collective against the user's own merge_call: the note names the collective and
+        the user's merge function."""
+        strategy = MirroredStrategy(host_devices(2))
+
+        async def step() -> Any:
+            if replica_id() == 0:
+                return await replica_context().merge_call(keep)
+            return await replica_context().all_gather(np.ones(1), axis=0)
+
+        with pytest.raises(ReplicaSyncError) as caught:
+            await strategy.run(step)
+        note = caught.value.__notes__[0]
+        assert note.startswith(
+            "the replicas made different calls here (replica 0: merge_call(keep ("
+        ), note
+        assert "; replica 1: all_gather): every replica must make" in note, note

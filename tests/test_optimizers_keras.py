@@ -731,3 +731,17 @@ class TestConfig:
             "Adam(learning_rate=0.2, beta_1=0.9, beta_2=0.999, epsilon=1e-07, amsgrad=True, "
             "weight_decay=0.1, clipvalue=1.0)"
         )
+
+    def test_from_config_rebuilds_each_optimizer(self) -> None:
+        """Keras' ``from_config``: the class rebuilds an optimizer of the same settings from
+        its config (a schedule included); an argument the class does not take
+        is refused."""
+
+        def schedule(step: int) -> float:
+            return 0.1 / (1 + step)
+
+        for opt in [SGD(0.1, momentum=0.9, nesterov=True), Adam(schedule, amsgrad=True)]:
+            rebuilt = type(opt).from_config(opt.get_config())
+            assert (type(rebuilt), rebuilt.get_config()) == (type(opt), opt.get_config())
+        with pytest.raises(TypeError, match="amsgrad"):
+            SGD.from_config({"learning_rate": 0.1, "amsgrad": True})

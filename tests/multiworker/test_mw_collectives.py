@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from aioreplica import (
+    ClusterBroken,
     CommunicationImplementation,
     CommunicationOptions,
     PerReplica,
@@ -907,7 +908,10 @@ async def test_a_call_on_one_worker_meets_a_step_as_a_disagreement(
     """Worker 0 alone makes a cross-replica call (a reduce on the chief only, say) while the
     others run a step whose collective has the same kind, dtype and shape: every worker raises
     the same ValueError naming the call on worker 0, at once, rather than combine the two (the
-    call's result and the step's would both hold the other's values); the strategy goes on."""
+    call's result and the step's would both hold the other's values). The workers lost
+    different calls there (worker 0 its reduce, the others their step), so their programs
+    are no longer at the same point: the strategy refuses the calls after it on every worker,
+    rather than pair worker 0's next step with the others' step after it."""
     strategy = make_strategy(1)
     make_call, collective = CALLS_ON_ONE_WORKER[call]
 
@@ -920,12 +924,14 @@ async def test_a_call_on_one_worker_meets_a_step_as_a_disagreement(
     assert time.monotonic() - started < 5
     message = str(caught.value)
     assert f"worker 0: {call}: all_" in message, message
+    assert "worker 0 outside one, so they no longer pair their collectives" in message, message
     assert len(set(allgather(message))) == 1
 
     async def agreed() -> Any:
         return await replica_context().all_reduce("sum", RANK + 1.0)
 
-    assert await strategy.run(agreed) == WORKERS * (WORKERS + 1) / 2
+    with pytest.raises(ClusterBroken, match="the workers fell out of step in all_"):
+        await strategy.run(agreed)
 
 
 def _in_a_step(call: Callable[[bool], Any]) -> Callable[[Any, bool], Any]:
