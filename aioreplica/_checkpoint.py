@@ -354,8 +354,38 @@ class Checkpoint:
     async def _collective_snapshot(self, workers: Workers, caller: str) -> _Snapshot:
         """The snapshot of a save on several workers, once every worker is here (an
         agreement named ``caller``, as a wait there for a late or cancelled worker says)."""
-        await workers.barrier(caller)
+        await self._agree_to_save(workers, caller)
         return await self._synced_snapshot(workers, caller)
+
+    async def _agree_to_save(self, workers: Workers, caller: str, detail: str = "") -> None:
+        """Agree with the other workers to save (``caller``, and ``detail`` they compare too)
+        the same objects at the same paths: only the chief writes, so a worker whose
+        checkpoint holds other objects, or the same ones at other paths, would find the
+        chief's file holding what it did not save.
+
+        Raises:
+            WorkersDisagree: the workers' checkpoints hold other objects, or their calls
+                differ.
+        """
+        held = [
+            f"{_show(path)}: "
+            + (
+                variable_label(obj)
+                if isinstance(obj, Variable) and obj._number is not None
+                else _kind(obj)
+            )
+            for path, obj in self._leaves()
+        ]
+        placed = zlib.crc32("; ".join(held).encode())
+        try:
+            await workers.barrier(caller, f"{detail} of objects {placed:08x}")
+        except WorkersDisagree as exc:
+            add_note(
+                exc,
+                f"this worker saves {', '.join(held) or 'no objects'}; every worker must save "
+                "the same objects at the same paths (the chief writes the file for all)",
+            )
+            raise
 
     async def _synced_snapshot(self, workers: Workers, caller: str) -> _Snapshot:
         """The snapshot of a save on several workers, every worker here: new variables take
@@ -1123,7 +1153,7 @@ class CheckpointManager(Generic[_Interval]):
             # Every worker here first: a wait for a late or cancelled one names this call (and
             # the workers compare whether their managers have an interval).
             interval = f" every {self._interval} steps" if self._interval is not None else ""
-            await workers.barrier("CheckpointManager.save", interval)
+            await self._checkpoint._agree_to_save(workers, "CheckpointManager.save", interval)
             if workers.pending:  # on every worker, before the chief alone reads its step
                 await sync_variables(workers)
             last = self._last_step

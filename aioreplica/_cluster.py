@@ -926,10 +926,11 @@ class Workers:
             self._end()
 
     async def allgather_rows(
-        self, local: np.ndarray[Any, Any], where: str = ""
+        self, local: np.ndarray[Any, Any], where: str = "", what: str = "all_gather"
     ) -> np.ndarray[Any, Any]:
         """Concatenate the workers' arrays along axis 0, in worker order (uneven rows).
-        ``where``: where the array is in the value gathered, which the workers compare.
+        ``where``: where the array is in the value gathered, which the workers compare;
+        ``what``: the name its waits and errors give it.
 
         Raises:
             WorkersDisagree: the workers' arrays differ in dtype or in their other dimensions,
@@ -940,10 +941,10 @@ class Workers:
         header = _header_of(
             f"all_gather of {local.dtype} rows of {local.shape[1:]}" + _named(where)
         )
-        await self._begin("all_gather")
+        await self._begin(what)
         try:
             self._record_words[_HEADER_WORDS] = local.shape[0]
-            await self._exchange("all_gather", self._called(header))
+            await self._exchange(what, self._called(header))
             rows: list[int] = self._gathered_words[:, _HEADER_WORDS].tolist()
             row_bytes = math.prod(local.shape[1:]) * local.itemsize
             out = np.empty((sum(rows), *local.shape[1:]), local.dtype)
@@ -951,7 +952,7 @@ class Workers:
             displacements = [sum(counts[:w]) for w in range(self.num_workers)]
             recv = [_bytes_of(out), (counts, displacements), self.mpi.BYTE]
             request = self._comm.Iallgatherv([_bytes_of(local), self.mpi.BYTE], recv)
-            await self._wait(request, "all_gather", out.nbytes)
+            await self._wait(request, what, out.nbytes)
         finally:
             self._end()
         return out.astype(dtype, copy=False)

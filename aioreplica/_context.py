@@ -293,6 +293,9 @@ class ReplicaContext:
     ) -> Any:
         """Concatenate every replica's ``value`` along ``axis``; every replica gets the whole.
 
+        ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
+        ``timeout_seconds`` bounds the wait for the other replicas and workers).
+
         Shapes may differ along ``axis`` (uneven batches), nowhere else.
 
         Raises:
@@ -319,6 +322,9 @@ class ReplicaContext:
     ) -> Any:
         """Give every replica ``source_replica``'s ``value`` (the others' are ignored, across
         workers too: only the structure must be the same).
+
+        ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
+        ``timeout_seconds`` bounds the wait for the other replicas and workers).
 
         Raises:
             ValueError: ``source_replica`` is out of range, or structures differ.
@@ -353,6 +359,9 @@ class ReplicaContext:
     ) -> Any:
         """Reduce across replicas, then give replica ``i`` the ``i``-th chunk along ``axis``.
 
+        ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
+        ``timeout_seconds`` bounds the wait for the other replicas and workers).
+
         Chunks are ``array_split`` parts: sizes differ by at most one, larger ones first.
 
         Raises:
@@ -380,6 +389,9 @@ class ReplicaContext:
 
     async def barrier(self, options: CommunicationOptions | None = None) -> None:
         """Wait until every replica has reached this barrier.
+
+        ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
+        ``timeout_seconds`` bounds the wait for the other replicas and workers).
 
         Raises:
             ReplicaSyncError: (from ``run()``) replicas late past ``timeout_seconds``.

@@ -93,6 +93,9 @@ _END: Final = object()
 _NO_BATCH: Final = object()
 #: A worker's mark in a pass's agreement when its dataset raised.
 _RAISED: Final = -1
+#: What a pass's agreement on its next batch is called in waits and errors (a worker late to
+#: it, or that left the pass early, is named for it).
+_NEXT_BATCH: Final = "a dataset pass's agreement on its next batch"
 #: How many rows of each leaf of a global batch, and how many values of each, its fingerprint
 #: takes (``_fingerprint``).
 _SAMPLED_ROWS: Final = 16
@@ -970,11 +973,13 @@ class _Puller:
             element = await self._next_local()
         except Exception as exc:  # told in this step's agreement: the others must not wait
             with contextlib.suppress(RuntimeError):  # a peer failed, or the cluster is broken:
-                marks = await workers.allgather_rows(np.array([[_RAISED, 0]], np.int64))
+                marks = await workers.allgather_rows(
+                    np.array([[_RAISED, 0]], np.int64), what=_NEXT_BATCH
+                )
                 await self._end_for_a_failure(marks, exc)  # this worker's error is still the one
             raise
         mark = np.array([[element is not _END, self._fingerprint]], np.int64)
-        marks = await workers.allgather_rows(mark)
+        marks = await workers.allgather_rows(mark, what=_NEXT_BATCH)
         if (marks[:, 0] == _RAISED).any():
             await self._end_for_a_failure(marks, None)
         have = marks[:, 0].astype(bool)

@@ -319,6 +319,8 @@ class StrategyExtended:
                 (its devices: the strategy's own), or an array (its device: a CuPy array's
                 GPU; for a NumPy array or NumPy scalar, the host: the strategy's first host
                 device). A Python number, which is on no device, is refused, as in TF.
+            options: overrides the strategy's ``CommunicationOptions`` for this call (its
+                packing and, across workers, the timeout of the wait for the other workers).
 
         Returns:
             The reduced value on the one destination device, or a ``Mirrored`` over several
@@ -362,7 +364,8 @@ class StrategyExtended:
     ) -> list[Any]:
         """``reduce_to`` for several values at once, packed into as few reductions as possible.
 
-        Error messages name value ``k`` of the list at ``[k]``.
+        Error messages name value ``k`` of the list at ``[k]``. ``options`` overrides the
+        strategy's ``CommunicationOptions`` for this call, as ``reduce_to``'s does.
 
         Raises:
             ValueError: as ``reduce_to``.

@@ -1777,7 +1777,7 @@ class FakeWorkers:
     async def refuse_in_step(self, what: str, error: BaseException) -> None:
         self.collectives.append(f"{what} refusing its arguments: {type(error).__name__}")
 
-    async def barrier(self, what: str) -> None:
+    async def barrier(self, what: str, detail: str = "") -> None:
         self.collectives.append(what.split(": ")[0])
 
     async def broadcast_bytes(self, data: bytes, root: int, what: str = "broadcast") -> bytes:

@@ -478,3 +478,38 @@ async def test_a_save_cancelled_on_the_chief_fails_the_others(make_strategy: Mak
                 assert re.search(shown, str(caught.value)), str(caught.value)
         WORLD.Barrier()
         assert "cancelled.npz" not in os.listdir(directory)
+
+
+@pytest.mark.parametrize("manager", [False, True])
+async def test_a_save_of_other_objects_on_one_worker_is_refused_on_every_worker(
+    make_strategy: MakeStrategy, manager: bool
+) -> None:
+    """Worker 1's checkpoint holds the same variables at swapped paths: only the chief
+    writes, so worker 1 would find the chief's file holding what it did not save. Every
+    worker raises the same disagreement before anything is written (worker 1's note names
+    its objects), and the strategy goes on: a save of the same objects works after it."""
+    strategy = make_strategy(1)
+    with strategy.scope():
+        a = Variable(1.0, name="a")
+        b = Variable(2.0, name="b")
+    ours = Checkpoint(a=a, b=b) if RANK == 0 else Checkpoint(a=b, b=a)
+    with shared_directory() as directory:
+        path = os.path.join(directory, "ck.npz")
+
+        async def save(checkpoint: Checkpoint) -> str | None:
+            if manager:
+                return await CheckpointManager(checkpoint, directory, None).save()
+            return await checkpoint.save(path)
+
+        with pytest.raises(WorkersDisagree, match="of objects") as caught:
+            await save(ours)
+        written = sorted(os.listdir(directory))
+        again = await save(Checkpoint(a=a, b=b))
+        WORLD.Barrier()
+    assert len(set(allgather(str(caught.value)))) == 1
+    note = caught.value.__notes__[-1]
+    saved_at_a = "'a'" if RANK == 0 else "'b'"
+    assert re.match(rf"this worker saves a: variable #\d+ {saved_at_a}, b: ", note), note
+    assert written == []
+    assert again is not None
+    assert os.path.basename(again) in ("ck.npz", "ckpt-1.npz")

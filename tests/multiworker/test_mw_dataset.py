@@ -549,3 +549,29 @@ async def test_run_during_the_agreement_to_start_run_steps_is_refused(
     go.Free()
     assert refused == (["run()"] if RANK == 0 else [])
     assert each_replica(strategy, results[0]) == [2, 2]
+
+
+async def test_a_worker_leaving_a_pass_early_is_named_in_the_passs_agreement(
+    make_strategy: MakeStrategy,
+) -> None:
+    """Worker 1 breaks out of a pass after its first batch while worker 0 goes on (no
+    prefetching, so worker 1 makes no agreement ahead): worker 0's wait under
+    ``sync_timeout`` names the pass's agreement on its next batch, not a collective the
+    program never made, and worker 1 as the late worker."""
+    strategy = make_strategy(1, sync_timeout=0.5)
+    outcome: Any = "done"
+    try:
+        async for batch in strategy.distribute_dataset(batched(np.arange(8.0), 2), prefetch=0):
+            await strategy.run(lambda x: x, args=(batch,))
+            if RANK == 1:
+                break
+    except aioreplica.ReplicaSyncError as exc:
+        outcome = (str(exc).split(";")[0], exc.workers)
+    assert allgather(outcome) == [
+        (
+            "worker 0 waited 0.5 s in a dataset pass's agreement on its next batch for worker "
+            "1, which did not arrive",
+            (1,),
+        ),
+        "done",
+    ]
