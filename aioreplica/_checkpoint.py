@@ -367,16 +367,7 @@ class Checkpoint:
             WorkersDisagree: the workers' checkpoints hold other objects, or their calls
                 differ.
         """
-        held = [
-            f"{_show(path)}: "
-            + (
-                variable_label(obj)
-                if isinstance(obj, Variable) and obj._number is not None
-                else _kind(obj)
-            )
-            for path, obj in self._leaves()
-        ]
-        placed = zlib.crc32("; ".join(held).encode())
+        held, placed = self._placement(every_object=True)
         try:
             await workers.barrier(caller, f"{detail} of objects {placed:08x}")
         except WorkersDisagree as exc:
@@ -589,12 +580,7 @@ class Checkpoint:
         Raises:
             WorkersDisagree: the workers restore different files, or into other variables.
         """
-        into = [
-            f"{_show(path)}: {variable_label(obj)}"
-            for path, obj in self._leaves()
-            if isinstance(obj, Variable) and obj._number is not None
-        ]
-        placed = zlib.crc32("; ".join(into).encode())
+        into, placed = self._placement(every_object=False)
         try:
             await workers.barrier(
                 f"Checkpoint.restore of a file {fingerprint:08x} ({name}) into variables "
@@ -607,6 +593,18 @@ class Checkpoint:
                 "worker must restore the same file into the same variables",
             )
             raise
+
+    def _placement(self, *, every_object: bool) -> tuple[list[str], int]:
+        """Where the checkpoint holds its multi-worker variables (each path with the
+        variable's number and name), and with ``every_object`` its other objects too (each
+        path with its kind); and a checksum of that, which the workers compare."""
+        placed = []
+        for path, obj in self._leaves():
+            if isinstance(obj, Variable) and obj._number is not None:
+                placed.append(f"{_show(path)}: {variable_label(obj)}")
+            elif every_object:
+                placed.append(f"{_show(path)}: {_kind(obj)}")
+        return placed, zlib.crc32("; ".join(placed).encode())
 
     def _leaves(self) -> Iterator[tuple[Path, Any]]:
         pairs, _ = _tree.flatten_with_path(self._objects)

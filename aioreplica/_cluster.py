@@ -1331,11 +1331,10 @@ class Workers:
             WorkersDisagree: as ``_exchange``.
             ReplicaSyncError: under a timeout, a peer gave up on this worker meanwhile.
         """
-        word = self._word_sent
-        if self._checksums.tolist().count(word) != self.num_workers:
+        if self._checksums.tolist().count(self._word_sent) != self.num_workers:
             raise self._disagree(what)
         if (
-            not word & _IN_STEP
+            not self._in_step
             or self.default_timeout is not None
             or collective_timeout.get() is not None
         ):

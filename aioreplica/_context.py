@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COLLECTIVE_VALUES",
+    "MERGE_CALLS",
     "ContextState",
     "ReplicaContext",
     "context_state",
@@ -511,6 +512,15 @@ def _merge_barrier(strategy: Any, engine: ReductionEngine) -> Awaitable[None] | 
         with recorder.span("barrier", {"devices": strategy.num_replicas_in_sync}):
             pass
     return None
+
+
+#: The calls that the library's own merge functions stand for, by merge function: the
+#: collectives here, and what other modules add (a variable's write, an optimizer step), so
+#: that replicas making different ones are told which calls they made (``_scheduler``).
+MERGE_CALLS: dict[Callable[..., Any], str] = {
+    **{merge_fn: name for merge_fn, (name, _) in COLLECTIVE_VALUES.items()},
+    _merge_barrier: "barrier",
+}
 
 
 # -- the default context ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Final, Self, final
 import numpy as np
 
 from ._collectives import reductions_for
-from ._context import context_state, default_replica_context, get_replica_context
+from ._context import MERGE_CALLS, context_state, default_replica_context, get_replica_context
 from ._errors import ReplicaSyncError, WorkersDisagree, add_note, checked_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
@@ -785,6 +785,9 @@ class Optimizer:
             f"{key}={value!r}" for key, value in self.get_config().items() if value is not None
         )
         return f"{type(self).__name__}({config})"
+
+
+MERGE_CALLS[Optimizer._merge_apply] = "an optimizer step (apply_gradients)"
 
 
 @final

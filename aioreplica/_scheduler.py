@@ -107,7 +107,13 @@ import anyio
 
 from . import _loops, _trace
 from ._cluster import error_line
-from ._context import COLLECTIVE_VALUES, ContextState, ReplicaContext, context_state
+from ._context import (
+    COLLECTIVE_VALUES,
+    MERGE_CALLS,
+    ContextState,
+    ReplicaContext,
+    context_state,
+)
 from ._errors import (
     AioreplicaInternalError,
     ReplicaSyncError,
@@ -162,25 +168,14 @@ def _describe_fn(fn: Callable[..., Any] | None) -> str:
     return f"{name}{where}"
 
 
-#: The library's own merge functions (by qualified name), as the calls that make them.
-_CALLS: Final = {
-    "_merge_all_reduce": "all_reduce",
-    "_merge_all_gather": "all_gather",
-    "_merge_broadcast": "broadcast",
-    "_merge_reduce_scatter": "reduce_scatter",
-    "_merge_barrier": "barrier",
-    "_merge_write": "a write of a variable (assign, assign_add or assign_sub)",
-    "_merge_update": "extended.update of a variable",
-    "Optimizer._merge_apply": "an optimizer step (apply_gradients)",
-}
-
-
 def _call_of(fn: Callable[..., Any] | None) -> str:
-    """The call a merge function of the library's own stands for (a collective, a write), or
-    ``""`` for any other."""
-    if not getattr(fn, "__module__", "").startswith("aioreplica."):
+    """The call a merge function of the library's own stands for (``MERGE_CALLS``: a
+    collective, a write), or ``""`` for any other."""
+    function: Any = getattr(fn, "__func__", fn)  # (a method: its function)
+    try:
+        return MERGE_CALLS.get(function, "")
+    except TypeError:  # an unhashable callable: the user's own
         return ""
-    return _CALLS.get(getattr(fn, "__qualname__", ""), "")
 
 
 class _RunFailed(BaseException):

@@ -28,7 +28,13 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
 from ._cluster import WorkersDisagree, call_of, error_line
 from ._collectives import reductions_for, register_copied_type
-from ._context import ContextState, ReplicaContext, context_state, default_replica_context
+from ._context import (
+    MERGE_CALLS,
+    ContextState,
+    ReplicaContext,
+    context_state,
+    default_replica_context,
+)
 from ._errors import ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path
@@ -1548,6 +1554,10 @@ async def _merge_update(
         await strategy._engine.refuse("update()", exc)  # on every worker alike
         raise
     return await _update(strategy, variable, fn, args, kwargs, in_replicas=True)
+
+
+MERGE_CALLS[_merge_write] = "a write of a variable (assign, assign_add or assign_sub)"
+MERGE_CALLS[_merge_update] = "extended.update of a variable"
 
 
 async def _update(
