@@ -159,8 +159,8 @@ _DESCRIPTIONS: Final = 256
 #: (``_RecordExchange``), and the tag of those messages on the collectives' communicator.
 _DIRECT_WORKERS = 8
 _RECORD_TAG: Final = 0
-#: Each worker's message in the agreement to start: its count of local replicas, then why it
-#: could not make its strategy (UTF-8, cut to fit), if it could not.
+#: Each worker's message in the agreement to start: its count of local replicas, its pack size,
+#: then why it could not make its strategy (UTF-8, cut to fit), if it could not.
 _START_BYTES: Final = 512
 
 
@@ -328,18 +328,25 @@ class Workers:
     """This worker's place among the workers, and the collectives between them.
 
     Construction is collective: every worker makes its ``Workers`` (through its strategy) at
-    the same point of its program, and they agree on the number of local replicas.
+    the same point of its program, and they agree on the number of local replicas and on the
+    pack size of their collectives.
 
     Args:
         communicator: an mpi4py intracommunicator (default ``COMM_WORLD``); the cluster works
             on duplicates of it.
         local_replicas: how many replicas this worker runs.
+        pack_bytes: the most bytes its collectives pack together (the strategy's
+            ``CommunicationOptions.bytes_per_pack``, its default in place of 0): workers that
+            pack differently make different collectives from the same values.
+        timeout: the strategy's ``sync_timeout``: how long a refusal of ``communicator`` may
+            wait for the others where it has to guess their communicator (``refuse``).
 
     Raises:
         ImportError: mpi4py is not installed.
-        TypeError: ``communicator`` is not an mpi4py intracommunicator.
-        ValueError: the workers run different numbers of local replicas, or another worker
-            could not make its strategy (on every worker).
+        TypeError: ``communicator`` is not an mpi4py intracommunicator, or is
+            ``MPI.COMM_NULL`` (``refuse`` says what the other workers learn).
+        ValueError: the workers run different numbers of local replicas or pack differently,
+            or another worker could not make its strategy (on every worker).
     """
 
     # This worker's record (every collective's first message) in three views, the header it
@@ -396,25 +403,28 @@ class Workers:
         "workers_here",
     )
 
-    def __init__(self, communicator: Any, local_replicas: int) -> None:
+    def __init__(
+        self,
+        communicator: Any,
+        local_replicas: int,
+        pack_bytes: int = 0,
+        timeout: float | None = None,
+    ) -> None:
         mpi = import_mpi()
         self.mpi = mpi
         _free_retired()
         try:
             communicator = _intracomm(mpi, communicator)
         except TypeError as exc:
-            Workers.refuse(None, exc)  # the others wait on COMM_WORLD, likely
+            Workers.refuse(communicator, exc, timeout)
             raise
-        # First, on the caller's communicator, every worker's count of local replicas (or why
-        # it could not make its strategy: ``refuse``), so that no worker waits for another
-        # that gave up, and nothing is made unless every worker can.
-        counts = _agree_to_start(communicator, local_replicas)
-        if len(set(counts)) > 1:
-            shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
-            raise ValueError(
-                f"every worker must run the same number of local replicas, but {shown}; "
-                "give each worker's MultiWorkerMirroredStrategy as many devices"
-            )
+        # First, on the caller's communicator, every worker's count of local replicas and pack
+        # size (or why it could not make its strategy: ``refuse``), so that no worker waits
+        # for another that gave up, and nothing is made unless every worker can.
+        started = _agree_to_start(communicator, local_replicas, pack_bytes)
+        differ = _starts_differ(started)
+        if differ:
+            raise ValueError(differ)
         self._comm = communicator.Dup()
         self.worker_index: int = self._comm.Get_rank()
         self.num_workers: int = self._comm.Get_size()
@@ -460,19 +470,48 @@ class Workers:
         here.Free()
 
     @staticmethod
-    def refuse(communicator: Any, error: BaseException) -> None:
+    def refuse(communicator: Any, error: BaseException, timeout: float | None = None) -> None:
         """Take part in the workers' construction as a worker that could not make its
         strategy (``error``), so that every other worker raises too instead of waiting for it.
-        Nothing to do without mpi4py or when ``error`` came from that agreement itself."""
+        Nothing to do without mpi4py or when ``error`` came from that agreement itself.
+
+        A worker given ``MPI.COMM_NULL`` (a rank left out of the communicator, or a freed
+        one) is in no group of workers: it takes part in nothing, and the workers of the
+        communicator, which it is not one of, go on without it. Given something that is no
+        communicator, it guesses that the others wait on ``COMM_WORLD``, which they may not
+        (they may be on a communicator of their own): that wait ends after ``timeout``
+        seconds if given (the strategy's ``sync_timeout``), and ``error`` then gets a note
+        saying that the others were not told. MPI cannot cancel a collective, so the refusal
+        stays posted on ``COMM_WORLD`` until the job ends: the next collective the other
+        workers make there meets it (a strategy made there raises ``ValueError`` naming this
+        worker), so end the job rather than go on.
+
+        Example:
+            >>> MPI = import_mpi()
+            >>> Workers.refuse(MPI.COMM_NULL, TypeError("not in it"))  # nothing to agree
+        """
         if isinstance(error, (ImportError, _Refused)):
             return
         mpi = import_mpi()
+        if _is_null(mpi, communicator):
+            return
         try:
             communicator = _intracomm(mpi, communicator)
         except TypeError:
             communicator = mpi.COMM_WORLD  # the likeliest communicator of the others
-        with contextlib.suppress(_Refused):
-            _agree_to_start(communicator, -1, error_line(error))
+        else:
+            timeout = None  # the others' communicator, where they all wait
+        try:
+            _agree_to_start(communicator, -1, 0, error_line(error), timeout)
+        except _Refused:
+            pass
+        except TimeoutError:
+            error.add_note(
+                f"The other workers were not told: none joined this worker's refusal on "
+                f"MPI.COMM_WORLD within sync_timeout ({timeout:g} s), so they are likely on "
+                "another communicator; the refusal stays posted on MPI.COMM_WORLD, where it "
+                "would meet their next collective: end the job"
+            )
 
     # -- facts ----------------------------------------------------------------------------
 
@@ -728,7 +767,7 @@ class Workers:
     def _arrive(self) -> None:
         """Count this collective; with a timeout in force, tell the peers it was reached."""
         self._sequence += 1
-        if self.default_timeout is not None or collective_timeout.get() is not None:
+        if self.default_timeout is not None or collective_timeout.get() not in (None, math.inf):
             self._tell_arrival()  # (``_timeout()``, read in place: every collective comes here)
 
     def _tell_arrival(self) -> None:
@@ -1692,9 +1731,11 @@ def _retire(mpi: Any, comm: Any, **state: Any) -> None:
 
 def _free_retired() -> None:
     """Free the communicators given back since the last call (at a collective point: a new
-    strategy, a new dataset pass, the exit)."""
+    strategy, a new dataset pass, the exit), and drop the unanswered agreements to start that
+    the other workers have met since (a request that completed goes back to MPI once tested)."""
     while _retired:
         _retired.pop()()
+    _unanswered[:] = [kept for kept in _unanswered if not kept[0].Test()]
 
 
 def _free(
@@ -1844,27 +1885,53 @@ def _disagreement(what: str, gathered: np.ndarray[Any, Any], apart: str = "") ->
             said=said,
             workers=refusing,
         )
+    # A pack's words name its leaves (``_named`` of the layout "leaves ..."): the same values
+    # packed otherwise (another ``options=`` of the call) differ in shape alone.
+    packed = any(_PACKED in words for words in said)
     return WorkersDisagree(
         f"{what}: the workers passed different values or made different collectives "
         f"({shown}); every worker must make the same collectives in the same order, with the "
-        "same structure, shapes, dtypes and ops",
+        "same structure, shapes, dtypes and ops" + (_PACKING if packed else ""),
         said=said,
     )
+
+
+#: In a collective's words: it reduces several leaves packed together.
+_PACKED: Final = " (leaves "
+#: The end of a disagreement where some worker packed leaves (``_disagreement``).
+_PACKING: Final = (
+    ", and pack them alike: if every worker passed the same values here, they packed them "
+    "differently, so the CommunicationOptions.bytes_per_pack of this call's options= differ "
+    "between the workers; pass the same options on every worker"
+)
 
 
 class _Refused(ValueError):
     """Another worker could not make its strategy (raised on every worker that could)."""
 
 
+def _is_null(mpi: Any, communicator: Any) -> bool:
+    """Whether ``communicator`` is ``MPI.COMM_NULL``: what a rank that ``Split`` left out
+    (``MPI.UNDEFINED``) gets, and what a communicator becomes once freed."""
+    return isinstance(communicator, mpi.Comm) and communicator == mpi.COMM_NULL
+
+
 def _intracomm(mpi: Any, communicator: Any) -> Any:
     """``communicator`` (default ``COMM_WORLD``), checked.
 
     Raises:
-        TypeError: it is not an mpi4py intracommunicator.
+        TypeError: it is not an mpi4py intracommunicator, or it is ``MPI.COMM_NULL``.
     """
     if communicator is None:
         return mpi.COMM_WORLD
-    if not isinstance(communicator, mpi.Intracomm) or communicator == mpi.COMM_NULL:
+    if _is_null(mpi, communicator):
+        raise TypeError(
+            "communicator is MPI.COMM_NULL: this rank is not in it (a rank that Split() left "
+            "out with MPI.UNDEFINED gets MPI.COMM_NULL), or it was freed; make the "
+            "MultiWorkerMirroredStrategy only on the ranks in the communicator, before it is "
+            "freed"
+        )
+    if not isinstance(communicator, mpi.Intracomm):
         raise TypeError(
             "communicator must be an mpi4py intracommunicator such as MPI.COMM_WORLD, got "
             f"{type(communicator).__name__} {communicator!r}"
@@ -1872,34 +1939,51 @@ def _intracomm(mpi: Any, communicator: Any) -> Any:
     return communicator
 
 
-def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -> list[int]:
-    """Every worker's count of local replicas (``-1`` and ``refusal``, why, from a worker that
-    could not make its strategy), gathered on the caller's communicator.
+#: Agreements to start that no worker joined in time (``Workers.refuse``): MPI cannot cancel
+#: a collective, so each request, with its buffers, is kept until the job ends.
+_unanswered: list[tuple[Any, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
 
-    Construction is collective, so this waits for every worker, however late: a non-blocking
-    ``Iallgather`` tested on this thread, as a collective's wait does (busy at first, then with
-    pauses that double up to ``_MAX_PAUSE``), rather than MPI's blocking gather, which spins a
-    core all along (a peer still loading its data would share it) and ignores Ctrl-C.
+
+def _agree_to_start(
+    communicator: Any,
+    local_replicas: int,
+    pack_bytes: int,
+    refusal: str = "",
+    timeout: float | None = None,
+) -> list[tuple[int, int]]:
+    """Every worker's count of local replicas and pack size (``-1`` and ``refusal``, why, from
+    a worker that could not make its strategy), gathered on the caller's communicator.
+
+    Construction is collective, so this waits for every worker, however late (or ``timeout``
+    seconds, for a refusal that guessed the communicator): a non-blocking ``Iallgather``
+    tested on this thread, as a collective's wait does (busy at first, then with pauses that
+    double up to ``_MAX_PAUSE``), rather than MPI's blocking gather, which spins a core all
+    along (a peer still loading its data would share it) and ignores Ctrl-C.
 
     Raises:
         _Refused: a worker could not make its strategy (``Workers.refuse``).
+        TimeoutError: some worker had not joined after ``timeout`` seconds.
     """
     mine = np.zeros(_START_BYTES, np.uint8)
-    mine[:8].view("<i8")[0] = local_replicas
-    why = refusal.encode()[: _START_BYTES - 8]
-    mine[8 : 8 + len(why)] = np.frombuffer(why, np.uint8)
+    mine[:16].view("<i8")[:] = (local_replicas, pack_bytes)
+    why = refusal.encode()[: _START_BYTES - 16]
+    mine[16 : 16 + len(why)] = np.frombuffer(why, np.uint8)
     every = np.zeros((communicator.Get_size(), _START_BYTES), np.uint8)
     request = communicator.Iallgather(mine, every)
     started = time.monotonic()
     pause = 0.0
     while not _spin(request.Test):
-        pause = _backed_off(time.monotonic() - started, _BUSY_SECONDS, pause)
+        waited = time.monotonic() - started
+        if timeout is not None and waited > timeout:
+            _unanswered.append((request, mine, every))
+            raise TimeoutError(f"no agreement to start within {timeout:g} s")
+        pause = _backed_off(waited, _BUSY_SECONDS, pause)
         if pause:
             time.sleep(pause)
-    counts = [int(row[:8].view("<i8")[0]) for row in every]
+    starts = [(int(row[:8].view("<i8")[0]), int(row[8:16].view("<i8")[0])) for row in every]
     failed = [
-        (w, bytes(row[8:]).rstrip(b"\0").decode(errors="replace"))
-        for w, (count, row) in enumerate(zip(counts, every, strict=True))
+        (w, bytes(row[16:]).rstrip(b"\0").decode(errors="replace"))
+        for w, ((count, _), row) in enumerate(zip(starts, every, strict=True))
         if count < 0
     ]
     if failed:
@@ -1909,7 +1993,32 @@ def _agree_to_start(communicator: Any, local_replicas: int, refusal: str = "") -
             f"MultiWorkerMirroredStrategy ({shown}), so no worker makes one: every worker "
             "makes it at the same point of its program, with arguments valid on each"
         )
-    return counts
+    return starts
+
+
+def _starts_differ(starts: list[tuple[int, int]]) -> str:
+    """What differs between the workers' starts (each one's count of local replicas and pack
+    size, from ``_agree_to_start``), in words for a ``ValueError`` (the same on every worker);
+    ``""`` when nothing does."""
+    counts = [count for count, _ in starts]
+    packs = [pack for _, pack in starts]
+    differ = []
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"worker {w} has {n}" for w, n in enumerate(counts))
+        differ.append(
+            f"every worker must run the same number of local replicas, but {shown}; give each "
+            "worker's MultiWorkerMirroredStrategy as many devices"
+        )
+    if len(set(packs)) > 1:
+        shown = "; ".join(f"worker {w}: {n} bytes" for w, n in enumerate(packs))
+        differ.append(
+            "every worker must pack small tensors into collectives alike, but the workers' "
+            f"CommunicationOptions.bytes_per_pack differ ({shown}; a bytes_per_pack of 0 "
+            "counts as its default): workers that pack the same values differently make "
+            "different collectives, which refuse to pair up; pass the same "
+            "communication_options to each worker's MultiWorkerMirroredStrategy"
+        )
+    return "; and ".join(differ)
 
 
 def worker_list(workers: list[int]) -> str:

@@ -55,6 +55,7 @@ __all__ = [
     "ReplicaContext",
     "context_state",
     "default_replica_context",
+    "default_scope_open",
     "get_cross_replica_context",
     "get_replica_context",
     "in_cross_replica_context",
@@ -83,6 +84,11 @@ class ContextState:
 context_state: ContextVar[ContextState] = ContextVar(
     "aioreplica.context_state", default=ContextState()
 )
+
+#: Whether the default strategy's ``scope()`` is open. It changes nothing else (as in TF), but
+#: a variable made in another strategy's scope entered inside it is refused, as TF's default
+#: strategy's variable creator refuses it ("Mixing different tf.distribute.Strategy objects").
+default_scope_open: ContextVar[bool] = ContextVar("aioreplica.default_scope_open", default=False)
 
 
 @types.coroutine
@@ -205,7 +211,7 @@ class ReplicaContext:
         if point is None:
             return _merge_now(self._strategy, merge_fn, args, kwargs)
         if not point.in_own_coroutine or point.pending is not None:
-            raise RuntimeError(point.misuse_message())
+            raise RuntimeError(point.misuse_message(merge_fn))
         request = point.pending = (MERGE, merge_fn, args, kwargs, None)
         return merge_trap(request)
 
@@ -241,7 +247,7 @@ class ReplicaContext:
         if point is None:
             return _collective_now(self._strategy, merge_fn, args)
         if not point.in_own_coroutine or point.pending is not None:
-            raise RuntimeError(point.misuse_message())
+            raise RuntimeError(point.misuse_message(merge_fn))
         request = point.pending = (MERGE, merge_fn, args, None, timeout)
         return merge_trap(request)
 

@@ -9,12 +9,23 @@ into an async iterable of per-replica batches (users' guide: README.md, "Distrib
   its replica's ``device.asarray`` (an asynchronous copy on its stream for a GPU). An element
   is ``regroup`` of the replicas' slices. With prefetching, the arrays an iterator yields are
   copied as they come: it may refill the same buffer while earlier elements are in use.
+  Without, an item kept over a later pull is copied (all of a round's items but its last,
+  for ``distribute_datasets_from_function``; a smaller batch, for ``drop_remainder``). The
+  copies are made off the event loop: on the loader thread as part of its pull, else on a
+  worker thread once they are big enough to take longer than the hop (``_owned_off_loop``).
+- **drop_remainder**: a global batch smaller than the first is dropped only if it is the
+  last; one in the middle of the data is split as any other (the next batch is pulled to
+  tell, so that batch is pulled ahead of its element even with ``prefetch=0``).
 - **uneven ends**: replicas that get no rows of the last batch get zero-length arrays of the
   right trailing shape and dtype, so every replica takes the same number of steps and none waits
   forever; iteration ends when the dataset does.
 - **prefetch**: up to ``prefetch`` elements are pulled, split and placed ahead in a background
   task owned by the iterator. It ends when the iteration ends, ``break``s (the iterator is
-  dropped) or is cancelled.
+  dropped) or is cancelled, closing the dataset: a new pass over a one-shot iterator (a
+  generator) is then empty, where with ``prefetch=0`` it goes on from where the break left.
+  It runs in a copy of the context of the task that started the pass, on every loop. When
+  its event loop ends first, the iterator hands out what it had prefetched, then raises
+  ``RuntimeError``.
 - **synchronous loaders**: a synchronous dataset (other than lists, tuples and ``batched``,
   which never block and are pulled inline) is pulled on a daemon thread of its own, one call at
   a time, so a slow loader never blocks the event loop and cancellation never waits for it. The
@@ -58,7 +69,7 @@ import anyio
 import numpy as np
 
 from . import _loops, _trace, _tree
-from ._backends import host_array
+from ._backends import host_array, is_array
 from ._batched import BatchedIterator, batch_rows, batched
 from ._cluster import WorkersDisagree, error_line, worker_list
 from ._errors import ReplicaSyncError, as_integer, checked_integer
@@ -102,6 +113,12 @@ _SAMPLED_ROWS: Final = 16
 _SAMPLED_VALUES: Final = 8
 #: The dtype kinds whose bytes the fingerprint takes: numbers, dates, fixed-width strings.
 _SAMPLED_KINDS: Final = "biufcmMSU"
+#: The bytes of an item's host arrays below which ``_owned_off_loop`` copies them on the event
+#: loop: a copy of 1 MiB takes 0.05-0.1 ms, less than the hop to a worker thread and back
+#: (0.1-0.2 ms, measured on asyncio and trio), and blocks the loop no longer than that; past
+#: 2 MiB the copy takes longer than the hop, and grows with the arrays (some 40-600 ms for a
+#: 128 MiB batch).
+_COPIED_INLINE_BYTES: Final = 1 << 20
 
 
 # -- contexts ----------------------------------------------------------------------------
@@ -292,8 +309,9 @@ def check_iterable(dataset: Any) -> None:
     """Refuse a dataset that cannot be iterated, or whose items are characters.
 
     Raises:
-        TypeError: ``dataset`` is neither iterable nor async iterable, is a string, or is a
-            coroutine (which is closed: what an ``async def`` dataset function returns).
+        TypeError: ``dataset`` is neither iterable nor async iterable, is a string or an
+            array, or is a coroutine (which is closed: what an ``async def`` dataset function
+            returns).
     """
     if inspect.iscoroutine(dataset):
         dataset.close()
@@ -303,10 +321,27 @@ def check_iterable(dataset: Any) -> None:
             "function (an async generator, or a function returning one, is a dataset)"
         )
     refuse_characters(dataset)
+    refuse_array(dataset)
     if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
         raise TypeError(
             f"a dataset must be an iterable or async iterable of batches, got "
             f"{type(dataset).__name__}"
+        )
+
+
+def refuse_array(dataset: Any) -> None:
+    """Refuse an array as a dataset: it iterates as rows, each of which would be cut across
+    the replicas as if it were a batch.
+
+    Raises:
+        TypeError: ``dataset`` is a NumPy or CuPy array.
+    """
+    if is_array(dataset):
+        raise TypeError(
+            f"a dataset must be an iterable or async iterable of batches, got a "
+            f"{type(dataset).__module__.partition('.')[0]}.ndarray of shape {dataset.shape}, "
+            "whose items are its rows, not batches; pass a list of batches (for example "
+            "list(np.array_split(x, number_of_batches))) or aioreplica.batched(x, batch_size)"
         )
 
 
@@ -343,7 +378,7 @@ class _AsyncInterleaved:
         self._datasets = tuple(datasets)
 
     def __aiter__(self) -> AsyncIterator[Any]:
-        return _interleaved_async(self._datasets)
+        return _InterleavedAsync(self._datasets)
 
 
 def _interleaved(datasets: Sequence[Any]) -> Iterator[Any]:
@@ -364,34 +399,52 @@ def _interleaved(datasets: Sequence[Any]) -> Iterator[Any]:
             _close(iterator)
 
 
-async def _interleaved_async(datasets: Sequence[Any]) -> AsyncIterator[Any]:
-    # A synchronous dataset that may block is pulled on a loader thread of its own.
-    iterators: list[Any] = [
-        aiter(d)
-        if hasattr(d, "__aiter__")
-        else _LoaderThread(iter(d))
-        if _pulled_on_a_thread(d)
-        else iter(d)
-        for d in datasets
-    ]
-    ended = [False] * len(iterators)
-    try:
-        while True:  # as ``_interleaved``
-            round_ = [
-                _NO_BATCH if done else await _next_of(it)
-                for it, done in zip(iterators, ended, strict=True)
-            ]
-            ended = [item is _END or item is _NO_BATCH for item in round_]
-            if all(ended):
-                return
-            for item in round_:
-                yield _NO_BATCH if item is _END else item
-    finally:
-        for iterator in iterators:
-            if isinstance(iterator, _LoaderThread):
+@final
+class _InterleavedAsync:
+    """``_interleaved`` for datasets of which any is asynchronous: an iterator, not an async
+    generator, so that a given-up wait (which a cancellation would end an async generator
+    with) loses nothing; the round begun stays for the next wait. A synchronous dataset that
+    may block is pulled on a loader thread of its own."""
+
+    __slots__ = ("_ended", "_iterators", "_ready", "_round")
+
+    def __init__(self, datasets: Sequence[Any]) -> None:
+        self._iterators: list[Any] = [
+            _AsyncSource(aiter(d))
+            if hasattr(d, "__aiter__")
+            else _LoaderThread(iter(d))
+            if _pulled_on_a_thread(d)
+            else iter(d)
+            for d in datasets
+        ]
+        self._ended = [False] * len(self._iterators)
+        self._round: list[Any] = []  # the items of the round being pulled
+        self._ready: deque[Any] = deque()  # a round pulled whole, being handed on
+
+    def __aiter__(self) -> _InterleavedAsync:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._ready:
+            if all(self._ended):
+                raise StopAsyncIteration
+            while len(self._round) < len(self._iterators):  # as ``_interleaved``
+                index = len(self._round)
+                done = self._ended[index]
+                self._round.append(_NO_BATCH if done else await _next_of(self._iterators[index]))
+            round_, self._round = self._round, []
+            self._ended = [item is _END or item is _NO_BATCH for item in round_]
+            if not all(self._ended):
+                self._ready.extend(_NO_BATCH if item is _END else item for item in round_)
+        return self._ready.popleft()
+
+    async def aclose(self) -> None:
+        """Close every dataset: the pipelines end with this one."""
+        self._ended = [True] * len(self._iterators)
+        self._ready.clear()
+        for iterator in self._iterators:
+            if isinstance(iterator, _LoaderThread | _AsyncSource):
                 await iterator.close()
-            elif (close_async := getattr(iterator, "aclose", None)) is not None:
-                await close_async()
             else:
                 _close(iterator)
 
@@ -399,11 +452,58 @@ async def _interleaved_async(datasets: Sequence[Any]) -> AsyncIterator[Any]:
 async def _next_of(iterator: Any) -> Any:
     """The next item of an async iterator, a loader thread or an in-memory iterator, or
     ``_END``."""
-    if isinstance(iterator, _LoaderThread):
+    if isinstance(iterator, _LoaderThread | _AsyncSource):
         return await iterator.pull()
-    if hasattr(iterator, "__anext__"):
-        return await anext(iterator, _END)
     return next(iterator, _END)
+
+
+@final
+class _AsyncSource:
+    """An async iterator's items, one at a time. A wait given up inside an async generator
+    ends it (the cancellation is raised in its frame); the next pull says so rather than
+    ending the pass as if the data had run out."""
+
+    __slots__ = ("_iterator", "_lost")
+
+    def __init__(self, iterator: AsyncIterator[Any]) -> None:
+        self._iterator = iterator
+        self._lost = False
+
+    async def pull(self) -> Any:
+        """The iterator's next item, or ``_END``.
+
+        Raises:
+            RuntimeError: an earlier given-up pull ended the async generator.
+            BaseException: whatever the iterator raised, unchanged.
+        """
+        if self._lost:
+            raise RuntimeError(_GENERATOR_CANCELLED.format(name=_name_of(self._iterator)))
+        try:
+            return await anext(self._iterator, _END)
+        except anyio.get_cancelled_exc_class():
+            iterator = self._iterator
+            self._lost = inspect.isasyncgen(iterator) and iterator.ag_frame is None
+            raise
+
+    async def close(self) -> None:
+        """Close the iterator (an async generator's ``finally`` runs now)."""
+        close_async = getattr(self._iterator, "aclose", None)
+        if close_async is not None:
+            await close_async()
+
+
+def _name_of(iterator: Any) -> str:
+    return getattr(iterator, "__qualname__", type(iterator).__name__)
+
+
+_GENERATOR_CANCELLED: Final = (
+    "the dataset's async generator {name}() ended when a wait for its next element was given "
+    "up (a timeout or a cancelled task): the cancellation was raised inside the generator, "
+    "which ends it, and its remaining elements are gone. Start a new pass over a new "
+    "generator, or keep waits on this one from being cancelled (shield them), or make the "
+    "dataset a synchronous generator (pulled on a loader thread, where a given-up wait loses "
+    "nothing) or an async iterator whose __anext__ survives a cancellation"
+)
 
 
 @final
@@ -533,6 +633,46 @@ class DistributedDataset:
         )
         return DistributedIterator(puller, self._prefetch)
 
+    async def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
+        """Run ``reduce_fn`` over all the elements of one pass, as TF's ``reduce``.
+
+        ``state = reduce_fn(state, element)`` for each element, in order, starting from
+        ``initial_state``, an element being what ``async for`` gives (per-replica values); the
+        pass is closed when it ends, by its end or by an exception.
+
+        Returns:
+            The state after the last element (``initial_state`` for an empty dataset).
+
+        Raises:
+            TypeError: ``reduce_fn`` is not callable, or returned a coroutine (which is closed).
+            Exception: whatever the dataset or ``reduce_fn`` raised, unchanged.
+
+        Example:
+            >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> dataset = strategy.distribute_dataset(aioreplica.batched(np.arange(6), 4))
+            >>> def count_rows(rows, element):
+            ...     return rows + sum(len(part) for part in element.values)
+            >>> anyio.run(dataset.reduce, 0, count_rows)
+            6
+        """
+        if not callable(reduce_fn):
+            raise TypeError(
+                f"reduce_fn must be callable (state, element) -> state, got "
+                f"{type(reduce_fn).__name__} {reduce_fn!r:.60}"
+            )
+        state = initial_state
+        async with aiter(self) as iterator:
+            async for element in iterator:
+                state = reduce_fn(state, element)
+                if inspect.iscoroutine(state):
+                    state.close()
+                    raise TypeError(
+                        "DistributedDataset.reduce: reduce_fn returned a coroutine; it must "
+                        "return the new state, so make it a plain function, not a coroutine "
+                        "function"
+                    )
+        return state
+
     def __iter__(self) -> NoReturn:
         """Refused: a distributed dataset is iterated with ``async for``, in a coroutine.
 
@@ -556,14 +696,20 @@ class DistributedIterator:
 
     Use ``async with aiter(dataset) as iterator:`` (or ``aclose()``) when it may be left
     before its end while still referenced; an iterator that is simply dropped (a ``break`` out
-    of ``async for``) stops its prefetching as well.
+    of ``async for``) stops its prefetching as well. That closes the dataset: with
+    ``prefetch > 0`` a new pass over the same one-shot iterator (a generator) is empty, while
+    with ``prefetch=0`` (nothing closed) it continues from the element after the last one
+    handed out.
 
     A wait for the next element can be given up at any time (a timeout, a cancelled task), even
     while a synchronous loader blocks: it returns at once and the pull runs on. With
     ``prefetch=0`` nothing is lost: the next wait takes the element of that pull, and waits for
     it if it is still running (never starting a second pull beside it, which would re-enter the
-    loader). With ``prefetch > 0`` a given-up wait ends the prefetching and closes the dataset,
-    as leaving the iteration does; a later wait on this iterator raises ``RuntimeError``.
+    loader). That holds for synchronous datasets and for async iterators that survive a
+    cancellation, but not for an async generator: the cancellation is raised inside it, which
+    ends it, so the next wait raises ``RuntimeError`` saying so (never a silent end). With
+    ``prefetch > 0`` a given-up wait ends the prefetching and closes the dataset, as leaving
+    the iteration does; a later wait on this iterator raises ``RuntimeError``.
 
     An iterator over a ``batched`` dataset can be saved in a ``Checkpoint``, with the elements
     it has handed out (not those prefetched) as its position. Restore it into a fresh iterator
@@ -588,8 +734,10 @@ class DistributedIterator:
         self._background: _loops.Background | None = None
         self._receive: MemoryObjectReceiveStream[Any] | None = None
         self._consumed = 0  # batches of a ``batched`` source handed out, for a checkpoint
-        #: With ``prefetch=0``: the pull of the task asking, one at a time (made on first use).
+        #: With ``prefetch=0``: the pull of the task asking, one at a time (made on first use),
+        #: and the event loop it was made on (``_pull_lock``).
         self._pulling: anyio.Lock | None = None
+        self._pulling_loop: weakref.ref[object] | None = None
 
     # -- the iterator protocol --------------------------------------------------------------
 
@@ -610,14 +758,15 @@ class DistributedIterator:
         if self._closed:
             raise StopAsyncIteration
         if self._prefetch == 0:
-            if self._pulling is None:
-                self._pulling = anyio.Lock()
-            async with self._pulling:  # several tasks asking take their elements in turn
+            async with self._pull_lock():  # several tasks asking take their elements in turn
                 return await self._pull_now()
         if self._receive is None:
             send, self._receive = anyio.create_memory_object_stream[Any](self._prefetch)
             puller = self._puller
-            self._background = _loops.current().spawn_background(lambda: _prefetch(puller, send))
+            context = contextvars.copy_context()  # the dataset's code sees the caller's
+            self._background = _loops.current().spawn_background(
+                lambda: _prefetch(puller, send, context)
+            )
         try:
             element = await self._receive_element(self._receive)
         except anyio.EndOfStream:
@@ -637,6 +786,23 @@ class DistributedIterator:
         if error is not None:
             raise error  # the dataset's own exception, untouched (raised outside any except)
         raise StopAsyncIteration
+
+    def _pull_lock(self) -> anyio.Lock:
+        """The lock of ``prefetch=0``'s pulls, made for the running event loop: again when the
+        iterator goes on in another loop (an anyio lock works on the kind of loop that made
+        it), once no wait of the loop before holds it.
+
+        Raises:
+            RuntimeError: a wait on this iterator in another event loop still holds it.
+        """
+        loop = anyio.lowlevel.current_token().native_token  # an asyncio loop, a trio run's token
+        made_on = None if self._pulling_loop is None else self._pulling_loop()
+        if self._pulling is None or made_on is not loop:
+            if self._pulling is not None and self._pulling.locked():
+                raise RuntimeError(_PULLING_ELSEWHERE)
+            self._pulling = anyio.Lock()
+            self._pulling_loop = weakref.ref(loop)
+        return self._pulling
 
     async def _pull_now(self) -> Any:
         """``__anext__`` with ``prefetch=0``: the next element, pulled by the task asking."""
@@ -659,7 +825,9 @@ class DistributedIterator:
 
         Raises:
             StopAsyncIteration: the dataset is exhausted.
-            RuntimeError: an earlier wait on this iterator was given up with ``prefetch > 0``.
+            RuntimeError: an earlier wait on this iterator was given up with ``prefetch > 0``,
+                or ended the dataset's async generator, or the prefetching stopped with the
+                event loop it ran on.
             Exception: whatever the dataset raised, unchanged.
 
         Example:
@@ -681,7 +849,9 @@ class DistributedIterator:
         """The next element as an ``OptionalValue``: empty at the end instead of raising.
 
         Raises:
-            RuntimeError: an earlier wait on this iterator was given up with ``prefetch > 0``.
+            RuntimeError: an earlier wait on this iterator was given up with ``prefetch > 0``,
+                or ended the dataset's async generator, or the prefetching stopped with the
+                event loop it ran on.
             Exception: whatever the dataset raised, unchanged.
 
         Example:
@@ -763,6 +933,7 @@ class DistributedIterator:
             receive.close()
         background = getattr(self, "_background", None)
         if background is not None and not background.done:
+            self._puller.stopped = True
             background.cancel()
 
     def _hand_on(self) -> None:
@@ -822,6 +993,22 @@ _PREFETCH_STOPPED: Final = (
 )
 
 
+_PREFETCH_LOOP_ENDED: Final = (
+    "this DistributedIterator's prefetching stopped when the event loop it ran on ended (an "
+    "iterator used in one anyio.run() and then another): the elements it had prefetched were "
+    "handed out, and the dataset is closed. Start a new pass with aiter(dataset) in this "
+    "loop, or use prefetch=0 to continue one iterator across event loops"
+)
+
+
+_PULLING_ELSEWHERE: Final = (
+    "this DistributedIterator is still pulling its next element for a task of another event "
+    "loop (one running in another thread, or one that ended without cancelling that task): "
+    "with prefetch=0 one iterator goes on across event loops one after another, not in two "
+    "at once. Let that wait end first, or start a new pass with aiter(dataset) in this loop"
+)
+
+
 def _refuse_sync_iteration(dataset: DistributedDataset | DistributedIterator) -> NoReturn:
     """Raise the TypeError that a plain ``for`` over a distributed dataset gets."""
     kind = type(dataset).__name__
@@ -832,12 +1019,18 @@ def _refuse_sync_iteration(dataset: DistributedDataset | DistributedIterator) ->
     )
 
 
-async def _prefetch(puller: _Puller, send: MemoryObjectSendStream[Any]) -> None:
+async def _prefetch(
+    puller: _Puller, send: MemoryObjectSendStream[Any], context: contextvars.Context
+) -> None:
     """The prefetch task: pull, split and place elements ahead; hand on the dataset's error.
+    It runs in a copy of ``context``, that of the task that started the pass, as the pulls
+    of ``prefetch=0`` do (trio starts a system task in a context of its own).
 
     While a trace is recorded each element made is a span ``dataset prefetch`` on a
     ``prefetch`` track (``ahead``: how many elements it may make ahead).
     """
+    for variable, value in context.items():  # this task's context is its own copy
+        variable.set(value)
     _trace.detach("prefetch")  # not under the task that started it (a replica, perhaps)
     try:
         while True:
@@ -851,7 +1044,8 @@ async def _prefetch(puller: _Puller, send: MemoryObjectSendStream[Any]) -> None:
                 break
             await send.send(element)
     except anyio.get_cancelled_exc_class():
-        pass  # the iteration is over
+        if not puller.stopped:  # not by the iterator: its event loop is ending
+            puller.error = RuntimeError(_PREFETCH_LOOP_ENDED)
     except anyio.BrokenResourceError:
         pass  # the consumer is gone
     except BaseException as exc:
@@ -892,14 +1086,14 @@ class _Puller:
         self._drop_remainder = drop_remainder
         self._input_context = input_context
         self._sync: Iterator[Any] | None = None  # in-memory data, pulled inline
-        self._async: AsyncIterator[Any] | None = None
+        self._async: _AsyncSource | None = None
         self._loader: _LoaderThread | None = None  # anything else synchronous
         #: Across workers, what starting this pass over the dataset raised: raised by the
         #: first pull instead, in the pass's first agreement, so the others' pass ends too.
         self._failed: Exception | None = None
         try:
             if hasattr(dataset, "__aiter__"):
-                self._async = aiter(dataset)
+                self._async = _AsyncSource(aiter(dataset))
             elif not _pulled_on_a_thread(dataset):
                 self._sync = iter(dataset)
             else:
@@ -908,10 +1102,12 @@ class _Puller:
             if workers is None:
                 raise
             self._failed = exc
-        #: Whether the arrays an iterator yields are copied as they come: pulled ahead of the
-        #: step, they must not change when it yields again (refilling one buffer, say).
-        #: In-memory data (pulled inline) is never refilled.
-        self._copy_items = copy_items and self._sync is None
+        #: Whether the arrays an iterator yields may change when it yields again (refilling
+        #: one buffer, say): in-memory data (pulled inline) is never refilled.
+        self._refilled = self._sync is None
+        #: Whether those arrays are copied as they come: pulled ahead of the step, they must
+        #: not change (without prefetching, only an item kept over the next pull is copied).
+        self._copy_items = copy_items and self._refilled
         #: A ``batched`` epoch, whose position a checkpoint can save; None for other sources.
         self.source = self._sync if isinstance(self._sync, BatchedIterator) else None
         self.source_kind = type(dataset).__name__
@@ -921,6 +1117,9 @@ class _Puller:
         # ``batched`` source, so that a pass restored just before the last batch drops it too.
         self._first_rows = None if self.source is None else self.source._first_batch_rows()
         self._round: list[Any] = []  # a round of per-replica batches begun by a given-up wait
+        #: With ``drop_remainder``: the batch after a smaller one, pulled to see whether that
+        #: one was the last (``_END``: none).
+        self._ahead: Any = _END
         self._last: Any = None  # the last per-replica batch seen, for its shape
         self._exhausted = False
         #: The global batches split so far, and the last one's fingerprint (``_fingerprint``),
@@ -929,6 +1128,9 @@ class _Puller:
         self._fingerprint = 0
         #: What the dataset raised, for the consumer to raise (with prefetching).
         self.error: BaseException | None = None
+        #: Whether the iterator stopped its prefetch task: a cancellation not asked for came
+        #: from its event loop ending.
+        self.stopped = False
 
     async def _pull(self) -> Any:
         """The next item of the underlying dataset, or ``_END``; a blocking one on its thread."""
@@ -939,12 +1141,9 @@ class _Puller:
         if self._exhausted:
             return _END
         if self._async is not None:
-            try:
-                item = await anext(self._async)
-            except StopAsyncIteration:
-                item = _END
-        elif self._loader is not None:
-            item = await self._loader.pull()
+            item = await self._async.pull()
+        elif self._loader is not None:  # copied on the loader thread, as part of the pull
+            item = await self._loader.pull(copied=self._copy_items)
         elif self._sync is not None:
             await anyio.lowlevel.checkpoint()
             item = next(self._sync, _END)
@@ -952,9 +1151,16 @@ class _Puller:
             return _END
         if item is _END:
             self._exhausted = True
-        elif self._copy_items:
-            item = _tree.map_structure(_owned, item)
+        elif self._copy_items and self._loader is None:
+            item = await _owned_off_loop(item)
         return item
+
+    async def _kept(self, item: Any) -> Any:
+        """``item``, copied unless it is already (or is in-memory data): it is kept over the
+        next pull, which may refill its arrays."""
+        if self._copy_items or not self._refilled:
+            return item
+        return await _owned_off_loop(item)
 
     async def next_element(self) -> Any:
         """The next element (replicas' slices, regrouped), or ``_END``; with several workers,
@@ -1081,11 +1287,15 @@ class _Puller:
         """Note the source's position after the element just made (see ``positions``)."""
         if self.positions is not None:
             assert self.source is not None
-            self.positions.append(self.source.position)
+            ahead = self._ahead is not _END  # a batch pulled ahead is not handed out yet
+            self.positions.append(self.source.position - ahead)
 
     async def _pull_split(self) -> tuple[_tree.TreeDef, list[list[Any]]] | None:
         """The next global batch cut into slices: per leaf, one placed slice per replica."""
-        batch = await self._pull()
+        if self._ahead is not _END:  # pulled to see that a smaller batch was not the last
+            batch, self._ahead = self._ahead, _END
+        else:
+            batch = await self._pull()
         if batch is _END:
             return None
         leaves, treedef = _tree.flatten(batch)
@@ -1095,14 +1305,24 @@ class _Puller:
             self._batches += 1
             return treedef, [[self._put[0](leaf)] for leaf in leaves]
         rows = batch_rows(leaves, treedef, "distribute_dataset")
-        self._batches += 1
-        if self._workers is not None:
-            self._fingerprint = _fingerprint(leaves, treedef)
         if self._first_rows is None:
             self._first_rows = rows
         elif self._drop_remainder and rows < self._first_rows:
-            self._exhausted = True
-            return None
+            # Only the last batch is dropped: a smaller one is split if another follows it
+            # (pulled ahead only here, so prefetch=0 pulls one batch per element otherwise).
+            batch = await self._kept(batch)
+            leaves, treedef = _tree.flatten(batch)
+            try:
+                following = await self._pull()
+            except BaseException:
+                self._ahead = batch  # a given-up wait: the next one looks again
+                raise
+            if following is _END:
+                return None
+            self._ahead = following
+        self._batches += 1
+        if self._workers is not None:
+            self._fingerprint = _fingerprint(leaves, treedef)
         # This pipeline's contiguous part of the global batch, then one slice per replica.
         context = self._input_context
         if self._workers is not None:  # the global batch in slices for every worker's replicas
@@ -1126,6 +1346,8 @@ class _Puller:
                 if batch is _END:
                     break
                 if batch is not _NO_BATCH:  # a PER_REPLICA dataset that ended: filled below
+                    if len(parts) + 1 < len(self._devices):  # kept over the round's next pulls
+                        batch = await self._kept(batch)
                     leaves, treedef = _tree.flatten(batch)
                     if not _unbatched(leaves):  # elements without a batch dimension pass as is
                         batch_rows(leaves, treedef, "distribute_datasets_from_function")
@@ -1136,6 +1358,7 @@ class _Puller:
             raise
         if not parts:
             return None
+        self._check_round(parts)
         if len(parts) < len(self._devices):  # ran out mid-round: empty batches
             parts.extend([_NO_BATCH] * (len(self._devices) - len(parts)))
         missing = [part is _NO_BATCH for part in parts]  # ``is``: ``in`` would compare arrays
@@ -1145,6 +1368,34 @@ class _Puller:
             parts = [empty if part is _NO_BATCH else part for part in parts]
         return parts
 
+    def _check_round(self, parts: list[Any]) -> None:
+        """Refuse a round whose elements differ in structure: they are regrouped into one
+        element of per-replica values.
+
+        Raises:
+            ValueError: an element differs from the round's first (any difference: container
+                types, keys, lengths, a leaf where the other has a container).
+        """
+        given = [(j, part) for j, part in enumerate(parts) if part is not _NO_BATCH]
+        first, reference = given[0]
+        expected = _tree.flatten(reference)[1]
+        for j, part in given[1:]:
+            if _tree.flatten(part)[1] == expected:
+                continue
+            name = f"replica {self._first_replica + first}'s element"
+            other = f"replica {self._first_replica + j}'s"
+            found = _tree.find_mismatch(reference, part, first=name, second=other)
+            said = f"{name} and {other} differ"
+            if found is not None:
+                said = f"at {_tree.describe_path(found[1])}, {found[2]}"
+            raise ValueError(
+                f"distribute_datasets_from_function: the dataset elements of one step (one per "
+                f"replica) differ in structure: {said}; every element of every input pipeline "
+                "must have the same structure "
+                "(the same containers, keys and lengths), since one step's elements are "
+                "regrouped into one element of per-replica values"
+            )
+
     async def finish(self) -> None:
         """Close the underlying iterator (a generator's ``finally`` runs now, not at GC), or,
         while a pull of a blocking loader still runs, have it closed after that pull; free a
@@ -1152,10 +1403,8 @@ class _Puller:
         if self._workers is not None:
             self._workers.close()
         if self._async is not None:
-            close_async = getattr(self._async, "aclose", None)
-            self._async = None
-            if close_async is not None:
-                await close_async()
+            source, self._async = self._async, None
+            await source.close()
         elif self._loader is not None:
             await self._loader.close()
         elif self._sync is not None:
@@ -1195,16 +1444,20 @@ class _LoaderThread:
         self._given_up: list[_Call] = []  # pulls whose waiter gave up, oldest first
         self.closed = False
 
-    async def pull(self) -> Any:
+    async def pull(self, *, copied: bool = False) -> Any:
         """The iterator's next item, or ``_END``: the oldest pull a waiter gave up, else a
-        new one.
+        new one, which with ``copied`` copies the item's host arrays on the thread as well
+        (``_Puller._copy_items``: every pull of one iterator asks the same).
 
         Raises:
             BaseException: whatever the iterator raised, unchanged.
         """
         if self.closed:
             return _END
-        call = self._given_up.pop(0) if self._given_up else self._ask(_next_item)
+        if self._given_up:
+            call = self._given_up.pop(0)
+        else:
+            call = self._ask(_next_owned_item if copied else _next_item)
         try:
             await call.wait()
         except BaseException:
@@ -1323,6 +1576,11 @@ def _next_item(iterator: Iterator[Any]) -> Any:
     return next(iterator, _END)
 
 
+def _next_owned_item(iterator: Iterator[Any]) -> Any:
+    item = next(iterator, _END)
+    return item if item is _END else _tree.map_structure(_owned, item)
+
+
 def _close(iterator: Iterator[Any]) -> None:
     close = getattr(iterator, "close", None)
     if close is not None:
@@ -1368,8 +1626,22 @@ def _read_only_after(put: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _owned(value: Any) -> Any:
-    """A host array an iterator yielded, copied (see ``_Puller._copy_items``)."""
+    """A host array an iterator yielded, copied (see ``_Puller._copy_items``, ``_kept``)."""
     return value.copy() if isinstance(value, np.ndarray) else value
+
+
+async def _owned_off_loop(item: Any) -> Any:
+    """``item`` with its host arrays copied (``_owned``), on a worker thread when they are
+    big (``_COPIED_INLINE_BYTES``), so that the event loop never waits for the copy. The copy
+    is never given up midway: a cancellation takes effect at the caller's next checkpoint,
+    as it did when copies were made inline, so no item is lost and none is kept uncopied."""
+    leaves, treedef = _tree.flatten(item)
+    size = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, np.ndarray))
+    if size < _COPIED_INLINE_BYTES:
+        return treedef.unflatten([_owned(leaf) for leaf in leaves])
+    with anyio.CancelScope(shield=True):
+        copies = await anyio.to_thread.run_sync(lambda: [_owned(leaf) for leaf in leaves])
+    return treedef.unflatten(copies)
 
 
 def _empty_rows(leaf: Any) -> Any:

@@ -7,6 +7,7 @@ working, and builds its message from fields that tests and callers can read.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import operator
 from typing import TYPE_CHECKING, Any
@@ -70,14 +71,18 @@ def checked_integer(value: object, requirement: str, low: int, high: int | None 
 
 def as_real(value: object) -> float | None:
     """``value`` as a float if it is a real number, else ``None``: for the checks of arguments
-    in seconds, which take NumPy's numbers too, and refuse a bool as one.
+    in seconds, which take NumPy's numbers too, and refuse a bool as one. An integer too large
+    for a float is infinite, which those checks refuse as not finite.
 
-    >>> as_real(2), as_real(np.float32(0.5)), as_real(True), as_real("2")
-    (2.0, 0.5, None, None)
+    >>> as_real(2), as_real(np.float32(0.5)), as_real(True), as_real("2"), as_real(10**400)
+    (2.0, 0.5, None, None, inf)
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # (only an int can be too large)
+        return math.inf
 
 
 def yielding_step(

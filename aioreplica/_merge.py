@@ -85,7 +85,7 @@ class MergePoint(Protocol):
     in_own_coroutine: bool
     pending: MergeRequest | None
 
-    def misuse_message(self) -> str: ...
+    def misuse_message(self, merge_fn: Callable[..., Any] | None = None) -> str: ...
 
     def variable_creations(self) -> VariableCreations:
         """The variables made inside this replica's ``run()`` (one record per run)."""

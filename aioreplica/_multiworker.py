@@ -11,6 +11,7 @@ different workers).
 from __future__ import annotations
 
 import functools
+import math
 import re
 import zlib
 from collections.abc import Mapping, Sequence
@@ -30,7 +31,8 @@ from ._cluster import (
 )
 from ._collectives import ReductionEngine
 from ._dataset import InputContext
-from ._errors import ReplicaSyncError, as_integer, checked_integer
+from ._errors import ReplicaSyncError, as_integer, as_real, checked_integer
+from ._options import DEFAULT_PACK_BYTES
 from ._strategy import MirroredStrategy
 from ._values import DistributedValues, PerReplica, regroup
 from ._variables import sync_variables
@@ -368,8 +370,16 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         devices: this worker's local devices, as for ``MirroredStrategy``.
         communicator: an mpi4py intracommunicator of the workers (default
             ``MPI.COMM_WORLD``); the strategy works on duplicates of it, so the caller's own
-            traffic on it is never disturbed.
-        communication_options: defaults for collectives (packing, timeout).
+            traffic on it is never disturbed. A rank given ``MPI.COMM_NULL`` (not in the
+            communicator: ``Split`` left it out) raises ``TypeError`` at once, and the ranks
+            in the communicator go on without it. Given something that is no communicator, a
+            worker raises ``TypeError`` once it has told the others, which it looks for on
+            ``MPI.COMM_WORLD``: if they are on another communicator, that wait ends after
+            ``sync_timeout`` (and its error notes that they were not told; the refusal stays
+            posted on ``MPI.COMM_WORLD``, so end the job), and without one it lasts until they
+            all make a strategy on ``MPI.COMM_WORLD``.
+        communication_options: defaults for collectives (packing, timeout); every worker
+            passes the same ``bytes_per_pack``, which decides what each collective carries.
         sync_timeout: seconds a replica, or a worker, may wait for the others to arrive.
         interleave: as for ``MirroredStrategy``.
         seed: as for ``MirroredStrategy``.
@@ -377,9 +387,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
 
     Raises:
         ImportError: mpi4py is not installed (``pip install 'aioreplica[mpi]'``).
-        ValueError: the workers have different numbers of local replicas (on every worker,
-            naming which has how many); and as ``MirroredStrategy``.
-        TypeError: ``communicator`` is not an mpi4py intracommunicator; and as
+        ValueError: the workers have different numbers of local replicas, or different
+            ``bytes_per_pack`` in their ``communication_options`` (on every worker, naming
+            each worker's); and as ``MirroredStrategy``.
+        TypeError: ``communicator`` is not an mpi4py intracommunicator, or is
+            ``MPI.COMM_NULL`` (this rank is not in it, or it was freed); and as
             ``MirroredStrategy``.
 
     Example:
@@ -405,6 +417,11 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         slow_merge_warning: float | None = 60.0,
     ) -> None:
         self._communicator = communicator
+        # How long a refusal may wait for the other workers where it guesses their
+        # communicator (``Workers.refuse``): the sync_timeout, if it is a valid one.
+        seconds = as_real(sync_timeout)
+        valid = seconds is not None and seconds > 0 and math.isfinite(seconds)
+        self._refusal_timeout = seconds if valid else None
         self._joined = False  # whether this worker reached the workers' first agreement
         # The merge functions of the last run() that made merge calls, and its end's words.
         self._merged_before: list[Callable[..., Any]] = []
@@ -420,7 +437,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             )
         except Exception as exc:
             if not self._joined:  # refused here alone: the other workers must not wait
-                Workers.refuse(communicator, exc)
+                Workers.refuse(communicator, exc, self._refusal_timeout)
             raise
         workers = self._workers
         workers.default_timeout = sync_timeout
@@ -434,7 +451,12 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         self, devices: tuple[Device, ...], options: CommunicationOptions
     ) -> ReductionEngine:
         self._joined = True
-        self._workers = Workers(self._communicator, len(devices))
+        self._workers = Workers(
+            self._communicator,
+            len(devices),
+            options.bytes_per_pack or DEFAULT_PACK_BYTES,
+            self._refusal_timeout,
+        )
         return ReductionEngine(devices, options, self._workers)
 
     # -- facts ----------------------------------------------------------------------------

@@ -8,6 +8,7 @@ strings (``ReduceOp``, ``CommunicationImplementation``, ``VariableSynchronizatio
 from __future__ import annotations
 
 import enum
+import math
 import re
 from dataclasses import dataclass
 from typing import Final, Self
@@ -123,16 +124,20 @@ class CommunicationOptions:
             others to arrive before the run fails with ``ReplicaSyncError`` naming the late
             replicas; across workers, the strategy's also bounds the wait for a late worker
             in its cross-replica calls (``strategy.reduce``, ``gather``, ``reduce_to``, a
-            write outside ``run()``). ``None`` or 0 waits (0, as in TF, also turns off a
-            timeout that the strategy's options set). The reduction's own work, once all have
-            arrived, is never timed out.
+            write outside ``run()``). 0 waits as long as it takes, as in TF: in a call's
+            options it also turns off the strategy's timeout (its options' and its
+            ``sync_timeout``) for that call, and in the strategy's options its
+            ``sync_timeout`` for collectives. ``None`` leaves the timeout to the strategy (a
+            call's options) or to ``sync_timeout`` (the strategy's). The reduction's own work,
+            once all have arrived, is never timed out.
         implementation: a ``CommunicationImplementation`` or its name, TF's hint for the
             transport (``AUTO`` by default); accepted so that TF programs run unchanged, and
             aioreplica chooses the transport itself (see ``CommunicationImplementation``).
 
     Raises:
-        ValueError: a negative ``bytes_per_pack``, a negative (or NaN) ``timeout_seconds`` or
-            an unknown ``implementation`` (the message lists the valid ones).
+        ValueError: a negative ``bytes_per_pack``, a negative, infinite (or NaN)
+            ``timeout_seconds`` or an unknown ``implementation`` (the message lists the valid
+            ones).
         TypeError: ``bytes_per_pack`` is not an int or ``timeout_seconds`` not a number (a
             bool is neither).
 
@@ -162,14 +167,21 @@ class CommunicationOptions:
                 )
             if not timeout >= 0:  # (NaN is not)
                 raise ValueError(f"{requirement}, got {self.timeout_seconds!r}")
+            if math.isinf(timeout):
+                raise ValueError(
+                    f"{requirement}, got {self.timeout_seconds!r:.60}, which is infinite or "
+                    "too large: for no timeout pass 0"
+                )
             object.__setattr__(self, "timeout_seconds", timeout)
         implementation = CommunicationImplementation.parse(self.implementation)
         object.__setattr__(self, "implementation", implementation)
 
     @property
     def _timeout(self) -> float | None:
-        """How long a collective waits, or ``None``: no bound (``timeout_seconds`` 0 too)."""
-        return self.timeout_seconds or None
+        """How long a collective waits: ``None`` where these options set no timeout (the
+        strategy's ``sync_timeout`` then applies), infinity for ``timeout_seconds`` 0, which
+        waits as long as it takes whatever ``sync_timeout`` says."""
+        return math.inf if self.timeout_seconds == 0 else self.timeout_seconds
 
     def override(self, other: CommunicationOptions | None) -> CommunicationOptions:
         """These options with the fields that ``other`` sets (non-default) taking precedence.

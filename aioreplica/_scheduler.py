@@ -92,6 +92,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import itertools
 import logging
 import math
 import operator
@@ -282,7 +283,9 @@ class _Replica:
                 run.creations = VariableCreations(run.size)
             return run.creations
 
-    def misuse_message(self) -> str:
+    def misuse_message(self, merge_fn: Callable[..., Any] | None = None) -> str:
+        """Why a ``merge_call`` (of ``merge_fn``, where the caller says) with this replica's
+        context cannot go ahead."""
         if self.in_own_coroutine and self.pending is not None:
             return (
                 f"replica {self.sync_id} called merge_call() again before awaiting its previous "
@@ -296,6 +299,18 @@ class _Replica:
         state = context_state.get()
         if state.replica is not self.context:
             if state.merging:
+                call = _call_of(merge_fn)
+                if call.isidentifier():  # all_reduce, barrier...: the context's collectives
+                    return (
+                        f"ctx.{call}() was called inside merge_fn (cross-replica context) with "
+                        f"the context of replica {self.sync_id}; a replica context's "
+                        "collectives are merge calls, and merge functions cannot nest: in "
+                        "merge_fn, pass its arguments (every replica's values) to the "
+                        "cross-replica forms, `await strategy.reduce(...)`, "
+                        "`strategy.gather(...)`, `strategy.extended.reduce_to(...)` or "
+                        "`batch_reduce_to(...)` (a barrier is not needed there: every replica "
+                        "has arrived)"
+                    )
                 return (
                     "merge_call() was called inside merge_fn (cross-replica context) with the "
                     f"context of replica {self.sync_id}; merge functions cannot nest: call what "
@@ -435,8 +450,11 @@ class _Replica:
                 if leave is not None:
                     leave()
                 self.in_own_coroutine = False
-            error = None
-            value = None
+                # What went in (an exception thrown in, or trio's outcome holding one) may come
+                # out as an exception whose traceback holds this frame: the frame must not hold
+                # it, or the cycle keeps the replica's frames alive until a cycle collection.
+                error = None
+                value = None
             if owed is not None:
                 touched = True
                 checkpoint = owed()
@@ -461,7 +479,8 @@ class _Replica:
                     if not arrived:  # the first: the round starts waiting (before it shows)
                         run.first_at = clock()
                     arrived.append(self)
-                    if not run.fast_path or yielded[timeout_at] is not None:
+                    timeout = yielded[timeout_at]  # inf: none, whatever sync_timeout says
+                    if not run.fast_path or (timeout is not None and timeout != _NO_TIMEOUT):
                         owed = yield from run.arrive(self, rnd, yielded)
                     elif len(arrived) == size:
                         waiting = run.complete(rnd, self)
@@ -511,7 +530,8 @@ def _traced(coro: Any, replica: _Replica, track: _trace.ReplicaTrack, started: i
                 yielded = coro.send(value) if error is None else coro.throw(error)
             except StopIteration as stop:
                 return stop.value
-            value = error = None
+            finally:
+                value = error = None  # as in ``_Replica._drive``: no cycle through this frame
             if type(yielded) is tuple and yielded and yielded[0] is marker:
                 number = run.round.number
                 waits = {"round": run.trace_round(number), "merge": number, "replica": replica.id}
@@ -545,6 +565,7 @@ class _Run:
         merged: list[Callable[..., Any]] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        self.serial = next(_run_serials)  # runs started later have higher ones
         self.strategy = scheduler.strategy
         self.engine = scheduler.engine
         self.merge_state = ContextState(strategy=self.strategy, engine=self.engine, merging=True)
@@ -690,7 +711,7 @@ class _Run:
         a run that is going wrong. Returns once the round is done, with the cancellation owed
         to the replica, if any (see ``park_interrupted``)."""
         timeout = request[TIMEOUT] if request[TIMEOUT] is not None else self.sync_timeout
-        if timeout is not None and rnd.deadline is None:
+        if timeout is not None and timeout != _NO_TIMEOUT and rnd.deadline is None:
             rnd.timeout = timeout
             rnd.deadline = anyio.current_time() + timeout
         if self.finished and not self.failures:
@@ -745,6 +766,7 @@ class _Run:
         try:
             yield from rnd.gate.interrupted(exc, asked)
         except BaseException as error:
+            del exc  # raised on: its traceback holds this frame, which must not hold it
             if self._committed(rnd, error):
                 return self.loop.defer_cancellation(error)
             if (
@@ -770,7 +792,10 @@ class _Run:
                     yield from rnd.gate.park(replica.id)
         if self._committed(rnd, exc):
             return self.loop.defer_cancellation(exc)
-        raise exc
+        try:
+            raise exc
+        finally:  # its traceback holds this frame, which must not hold it
+            del exc
 
     def _committed(self, rnd: _Round, exc: BaseException) -> bool:
         """Whether ``exc`` is a cancellation that came too late for ``rnd``: done, in a run
@@ -940,7 +965,10 @@ class _Run:
         if isinstance(exc, self.cancelled_class):
             if self.tasks.is_cancellation(exc):
                 self._abandon(rnd)
-                raise exc
+                try:
+                    raise exc
+                finally:  # its traceback holds this frame, which must not hold it
+                    del exc
             exc = self.own_cancellation(exc, f"merge_fn {_describe_fn(merge_fn)}")
         if isinstance(exc, ReplicaSyncError) and exc.merge_number is None:
             exc.merge_number = rnd.number
@@ -1177,6 +1205,38 @@ def _later_failures(
     ]
 
 
+#: A collective's timeout that turns the run's off (``CommunicationOptions(timeout_seconds=0)``).
+_NO_TIMEOUT: Final = math.inf
+
+#: Every run's number, in the order they start (``_Run.serial``).
+_run_serials = itertools.count()
+
+#: The attribute in which ``run()`` keeps, on the exception it raises, the notes it added,
+#: with each run's serial number.
+_RUN_NOTES: Final = "_aioreplica_run_notes"
+
+
+def _set_run_notes(exc: BaseException, notes: list[str], serial: int) -> None:
+    """Add the ``notes`` of run number ``serial`` to ``exc``, taking off those that runs
+    started before it added: an exception object raised again (a module-level one) carries
+    the notes of the run raising it, not of every earlier one. Those of runs started after it
+    stay: a ``run()`` in its ``merge_fn``, which raised ``exc`` on, says where (so do those of
+    another run raising the same object at the same time, which cannot be told from one)."""
+    kept: list[tuple[int, tuple[str, ...]]] = []
+    present = getattr(exc, "__notes__", None)
+    for added, old in getattr(exc, _RUN_NOTES, ()):
+        if added > serial:
+            kept.append((added, old))
+        elif type(present) is list:
+            for line in old:
+                with contextlib.suppress(ValueError):  # the program took it off itself
+                    present.remove(line)
+    for note in notes:
+        add_note(exc, note)
+    with contextlib.suppress(AttributeError, TypeError):  # a class that refuses attributes
+        setattr(exc, _RUN_NOTES, (*kept, (serial, tuple(notes))))
+
+
 class _NotStarted:
     """The tasks of a run before it starts its replicas and after they all ended."""
 
@@ -1392,8 +1452,12 @@ class Scheduler:
                 replica.context = None
             run.replicas = []
             run.tasks = _NOT_STARTED  # the tasks' contexts hold the replicas
-        if run.failures:
-            failures = run.failures
+            # The failures' tracebacks hold the replicas' frames (and this one), which hold the
+            # run: a run that kept them would make a cycle, keeping every replica's frame and
+            # its arrays alive after the caller dropped the exception, until a cycle collection.
+            failures, run.failures = run.failures, []
+            run.own_cancellations = []
+        if failures:
             # The first failure, unless a later one is a KeyboardInterrupt or SystemExit (any
             # exception that is no Exception): that is raised, as a task group does.
             index = next(
@@ -1401,10 +1465,12 @@ class Scheduler:
                 0,
             )
             first, note, _ = failures[index]
-            add_note(first, note)
-            for line in _later_failures(first, failures[:index] + failures[index + 1 :]):
-                add_note(first, line)
-            raise first
+            later = _later_failures(first, failures[:index] + failures[index + 1 :])
+            _set_run_notes(first, [note, *later], run.serial)
+            try:
+                raise first
+            finally:  # this frame is in the exception's traceback: it must not hold it
+                del first, failures
         self.steps += 1
         results, run.results = run.results, []
         return results

@@ -47,6 +47,7 @@ from ._context import (
     ReplicaContext,
     context_state,
     default_replica_context,
+    default_scope_open,
     register_default_context,
 )
 from ._dataset import (
@@ -329,11 +330,12 @@ class StrategyExtended:
 
         Raises:
             ValueError: a destination is not one of the strategy's devices, is listed twice,
-                or is a Python number; shapes differ; a mirrored variable or a ``Mirrored``
-                value reduced with ``SUM`` or ``PROD``.
+                is a variable of another strategy or is a Python number; shapes differ; a
+                mirrored variable or a ``Mirrored`` value reduced with ``SUM`` or ``PROD``.
             TypeError: an op the dtype cannot do; a leaf that is no number or array.
-            RuntimeError: called inside a replica; across workers, called from another task while
-                a ``run()`` is in progress there.
+            RuntimeError: called inside a replica, or in another strategy's scope (across
+                workers every worker raises then, the others ``WorkersDisagree``); across
+                workers, called from another task while a ``run()`` is in progress there.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -370,8 +372,9 @@ class StrategyExtended:
         Raises:
             ValueError: as ``reduce_to``.
             TypeError: as ``reduce_to``; an item that is not a ``(value, destinations)`` pair.
-            RuntimeError: called inside a replica; across workers, called from another task while
-                a ``run()`` is in progress there.
+            RuntimeError: called inside a replica, or in another strategy's scope (across
+                workers every worker raises then, the others ``WorkersDisagree``); across
+                workers, called from another task while a ``run()`` is in progress there.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -432,7 +435,8 @@ class StrategyExtended:
             TypeError: ``var`` is not a variable, ``fn`` is not callable or is async (or
                 returns an awaitable), or an argument of a mirrored variable is a
                 ``PerReplica`` whose components differ; ``group`` is not a bool.
-            RuntimeError: called in another strategy's scope.
+            RuntimeError: called in another strategy's scope (across workers, outside a
+                ``run()``, the other workers then raise ``WorkersDisagree`` naming it).
             ValueError: ``var`` belongs to another strategy, or ``fn`` returned the wrong
                 shape or dtype; across workers, another worker refused its update
                 (``WorkersDisagree``); nothing has changed.
@@ -445,12 +449,30 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.update, v, lambda copy, x: copy * x, (3.0,))
             array([3., 3.])
         """
-        if not isinstance(group, bool | np.bool_):
-            raise TypeError(f"extended.update(): group must be True or False, got {group!r:.60}")
+        strategy = self._strategy
+        engine = strategy._engine
         state = context_state.get()
-        if state.replica is None:
-            self._strategy._check_not_mixed("extended.update()", state)
-        copies = await update(self._strategy, var, fn, args, kwargs)
+        if state.replica is not None:
+            try:
+                _check_group(group)
+            except TypeError as exc:
+                engine.refusing("extended.update()", exc)  # on every worker alike
+                raise
+            copies = await update(strategy, var, fn, args, kwargs)
+        else:
+            async with engine.call("extended.update()"):
+                try:
+                    _check_group(group)
+                    strategy._check_not_mixed("extended.update()", state)
+                    _check_own_variable(strategy, var)
+                except (TypeError, ValueError, RuntimeError) as exc:
+                    # Across workers, outside a run()'s step, the others raise it too (in a
+                    # merge_fn an update is this worker's own, with no collective to meet).
+                    workers = engine.cluster
+                    if workers is not None and not workers.in_step:
+                        await engine.refuse("extended.update()", exc)
+                    raise
+                copies = await update(strategy, var, fn, args, kwargs)
         if not group:
             return copies
         replica = context_state.get().replica
@@ -517,7 +539,7 @@ class StrategyExtended:
 
         Raises:
             ValueError: a destination is not one of the strategy's devices, is listed twice,
-                or is a Python number.
+                is a variable of another strategy or is a Python number.
             TypeError: a leaf that is no number or array (``None``, a string), or a
                 ``PerReplica``; nothing is placed.
             RuntimeError: called inside a replica.
@@ -600,15 +622,17 @@ class MirroredStrategy:
             raise ValueError(f"interleave must be one of {_INTERLEAVES}, got {interleave!r}")
         if sync_timeout is not None:
             seconds = as_real(sync_timeout)
+            requirement = "sync_timeout must be a positive number of seconds or None"
             if seconds is None:
                 raise TypeError(
-                    "sync_timeout must be a positive number of seconds or None, got "
-                    f"{type(sync_timeout).__name__} {sync_timeout!r:.60}"
+                    f"{requirement}, got {type(sync_timeout).__name__} {sync_timeout!r:.60}"
                 )
             if not seconds > 0:  # (NaN is not)
+                raise ValueError(f"{requirement}, got {sync_timeout!r}")
+            if math.isinf(seconds):
                 raise ValueError(
-                    "sync_timeout must be a positive number of seconds or None, got "
-                    f"{sync_timeout!r}"
+                    f"{requirement}, got {sync_timeout!r:.60}, which is infinite or too "
+                    "large: for no timeout pass None"
                 )
             sync_timeout = seconds
         seed_value = None if seed is None else as_integer(seed)
@@ -721,8 +745,10 @@ class MirroredStrategy:
             The reduced value, on replica 0's device.
 
         Raises:
-            RuntimeError: called inside a replica (use ``ctx.all_reduce`` there); across
-                workers, called from another task while a ``run()`` is in progress there.
+            RuntimeError: called inside a replica (use ``ctx.all_reduce`` there), or in
+                another strategy's scope (across workers every worker raises then, the others
+                ``WorkersDisagree``); across workers, called from another task while a
+                ``run()`` is in progress there.
             ValueError: an unknown op; shapes or dtypes that differ; ``axis`` out of range or
                 naming an axis twice; a mirrored variable or a ``Mirrored`` value reduced with
                 ``SUM`` or ``PROD``; across workers, another worker passed another op, axis,
@@ -749,8 +775,10 @@ class MirroredStrategy:
         """Concatenate a distributed ``value``'s components along ``axis``.
 
         Raises:
-            RuntimeError: called inside a replica (use ``ctx.all_gather`` there); across
-                workers, called from another task while a ``run()`` is in progress there.
+            RuntimeError: called inside a replica (use ``ctx.all_gather`` there), or in
+                another strategy's scope (across workers every worker raises then, the others
+                ``WorkersDisagree``); across workers, called from another task while a
+                ``run()`` is in progress there.
             ValueError: dtypes or shapes off ``axis`` differ; ``axis`` out of range; across
                 workers, another worker passed another axis, structure, dtype or other
                 trailing dimensions (every worker raises it; nothing was gathered).
@@ -781,12 +809,27 @@ class MirroredStrategy:
         """Once a cross-replica call ``what`` that reads its value's variables may start:
         called outside a replica, and (across workers) the variables made since the last sync
         synced, so that each worker's copies hold the chief's values."""
-        self._check_cross_replica(what)
+        state = context_state.get()
+        self._check_outside_replicas(what, state)
+        try:
+            self._check_not_mixed(f"strategy.{what}()", state)
+        except RuntimeError as exc:  # as refused arguments: every worker raises, in step
+            await self._engine.refuse(f"strategy.{what}", exc)
+            raise
         if self._engine.cluster is not None:
             await self._sync_new_variables()
 
     def _check_cross_replica(self, what: str) -> None:
         state = context_state.get()
+        self._check_outside_replicas(what, state)
+        self._check_not_mixed(f"strategy.{what}()", state)
+
+    def _check_outside_replicas(self, what: str, state: ContextState) -> None:
+        """Refuse a cross-replica call ``what`` made inside a replica.
+
+        Raises:
+            RuntimeError: naming the replica and what to call there instead.
+        """
         replica = state.replica
         if replica is not None:
             raise RuntimeError(
@@ -795,16 +838,16 @@ class MirroredStrategy:
                 "cross-replica context: call it on run()'s result, or use the replica "
                 f"context's collectives (ctx.all_reduce, ctx.all_gather) inside the step"
             )
-        self._check_not_mixed(f"strategy.{what}()", state)
 
     def _check_not_mixed(self, what: str, state: ContextState) -> None:
-        """Refuse a call made in the scope (or a ``merge_fn``) of another strategy, the
-        default one's included, as TF refuses to mix strategies."""
-        current = _scope_strategy(state)
+        """Refuse a call made in the scope (or a ``merge_fn``) of another strategy, as TF
+        refuses to mix strategies. The default strategy's scope changes nothing here, as in
+        TF, where another strategy's ``run()`` and reductions work inside it."""
+        current = state.strategy
         if current is not None and current is not self:
             raise RuntimeError(
-                f"{what} of {self!r} was called in the scope of {current!r}; strategies "
-                "cannot be mixed: finish with one before using the other"
+                f"{what} of {self._shown()} was called in the scope of {current._shown()}; "
+                "strategies cannot be mixed: finish with one before using the other"
             )
 
     def _destinations(self, destinations: Any) -> tuple[Device, ...]:
@@ -815,10 +858,23 @@ class MirroredStrategy:
         as TF's ``validate_destinations`` refuses it."""
         if destinations is None or isinstance(destinations, DistributedValues):
             return self._device_objects
-        if isinstance(destinations, Variable):
-            return destinations._devices
-        items = destinations if isinstance(destinations, list | tuple) else [destinations]
         by_name = {device.name: device for device in self._device_objects}
+        items: Sequence[Any]
+        if isinstance(destinations, Variable):
+            owner = destinations.distribute_strategy
+            if owner is self:
+                return destinations._devices
+            if owner is not None:  # its devices are the other strategy's, whatever their names
+                raise ValueError(
+                    f"destination variable {destinations.name!r} belongs to {owner!r}, not to "
+                    f"this strategy, whose devices are {list(by_name)}; pass a variable of "
+                    "this strategy, or the names of its devices"
+                )
+            items = destinations.devices  # an ordinary variable: its device, as a name
+        elif isinstance(destinations, list | tuple):
+            items = destinations
+        else:
+            items = [destinations]
         devices = []
         for item in items:
             if isinstance(item, str):  # the strategy's own names as they are, else any spelling
@@ -1310,6 +1366,11 @@ class MirroredStrategy:
     def __repr__(self) -> str:
         return f"MirroredStrategy(devices={list(self.devices)!r})"
 
+    def _shown(self) -> str:
+        """This strategy as messages name it: the default one as such, which its repr alone
+        does not tell from a strategy made over ``cpu:0``."""
+        return f"the default strategy, {self!r}" if self._is_default else repr(self)
+
     # -- contexts -------------------------------------------------------------------------
 
     def scope(self) -> contextlib.AbstractContextManager[MirroredStrategy]:
@@ -1324,7 +1385,8 @@ class MirroredStrategy:
 
         Raises:
             RuntimeError: (on entering) another strategy's scope or replica is current (as in
-                TF, which refuses to mix strategies).
+                TF, which refuses to mix strategies); the default strategy's scope does not
+                count, as in TF.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -1339,18 +1401,21 @@ class MirroredStrategy:
         nothing.
 
         Raises:
-            RuntimeError: another strategy's scope or replica is current.
+            RuntimeError: another strategy's scope (not the default strategy's) or replica is
+                current.
         """
         state = context_state.get()
         replica = state.replica
-        current = replica.strategy if replica is not None else _scope_strategy(state)
+        current = replica.strategy if replica is not None else state.strategy
         if current is not None and current is not self:
             raise RuntimeError(
-                f"cannot enter the scope of {self!r} while {current!r} is current; "
-                "strategies cannot be mixed: finish with one before using the other"
+                f"cannot enter the scope of {self._shown()} while {current._shown()} is "
+                "current; strategies cannot be mixed: finish with one before using the other"
             )
-        if self is default_replica_context().strategy:  # it keeps the default replica context
-            return None if replica is not None else (_in_default_scope, _in_default_scope.set(True))
+        # The default strategy's scope keeps the default replica context and changes nothing:
+        # as in TF (testScopeMostlyNoOp), another strategy's scope may be entered inside it.
+        if self._is_default:  # only a variable made in another scope inside it is refused
+            return (default_scope_open, default_scope_open.set(True))
         if replica is not None or current is self:
             return None
         return (context_state, context_state.set(ContextState(strategy=self, engine=self._engine)))
@@ -1693,7 +1758,7 @@ def _checked_slow_merge_warning(given: Any) -> float | None:
     if not (seconds > 0 and math.isfinite(seconds)):
         raise ValueError(
             f"slow_merge_warning must be a positive, finite number of seconds (or None to "
-            f"disable the warning), got {given!r}"
+            f"disable the warning), got {given!r:.60}"
         )
     return seconds
 
@@ -1778,23 +1843,6 @@ class _Scope:
 #: The scope entries of this context (task), innermost last: what each must reset on leaving.
 _entered: contextvars.ContextVar[tuple[tuple[_Scope, _ScopeToken | None], ...]] = (
     contextvars.ContextVar("aioreplica.scopes_entered", default=())
-)
-
-
-def _scope_strategy(state: ContextState) -> Any:
-    """The strategy whose scope (or ``merge_fn``) is current outside a replica: ``state``'s,
-    else the default strategy inside its own scope (which leaves ``state`` as it is), else
-    None."""
-    if state.strategy is None and _in_default_scope.get():
-        return default_replica_context().strategy
-    return state.strategy
-
-
-#: Whether the default strategy's scope is current. It keeps the default replica context
-#: (``context_state`` stays as it is), yet no other strategy's scope, run or reduction may
-#: start inside it, as in TF.
-_in_default_scope: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "aioreplica.in_default_scope", default=False
 )
 
 
@@ -1961,6 +2009,33 @@ def _for_variables(
     if not variables:
         return contextlib.nullcontext()
     return reductions_for(f"a reduction to {', '.join(variables)}")
+
+
+def _check_group(group: object) -> None:
+    """``extended.update``'s ``group``, or refused.
+
+    Raises:
+        TypeError: it is not a bool.
+    """
+    if not isinstance(group, bool | np.bool_):
+        raise TypeError(f"extended.update(): group must be True or False, got {group!r:.60}")
+
+
+def _check_own_variable(strategy: MirroredStrategy, var: object) -> None:
+    """Refuse a variable of another strategy given to ``strategy.extended.update`` (an
+    ordinary variable, of no strategy, is updated as it is).
+
+    Raises:
+        ValueError: naming the variable and both strategies.
+    """
+    if not isinstance(var, Variable):
+        return  # ``update`` says what it needs
+    owner = var.distribute_strategy
+    if owner is not None and owner is not strategy:
+        raise ValueError(
+            f"update() of {strategy!r} was given variable {var.name!r}, which belongs to "
+            f"{owner!r}; update it through its own strategy"
+        )
 
 
 def _grouped(per_destination: list[Any]) -> Any:

@@ -11,6 +11,9 @@ What is a container
       ``type(x)._make(children)``, so a namedtuple with a custom ``__new__`` still rebuilds.
       Their path entries are ``.field``.
     * other ``list``/``tuple`` subclasses, rebuilt as ``type(x)(children)``.
+    * mapping views (``d.keys()``, ``d.values()``, ``d.items()``), as in tf.nest: their items
+      in iteration order (not sorted), path entries ``[i]``. A view cannot be made from
+      values, so it is rebuilt as a ``list``, as tf.nest packs it.
     * ``dict`` and *any* ``collections.abc.Mapping``; the type is kept on rebuild, as tf.nest
       keeps it. A ``defaultdict`` keeps its ``default_factory``; any other
       ``MutableMapping`` (dict subclasses among them) is made empty, ``type(m)()``, and
@@ -79,6 +82,7 @@ from collections.abc import (
     Iterable,
     Iterator,
     Mapping,
+    MappingView,
     MutableMapping,
     Sequence,
 )
@@ -191,8 +195,9 @@ _SEQUENCE: Final = 5  # any other list or tuple subclass
 _DEFAULTDICT: Final = 6
 _MAPPING: Final = 7  # any other Mapping, dict subclasses included
 _CUSTOM: Final = 8  # registered with register_node / register_dataclass
+_VIEW: Final = 9  # a mapping view: keys(), values(), items()
 
-_SEQUENCE_KINDS: Final = frozenset({_LIST, _TUPLE, _NAMEDTUPLE, _SEQUENCE})
+_SEQUENCE_KINDS: Final = frozenset({_LIST, _TUPLE, _NAMEDTUPLE, _SEQUENCE, _VIEW})
 _MAPPING_KINDS: Final = frozenset({_DICT, _DEFAULTDICT, _MAPPING})
 
 _KINDS: dict[type, int] = {
@@ -231,6 +236,8 @@ def _classify(t: type) -> int:
         kind = _NAMEDTUPLE if hasattr(t, "_fields") and hasattr(t, "_make") else _SEQUENCE
     elif issubclass(t, list):
         kind = _SEQUENCE
+    elif issubclass(t, MappingView):  # walked as tf.nest walks them, in iteration order
+        kind = _VIEW
     elif issubclass(t, collections.defaultdict):
         kind = _DEFAULTDICT
     elif issubclass(t, Mapping):
@@ -286,8 +293,8 @@ def is_leaf(x: Any) -> bool:
 
     Returns:
         ``True`` for leaves (``None``, scalars, strings, arrays, unregistered dataclasses,
-        ...), ``False`` for containers (attrs classes among them, as in tf.nest), empty ones
-        included.
+        ...), ``False`` for containers (attrs classes and mapping views among them, as in
+        tf.nest), empty ones included.
 
     Raises:
         Nothing.
@@ -516,6 +523,8 @@ def _join(node: _Node, values: list[Any]) -> Any:
         return t(values)
     if kind == _CUSTOM:
         return node.extra.unflatten_fn(node.aux, tuple(values))
+    if kind == _VIEW:  # a view cannot be made from values: tf.nest packs it as a list
+        return values
     items = dict(zip(node.aux, values, strict=True))
     order = node.extra[0] if kind == _DEFAULTDICT else node.extra
     if order is not None:
@@ -819,7 +828,7 @@ def _node_repr(n: _Node | None) -> str:
         return "[" + ", ".join(kids) + "]"
     if kind == _TUPLE:
         return "(" + ", ".join(kids) + ("," if len(kids) == 1 else "") + ")"
-    if kind == _SEQUENCE:
+    if kind in (_SEQUENCE, _VIEW):
         return f"{name}([{', '.join(kids)}])"
     fields = n.type._fields if kind == _NAMEDTUPLE else None  # type: ignore[attr-defined]
     if kind == _CUSTOM:
@@ -983,16 +992,32 @@ def _describe_node(x: Any) -> str:
     return f"{_with_article(name)} of {n} item{'' if n == 1 else 's'}"
 
 
-def _same_name_classes(ta: type, tb: type) -> str:
+def _same_name_classes(ta: type, tb: type, first: str, second: str) -> str:
     """Why two classes that print with one name differ, and, for the usual cause, the fix."""
     full_a = f"{ta.__module__}.{ta.__qualname__}"
     full_b = f"{tb.__module__}.{tb.__qualname__}"
+    fields_a, fields_b = getattr(ta, "_fields", None), getattr(tb, "_fields", None)
+    fields = ""
+    if fields_a != fields_b:
+        fields = (
+            f"; their fields differ: {first} has {_fields_repr(fields_a)}, "
+            f"{second} {_fields_repr(fields_b)}"
+        )
     if full_a != full_b:
-        return f"two different classes with the same name, {full_a} and {full_b}"
+        return f"two different classes with the same name, {full_a} and {full_b}{fields}"
+    if fields:
+        # Two namedtuple calls with one name, not one definition run twice: no hint about
+        # classes made inside functions.
+        return f"two different classes, both {full_a}{fields}"
     return (
         f"two different classes, both {full_a} (a class or namedtuple made inside a function "
         "is a new class on every call: define it once, at module level)"
     )
+
+
+def _fields_repr(fields: Any) -> str:
+    """A namedtuple's fields for a message: ``fields ('a', 'b')``, or ``no fields``."""
+    return "no fields" if fields is None else f"fields {tuple(fields)!r}"
 
 
 def _keys_repr(keys: list[Any]) -> str:
@@ -1031,7 +1056,7 @@ def _node_mismatch(
         exc = ValueError if ka == _LEAF or kb == _LEAF else TypeError
         message = f"{first} has {_describe_node(a)}, {second} {_describe_node(b)}"
         if ta is not tb and _type_name(ta) == _type_name(tb):
-            message += f": {_same_name_classes(ta, tb)}"
+            message += f": {_same_name_classes(ta, tb, first, second)}"
         return exc, message
     if ka in _MAPPING_KINDS:
         keys_a, keys_b = set(a), set(b)

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final, overload
 
 import numpy as np
@@ -48,6 +49,7 @@ __all__ = [
     "PerReplica",
     "agreed",
     "misfit",
+    "out_argument",
     "register_current_replica",
     "regroup",
     "select_replica",
@@ -55,6 +57,7 @@ __all__ = [
     "select_replicas",
     "shown_misfit",
     "structure_mismatch",
+    "writes_first_argument",
 ]
 
 T = TypeVar("T")
@@ -75,12 +78,44 @@ def _check_values(cls_name: str, values: Any) -> tuple[Any, ...]:
     return tuple(values)
 
 
+def _refuse_setattr(self: DistributedValues[Any], name: str, value: Any) -> NoReturn:
+    """Refuse every attribute write: a distributed value never changes after it is made."""
+    raise dataclasses.FrozenInstanceError(
+        f"cannot assign to {name!r} of a {type(self).__name__}: distributed values are "
+        f"immutable; make a new {type(self).__name__} instead"
+    )
+
+
+def _refuse_delattr(self: DistributedValues[Any], name: str) -> NoReturn:
+    """Refuse every attribute deletion, as ``_refuse_setattr`` refuses writes."""
+    raise dataclasses.FrozenInstanceError(
+        f"cannot delete {name!r} of a {type(self).__name__}: distributed values are immutable"
+    )
+
+
+_Frozen = TypeVar("_Frozen", bound=type)
+
+
+def _immutable(cls: _Frozen) -> _Frozen:
+    """``cls`` (a frozen slots dataclass) with ``__setattr__`` and ``__delattr__`` that refuse
+    every name. The ones the dataclass decorator makes refer to the class it replaced to add
+    the slots (CPython 3.11), so a write of any name but a field's raised a ``TypeError`` from
+    ``super()`` instead of ``FrozenInstanceError`` (an ``AttributeError``), and so did
+    ``PerReplica[float](...)``, whose typing alias sets ``__orig_class__`` on the instance
+    and expects an ``AttributeError`` where it cannot."""
+    type.__setattr__(cls, "__setattr__", _refuse_setattr)
+    type.__setattr__(cls, "__delattr__", _refuse_delattr)
+    return cls
+
+
+@_immutable
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False)
 class DistributedValues(Generic[T]):
     """One value per replica; the base class of :class:`PerReplica` and :class:`Mirrored`.
 
     Subclasses that add no fields pass ``init=False`` to the dataclass decorator, so they
-    keep this constructor, which accepts any sequence (and type checkers know it).
+    keep this constructor, which accepts any sequence (and type checkers know it), and are
+    decorated with ``_immutable`` above it, as this class is.
 
     Attributes:
         values: The values, indexed by replica id. The constructor accepts a list or a
@@ -89,12 +124,16 @@ class DistributedValues(Generic[T]):
     Raises:
         TypeError: `values` is not a list or tuple (a string, a generator, a scalar, ...).
         ValueError: `values` is empty.
+        AttributeError: an attribute is set or deleted (``dataclasses.FrozenInstanceError``):
+            a distributed value never changes.
 
     Example:
         >>> PerReplica([1, 2])
         PerReplica({0: 1, 1: 2})
         >>> PerReplica([1, 2]).values[1]
         2
+        >>> PerReplica[float]([0.5, 1.5])
+        PerReplica({0: 0.5, 1: 1.5})
     """
 
     values: tuple[T, ...]
@@ -122,6 +161,7 @@ class DistributedValues(Generic[T]):
 
 
 @final
+@_immutable
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False, init=False)
 class PerReplica(DistributedValues[T]):
     """Values that may differ between replicas, e.g. each replica's loss or gradients.
@@ -199,6 +239,80 @@ def _check_out(out: Any, func: Any) -> None:
             )
 
 
+def _check_in_place(target: Any, what: str) -> None:
+    """Refuse a distributed value as the array that ``what`` (``"copyto"``, ``"add.at"``)
+    writes into in place.
+
+    Raises:
+        TypeError: ``target`` is a ``DistributedValues``.
+    """
+    if isinstance(target, DistributedValues):
+        raise TypeError(
+            f"a {type(target).__name__} value cannot be written in place by {what}: writing "
+            "into one replica's copy would make the copies differ (and host replicas share "
+            "one array); compute a new value instead (np.array(m) is a copy to write into)"
+        )
+
+
+#: NumPy's functions that write into their first argument.
+_WRITE_FIRST: Final = frozenset(
+    {np.copyto, np.put, np.place, np.putmask, np.put_along_axis, np.fill_diagonal}
+)
+
+
+@functools.cache
+def _out_position(func: Any) -> int | None:
+    """The position at which NumPy function ``func`` also takes its ``out`` argument, or
+    ``None`` (no such argument, or keyword-only)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: nothing to find by position
+        return None
+    for position, parameter in enumerate(parameters):
+        if parameter.name == "out":
+            return position if parameter.kind is parameter.POSITIONAL_OR_KEYWORD else None
+    return None
+
+
+def writes_first_argument(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether the NumPy function call ``func(*args, **kwargs)`` writes into its first
+    argument: ``np.copyto``, ``np.put``, ``np.place``, ``np.putmask``, ``np.put_along_axis``,
+    ``np.fill_diagonal``, and ``np.nan_to_num`` with ``copy=False``. With ``out_argument``,
+    the rule by which distributed values and variables refuse to be written by NumPy.
+
+    Example:
+        >>> writes_first_argument(np.copyto, ("x", "y"), {})
+        True
+        >>> writes_first_argument(np.nan_to_num, ("x",), {})
+        False
+        >>> writes_first_argument(np.nan_to_num, ("x", False), {})
+        True
+    """
+    if func is np.nan_to_num:
+        return not kwargs.get("copy", args[1] if len(args) > 1 else True)
+    return func in _WRITE_FIRST
+
+
+def out_argument(func: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """The ``out`` argument of the NumPy function call ``func(*args, **kwargs)``, by keyword
+    or by position, or ``None``.
+
+    Example:
+        >>> out_argument(np.mean, ("x",), {"out": "y"})
+        'y'
+        >>> out_argument(np.mean, ("x", 0, None, "y"), {})
+        'y'
+        >>> out_argument(np.mean, ("x",), {}) is None
+        True
+    """
+    out = kwargs.get("out")
+    if out is None:
+        position = _out_position(func)
+        if position is not None and position < len(args):
+            out = args[position]
+    return out
+
+
 def _delegate_unary(name: str) -> Any:
     op = getattr(operator, name)
 
@@ -210,6 +324,7 @@ def _delegate_unary(name: str) -> Any:
 
 
 @final
+@_immutable
 @dataclasses.dataclass(frozen=True, slots=True, eq=False, repr=False, init=False)
 class Mirrored(DistributedValues[T]):
     """Values that are the same on every replica, e.g. the result of an all-reduce.
@@ -223,8 +338,10 @@ class Mirrored(DistributedValues[T]):
     ``AttributeError``): ``np.shape(m)``, or ``m.values[i]`` for a copy.
 
     Raises:
-        TypeError: computed with a ``PerReplica`` (which has no one value), or given as
-            the ``out=`` of a NumPy function or ufunc; and as its value raises.
+        TypeError: computed with a ``PerReplica`` (which has no one value), given as
+            the ``out=`` of a NumPy function or ufunc, or written in place by NumPy
+            (``np.copyto(m, x)``, ``np.put(m, i, x)``, ``np.add.at(m, i, x)``); and as its
+            value raises.
 
     Example:
         >>> Mirrored([3.0, 3.0])
@@ -257,14 +374,19 @@ class Mirrored(DistributedValues[T]):
             same = len(inputs) == 2 and inputs[0] is inputs[1]
             return same if ufunc is np.equal else not same
         _check_out(kwargs.get("out"), ufunc)
+        if method == "at":  # ufunc.at writes into its first operand, read-only or not
+            _check_in_place(inputs[0], f"{ufunc.__name__}.at")
         return getattr(ufunc, method)(*_unwrapped(inputs), **kwargs)
 
     def __array_function__(
         self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """A NumPy function (``np.mean(m)``, ``np.concatenate([m, x])``) of its value, which
-        dispatches as the value does (a CuPy array's to CuPy)."""
-        _check_out(kwargs.get("out"), func)
+        dispatches as the value does (a CuPy array's to CuPy); refused where it would write
+        into a distributed value (``out=m``, ``np.copyto(m, x)``)."""
+        _check_out(out_argument(func, args, kwargs), func)
+        if writes_first_argument(func, args, kwargs):
+            _check_in_place(args[0], func.__name__)
         return func(*_unwrapped(args), **{k: _unwrapped(v) for k, v in kwargs.items()})
 
     def __getitem__(self, key: Any) -> Any:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, Literal, final, overload
+from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final, overload
 
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
@@ -34,11 +34,20 @@ from ._context import (
     ReplicaContext,
     context_state,
     default_replica_context,
+    default_scope_open,
 )
 from ._errors import ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path
-from ._values import DistributedValues, Mirrored, PerReplica, agreed, select_replica
+from ._values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    agreed,
+    out_argument,
+    select_replica,
+    writes_first_argument,
+)
 from ._writes import (
     ADD,
     ASSIGN,
@@ -145,8 +154,11 @@ class Variable(NDArrayOperatorsMixin):
     ``v[0]`` use the current replica's copy in replica context (see the subclasses for
     cross-replica context). It is written only through ``await v.assign(x)``,
     ``assign_add`` and ``assign_sub``, never in place: ``value()`` arrays are read-only on the
-    host. As with TensorFlow variables and NumPy arrays, ``==`` is elementwise, so variables
-    are not hashable.
+    host, and NumPy calls that would write into a variable (``out=v``, ``np.copyto(v, x)``,
+    ``np.add.at(v, i, x)``) raise ``TypeError``. As with TensorFlow variables and NumPy arrays,
+    ``==`` is elementwise, so variables are not hashable. As in TF, ``copy.copy(v)`` is ``v``
+    and ``copy.deepcopy(v)`` a new variable; a variable cannot be pickled (pickle
+    ``v.numpy()``, or save a ``Checkpoint``).
 
     Args:
         initial_value: an array-like, or a callable returning one (called once).
@@ -170,11 +182,12 @@ class Variable(NDArrayOperatorsMixin):
             valid ones); ``synchronization="none"`` inside a strategy scope; an integer of
             ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around);
             ``shape`` differs from the initial value's.
-        TypeError: ``initial_value`` is not numeric or bool; ``dtype`` is not a numeric or
-            bool NumPy dtype, or ``initial_value`` does not cast to it without losing its kind
-            of number (a float to an integer, a complex to a float); a sync-on-read variable with
-            ``aggregation="mean"`` and a dtype that cannot be averaged (integers, bool);
-            ``name`` is not a string, ``trainable`` not a bool, or ``shape`` not ints.
+        TypeError: ``initial_value`` is not numeric or bool (an int too large for 64 bits is
+            not); ``dtype`` is not a numeric or bool NumPy dtype, or ``initial_value`` does not
+            cast to it without losing its kind of number (a float to an integer, a complex to a
+            float); a sync-on-read variable with ``aggregation="mean"`` and a dtype that cannot
+            be averaged (integers, bool); ``name`` is not a string, ``trainable`` not a bool, or
+            ``shape`` not ints.
         RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
             class, synchronization, aggregation, dtype, ``trainable`` or initial shape from
             the one another replica made as its ``k``-th (every replica must make the same
@@ -500,17 +513,52 @@ class Variable(NDArrayOperatorsMixin):
             value = host_array(value, device)
         result: np.ndarray[Any, Any] = value
         if dtype is not None and np.dtype(dtype) != value.dtype:
+            if copy is False:  # NumPy 2's copy=False: never a copy, else a ValueError
+                raise ValueError(
+                    f"variable {self._name!r} has dtype {value.dtype}, so NumPy needs a copy "
+                    f"of it for dtype {np.dtype(dtype)}, which copy=False refuses; leave "
+                    "copy out (a copy where needed), or pass copy=True"
+                )
             return result.astype(dtype)
         return result.copy() if copy else result
 
     def __array_ufunc__(self, ufunc: Any, method: str, *inputs: Any, **kwargs: Any) -> Any:
-        if any(isinstance(out, Variable) for out in kwargs.get("out", ())):
-            raise TypeError(
-                f"a variable cannot be the out= of {ufunc.__name__}; variables change only "
-                "through `await v.assign(...)`, `assign_add` or `assign_sub`"
-            )
+        _check_out(kwargs.get("out"), ufunc)
+        if method == "at" and isinstance(inputs[0], Variable):
+            # ufunc.at writes into its first operand even where it is read-only.
+            inputs[0]._refuse_in_place(f"{ufunc.__name__}.at")
         args = [x.value() if isinstance(x, Variable) else x for x in inputs]
         return getattr(ufunc, method)(*args, **kwargs)
+
+    def __array_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A NumPy function of the variable's value, as NumPy computes it without this
+        method (the variable converts through ``__array__``); refused where it would write
+        into a variable (``np.copyto(v, x)``, ``np.put(v, i, x)``, an ``out`` argument)."""
+        out = out_argument(func, args, kwargs)
+        if out is not None:
+            _check_out(out, func)
+        first = args[0] if args else None
+        if isinstance(first, Variable) and writes_first_argument(func, args, kwargs):
+            first._refuse_in_place(func.__name__)
+        for kind in types:  # (a loop: every NumPy call on a variable comes here)
+            if not issubclass(kind, _COMPUTED_HERE):
+                return NotImplemented  # the other types' own (a Mirrored's, a CuPy array's) decide
+        return func._implementation(*args, **kwargs)
+
+    def _refuse_in_place(self, what: str) -> NoReturn:
+        """Refuse a NumPy function or ufunc method (``what``) that writes into the variable.
+
+        Raises:
+            TypeError: always, naming the variable and how to write it.
+        """
+        raise TypeError(
+            f"variable {self._name!r} cannot be written in place by {what}; variables change "
+            "only through `await v.assign(...)`, `assign_add` or `assign_sub`, every copy or "
+            f"none: compute the new value on a copy (x = v.numpy(); np.{what}(x, ...)) and "
+            "`await v.assign(x)`"
+        )
 
     def __getitem__(self, key: Any) -> Any:
         return self.value()[key]
@@ -548,6 +596,41 @@ class Variable(NDArrayOperatorsMixin):
                 "index: only a 0-d integer variable is"
             )
         return int(self._host())
+
+    def __copy__(self) -> Variable:
+        """The variable itself, as TF's ``copy.copy`` of a variable: a shallow copy would share
+        the copies and the write turn while its later writes stayed its own.
+
+        Example:
+            >>> import copy
+            >>> v = Variable(np.zeros(2), name="w")
+            >>> copy.copy(v) is v
+            True
+        """
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        """Refused: a variable cannot be pickled. Its copies live on its devices (a distributed
+        variable's with its strategy) and take their writes in turn there, none of which
+        travels to another process.
+
+        Raises:
+            TypeError: always, naming the variable and what to save instead.
+
+        Example:
+            >>> import pickle
+            >>> pickle.dumps(Variable(np.zeros(2), name="w"))  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            TypeError: cannot pickle variable 'w' (Variable): ...
+        """
+        raise TypeError(
+            f"cannot pickle variable {self._name!r} ({type(self).__name__}): a variable lives "
+            "on its devices (a distributed one with its strategy) and takes its writes in turn "
+            "there, which does not travel between processes; pickle its value (v.numpy()) "
+            "and make a new Variable of it where it is loaded, or save variables with "
+            "aioreplica.Checkpoint"
+        )
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Variable:
         """A new variable of the same kind, strategy and devices, holding copies of the values.
@@ -710,7 +793,7 @@ class Variable(NDArrayOperatorsMixin):
         Raises:
             ValueError: as ``assign``; on a ``SyncOnReadVariable`` with aggregation ``SUM`` in
                 cross-replica context (as in TF).
-            TypeError: as ``assign``.
+            TypeError: as ``assign``; on a bool variable (TF has no bool ``AssignAdd``).
             RuntimeError: as ``assign``.
 
         Example:
@@ -744,7 +827,7 @@ class Variable(NDArrayOperatorsMixin):
 
         Raises:
             ValueError: as ``assign_add``.
-            TypeError: as ``assign``.
+            TypeError: as ``assign_add``.
             RuntimeError: as ``assign``.
 
         Example:
@@ -766,7 +849,7 @@ class Variable(NDArrayOperatorsMixin):
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
         device = self._devices[0]
-        await self._write_copies(op, [self._checked(value, device, None)])
+        await self._write_copies(op, [self._checked(op, value, device, None)])
         return self
 
     async def _write_copies(self, op: str, values: Sequence[Any]) -> None:
@@ -774,17 +857,17 @@ class Variable(NDArrayOperatorsMixin):
         async with self._turn:
             commit([(self, await compute_update(self, writer(op), values))])
 
-    def _checked(self, value: Any, device: Device, replica: int | None) -> Any:
-        """``value`` on ``device``, in this variable's dtype, or a clear error."""
+    def _checked(self, op: str, value: Any, device: Device, replica: int | None) -> Any:
+        """``value`` on ``device``, in this variable's dtype, for the write ``op``, or a clear
+        error (about the value first, then about ``op``)."""
+        where = "" if replica is None else f" from replica {replica}"
         if isinstance(value, DistributedValues):
             value = self._one_value(value, replica)
-        where = "" if replica is None else f" from replica {replica}"
         array = value if is_array(value) else np.asarray(value)
         if array.dtype == object:
             raise TypeError(
                 f"cannot write {value!r:.60} to variable {self._name!r} of dtype "
-                f"{self._dtype}{where}: it is no array of numbers (an integer too large for "
-                "64 bits, or values of mixed types, make a NumPy array of objects)"
+                f"{self._dtype}{where}: it is no array of numbers {_OBJECTS}"
             )
         if isinstance(value, int) and not isinstance(value, bool) and self._dtype.kind in "bu":
             array = self._python_int(value, array, where)
@@ -806,6 +889,15 @@ class Variable(NDArrayOperatorsMixin):
                 f"cannot write a value of shape {tuple(array.shape)} to variable "
                 f"{self._name!r} of shape {self._shape}{where}; it must broadcast to "
                 f"{self._shape}"
+            )
+        if op != ASSIGN and self._dtype.kind == "b":
+            adding = op == ADD
+            raise TypeError(
+                f"{op}() of variable {self._name!r}{where}: a bool variable cannot be "
+                f"{'added to' if adding else 'subtracted from'} (TF has no bool "
+                f"{'AssignAdd' if adding else 'AssignSub'} either); compute the new value and "
+                "assign() it, e.g. `await v.assign("
+                f"{'np.logical_or(v, x)' if adding else 'np.logical_and(v, np.logical_not(x))'})`"
             )
         return device.asarray(array)
 
@@ -867,17 +959,20 @@ class Variable(NDArrayOperatorsMixin):
         Raises:
             TypeError, ValueError: as ``_cross_replica_values`` (across workers, refused on
                 every worker in step: the others raise ``WorkersDisagree`` naming this one).
-            RuntimeError: across workers, called from another task while a ``run()`` is in
-                progress on this worker.
+            RuntimeError: called in another strategy's scope (``_check_own_strategy``;
+                across workers refused on every worker in step, as bad values are); across
+                workers, called from another task while a ``run()`` is in progress on this
+                worker.
         """
-        self._check_own_strategy(op)
         engine = _writing_as_the_chief(self)
         if engine is None:
+            self._check_own_strategy(op)
             return self._cross_replica_values(op, value)
         what = f"{op}() of variable {self._name!r}"
         try:
+            self._check_own_strategy(op)
             values = self._cross_replica_values(op, value)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             await engine.refuse(what, exc)
             raise
         # In the variable's dtype and shape, which every worker's broadcast agrees on.
@@ -924,7 +1019,7 @@ class Variable(NDArrayOperatorsMixin):
         else:
             components = [value] * len(self._devices)
         return [
-            self._checked(component, device, None)
+            self._checked(op, component, device, None)
             for component, device in zip(components, self._devices, strict=True)
         ]
 
@@ -999,7 +1094,7 @@ class MirroredVariable(Variable):
             return self
         self._replica_id(replica, op)
         try:
-            local = self._checked(value, replica.device, replica.replica_id_in_sync_group)
+            local = self._checked(op, value, replica.device, replica.replica_id_in_sync_group)
         except (TypeError, ValueError) as exc:
             replica._engine.refusing(f"{op}() of variable {self._name!r}", exc)
             raise
@@ -1106,7 +1201,7 @@ class SyncOnReadVariable(Variable):
         replica = context_state.get().replica
         if replica is not None:
             replica_id = self._replica_id(replica, op)
-            local = self._checked(value, replica.device, replica.replica_id_in_sync_group)
+            local = self._checked(op, value, replica.device, replica.replica_id_in_sync_group)
             async with self._turn:
                 copy = self._copies[replica_id]
                 new = (await compute_copies((replica.device,), writer(op), [[copy], [local]]))[0]
@@ -1461,8 +1556,18 @@ def which_differ(parts: Sequence[Any], engine: ReductionEngine) -> str:
     ]
     if not odd:
         return ""
-    first = _short(hosts[0].tolist())
+    first = _array_text(hosts[0])
     return f" ({replica_list(odd)} passed another than replica {first_replica}'s {first})"
+
+
+def _array_text(array: np.ndarray[Any, Any]) -> str:
+    """``array``'s values as a list, or elided in the middle when that is long:
+    ``[0., 0., ..., 0., 0.]``."""
+    shown = repr(array.tolist())
+    if len(shown) <= 40:
+        return shown
+    text = np.array2string(array, threshold=6, edgeitems=2, max_line_width=1 << 20, separator=", ")
+    return " ".join(text.split())
 
 
 # -- updates (strategy.extended.update) -----------------------------------------------------
@@ -1754,6 +1859,12 @@ def _out_of_range(array: Any, dtype: np.dtype[Any]) -> int | None:
     return high if high > info.max else None
 
 
+#: Why NumPy made an array of objects of a value written or given as numbers, for the
+#: errors that refuse it.
+_OBJECTS: Final = (
+    "(an integer too large for 64 bits, or values of mixed types, make a NumPy array of objects)"
+)
+
 #: What ``update``'s ``fn`` must be, for the errors that refuse another.
 _PLAIN_FN: Final = (
     "fn must be a plain (not async) function that returns the copy's new value; it runs once "
@@ -1787,13 +1898,43 @@ def _as_copy(variable: Variable, result: Any, like: Any) -> Any:
 # -- helpers ------------------------------------------------------------------------------
 
 
+#: The types whose NumPy functions ``Variable.__array_function__`` computes itself.
+_COMPUTED_HERE: Final = (Variable, np.ndarray)
+
+
+def _check_out(out: Any, func: Any) -> None:
+    """Refuse a variable as the ``out`` (an array, or a tuple of them) of NumPy's ``func``.
+
+    Raises:
+        TypeError: ``out`` is (or holds) a variable.
+    """
+    outs = out if type(out) is tuple else (out,)
+    if any(isinstance(target, Variable) for target in outs):
+        raise TypeError(
+            f"a variable cannot be the out= of {func.__name__}; variables change only "
+            "through `await v.assign(...)`, `assign_add` or `assign_sub`"
+        )
+
+
 def _scope(name: str) -> tuple[Any, ReductionEngine | None]:
     """The strategy a new variable belongs to, with its engine: the enclosing ``scope()``'s,
     or ``(None, None)`` outside any scope (and in the default strategy's). Inside a replica
-    ``_shared`` has made the replica's strategy the enclosing one."""
+    ``_shared`` has made the replica's strategy the enclosing one.
+
+    Raises:
+        RuntimeError: the enclosing scope (or run) is inside the default strategy's scope, as
+            TF refuses it (its default strategy's variable creator runs too).
+    """
     state: ContextState = context_state.get()
     if state.strategy is None or state.strategy is default_replica_context().strategy:
         return None, None
+    if state.replica is None and default_scope_open.get():
+        raise RuntimeError(
+            f"variable {name!r} was created for {state.strategy!r} (in its scope or run()) "
+            "inside the default strategy's scope; strategies cannot be mixed (TF: \"Mixing "
+            'different tf.distribute.Strategy objects"): create it outside the default '
+            "strategy's scope"
+        )
     return state.strategy, state.engine
 
 
@@ -2007,6 +2148,11 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
                 f"variable {name!r}: cannot make an array of the initial value "
                 f"{type(value).__name__} {value!r:.60}: {exc}"
             ) from None
+        if array.dtype == object:  # not an array the caller made of objects: say why
+            raise TypeError(
+                f"variable {name!r}: the initial value has dtype object; variables hold numeric "
+                f"or bool arrays, and {value!r:.60} is no array of numbers {_OBJECTS}"
+            )
         if target is not None:
             own = isinstance(value, np.generic)  # a NumPy scalar has its dtype, as an array
             _check_initial_cast(array, target, name, own_dtype=own)
@@ -2106,4 +2252,4 @@ def _check_aggregation_dtype(
 
 def _short(value: Any) -> str:
     shown = repr(value)
-    return shown if len(shown) <= 40 else f"{type(value).__name__} {shown[:30]}..."
+    return shown if len(shown) <= 40 else f"{shown[:37]}..."

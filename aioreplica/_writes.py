@@ -17,8 +17,8 @@ earlier update. Each writable object therefore has a ``Turn``: a first-in, first
 a write holds from its read to its commit, so concurrent writes apply one after another in the
 order their callers reached them. A write of many objects at once (an optimizer step, a
 restore) takes their turns in one global order, that of the turns' creation (``taking_turns``),
-so two such writes can never wait for each other in a cycle. An uncontended turn costs two
-attribute writes and no await.
+so two such writes can never wait for each other in a cycle. An uncontended turn costs a
+lock (writers may run on several threads, each with its own event loop) and no await.
 
 Variables, optimizers and checkpoints use this module; it knows variables only as objects that
 store one copy per device and have a turn (``Stored``).
@@ -27,13 +27,13 @@ store one copy per device and have a turn (``Stored``).
 from __future__ import annotations
 
 import itertools
+import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
-import anyio
 import numpy as np
 
-from . import _tree
+from . import _loops, _tree
 from ._backends import array_module, host_array, is_cupy_array
 
 if TYPE_CHECKING:
@@ -85,6 +85,11 @@ class Turn:
     waiting. ``order`` (the creation order) is the global order in which ``taking_turns``
     takes several.
 
+    Writers on different threads, each running its own event loop (a threaded server calling
+    ``anyio.run`` per request), take turns too: the queue is guarded by a lock, and the turn
+    is handed to a waiter through its own loop's thread-safe wake-up (``_loops.ThreadResult``),
+    since a waiter parked on one loop cannot be woken by another loop's primitives.
+
     Example:
         >>> turn = Turn()
         >>> async def write():
@@ -94,30 +99,48 @@ class Turn:
         True
     """
 
-    __slots__ = ("_waiting", "held", "order")
+    __slots__ = ("_free", "_lock", "_waiting", "order")
 
     def __init__(self) -> None:
         self.order = next(_creation)
-        self.held = False
-        self._waiting: deque[anyio.Event] | None = None  # made at the first contention
+        #: Locked while the turn is held, by whichever writer (a lock may be released by
+        #: another thread than the one that took it): an uncontended turn is one atomic
+        #: ``acquire(blocking=False)``, however many threads write.
+        self._free = threading.Lock()
+        self._lock = threading.Lock()  # guards the queue, and a release against an enqueue
+        self._waiting: deque[_loops.ThreadResult] | None = None  # made at the first contention
+
+    @property
+    def held(self) -> bool:
+        """Whether a writer holds the turn."""
+        return self._free.locked()
+
+    def try_acquire(self) -> bool:
+        """Take this turn if it is free, without awaiting; whether it was taken. (A turn
+        released with writers waiting goes to the first of them: it is never free then.)"""
+        return self._free.acquire(False)
 
     async def acquire(self) -> None:
         """Wait for this turn (FIFO); a cancelled waiter leaves the queue, or passes the turn on
         if it had just been handed to it."""
-        if not self.held:
-            self.held = True
+        if self._free.acquire(False):
             return
-        if self._waiting is None:
-            self._waiting = deque()
-        handed = anyio.Event()
-        self._waiting.append(handed)
+        with self._lock:
+            if self._free.acquire(False):  # released meanwhile, with nobody waiting
+                return
+            if self._waiting is None:
+                self._waiting = deque()
+            handed = _loops.current().thread_result()
+            self._waiting.append(handed)
         try:
-            await handed.wait()
+            await handed
         except BaseException:
-            if handed.is_set():
+            with self._lock:
+                queued = handed in self._waiting
+                if queued:
+                    self._waiting.remove(handed)
+            if not queued:  # ``release`` had taken it off the queue: the turn is its own
                 self.release()
-            else:
-                self._waiting.remove(handed)
             raise
 
     async def __aenter__(self) -> None:
@@ -128,11 +151,12 @@ class Turn:
 
     def release(self) -> None:
         """Hand the turn to the longest waiter, or free it."""
-        waiting = self._waiting
-        if waiting:
-            waiting.popleft().set()  # still held: it now belongs to that waiter
-        else:
-            self.held = False
+        with self._lock:  # an acquire that found it held enqueues under this lock, or retries
+            if not self._waiting:
+                self._free.release()
+                return
+            handed = self._waiting.popleft()  # still held: it now belongs to that waiter
+        handed.set(None, None)
 
 
 @final
@@ -169,14 +193,11 @@ class taking_turns:  # an async context manager named as the function it replace
 
 async def _take(turns: set[Turn]) -> list[Turn]:
     ordered = sorted(turns, key=_order)
-    if not any(turn.held for turn in ordered):  # uncontended: all at once, no await
-        for turn in ordered:
-            turn.held = True
-        return ordered
     taken: list[Turn] = []
     try:
         for turn in ordered:
-            await turn.acquire()
+            if not turn.try_acquire():  # an uncontended turn is taken without awaiting
+                await turn.acquire()
             taken.append(turn)
     except BaseException:
         _release(taken)

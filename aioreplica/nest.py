@@ -3,8 +3,8 @@
 The functions keep ``tf.nest``'s names, arguments and meanings, so code written against
 ``tf.nest`` reads and behaves the same (the differences are listed below); a JAX-style pair
 that also hands out the structure's shape, and key-path tools for messages, sit beside them.
-The two ``map_structure_with_*paths`` functions are TensorFlow's too, from its ``nest``
-module (``tensorflow.python.util.nest``) rather than the ``tf.nest`` namespace.
+The ``map_structure_with_*paths``, "up to" and flat-path functions are TensorFlow's too, from
+its ``nest`` module (``tensorflow.python.util.nest``) rather than the ``tf.nest`` namespace.
 
 =========================================  ==============================================
 tf.nest                                    aioreplica.nest
@@ -16,6 +16,12 @@ tf.nest                                    aioreplica.nest
 ``map_structure_with_tuple_paths(f, *s)``  ``map_structure_with_tuple_paths``: ``("a", 0)``
 ``assert_same_structure(a, b)``            ``assert_same_structure(a, b)``
 ``is_nested(x)``                           ``is_nested(x)``; its opposite ``is_leaf(x)``
+``assert_shallow_structure(shallow, s)``   ``assert_shallow_structure(shallow, s)``
+``flatten_up_to(shallow, s)``              ``flatten_up_to(shallow, s)``
+``map_structure_up_to(shallow, f, *s)``    ``map_structure_up_to(shallow, f, *s)``
+``yield_flat_paths(s)``                    ``yield_flat_paths(s)``: ``("a", 0)``, ...
+``flatten_with_tuple_paths(s)``            ``flatten_with_tuple_paths(s)``
+``flatten_with_joined_string_paths(s)``    ``flatten_with_joined_string_paths(s)``
 =========================================  ==============================================
 
 =========================================  ==============================================
@@ -29,22 +35,24 @@ jax.tree_util                              aioreplica.nest
 =========================================  ==============================================
 
 What is a container
-    Lists, tuples, namedtuples, dicts and any other ``Mapping``, their subclasses, classes
-    made with ``attrs`` (their fields, as in tf.nest), and types registered with
-    :func:`register_node` or :func:`register_dataclass`. Everything else is a
-    leaf: ``None``, scalars, strings, bytes, arrays, sets, unregistered dataclasses. As in
-    tf.nest, ``flatten(None) == [None]`` and a leaf alone flattens to ``[leaf]``, and
-    containers are rebuilt with their own types: a ``MutableMapping`` made empty and filled
-    key by key, any other ``Mapping`` from its ``(key, value)`` pairs, an attrs class from its
-    fields in order. A type rebuilt otherwise joins with :func:`register_node`, which also
-    replaces the automatic registration of an attrs class.
+    Lists, tuples, namedtuples, dicts and any other ``Mapping``, their subclasses, classes made
+    with ``attrs`` (their fields, as in tf.nest), mapping views (``d.keys()``, ``d.values()``,
+    ``d.items()``: their items, packed back as a list, as in tf.nest), and types registered with
+    :func:`register_node` or :func:`register_dataclass`. Everything else is a leaf: ``None``,
+    scalars, strings, bytes, arrays, sets, unregistered dataclasses. As in tf.nest,
+    ``flatten(None) == [None]`` and a leaf alone flattens to ``[leaf]``, and containers are
+    rebuilt with their own types: a ``MutableMapping`` made empty and filled key by key, any
+    other ``Mapping`` from its ``(key, value)`` pairs, an attrs class from its fields in order.
+    A type rebuilt otherwise joins with :func:`register_node`, which also replaces the automatic
+    registration of an attrs class.
 
 Order
     Depth first; mapping children by sorted key, so dicts built in different orders flatten
-    alike. Rebuilding keeps the insertion order of the structure given. Where tf.nest refuses
-    keys that cannot be sorted together (``1`` and ``"a"``), they are ordered by type name,
-    then ``repr``; so are keys whose sorted order is not strict (frozensets, which compare as
-    subsets), which tf.nest leaves in insertion order.
+    alike; a mapping view's items in its iteration order, as in tf.nest. Rebuilding keeps the
+    insertion order of the structure given. Where tf.nest refuses keys that cannot be sorted
+    together (``1`` and ``"a"``), they are ordered by type name, then ``repr``; so are keys
+    whose sorted order is not strict (frozensets, which compare as subsets), which tf.nest
+    leaves in insertion order.
 
 Matching types (``check_types``)
     As in tf.nest, with ``check_types=True`` (the default) two containers at the same place
@@ -53,12 +61,18 @@ Matching types (``check_types``)
     ``check_types=False`` a list, a tuple and a namedtuple of the same length match too. Either
     way lengths and mapping keys must agree (tf.nest skips the key check without
     ``check_types``; here a mapping never matches another set of keys), a registered type only
-    matches itself, and results take the types of the first structure.
+    matches itself, and results take the types of the first structure. The "up to" functions
+    compare each container of the shallow structure with the input's by these rules and give
+    results of the shallow structure's types; tf.nest's there also accepts an input container
+    of a subclass of the shallow one's type (a namedtuple where the shallow structure has a
+    tuple), which here needs ``check_types=False``.
 
 Errors
     A mismatch raises ``ValueError`` (a container against a leaf, other lengths or keys) or
     ``TypeError`` (container types that do not match), as tf.nest does, with a message that
     names the key path where the structures part, e.g. ``structures differ at ['a'][1]: ...``.
+    In the "up to" functions, an input leaf where the shallow structure has a container is a
+    ``TypeError``, as in tf.nest.
 
 ``expand_composites``
     Accepted wherever tf.nest takes it; aioreplica has no composite tensors, so it changes
@@ -76,7 +90,7 @@ Example:
 from __future__ import annotations
 
 import reprlib
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Never, TypeVar
 
 from . import _tree
 from ._tree import AttrKey as AttrKey
@@ -89,7 +103,7 @@ from ._tree import format_path as format_path
 from ._tree import is_leaf as is_leaf
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable
+    from collections.abc import Callable, Iterable, Iterator
 
 __all__ = [
     "AttrKey",
@@ -99,19 +113,25 @@ __all__ = [
     "SequenceKey",
     "TreeDef",
     "assert_same_structure",
+    "assert_shallow_structure",
     "flatten",
+    "flatten_up_to",
+    "flatten_with_joined_string_paths",
     "flatten_with_key_paths",
     "flatten_with_treedef",
+    "flatten_with_tuple_paths",
     "format_path",
     "is_leaf",
     "is_nested",
     "map_structure",
+    "map_structure_up_to",
     "map_structure_with_paths",
     "map_structure_with_tuple_paths",
     "pack_sequence_as",
     "register_dataclass",
     "register_node",
     "unflatten",
+    "yield_flat_paths",
 ]
 
 _T = TypeVar("_T")
@@ -211,6 +231,7 @@ def map_structure(
     *structures: Any,
     check_types: bool = True,
     expand_composites: bool = False,
+    **kwargs: Never,
 ) -> Any:
     """Apply `func` to the leaves at the same place in each structure.
 
@@ -221,6 +242,8 @@ def map_structure(
         check_types: Whether container types must match (see the module docstring); without
             it a list, a tuple and a namedtuple of the same length match.
         expand_composites: Accepted for tf.nest compatibility; changes nothing.
+        **kwargs: Refused: as in tf.nest, any other keyword argument raises ``ValueError``
+            (none is passed to `func`).
 
     Returns:
         A structure shaped like ``structures[0]`` (its types, its key order) holding the
@@ -233,13 +256,27 @@ def map_structure(
             :func:`pack_sequence_as`).
         ValueError: No structure was given, or a container faces a leaf, or lengths or keys
             differ. Mismatch messages name which of `structures` differs and the key path.
+            Also a keyword argument other than `check_types` and `expand_composites`, with
+            tf.nest's message ("Only valid keyword arguments are ...").
 
     Example:
         >>> map_structure(lambda x, y: x + y, {"a": 1, "b": [2]}, {"b": [20], "a": 10})
         {'a': 11, 'b': [22]}
         >>> map_structure(lambda x, y: x + y, [1, 2], (10, 20), check_types=False)
         [11, 22]
+        >>> map_structure(lambda x: x, [1], foo="a")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Only valid keyword arguments are `check_types` and ...
     """
+    if kwargs:
+        names = "`, `".join(kwargs)
+        first = next(iter(kwargs))
+        raise ValueError(
+            f"Only valid keyword arguments are `check_types` and `expand_composites`, not: "
+            f"`{names}`; map_structure() passes no keyword arguments to func, so bind them "
+            f"first: map_structure(functools.partial(func, {first}=...), *structures)"
+        )
     check_types = _flags("map_structure", check_types, expand_composites)
     treedef, columns = _flatten_matching("map_structure", func, structures, check_types)
     return treedef.unflatten([func(*leaves) for leaves in zip(*columns, strict=True)])
@@ -250,6 +287,7 @@ def map_structure_with_paths(
     *structures: Any,
     check_types: bool = True,
     expand_composites: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """Like :func:`map_structure`, but also pass each leaf's path as a ``/``-joined string.
 
@@ -259,10 +297,12 @@ def map_structure_with_paths(
     may hold a whole subtree, passed to `func` as one value.
 
     Args:
-        func: Called as ``func(path, leaf_of_structure_0, leaf_of_structure_1, ...)``.
+        func: Called as ``func(path, leaf_of_structure_0, leaf_of_structure_1, ...,
+            **kwargs)``.
         *structures: One or more structures of the same shape.
         check_types: As :func:`map_structure`.
         expand_composites: Accepted for tf.nest compatibility; changes nothing.
+        **kwargs: Passed to every call of `func`, as tf.nest does.
 
     Returns:
         A structure shaped like ``structures[0]`` holding the results.
@@ -276,12 +316,12 @@ def map_structure_with_paths(
         {'a': ['a/0=1', 'a/1=2'], 'b': 'b=3'}
     """
 
-    def with_string_path(path: tuple[Any, ...], *leaves: Any) -> Any:
-        return func("/".join([str(key) for key in path]), *leaves)
+    def with_string_path(path: tuple[Any, ...], *leaves: Any, **kwargs: Any) -> Any:
+        return func("/".join([str(key) for key in path]), *leaves, **kwargs)
 
     check_types = _flags("map_structure_with_paths", check_types, expand_composites)
-    return _map_with_tuple_paths(
-        "map_structure_with_paths", with_string_path, func, structures, check_types
+    return _map_structures(
+        "map_structure_with_paths", func, with_string_path, structures, check_types, kwargs
     )
 
 
@@ -290,6 +330,7 @@ def map_structure_with_tuple_paths(
     *structures: Any,
     check_types: bool = True,
     expand_composites: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """Like :func:`map_structure`, but also pass each leaf's path as a tuple.
 
@@ -298,10 +339,12 @@ def map_structure_with_tuple_paths(
     goes "up to" ``structures[0]``, as :func:`map_structure_with_paths` says.
 
     Args:
-        func: Called as ``func(path, leaf_of_structure_0, leaf_of_structure_1, ...)``.
+        func: Called as ``func(path, leaf_of_structure_0, leaf_of_structure_1, ...,
+            **kwargs)``.
         *structures: One or more structures of the same shape.
         check_types: As :func:`map_structure`.
         expand_composites: Accepted for tf.nest compatibility; changes nothing.
+        **kwargs: Passed to every call of `func`, as tf.nest does.
 
     Returns:
         A structure shaped like ``structures[0]`` holding the results.
@@ -315,8 +358,8 @@ def map_structure_with_tuple_paths(
         [((0,), 1), {'k': ((1, 'k'), 2)}]
     """
     check_types = _flags("map_structure_with_tuple_paths", check_types, expand_composites)
-    return _map_with_tuple_paths(
-        "map_structure_with_tuple_paths", func, func, structures, check_types
+    return _map_structures(
+        "map_structure_with_tuple_paths", func, func, structures, check_types, kwargs
     )
 
 
@@ -365,7 +408,8 @@ def is_nested(seq: Any) -> bool:
         seq: Any object.
 
     Returns:
-        ``True`` for lists, tuples, namedtuples, mappings and registered types, empty ones
+        ``True`` for lists, tuples, namedtuples, mappings, mapping views (``d.keys()``,
+        ``d.values()``, ``d.items()``, as in tf.nest) and registered types, empty ones
         included; ``False`` for leaves: ``None``, scalars, strings, bytes, arrays, sets.
 
     Raises:
@@ -374,8 +418,239 @@ def is_nested(seq: Any) -> bool:
     Example:
         >>> is_nested([]), is_nested({"a": 1}), is_nested("abc"), is_nested(None)
         (True, True, False, False)
+        >>> is_nested({"a": 1}.keys())
+        True
     """
     return not _tree.is_leaf(seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# "Up to" a shallow structure, and flat paths (tensorflow.python.util.nest)
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_shallow_structure(
+    shallow_tree: Any, input_tree: Any, check_types: bool = True, expand_composites: bool = False
+) -> None:
+    """Check that `input_tree` is `shallow_tree` with some leaves replaced by subtrees.
+
+    Every container of `shallow_tree` must face a matching container in `input_tree` (types
+    under `check_types`, lengths, mapping keys, as :func:`assert_same_structure` compares
+    them); where `shallow_tree` has a leaf, `input_tree` may hold anything.
+
+    Args:
+        shallow_tree: The shallow structure.
+        input_tree: The structure checked against it.
+        check_types: Whether container types must match (see the module docstring).
+        expand_composites: Accepted for tf.nest compatibility; changes nothing.
+
+    Raises:
+        TypeError: `input_tree` has a leaf where `shallow_tree` has a container, or two
+            containers have types that do not match; or a flag has no truth value.
+        ValueError: Two containers differ in length or keys. Messages name the key path.
+
+    Example:
+        >>> assert_shallow_structure([0, 0], [1, [2, 3]])
+        >>> assert_shallow_structure([0, [0, 0]], [1, 2])  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        TypeError: assert_shallow_structure(): input_tree has a leaf of type int at [1], ...
+    """
+    check_types = _flags("assert_shallow_structure", check_types, expand_composites)
+    _flatten_up_to(
+        "assert_shallow_structure",
+        shallow_tree,
+        input_tree,
+        check_types,
+        (),
+        ("shallow_tree", "input_tree"),
+    )
+
+
+def flatten_up_to(
+    shallow_tree: Any, input_tree: Any, check_types: bool = True, expand_composites: bool = False
+) -> list[Any]:
+    """Flatten `input_tree` only as deep as `shallow_tree` goes.
+
+    The values of `input_tree` at the places of `shallow_tree`'s leaves, in flatten order;
+    what lies below them stays whole. ``flatten_up_to(s, s) == flatten(s)``.
+
+    Args:
+        shallow_tree: The shallow structure.
+        input_tree: A structure that :func:`assert_shallow_structure` accepts.
+        check_types: Whether container types must match (see the module docstring).
+        expand_composites: Accepted for tf.nest compatibility; changes nothing.
+
+    Returns:
+        A new list, one item per leaf of `shallow_tree`; ``[input_tree]`` when
+        `shallow_tree` is a leaf.
+
+    Raises:
+        TypeError: As :func:`assert_shallow_structure`.
+        ValueError: As :func:`assert_shallow_structure`.
+
+    Example:
+        >>> flatten_up_to([[True, True], [False, True]], [[[2, 2], [3, 3]], [[4, 9], [5, 5]]])
+        [[2, 2], [3, 3], [4, 9], [5, 5]]
+        >>> flatten_up_to({"a": 0, "b": 0}, {"b": {"c": 2}, "a": 1})
+        [1, {'c': 2}]
+        >>> flatten_up_to(0, [0, 1, 2])
+        [[0, 1, 2]]
+    """
+    check_types = _flags("flatten_up_to", check_types, expand_composites)
+    return _flatten_up_to(
+        "flatten_up_to", shallow_tree, input_tree, check_types, (), ("shallow_tree", "input_tree")
+    )
+
+
+def map_structure_up_to(
+    shallow_tree: Any,
+    func: Callable[..., Any],
+    *inputs: Any,
+    check_types: bool = True,
+    expand_composites: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """Apply `func` to the inputs flattened up to `shallow_tree`, shaped like `shallow_tree`.
+
+    Each input is flattened as :func:`flatten_up_to` does; `func` gets the values at the
+    same place in each. Every input is checked before `func` first runs.
+
+    Args:
+        shallow_tree: The shallow structure: it sets the places `func` is applied at and the
+            shape (types, key order) of the result.
+        func: Called as ``func(value_of_input_0, value_of_input_1, ..., **kwargs)`` once per
+            leaf of `shallow_tree`, in flatten order.
+        *inputs: One or more structures that :func:`assert_shallow_structure` accepts.
+        check_types: Whether container types must match (see the module docstring).
+        expand_composites: Accepted for tf.nest compatibility; changes nothing.
+        **kwargs: Passed to every call of `func`, as tf.nest does.
+
+    Returns:
+        A structure shaped like `shallow_tree` holding the results.
+
+    Raises:
+        TypeError: `func` is not callable; a flag has no truth value; or an input has a
+            leaf where `shallow_tree` has a container, or a container of a type that does not
+            match. Messages name which of `inputs` and the key path.
+        ValueError: No input was given, or containers differ in length or keys.
+
+    Example:
+        >>> map_structure_up_to([None, None], lambda x: 2 * x, [1, [2, 3]])
+        [2, [2, 3, 2, 3]]
+        >>> names, data = ["evens", ["odds"]], [[2, 4, 6], [[1, 3]]]
+        >>> map_structure_up_to(names, lambda n, d: f"{len(d)} {n}", names, data)
+        ['3 evens', ['2 odds']]
+    """
+    check_types = _flags("map_structure_up_to", check_types, expand_composites)
+    _check_func("map_structure_up_to", func, inputs)
+
+    def without_path(path: tuple[Any, ...], *values: Any, **kwargs: Any) -> Any:
+        return func(*values, **kwargs)
+
+    named = [(f"inputs[{index}]", tree) for index, tree in enumerate(inputs)]
+    return _map_up_to(
+        "map_structure_up_to",
+        without_path,
+        ("shallow_tree", shallow_tree),
+        named,
+        check_types,
+        kwargs,
+    )
+
+
+def yield_flat_paths(nest: Any, expand_composites: bool = False) -> Iterator[tuple[Any, ...]]:
+    """Return an iterator over the tuple path of each leaf of `nest`, in flatten order.
+
+    A tuple path holds the mapping keys, sequence indices and field names from the root, as
+    in :func:`map_structure_with_tuple_paths`; a leaf alone has the path ``()``. The
+    structure is walked when this is called, not as the iterator is consumed.
+
+    Args:
+        nest: Any nest of containers and leaves.
+        expand_composites: Accepted for tf.nest compatibility; changes nothing.
+
+    Returns:
+        An iterator of tuples.
+
+    Raises:
+        TypeError: `expand_composites` has no truth value (an array).
+        Whatever a registered ``flatten_fn`` raises.
+
+    Example:
+        >>> list(yield_flat_paths({"a": [3], "b": {"c": 4}}))
+        [('a', 0), ('b', 'c')]
+        >>> list(yield_flat_paths(5))
+        [()]
+    """
+    if expand_composites is not False:
+        _flag("yield_flat_paths", "expand_composites", expand_composites)
+    return iter([_tuple_path(path) for path, _ in _tree.flatten_with_path(nest)[0]])
+
+
+def flatten_with_tuple_paths(
+    structure: Any, expand_composites: bool = False
+) -> list[tuple[tuple[Any, ...], Any]]:
+    """Return each leaf of `structure` with its tuple path, in :func:`flatten` order.
+
+    Args:
+        structure: Any nest of containers and leaves.
+        expand_composites: Accepted for tf.nest compatibility; changes nothing.
+
+    Returns:
+        A list of ``(tuple_path, leaf)`` pairs; the paths are :func:`yield_flat_paths`'s.
+
+    Raises:
+        TypeError: `expand_composites` has no truth value (an array).
+        Whatever a registered ``flatten_fn`` raises.
+
+    Example:
+        >>> flatten_with_tuple_paths({"a": [3, 4], "b": 5})
+        [(('a', 0), 3), (('a', 1), 4), (('b',), 5)]
+    """
+    if expand_composites is not False:
+        _flag("flatten_with_tuple_paths", "expand_composites", expand_composites)
+    return [(_tuple_path(path), leaf) for path, leaf in _tree.flatten_with_path(structure)[0]]
+
+
+def flatten_with_joined_string_paths(
+    structure: Any, separator: str = "/", expand_composites: bool = False
+) -> list[tuple[str, Any]]:
+    """Return each leaf of `structure` with its path as a string, in :func:`flatten` order.
+
+    The path joins the entries of the tuple path (:func:`yield_flat_paths`), each made a
+    string with ``str()``, with `separator`: ``"a/0"`` for ``structure["a"][0]``, ``""`` for
+    a leaf alone.
+
+    Args:
+        structure: Any nest of containers and leaves.
+        separator: The string put between the entries of a path.
+        expand_composites: Accepted for tf.nest compatibility; changes nothing.
+
+    Returns:
+        A list of ``(string_path, leaf)`` pairs.
+
+    Raises:
+        TypeError: `separator` is not a string, or `expand_composites` has no truth value.
+        Whatever a registered ``flatten_fn`` raises.
+
+    Example:
+        >>> flatten_with_joined_string_paths({"a": [3, 4], "b": 5})
+        [('a/0', 3), ('a/1', 4), ('b', 5)]
+        >>> flatten_with_joined_string_paths([[1]], separator=".")
+        [('0.0', 1)]
+    """
+    if not isinstance(separator, str):
+        raise TypeError(
+            "flatten_with_joined_string_paths() needs separator to be a string, got "
+            f"{reprlib.repr(separator)} of type {type(separator).__name__}"
+        )
+    if expand_composites is not False:
+        _flag("flatten_with_joined_string_paths", "expand_composites", expand_composites)
+    return [
+        (separator.join([str(key) for key in _tuple_path(path)]), leaf)
+        for path, leaf in _tree.flatten_with_path(structure)[0]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -555,57 +830,87 @@ def _flags(caller: str, check_types: object, expand_composites: object) -> bool:
     return check_types if check_types is True else _flag(caller, "check_types", check_types)
 
 
-def _map_with_tuple_paths(
+def _map_structures(
     caller: str,
-    call: Callable[..., Any],
     func: Callable[..., Any],
+    call: Callable[..., Any],
     structures: tuple[Any, ...],
     check_types: bool,
+    kwargs: dict[str, Any],
 ) -> Any:
-    """Map `call(tuple_path, *leaves)` over `structures`, checked as `caller` with `func`.
+    """:func:`_map_up_to` with ``structures[0]`` as the shallow structure, as tf.nest's
+    ``map_structure_with_*paths`` do."""
+    _check_func(caller, func, structures)
+    named = [(f"structures[{index}]", tree) for index, tree in enumerate(structures)]
+    return _map_up_to(caller, call, named[0], named, check_types, kwargs)
 
-    As in tf.nest, ``structures[0]`` sets the structure walked ("up to" it): where it has a
-    leaf, a later structure may hold a whole subtree, passed to `func` as one value.
+
+def _map_up_to(
+    caller: str,
+    call: Callable[..., Any],
+    shallow: tuple[str, Any],
+    inputs: list[tuple[str, Any]],
+    check_types: bool,
+    kwargs: dict[str, Any],
+) -> Any:
+    """Map `call(tuple_path, *values, **kwargs)` over `inputs` flattened up to `shallow`.
+
+    As in tf.nest, the shallow structure sets the structure walked: where it has a leaf, an
+    input may hold a whole subtree, passed to `call` as one value. `shallow` and each input
+    come as ``(name, structure)``, the name for messages. Every input is checked before
+    `call` first runs.
     """
-    _flatten_matching(caller, func, structures[:1], check_types)  # checks func and arity
-    leaves, treedef = _tree.flatten(structures[0])
-    columns = [leaves] + [
-        _flatten_up_to(caller, structures[0], structures[index], index, check_types, ())
-        for index in range(1, len(structures))
+    shallow_name, shallow_tree = shallow
+    pairs, treedef = _tree.flatten_with_path(shallow_tree)
+    leaves = [leaf for _, leaf in pairs]
+    columns = [
+        leaves
+        if tree is shallow_tree
+        else _flatten_up_to(caller, shallow_tree, tree, check_types, (), (shallow_name, name))
+        for name, tree in inputs
     ]
-    paths = [_tuple_path(path) for path, _ in _tree.flatten_with_path(structures[0])[0]]
+    paths = [_tuple_path(path) for path, _ in pairs]
     return treedef.unflatten(
-        [call(path, *leaves) for path, *leaves in zip(paths, *columns, strict=True)]
+        [call(path, *values, **kwargs) for path, *values in zip(paths, *columns, strict=True)]
     )
 
 
 def _flatten_up_to(
-    caller: str, shallow: Any, deep: Any, index: int, check_types: bool, path: KeyPath
+    caller: str,
+    shallow: Any,
+    deep: Any,
+    check_types: bool,
+    path: KeyPath,
+    names: tuple[str, str],
 ) -> list[Any]:
-    """`deep`'s values at the leaves of `shallow`, in flatten order (tf.nest's "up to")."""
+    """`deep`'s values at the leaves of `shallow`, in flatten order (tf.nest's "up to").
+
+    `names` says how messages name `shallow` and `deep`: ``("shallow_tree", "input_tree")``.
+    """
     level = _tree.node_level(shallow)
     if level is None:
         return [deep]
-    where = f"{caller}(): structures[{index}]"
+    shallow_name, deep_name = names
+    where = f"{caller}(): {deep_name}"
     deep_level = _tree.node_level(deep)
     if deep_level is None:
         raise TypeError(
             f"{where} has a leaf of type {type(deep).__name__} at "
-            f"{_tree.describe_path(path)}, where structures[0] has a "
-            f"{type(shallow).__name__}; it must hold at least structures[0]'s structure"
+            f"{_tree.describe_path(path)}, where {shallow_name} has a "
+            f"{type(shallow).__name__}; it must hold at least {shallow_name}'s structure"
         )
     # Containers must match as in map_structure (types under `check_types`, lengths, mapping
-    # keys); only below a leaf of structures[0] may the others hold more.
+    # keys); only below a leaf of the shallow structure may the deep one hold more.
     found = _top_level_difference(
-        shallow, deep, level, deep_level, check_types, "structures[0]", f"structures[{index}]"
+        shallow, deep, level, deep_level, check_types, shallow_name, deep_name
     )
     if found is not None:
         exc, message = found
-        raise exc(f"{where} differs from structures[0] at {_tree.describe_path(path)}: {message}")
+        raise exc(f"{where} differs from {shallow_name} at {_tree.describe_path(path)}: {message}")
     children = deep_level.children  # in flatten order, as `level`'s: equal keys sort alike
     out: list[Any] = []
     for key, child, deep_child in zip(level.keys, level.children, children, strict=True):
-        out += _flatten_up_to(caller, child, deep_child, index, check_types, (*path, key))
+        out += _flatten_up_to(caller, child, deep_child, check_types, (*path, key), names)
     return out
 
 
@@ -631,13 +936,7 @@ def _flatten_matching(
     Returns ``structures[0]``'s treedef and one list of leaves per structure, all aligned:
     structures that match under tf.nest's rules flatten to leaves in the same order.
     """
-    if not callable(func):
-        raise TypeError(
-            f"{caller}() needs a callable func, got {reprlib.repr(func)} of type "
-            f"{type(func).__name__}"
-        )
-    if not structures:
-        raise ValueError(f"{caller}() needs at least one structure after func")
+    _check_func(caller, func, structures)
     leaves, treedef = _tree.flatten(structures[0])
     columns = [leaves]
     for i in range(1, len(structures)):
@@ -646,6 +945,17 @@ def _flatten_matching(
             _check_matches(caller, structures[0], structures[i], i, check_types)
         columns.append(other_leaves)
     return treedef, columns
+
+
+def _check_func(caller: str, func: object, structures: tuple[Any, ...]) -> None:
+    """Raise unless `func` is callable and there is a structure to map it over."""
+    if not callable(func):
+        raise TypeError(
+            f"{caller}() needs a callable func, got {reprlib.repr(func)} of type "
+            f"{type(func).__name__}"
+        )
+    if not structures:
+        raise ValueError(f"{caller}() needs at least one structure after func")
 
 
 def _check_matches(caller: str, first: Any, other: Any, index: int, check_types: bool) -> None:

@@ -441,6 +441,11 @@ class TestCheckpointInterval:
                 ValueError,
                 r"keep_checkpoint_every_n_hours must be a finite number of hours > 0",
             ),
+            (
+                {"keep_checkpoint_every_n_hours": 10**400},  # too large for a float
+                ValueError,
+                r"keep_checkpoint_every_n_hours must be a finite number of hours > 0",
+            ),
         ],
     )
     def test_arguments_are_checked(

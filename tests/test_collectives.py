@@ -74,6 +74,20 @@ class TestCommunicationOptions:
             CommunicationOptions(timeout_seconds=float("nan"))
         assert CommunicationOptions(timeout_seconds=0).timeout_seconds == 0.0
 
+    @pytest.mark.parametrize("value", [float("inf"), 10**400], ids=["inf", "10**400"])
+    def test_a_timeout_too_large_for_a_float(self, value: Any) -> None:
+        """An infinite timeout, or an int too large for a float, is a ValueError saying that 0
+        means no timeout (not an OverflowError, nor a timeout that never ends)."""
+        shown = re.escape(f"got {value!r:.60}")
+        with pytest.raises(
+            ValueError,
+            match=(
+                rf"^timeout_seconds must be a number of seconds >= 0 \(0: no timeout\) or None, "
+                rf"{shown}, which is infinite or too large: for no timeout pass 0$"
+            ),
+        ):
+            CommunicationOptions(timeout_seconds=value)
+
     @pytest.mark.parametrize("value", [True, "1", None, 1.5])
     def test_a_pack_size_of_another_type(self, value: Any) -> None:
         """True is an int to Python, not a pack size: a TypeError, as for any value that is
@@ -461,6 +475,50 @@ class TestAllReduce:
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step, args=(None,))
         assert (info.value.replicas, info.value.waiting) == ((1,), (0,))
+
+    @pytest.mark.parametrize("collective", ["all_reduce", "barrier"])
+    async def test_a_timeout_of_zero_turns_sync_timeout_off(self, collective: str) -> None:
+        """A collective's timeout_seconds=0 waits however late a replica is past the
+        strategy's sync_timeout too, as a positive one replaces it; without options the
+        sync_timeout applies."""
+        strategy = MirroredStrategy(host_devices(2), sync_timeout=0.05)
+
+        async def step(per_call: CommunicationOptions | None) -> Any:
+            if replica_id() == 1:
+                await anyio.sleep(0.3)  # late, past the strategy's 0.05 s
+            if collective == "barrier":
+                await replica_context().barrier(options=per_call)
+                return np.full(1, 2.0)
+            return await replica_context().all_reduce("sum", np.ones(1), options=per_call)
+
+        outcomes: list[tuple[Any, ...]] = []
+        for per_call in (CommunicationOptions(timeout_seconds=0), None):
+            try:
+                result = await strategy.run(step, args=(per_call,))
+            except ReplicaSyncError as exc:
+                outcomes.append(("late", exc.replicas, exc.waiting))
+            else:
+                outcomes.append(("ran", [r.tolist() for r in local(strategy, result)]))
+        assert outcomes == [("ran", [[2.0], [2.0]]), ("late", (1,), (0,))]
+
+    async def test_a_timeout_of_zero_in_the_strategys_options_turns_sync_timeout_off(
+        self,
+    ) -> None:
+        """timeout_seconds=0 in the strategy's options waits past its sync_timeout in the
+        collectives, as a positive one there bounds them in its place."""
+        strategy = MirroredStrategy(
+            host_devices(2),
+            sync_timeout=0.05,
+            communication_options=CommunicationOptions(timeout_seconds=0),
+        )
+
+        async def step() -> Any:
+            if replica_id() == 1:
+                await anyio.sleep(0.3)  # late, past the strategy's 0.05 s
+            return await replica_context().all_reduce("sum", np.ones(1))
+
+        result = await strategy.run(step)
+        assert [r.tolist() for r in local(strategy, result)] == [[2.0]] * 2
 
 
 class TestSettingsMustAgree:
@@ -990,6 +1048,39 @@ class TestCrossReplica:
         assert refused == [message] * 3
         summed = await strategy.extended.reduce_to("sum", value, "cpu:1")
         np.testing.assert_array_equal(summed, [3.0])
+
+    async def test_a_variable_of_another_strategy_is_no_destination(self) -> None:
+        """A variable of another strategy as destinations: reduce_to, batch_reduce_to and
+        broadcast_to refuse it with a ValueError naming it and both strategies' devices, and
+        place nothing; an ordinary variable means its device, as a name would."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        other = MirroredStrategy(["cpu:2", "cpu:3"])
+        with other.scope():
+            foreign = aioreplica.Variable(np.ones(1), name="foreign")
+        ordinary = aioreplica.Variable(np.ones(1), name="ordinary")
+        value = PerReplica([np.array([1.0]), np.array([2.0])])
+        message = (
+            f"destination variable 'foreign' belongs to {other!r}, not to this strategy, "
+            "whose devices are ['cpu:0', 'cpu:1']; pass a variable of this strategy, or the "
+            "names of its devices"
+        )
+        calls: list[Callable[[], Awaitable[Any]]] = [
+            lambda: strategy.extended.reduce_to("sum", value, foreign),
+            lambda: strategy.extended.batch_reduce_to("sum", [(value, "cpu:1"), (value, foreign)]),
+            lambda: strategy.extended.broadcast_to(np.ones(1), foreign),
+        ]
+        refused = []
+        for call in calls:
+            with pytest.raises(ValueError, match=r"^destination ") as info:
+                await call()
+            refused.append(str(info.value))
+        assert refused == [message] * 3
+        placed = [
+            await strategy.extended.reduce_to("sum", value, ordinary),
+            await strategy.extended.broadcast_to(np.full(1, 5.0), ordinary),
+        ]
+        assert [(a.tolist(), a.flags.writeable) for a in placed] == [([3.0], False), ([5.0], False)]
+        other.close()
 
     async def test_bad_pairs_and_destinations_are_refused(self) -> None:
         """batch_reduce_to's pairs must be (value, destinations) pairs, and destinations name

@@ -513,8 +513,7 @@ class TestScope:
     @pytest.mark.anyio
     async def test_another_strategys_calls_in_a_scope_are_refused(self) -> None:
         """As TF refuses to mix strategies: run(), reduce, gather and the extended reductions
-        of one strategy inside another's scope (the default strategy's too) raise RuntimeError
-        naming both."""
+        of one strategy inside another's scope raise RuntimeError naming both."""
         outer = MirroredStrategy(["cpu:0", "cpu:1"])
         other = MirroredStrategy(["cpu:2", "cpu:3"])
         value = aioreplica.PerReplica([np.ones(1), np.ones(1)])
@@ -529,44 +528,120 @@ class TestScope:
             ),
             "extended.update()": lambda: other.extended.update(owned, lambda c: c + 1),
         }
-        for scope in (outer, aioreplica.get_strategy()):
-            with scope.scope():
-                for what, call in calls.items():
-                    with pytest.raises(
-                        RuntimeError,
-                        match=(
-                            rf"^{re.escape(what)} of {re.escape(repr(other))} was called in "
-                            rf"the scope of {re.escape(repr(scope))}; strategies cannot be mixed"
-                        ),
-                    ):
-                        await call()
+        with outer.scope():
+            for what, call in calls.items():
+                with pytest.raises(
+                    RuntimeError,
+                    match=(
+                        rf"^{re.escape(what)} of {re.escape(repr(other))} was called in "
+                        rf"the scope of {re.escape(repr(outer))}; strategies cannot be mixed"
+                    ),
+                ):
+                    await call()
         assert (await other.reduce("sum", value)).tolist() == [2.0]
         assert await other.run(lambda: 7) == 7
 
-    def test_the_default_strategys_scope_refuses_another_scope(self) -> None:
+    def test_another_scope_can_be_entered_in_the_default_strategys(self) -> None:
         """TF's testScopeMostlyNoOp: the default strategy's scope keeps the default replica
-        context, but another strategy's scope cannot be entered inside it; after it, it can."""
+        context, and another strategy's scope can be entered inside it (and left)."""
         other = two()
         default = aioreplica.get_strategy()
         before = facts()
+        seen = []
         with default.scope():
-            assert facts() == before
+            seen.append(facts())
+            with other.scope():
+                seen.append(facts())
+            seen.append(facts())
+            with default.scope():  # its own scope again
+                seen.append(facts())
+        assert seen == [before, (None, True, other, True), before, before]
+        assert facts() == before
+
+    def test_a_variable_made_in_another_scope_inside_the_default_strategys_is_refused(
+        self,
+    ) -> None:
+        """TF's testScopeMostlyNoOp: inside the default strategy's scope, a variable made in
+        another strategy's scope is refused ("Mixing different tf.distribute.Strategy
+        objects"), at any depth of the default scope; one made in the default scope itself is
+        a plain variable, and the other strategy's scope makes its variables again once the
+        default scope is left."""
+        other = two()
+        default = aioreplica.get_strategy()
+        made = []
+        mixing = r"strategies cannot be mixed \(TF: \"Mixing different tf\.distribute\.Strategy"
+        with default.scope():
+            with other.scope(), pytest.raises(RuntimeError, match=mixing):
+                aioreplica.Variable(1.0, name="error")
+            with default.scope(), other.scope(), pytest.raises(RuntimeError, match=mixing):
+                aioreplica.Variable(1.0, name="also_error")
+            made.append(type(aioreplica.Variable(1.0, name="plain")).__name__)
+        with other.scope():
+            made.append(type(aioreplica.Variable(1.0, name="after")).__name__)
+        assert made == ["Variable", "MirroredVariable"]
+
+    @pytest.mark.anyio
+    async def test_a_variable_made_in_a_run_inside_the_default_strategys_scope_is_refused(
+        self,
+    ) -> None:
+        """As TF's replica threads and merge_fn keep the default strategy's variable creator,
+        a variable made in a replica, or in a merge_fn, of another strategy's run() inside the
+        default strategy's scope is refused too."""
+        other = two()
+
+        def in_replica() -> None:
+            aioreplica.Variable(1.0, name="in_replica")
+
+        async def in_merge_fn() -> None:
+            await replica_context().merge_call(
+                lambda strategy: aioreplica.Variable(1.0, name="in_merge_fn")
+            )
+
+        refused = []
+        with aioreplica.get_strategy().scope():
+            for step in (in_replica, in_merge_fn):
+                with pytest.raises(RuntimeError) as raised:
+                    await other.run(step)
+                refused.append("strategies cannot be mixed" in str(raised.value))
+        assert refused == [True, True]
+
+    def test_the_default_strategy_cannot_be_entered_in_another_scope(self) -> None:
+        """As in TF, the default strategy's scope inside another strategy's is refused,
+        naming the default strategy as such."""
+        other = two()
+        default = aioreplica.get_strategy()
+        with other.scope():
             with (
                 pytest.raises(
                     RuntimeError,
                     match=(
-                        rf"^cannot enter the scope of {re.escape(repr(other))} while "
-                        rf"{re.escape(repr(default))} is current; strategies cannot be mixed"
+                        rf"^cannot enter the scope of the default strategy, "
+                        rf"{re.escape(repr(default))} while {re.escape(repr(other))} is current; "
+                        "strategies cannot be mixed"
                     ),
                 ),
-                other.scope(),
+                default.scope(),
             ):
                 pass
-            assert facts() == before
-            with default.scope():  # its own scope again: fine
-                assert facts() == before
-        with other.scope():
             assert facts() == (None, True, other, True)
+
+    @pytest.mark.anyio
+    async def test_another_strategys_calls_work_in_the_default_strategys_scope(self) -> None:
+        """As in TF, the default strategy's scope changes nothing: another strategy's run(),
+        reductions and updates work inside it."""
+        other = MirroredStrategy(["cpu:2", "cpu:3"])
+        value = aioreplica.PerReplica([np.ones(1), np.full(1, 2.0)])
+        with other.scope():
+            owned = aioreplica.Variable(np.zeros(1))
+        with aioreplica.get_strategy().scope():
+            results = [
+                await other.run(lambda: 7),
+                (await other.reduce("sum", value)).tolist(),
+                (await other.gather(value, 0)).tolist(),
+                (await other.extended.reduce_to("mean", value, "cpu:2")).tolist(),
+                (await other.extended.update(owned, lambda c: c + 1)).tolist(),
+            ]
+        assert results == [7, [3.0], [1.0, 2.0], [1.5], [1.0]]
 
     def test_other_strategy_scope_inside_raises_naming_both(self) -> None:
         """Entering another strategy's scope inside one is refused, naming both."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import types
 from typing import Any, NamedTuple
 
 import nested_strategies
@@ -29,6 +30,16 @@ class Batch:
 
 class ListWrapper(list[Any]):
     """A list subclass, as trackable wrappers in tf are."""
+
+
+# tf.nest's test namedtuples: two classes of one name and fields, and two with other fields.
+SameNameAB = collections.namedtuple("same_name", ("a", "b"))  # type: ignore[name-match]
+SameNameAB2 = collections.namedtuple("same_name", ("a", "b"))  # type: ignore[name-match]
+SameNameXY = collections.namedtuple("same_name", ("x", "y"))  # type: ignore[name-match]
+ABTuple = collections.namedtuple("ab_tuple", "a, b")  # type: ignore[name-match]
+OpTuple = collections.namedtuple("op_tuple", "add, mul")  # type: ignore[name-match]
+Foo = collections.namedtuple("Foo", ["a", "b"])
+Bar = collections.namedtuple("Bar", ["c", "d"])
 
 
 ARRAY = np.arange(3)
@@ -275,6 +286,22 @@ class TestMapStructure:
         with pytest.raises(ValueError, match="at least one structure"):
             nest.map_structure(lambda: 0)
 
+    @pytest.mark.parametrize("check_types", [True, False])
+    def test_other_keyword_arguments_are_a_value_error(self, check_types: bool) -> None:
+        """As tf.nest: a keyword other than its two flags raises ValueError with tf.nest's
+        words, naming it and how to pass it to func; func never runs."""
+        calls: list[Any] = []
+        with pytest.raises(ValueError, match=r"^Only valid keyword arguments") as info:
+            nest.map_structure(calls.append, [1, 2], check_types=check_types, foo="a")  # type: ignore[arg-type]
+        assert str(info.value) == (
+            "Only valid keyword arguments are `check_types` and `expand_composites`, not: "
+            "`foo`; map_structure() passes no keyword arguments to func, so bind them first: "
+            "map_structure(functools.partial(func, foo=...), *structures)"
+        )
+        with pytest.raises(ValueError, match="not: `foo`, `bar`; "):
+            nest.map_structure(calls.append, [1], foo="a", bar=2)  # type: ignore[arg-type]
+        assert calls == []
+
     def test_needs_a_callable(self) -> None:
         """As tf.nest: a func that is not callable is a TypeError, before anything runs."""
         with pytest.raises(TypeError, match="callable func, got 3 of type int"):
@@ -347,6 +374,15 @@ class TestMapStructureWithPaths:
                 mapper(lambda path, a, b: b, [1, 2], 5)
             with pytest.raises(TypeError, match="at \\[1\\]"):
                 mapper(lambda path, a, b: b, [1, [2]], [1, 3])
+
+    def test_other_keyword_arguments_go_to_func(self) -> None:
+        """As tf.nest: keyword arguments besides the two flags are passed to every call."""
+        assert nest.map_structure_with_paths(
+            lambda path, x, scale: f"{path}={x * scale}", {"a": [1, 2]}, scale=10
+        ) == {"a": ["a/0=10", "a/1=20"]}
+        assert nest.map_structure_with_tuple_paths(
+            lambda path, x, y, scale: (path, (x + y) * scale), [1], (2,), check_types=False, scale=3
+        ) == [((0,), 9)]
 
     def test_mismatch_names_the_path(self) -> None:
         """A structure mismatch is reported with its key path."""
@@ -444,6 +480,21 @@ class TestAssertSameStructure:
         ):
             nest.assert_same_structure(Point(1, 2), Other(1, 2))
 
+    def test_namedtuples_of_one_name_with_other_fields(self) -> None:
+        """As tf.nest, classes of one name with other fields are other types; the message
+        names the fields of each and says how to match them anyway."""
+        nest.assert_same_structure(SameNameAB(0, 1), SameNameAB2(2, 3))
+        with pytest.raises(TypeError) as info:
+            nest.assert_same_structure(SameNameAB(0, 1), SameNameXY(2, 3))
+        assert str(info.value) == (
+            "structures differ at <root>: the first has a same_name of 2 items, the second a "
+            "same_name of 2 items: two different classes, both test_nest.same_name; their "
+            "fields differ: the first has fields ('a', 'b'), the second fields ('x', 'y'); "
+            "pass check_types=False to match a list, a tuple and a namedtuple of the same "
+            "length"
+        )
+        nest.assert_same_structure(SameNameAB(0, 1), SameNameXY(2, 3), check_types=False)
+
     def test_registered_dataclass_against_another_type(self) -> None:
         """A registered dataclass only matches its own class, whatever check_types says."""
         with pytest.raises(TypeError, match=re.escape("at <root>: the first has a Batch node")):
@@ -460,11 +511,36 @@ class TestAssertSameStructure:
 class TestIsNested:
     @pytest.mark.parametrize(
         "value",
-        [[], (), {}, [1], Point(1, 2), collections.OrderedDict(), ListWrapper(), Batch(1, 2)],
-        ids=["list", "tuple", "dict", "list1", "namedtuple", "ordereddict", "listsub", "dataclass"],
+        [
+            [],
+            (),
+            {},
+            [1],
+            Point(1, 2),
+            collections.OrderedDict(),
+            ListWrapper(),
+            Batch(1, 2),
+            {"a": 1, "b": 2}.keys(),
+            {"a": 1, "b": 2}.values(),
+            {"a": 1, "b": 2}.items(),
+        ],
+        ids=[
+            "list",
+            "tuple",
+            "dict",
+            "list1",
+            "namedtuple",
+            "ordereddict",
+            "listsub",
+            "dataclass",
+            "keys",
+            "values",
+            "items",
+        ],
     )
     def test_containers_are_nested(self, value: Any) -> None:
-        """Lists, tuples, mappings, namedtuples and registered nodes, empty ones included."""
+        """Lists, tuples, mappings, namedtuples, registered nodes and mapping views (as in
+        tf.nest's testIsNested), empty ones included."""
         assert nest.is_nested(value) is True
 
     @pytest.mark.parametrize(
@@ -475,6 +551,314 @@ class TestIsNested:
     def test_leaves_are_not_nested(self, value: Any) -> None:
         """Scalars, None, strings, bytes, arrays, sets and classes are leaves."""
         assert nest.is_nested(value) is False
+
+
+class TestMappingViews:
+    """tf.nest's testFlattenAndPackMappingViews: keys(), values() and items() are containers
+    of their items in iteration order, packed back as lists."""
+
+    def test_flatten_and_pack(self) -> None:
+        ordered = collections.OrderedDict([("d", 3), ("b", 1), ("a", 0), ("c", 2)])
+        assert nest.flatten(ordered.values()) == [3, 1, 0, 2]
+        assert nest.flatten(ordered.keys()) == ["d", "b", "a", "c"]
+        flat_items = nest.flatten(ordered.items())
+        assert flat_items == ["d", 3, "b", 1, "a", 0, "c", 2]
+        packed = nest.pack_sequence_as(ordered.items(), flat_items)
+        assert snapshot(packed) == snapshot([("d", 3), ("b", 1), ("a", 0), ("c", 2)])
+
+    def test_map_and_paths(self) -> None:
+        """Mapping over a view gives a list; its items have index paths."""
+        assert nest.map_structure(lambda x: x * 2, {"a": 1, "b": 2}.values()) == [2, 4]
+        assert nest.flatten_with_tuple_paths({"x": {"k": 1}.items()}) == [
+            (("x", 0, 0), "k"),
+            (("x", 0, 1), 1),
+        ]
+
+
+class TestAssertShallowStructure:
+    """tf.nest's testAssertShallowStructure."""
+
+    def test_an_input_deeper_below_leaves_passes(self) -> None:
+        nest.assert_shallow_structure(["a", "b"], [["c", "d"], {"e": 1}])
+        nest.assert_shallow_structure(7, [1, [2]])
+        inp_ab = collections.OrderedDict([("a", 1), ("b", (2, 3))])
+        inp_ba = collections.OrderedDict([("b", (2, 3)), ("a", 1)])
+        nest.assert_shallow_structure(inp_ab, inp_ba)
+
+    def test_lengths_differ_is_a_value_error(self) -> None:
+        with pytest.raises(ValueError, match=r"^assert_shallow_structure") as info:
+            nest.assert_shallow_structure(["a", "b", "c"], ["a", "b"])
+        assert str(info.value) == (
+            "assert_shallow_structure(): input_tree differs from shallow_tree at <root>: "
+            "shallow_tree has a list of 3 items, input_tree a list of 2 items"
+        )
+
+    def test_types_differ_is_a_type_error_unless_check_types_is_off(self) -> None:
+        inp_ab1 = [(1, 1), (2, 2)]
+        inp_ab2 = [[1, 1], [2, 2]]
+        with pytest.raises(
+            TypeError,
+            match=re.escape(
+                "input_tree differs from shallow_tree at [0]: shallow_tree has a list of 2 "
+                "items, input_tree a tuple of 2 items"
+            ),
+        ):
+            nest.assert_shallow_structure(inp_ab2, inp_ab1)
+        nest.assert_shallow_structure(inp_ab2, inp_ab1, check_types=False)
+
+    def test_keys_differ_is_a_value_error(self) -> None:
+        inp_ab1 = {"a": (1, 1), "b": {"c": (2, 2)}}
+        inp_ab2 = {"a": (1, 1), "b": {"d": (2, 2)}}
+        with pytest.raises(
+            ValueError,
+            match=re.escape(
+                "at ['b']: keys differ: 'd' only in shallow_tree, 'c' only in input_tree"
+            ),
+        ):
+            nest.assert_shallow_structure(inp_ab2, inp_ab1)
+
+    def test_namedtuples_of_one_name_and_fields_match(self) -> None:
+        inp_shallow = SameNameAB(1, 2)
+        inp_deep = SameNameAB2(1, [1, 2, 3])
+        nest.assert_shallow_structure(inp_shallow, inp_deep, check_types=False)
+        nest.assert_shallow_structure(inp_shallow, inp_deep, check_types=True)
+
+    def test_a_leaf_where_the_shallow_tree_has_a_container(self) -> None:
+        """As tf.nest: TypeError, here naming the path and both types."""
+        with pytest.raises(TypeError) as info:
+            nest.assert_shallow_structure({"k": [9, 8]}, {"k": "input_tree"})
+        assert str(info.value) == (
+            "assert_shallow_structure(): input_tree has a leaf of type str at ['k'], where "
+            "shallow_tree has a list; it must hold at least shallow_tree's structure"
+        )
+
+
+class TestFlattenUpTo:
+    """tf.nest's testFlattenUpTo."""
+
+    def test_shallow_tree_ends_at_scalars_and_strings(self) -> None:
+        input_tree: Any = [[[2, 2], [3, 3]], [[4, 9], [5, 5]]]
+        shallow_tree: Any = [[True, True], [False, True]]
+        assert nest.flatten_up_to(shallow_tree, input_tree) == [[2, 2], [3, 3], [4, 9], [5, 5]]
+        assert nest.flatten_up_to(shallow_tree, shallow_tree) == [True, True, False, True]
+
+        input_tree = [[("a", 1), [("b", 2), [("c", 3), [("d", 4)]]]]]
+        shallow_tree = [["level_1", ["level_2", ["level_3", ["level_4"]]]]]
+        assert nest.flatten_up_to(shallow_tree, input_tree) == [
+            ("a", 1),
+            ("b", 2),
+            ("c", 3),
+            ("d", 4),
+        ]
+        assert nest.flatten(input_tree) == ["a", 1, "b", 2, "c", 3, "d", 4]
+
+    def test_dicts_give_values_and_namedtuples_fields(self) -> None:
+        input_tree = {"a": 1, "b": {"c": 2}, "d": [3, (4, 5)]}
+        shallow_tree = {"a": 0, "b": 0, "d": [0, 0]}
+        assert nest.flatten_up_to(shallow_tree, input_tree) == [1, {"c": 2}, 3, (4, 5)]
+        assert nest.flatten_up_to(ABTuple(a=0, b=1), ABTuple(a=[0, 1], b=2)) == [[0, 1], 2]
+
+    def test_nested_dicts_ordered_dicts_and_namedtuples(self) -> None:
+        input_tree = collections.OrderedDict(
+            [
+                ("a", ABTuple(a=[0, {"b": 1}], b=2)),
+                ("c", {"d": 3, "e": collections.OrderedDict([("f", 4)])}),
+            ]
+        )
+        assert nest.flatten_up_to(input_tree, input_tree) == [0, 1, 2, 3, 4]
+        shallow_tree: Any = collections.OrderedDict([("a", 0), ("c", {"d": 3, "e": 1})])
+        assert snapshot(nest.flatten_up_to(shallow_tree, input_tree)) == snapshot(
+            [ABTuple(a=[0, {"b": 1}], b=2), 3, collections.OrderedDict([("f", 4)])]
+        )
+        shallow_tree = collections.OrderedDict([("a", 0), ("c", 0)])
+        assert snapshot(nest.flatten_up_to(shallow_tree, input_tree)) == snapshot(
+            [
+                ABTuple(a=[0, {"b": 1}], b=2),
+                {"d": 3, "e": collections.OrderedDict([("f", 4)])},
+            ]
+        )
+
+    @pytest.mark.parametrize(
+        ("shallow_tree", "input_tree"),
+        [
+            ("shallow_tree", ["input_tree"]),
+            ("shallow_tree", ["input_tree_0", "input_tree_1"]),
+            (9, [0]),
+            (9, [0, 1]),
+            ("shallow_tree", "input_tree"),
+            (0, 0),
+        ],
+    )
+    def test_a_shallow_leaf_takes_the_whole_input(self, shallow_tree: Any, input_tree: Any) -> None:
+        assert nest.flatten_up_to(shallow_tree, input_tree) == [input_tree]
+        assert nest.flatten_up_to(shallow_tree, shallow_tree) == [shallow_tree]
+
+    @pytest.mark.parametrize(
+        ("shallow_tree", "input_tree"),
+        [
+            (["shallow_tree"], "input_tree"),
+            (["shallow_tree_9", "shallow_tree_8"], "input_tree"),
+            ([9], 0),
+            ([9, 8], 0),
+        ],
+    )
+    def test_an_input_leaf_under_a_shallow_container(
+        self, shallow_tree: Any, input_tree: Any
+    ) -> None:
+        """TypeError naming the input's type; the shallow tree flattens up to itself."""
+        kind = type(input_tree).__name__
+        with pytest.raises(
+            TypeError, match=f"^flatten_up_to\\(\\): input_tree has a leaf of type {kind} at"
+        ):
+            nest.flatten_up_to(shallow_tree, input_tree)
+        assert nest.flatten_up_to(shallow_tree, shallow_tree) == shallow_tree
+
+    def test_lengths_and_keys_must_match(self) -> None:
+        """As tf.nest, an input with more items than the shallow tree is a ValueError."""
+        with pytest.raises(ValueError, match="a list of 2 items, input_tree a list of 3 items"):
+            nest.flatten_up_to([(1,), (2,)], [(1,), (2,), 3])
+        with pytest.raises(ValueError, match="keys differ: 'b', 'd' only in input_tree"):
+            nest.flatten_up_to({"c": 1, "a": 2}, {"c": "c", "d": "d", "b": "b", "a": "a"})
+
+
+class TestMapStructureUpTo:
+    """tf.nest's testMapStructureUpTo."""
+
+    def test_namedtuples_lists_and_dicts(self) -> None:
+        inp_val: Any = ABTuple(a=2, b=3)
+        inp_ops: Any = ABTuple(a=OpTuple(add=1, mul=2), b=OpTuple(add=2, mul=3))
+        out = nest.map_structure_up_to(
+            inp_val, lambda val, ops: (val + ops.add) * ops.mul, inp_val, inp_ops
+        )
+        assert snapshot(out) == snapshot(ABTuple(a=6, b=15))
+
+        data_list = [[2, 4, 6, 8], [[1, 3, 5, 7, 9], [3, 5, 7]]]
+        name_list = ["evens", ["odds", "primes"]]
+        out = nest.map_structure_up_to(
+            name_list, lambda name, sec: f"first_{len(sec)}_{name}", name_list, data_list
+        )
+        assert out == ["first_4_evens", ["first_5_odds", "first_3_primes"]]
+
+        inp_val = {"a": 2, "b": 3}
+        for inp_ops in (
+            {"a": {"add": 1, "mul": 2}, "b": {"add": 2, "mul": 3}},
+            types.MappingProxyType({"a": {"add": 1, "mul": 2}, "b": {"add": 2, "mul": 3}}),
+        ):
+            out = nest.map_structure_up_to(
+                inp_val, lambda val, ops: (val + ops["add"]) * ops["mul"], inp_val, inp_ops
+            )
+            assert out == {"a": 6, "b": 15}
+
+    def test_keys_not_in_the_input_are_a_value_error(self) -> None:
+        inp_val = {"a": 2, "b": 3}
+        for inp_ops in (
+            {"a": {"add": 1, "mul": 2}, "c": {"add": 2, "mul": 3}},
+            types.MappingProxyType({"a": {"add": 1, "mul": 2}, "c": {"add": 2, "mul": 3}}),
+        ):
+            with pytest.raises(
+                ValueError,
+                match=re.escape(
+                    "map_structure_up_to(): inputs[1] differs from shallow_tree at <root>: "
+                    "keys differ: 'b' only in shallow_tree, 'c' only in inputs[1]"
+                ),
+            ):
+                nest.map_structure_up_to(inp_val, lambda val, ops: 0, inp_val, inp_ops)
+
+    def test_result_takes_the_shallow_tree_types(self) -> None:
+        """The result is shaped like the shallow tree, whatever the inputs' types are."""
+        out = nest.map_structure_up_to(
+            (0, 0), lambda x, y: (x, y), [1, [2]], ([3], 4), check_types=False
+        )
+        assert snapshot(out) == snapshot(((1, [3]), ([2], 4)))
+
+    def test_other_keyword_arguments_go_to_func(self) -> None:
+        out = nest.map_structure_up_to([0], lambda x, scale: x * scale, [[1, 2]], scale=2)
+        assert out == [[1, 2, 1, 2]]
+
+    def test_every_input_is_checked_before_func_runs(self) -> None:
+        calls: list[Any] = []
+        with pytest.raises(TypeError, match=r"inputs\[2\] has a leaf of type int at \[1\]"):
+            nest.map_structure_up_to([0, [0]], calls.append, [1, [2]], [3, [4]], [5, 6])
+        assert calls == []
+
+    def test_needs_an_input_and_a_callable(self) -> None:
+        with pytest.raises(ValueError, match=r"^map_structure_up_to\(\) needs at least one"):
+            nest.map_structure_up_to([0], lambda: 0)
+        with pytest.raises(TypeError, match="callable func, got 3 of type int"):
+            nest.map_structure_up_to([0], 3, [1])  # type: ignore[arg-type]
+
+
+class TestFlatPaths:
+    """tf.nest's testYieldFlatStringPaths, testFlattenWithStringPaths and
+    testFlattenWithTuplePaths."""
+
+    @pytest.mark.parametrize(
+        ("inputs", "expected"),
+        [
+            ([], []),
+            (3, [()]),
+            ([3], [(0,)]),
+            ({"a": 3}, [("a",)]),
+            ({"a": {"b": 4}}, [("a", "b")]),
+            ([{"a": 2}], [(0, "a")]),
+            ([{"a": [2]}], [(0, "a", 0)]),
+            ([{"a": [(23, 42)]}], [(0, "a", 0, 0), (0, "a", 0, 1)]),
+            ([{"a": ([23], 42)}], [(0, "a", 0, 0), (0, "a", 1)]),
+            ({"a": {"a": 2}, "c": [[[4]]]}, [("a", "a"), ("c", 0, 0, 0)]),
+            ({"0": [{"1": 23}]}, [("0", 0, "1")]),
+        ],
+    )
+    def test_yield_flat_paths(self, inputs: Any, expected: list[tuple[Any, ...]]) -> None:
+        paths = nest.yield_flat_paths(inputs)
+        assert iter(paths) is paths
+        assert list(paths) == expected
+
+    @pytest.mark.parametrize(
+        ("inputs", "expected"),
+        [
+            ([], []),
+            ([23, "42"], [("0", 23), ("1", "42")]),
+            ([[[[108]]]], [("0/0/0/0", 108)]),
+            (Foo(a=3, b=Bar(c=23, d=42)), [("a", 3), ("b/c", 23), ("b/d", 42)]),
+            (
+                Foo(a=Bar(c=23, d=42), b=Bar(c=0, d="thing")),
+                [("a/c", 23), ("a/d", 42), ("b/c", 0), ("b/d", "thing")],
+            ),
+            (Bar(c=42, d=43), [("c", 42), ("d", 43)]),
+            (Bar(c=[42], d=43), [("c/0", 42), ("d", 43)]),
+        ],
+    )
+    def test_flatten_with_joined_string_paths(
+        self, inputs: Any, expected: list[tuple[str, Any]]
+    ) -> None:
+        assert nest.flatten_with_joined_string_paths(inputs, separator="/") == expected
+        assert nest.flatten_with_joined_string_paths(inputs) == expected
+
+    @pytest.mark.parametrize(
+        ("inputs", "expected"),
+        [
+            ([], []),
+            ([23, "42"], [((0,), 23), ((1,), "42")]),
+            ([[[[108]]]], [((0, 0, 0, 0), 108)]),
+            (Foo(a=3, b=Bar(c=23, d=42)), [(("a",), 3), (("b", "c"), 23), (("b", "d"), 42)]),
+            (
+                Foo(a=Bar(c=23, d=42), b=Bar(c=0, d="thing")),
+                [(("a", "c"), 23), (("a", "d"), 42), (("b", "c"), 0), (("b", "d"), "thing")],
+            ),
+            (Bar(c=42, d=43), [(("c",), 42), (("d",), 43)]),
+            (Bar(c=[42], d=43), [(("c", 0), 42), (("d",), 43)]),
+        ],
+    )
+    def test_flatten_with_tuple_paths(
+        self, inputs: Any, expected: list[tuple[tuple[Any, ...], Any]]
+    ) -> None:
+        assert nest.flatten_with_tuple_paths(inputs) == expected
+
+    def test_other_separators(self) -> None:
+        """Any string separates the entries; anything else is a TypeError."""
+        assert nest.flatten_with_joined_string_paths({"a": [1]}, separator=".") == [("a.0", 1)]
+        with pytest.raises(TypeError, match="needs separator to be a string, got 0 of type int"):
+            nest.flatten_with_joined_string_paths([1], separator=0)  # type: ignore[arg-type]
 
 
 class TestJaxStylePair:
@@ -547,19 +931,25 @@ class TestModule:
             "SequenceKey",
             "TreeDef",
             "assert_same_structure",
+            "assert_shallow_structure",
             "flatten",
+            "flatten_up_to",
+            "flatten_with_joined_string_paths",
             "flatten_with_key_paths",
             "flatten_with_treedef",
+            "flatten_with_tuple_paths",
             "format_path",
             "is_leaf",
             "is_nested",
             "map_structure",
+            "map_structure_up_to",
             "map_structure_with_paths",
             "map_structure_with_tuple_paths",
             "pack_sequence_as",
             "register_dataclass",
             "register_node",
             "unflatten",
+            "yield_flat_paths",
         ]
 
 
@@ -644,8 +1034,19 @@ class TestFlagArguments:
             lambda **kw: nest.map_structure(lambda x: x, [1], **kw),
             lambda **kw: nest.map_structure_with_paths(lambda p, x: x, [1], **kw),
             lambda **kw: nest.map_structure_with_tuple_paths(lambda p, x: x, [1], **kw),
+            lambda **kw: nest.assert_shallow_structure([1], [2], **kw),
+            lambda **kw: nest.flatten_up_to([1], [2], **kw),
+            lambda **kw: nest.map_structure_up_to([1], lambda x: x, [2], **kw),
         ],
-        ids=["assert_same_structure", "map_structure", "with_paths", "with_tuple_paths"],
+        ids=[
+            "assert_same_structure",
+            "map_structure",
+            "with_paths",
+            "with_tuple_paths",
+            "assert_shallow_structure",
+            "flatten_up_to",
+            "map_structure_up_to",
+        ],
     )
     @pytest.mark.parametrize("flag", ["check_types", "expand_composites"])
     def test_a_flag_without_a_truth_value_is_a_type_error(self, call: Any, flag: str) -> None:
@@ -659,6 +1060,14 @@ class TestFlagArguments:
             nest.flatten([1], expand_composites=np.ones(2))  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"^pack_sequence_as\(\) needs expand_composites"):
             nest.pack_sequence_as([1], [2], expand_composites=np.ones(2))  # type: ignore[arg-type]
+
+    @pytest.mark.parametrize(
+        "name", ["yield_flat_paths", "flatten_with_tuple_paths", "flatten_with_joined_string_paths"]
+    )
+    def test_path_functions_check_expand_composites(self, name: str) -> None:
+        """The flat-path functions convert expand_composites too, when called."""
+        with pytest.raises(TypeError, match=rf"^{name}\(\) needs expand_composites"):
+            getattr(nest, name)([1], expand_composites=np.ones(2))
 
     def test_flags_with_a_truth_value_are_accepted(self) -> None:
         """Values bool() accepts work as their truth value, as in tf.nest."""

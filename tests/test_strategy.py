@@ -67,6 +67,25 @@ class TestConstruction:
         with pytest.raises(ValueError, match="sync_timeout must be a positive number"):
             MirroredStrategy(["cpu:0"], sync_timeout=timeout)
 
+    @pytest.mark.parametrize("timeout", [math.inf, 10**400], ids=["inf", "10**400"])
+    def test_sync_timeout_too_large_for_a_float(self, timeout: Any) -> None:
+        """An infinite sync_timeout, or an int too large for a float, is a ValueError saying
+        that None means no timeout (not an OverflowError, nor a timeout that never ends)."""
+        shown = re.escape(f"got {timeout!r:.60}")
+        with pytest.raises(
+            ValueError,
+            match=(
+                rf"^sync_timeout must be a positive number of seconds or None, {shown}, which "
+                "is infinite or too large: for no timeout pass None$"
+            ),
+        ):
+            MirroredStrategy(["cpu:0"], sync_timeout=timeout)
+
+    def test_slow_merge_warning_too_large_for_a_float(self) -> None:
+        """slow_merge_warning=10**400 is a ValueError, as an infinite one is."""
+        with pytest.raises(ValueError, match=r"^slow_merge_warning must be a positive, finite"):
+            MirroredStrategy(["cpu:0"], slow_merge_warning=10**400)
+
     @pytest.mark.parametrize("timeout", ["5", True, [1]])
     def test_sync_timeout_of_another_type(self, timeout: Any) -> None:
         """A sync_timeout that is no number (a string, a bool, a list) is a TypeError."""

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import aioreplica
 from aioreplica import _tree, nest
 from aioreplica._tree import (
     AttrKey,
@@ -37,6 +38,11 @@ from aioreplica._tree import (
 )
 
 Point = collections.namedtuple("Point", ["x", "y"])
+
+
+# Two module-level namedtuple classes of one name (as tf.nest's test has), fields apart.
+SameNameAB = collections.namedtuple("SameName", ["a", "b"])  # type: ignore[name-match]
+SameNameAC = collections.namedtuple("SameName", ["a", "c"])  # type: ignore[name-match]
 
 
 def make_point_class() -> type[Any]:
@@ -249,6 +255,16 @@ class TestFlatten:
         ]
         assert flatten(structure)[0] == [1, 2, 3, 4, 5, 6, 7, 8]
 
+    def test_mapping_views_are_walked_in_iteration_order(self) -> None:
+        """As tf.nest: keys(), values() and items() are containers of their items, in
+        iteration order (not sorted); items are (key, value) tuples."""
+        ordered = collections.OrderedDict([("d", 3), ("b", 1), ("a", 0)])
+        assert flatten(ordered.keys())[0] == ["d", "b", "a"]
+        assert flatten(ordered.values())[0] == [3, 1, 0]
+        assert flatten({"k": ordered.items()})[0] == ["d", 3, "b", 1, "a", 0]
+        pairs, _ = flatten_with_path({"y": 1, "x": [2]}.values())
+        assert [(format_path(path), leaf) for path, leaf in pairs] == [("[0]", 1), ("[1][0]", 2)]
+
     def test_type_kind_is_cached_after_first_sight(self) -> None:
         """The first sight of a type records its kind, so later ones are a dict lookup."""
 
@@ -291,6 +307,14 @@ class TestUnflatten:
         rebuilt = treedef.unflatten(["eval", 1.5, "given"])
         assert type(rebuilt) is Spec
         assert rebuilt == ("eval", 1.5, "given")
+
+    def test_mapping_views_are_rebuilt_as_lists(self) -> None:
+        """A view cannot be made from values: it is rebuilt as a list, as tf.nest packs it."""
+        structure = {"k": {"b": 1, "a": (2, 3)}.items()}
+        leaves, treedef = flatten(structure)
+        assert leaves == ["b", 1, "a", 2, 3]
+        assert _same(treedef.unflatten(leaves), {"k": [("b", 1), ("a", (2, 3))]})
+        assert repr(treedef) == "TreeDef({'k': dict_items([(*, *), (*, (*, *))])})"
 
     def test_list_and_tuple_subclasses_keep_their_type(self) -> None:
         """Other list/tuple subclasses are rebuilt as type(x)(children)."""
@@ -523,6 +547,39 @@ class TestAssertSameStructure:
         assert str(info.value).endswith(
             "the first has a Point of 2 items, the second a Point of 2 items: two different "
             "classes with the same name, test_tree.Point and elsewhere.Point"
+        )
+
+    def test_namedtuples_of_one_name_with_other_fields(self) -> None:
+        """Two namedtuple classes of one name defined apart: the message names the fields
+        of each, without the hint about classes made inside functions."""
+        with pytest.raises(TypeError) as info:
+            assert_same_structure([SameNameAB(0, 1)], [SameNameAC(2, 3)])
+        assert str(info.value) == (
+            "structures differ at [0]: the first has a SameName of 2 items, the second a "
+            "SameName of 2 items: two different classes, both test_tree.SameName; their fields "
+            "differ: the first has fields ('a', 'b'), the second fields ('a', 'c')"
+        )
+
+    def test_replicas_returning_namedtuples_with_other_fields(self) -> None:
+        """regroup, which run() results go through, names the replicas and their fields."""
+        with pytest.raises(TypeError) as info:
+            aioreplica.regroup((SameNameAB(0, 1), SameNameAC(2, 3)))
+        assert str(info.value) == (
+            "replica 1's value differs from replica 0's at <root>: replica 0 has a SameName of "
+            "2 items, replica 1 a SameName of 2 items: two different classes, both "
+            "test_tree.SameName; their fields differ: replica 0 has fields ('a', 'b'), "
+            "replica 1 fields ('a', 'c'); every replica must return the same structure"
+        )
+
+    def test_different_classes_with_one_name_and_other_fields(self) -> None:
+        """Classes of one name from different places, fields apart: both are said."""
+        other = collections.namedtuple("Point", ["x", "z"])  # type: ignore[name-match]
+        other.__module__ = "elsewhere"
+        with pytest.raises(TypeError) as info:
+            assert_same_structure(Point(1, 2), other(1, 2))
+        assert str(info.value).endswith(
+            "two different classes with the same name, test_tree.Point and elsewhere.Point; "
+            "their fields differ: the first has fields ('x', 'y'), the second fields ('x', 'z')"
         )
 
     def test_lengths_differ_is_value_error(self) -> None:

@@ -1319,6 +1319,22 @@ class TestMirroredWrites:
             await strategy.run(step)
         assert_copies(v, old)
 
+    async def test_a_long_value_is_shown_elided_in_the_refusal(self) -> None:
+        """A long array in that refusal is shown elided in the middle, as an array, with its
+        brackets balanced (not cut off as a list); no copy changes."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = scoped(strategy, np.zeros(1000), name="long")
+
+        async def step() -> None:
+            await v.assign(np.full(1000, float(replica_id())))
+
+        with pytest.raises(
+            ValueError,
+            match=re.escape("(replica 1 passed another than replica 0's [0., 0., ..., 0., 0.]), "),
+        ):
+            await strategy.run(step)
+        assert_copies(v, [np.zeros(1000)] * 2)
+
     @pytest.mark.parametrize("agg", ["none", "sum", "mean", "only_first_replica"])
     @pytest.mark.parametrize("how", ["assign_add", "update"])
     async def test_replicas_writing_different_variables_of_equal_value_refused(

@@ -168,7 +168,11 @@ class _SharedGate:
             task = asyncio.current_task()
             if task is not None and task.cancelling() <= requests:
                 return  # another replica's cancellation cancelled the shared future
-        raise exc
+            del task
+        try:
+            raise exc
+        finally:
+            del exc
         yield  # a generator, like the other gates' (never reached)
 
     def open(self, slots: Iterable[int] | None) -> None:
@@ -206,7 +210,10 @@ class _FutureGate:
         return future
 
     def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
-        raise exc
+        try:
+            raise exc
+        finally:
+            del exc
         yield  # a generator, like the other gates' (never reached)
 
     def open(self, slots: Iterable[int] | None) -> None:

@@ -155,7 +155,10 @@ class _TaskGate:
         return lowlevel.wait_task_rescheduled(abort).__await__()  # type: ignore[no-any-return]
 
     def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
-        raise exc  # trio never wakes a task for another task's cancellation
+        try:
+            raise exc  # trio never wakes a task for another task's cancellation
+        finally:
+            del exc
         yield  # a generator, like the other gates' (never reached)
 
     def open(self, slots: Iterable[int] | None) -> None:
@@ -221,7 +224,10 @@ class _ChainGate:
                 return
 
     def interrupted(self, exc: BaseException, requests: int) -> Generator[Any, Any, None]:
-        raise exc
+        try:
+            raise exc
+        finally:
+            del exc
         yield  # a generator, like the other gates' (never reached)
 
     def open(self, slots: Iterable[int] | None) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from aioreplica import MultiWorkerMirroredStrategy, select_replica
-from aioreplica.testing import host_devices
+from aioreplica.testing import host_devices, replica_context
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator
@@ -38,6 +38,17 @@ def strategy(local: int = 2, **kwargs: Any) -> MultiWorkerMirroredStrategy:
 def each_replica(strategy: MultiWorkerMirroredStrategy, result: Any) -> list[Any]:
     """What each local replica returned, from run()'s regrouped ``result`` (any structure)."""
     return [select_replica(j, result) for j in range(len(strategy.extended.worker_devices))]
+
+
+async def assert_in_step(strategy: MultiWorkerMirroredStrategy) -> None:
+    """The workers are still in step: a run() of an all_reduce sums every worker's replicas."""
+
+    async def step() -> Any:
+        context = replica_context()
+        return await context.all_reduce("sum", float(context.replica_id_in_sync_group))
+
+    total = sum(range(len(strategy.extended.worker_devices) * WORKERS))
+    assert each_replica(strategy, await strategy.run(step)) == [total] * 2
 
 
 def global_ids(local: int, worker: int = RANK) -> list[int]:

@@ -14,8 +14,7 @@ import pytest
 from test_dataset import global_batches  # the same tables as one process's tests
 
 from aioreplica import PerReplica, WorkersDisagree
-from aioreplica.testing import replica_context
-from multiworker.mwtools import RANK, WORKERS, allgather, each_replica
+from multiworker.mwtools import RANK, WORKERS, allgather, assert_in_step, each_replica
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -51,17 +50,6 @@ async def outcome(call: Awaitable[Any]) -> str:
     except WorkersDisagree as disagreement:
         return str(disagreement)
     return f"returned {returned!r}"
-
-
-async def assert_in_step(strategy: MultiWorkerMirroredStrategy) -> None:
-    """The workers are still in step: a run() of an all_reduce sums every worker's replicas."""
-
-    async def step() -> Any:
-        context = replica_context()
-        return await context.all_reduce("sum", float(context.replica_id_in_sync_group))
-
-    total = sum(range(len(strategy.extended.worker_devices) * WORKERS))
-    assert each_replica(strategy, await strategy.run(step)) == [total] * 2
 
 
 @pytest.mark.parametrize("others", [0, 1], ids=["no steps elsewhere", "one step elsewhere"])

@@ -1,0 +1,152 @@
+"""Cross-replica calls refused on one worker only, before any collective: an update given a
+bad ``group`` or another strategy's variable, and calls made in another strategy's scope.
+The refusing worker raises its own error, every other worker a ``WorkersDisagree`` naming it;
+nothing is written anywhere, and the workers stay in step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytest
+
+import aioreplica
+from aioreplica import MirroredStrategy, PerReplica
+from multiworker.mwtools import RANK, WORKERS, allgather, assert_in_step
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from aioreplica import Variable
+    from multiworker.mwtools import MakeStrategy
+
+pytestmark = pytest.mark.anyio
+
+#: The last worker refuses; the others make the call as they should.
+REFUSING = WORKERS - 1
+
+
+async def outcome(call: Callable[[], Awaitable[Any]]) -> str:
+    """What ``call`` did on this worker: the type and message of what it raised, or what it
+    returned."""
+    try:
+        returned = await call()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return f"returned {returned!r}"
+
+
+def in_other_scope(
+    other: MirroredStrategy, call: Callable[[], Awaitable[Any]]
+) -> Callable[[], Awaitable[Any]]:
+    """``call`` made in ``other``'s scope on the refusing worker, as it is elsewhere."""
+
+    async def made() -> Any:
+        if RANK != REFUSING:
+            return await call()
+        with other.scope():
+            return await call()
+
+    return made
+
+
+#: Per case: the call on every worker (given the strategy, its variable and another
+#: strategy's), and the start of the refusing worker's own error.
+CASES: dict[str, tuple[Callable[[Any, Variable, Variable], Callable[[], Any]], str]] = {
+    "update with a group that is no bool": (
+        lambda s, v, foreign: (
+            lambda: s.extended.update(
+                v, lambda copy: copy + 1, group="x" if RANK == REFUSING else True
+            )
+        ),
+        "TypeError: extended.update(): group must be True or False, got 'x'",
+    ),
+    "update in a run() with a group that is no bool": (
+        lambda s, v, foreign: (
+            lambda: s.run(
+                lambda: s.extended.update(
+                    v, lambda copy: copy + 1, group="x" if RANK == REFUSING else True
+                )
+            )
+        ),
+        "TypeError: extended.update(): group must be True or False, got 'x'",
+    ),
+    "update of another strategy's variable": (
+        lambda s, v, foreign: (
+            lambda: s.extended.update(foreign if RANK == REFUSING else v, lambda copy: copy + 1)
+        ),
+        "ValueError: update() of {strategy} was given variable 'foreign', which belongs to",
+    ),
+    "update in another scope": (
+        lambda s, v, foreign: in_other_scope(
+            foreign.distribute_strategy, lambda: s.extended.update(v, lambda copy: copy + 1)
+        ),
+        "RuntimeError: extended.update() of {strategy} was called in the scope of",
+    ),
+    "reduce in another scope": (
+        lambda s, v, foreign: in_other_scope(
+            foreign.distribute_strategy, lambda: s.reduce("sum", PerReplica([np.ones(2)] * 2))
+        ),
+        "RuntimeError: strategy.reduce() of {strategy} was called in the scope of",
+    ),
+    "gather in another scope": (
+        lambda s, v, foreign: in_other_scope(
+            foreign.distribute_strategy, lambda: s.gather(PerReplica([np.ones(2)] * 2))
+        ),
+        "RuntimeError: strategy.gather() of {strategy} was called in the scope of",
+    ),
+    "reduce_to in another scope": (
+        lambda s, v, foreign: in_other_scope(
+            foreign.distribute_strategy,
+            lambda: s.extended.reduce_to("sum", PerReplica([np.ones(2)] * 2), "cpu:0"),
+        ),
+        "RuntimeError: strategy.extended.reduce_to() of {strategy} was called in the scope of",
+    ),
+    "batch_reduce_to in another scope": (
+        lambda s, v, foreign: in_other_scope(
+            foreign.distribute_strategy,
+            lambda: s.extended.batch_reduce_to("sum", [(PerReplica([np.ones(2)] * 2), "cpu:0")]),
+        ),
+        "RuntimeError: strategy.extended.batch_reduce_to() of {strategy} was called in the "
+        "scope of",
+    ),
+    "assign in another scope": (
+        lambda s, v, foreign: in_other_scope(
+            foreign.distribute_strategy, lambda: v.assign(np.full(2, 5.0))
+        ),
+        "RuntimeError: assign() of variable 'v', created in the scope of {strategy}, was "
+        "called in the scope of",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_a_call_refused_on_one_worker_raises_on_every_worker(
+    make_strategy: MakeStrategy, case: str
+) -> None:
+    """The last worker's call is refused before any collective: it raises its own error,
+    every other worker a WorkersDisagree naming it and that error (rather than pairing with
+    the refusing worker's next call, which breaks the strategy); the variable keeps its value
+    everywhere, and the workers stay in step."""
+    strategy = make_strategy(2)
+    other = MirroredStrategy(["cpu:4"])
+    try:
+        with strategy.scope():
+            v = aioreplica.Variable(np.ones(2), name="v")
+        with other.scope():
+            foreign = aioreplica.Variable(np.ones(2), name="foreign")
+        v.numpy()  # synced from the chief first, on every worker
+        make, refusal = CASES[case]
+        message = await outcome(make(strategy, v, foreign))
+        if RANK == REFUSING:
+            assert message.startswith(refusal.format(strategy=repr(strategy))), message
+        else:  # the refusal, as far as it names no worker's own strategy
+            assert message.startswith("WorkersDisagree: "), message
+            assert f"worker {REFUSING} refused what it was given" in message, message
+            assert refusal.partition(" of {strategy}")[0] in message, message
+            assert "nothing was done on any worker" in message, message
+        assert allgather(v.numpy().tolist()) == [[1.0, 1.0]] * WORKERS
+        await assert_in_step(strategy)
+    finally:
+        other.close()
