@@ -1042,7 +1042,9 @@ class _Run:
             except ReplicaSyncError as exc:
                 exc.merge_number = rnd.number
                 calls = [_call_of(fn) for fn in fns]
-                if any(calls):  # a collective or a write, which merges for the replica
+                # One call of objects made per replica (an optimizer each): the error says so.
+                one_call = bool(calls[0]) and calls.count(calls[0]) == len(calls)
+                if any(calls) and not one_call:  # a collective or a write, which merges
                     made = "; ".join(
                         f"replica {self.first_replica + i}: "
                         f"{call or f'merge_call({_describe_fn(fn)})'}"
@@ -1054,7 +1056,7 @@ class _Run:
                         "merge_calls, in the same order; keep them out of branches that "
                         "depend on the replica"
                     )
-                else:
+                elif not one_call:
                     exc.add_note(
                         "move the branch inside merge_fn, or pass the same function (a partial "
                         "with equal arguments) from every replica"

@@ -956,6 +956,16 @@ def _tell_apart(reference: Any, odd: Any, shown: str) -> tuple[str, str]:
     type_reference, type_odd = type(reference).__qualname__, type(odd).__qualname__
     if type_reference != type_odd:
         return f"{shown} ({type_reference})", f"{shown} ({type_odd})"
+    if (
+        isinstance(reference, types.MethodType)
+        and isinstance(odd, types.MethodType)
+        and reference.__func__ is odd.__func__
+    ):  # one method of two objects: an object made in each replica, an optimizer say
+        owner = type(odd.__self__).__name__
+        return shown, (
+            f"{shown} of another {owner} object (each replica made its own {owner}: one made "
+            "inside the step function is one per replica; make it once, outside run())"
+        )
     return shown, (f"{shown} (a different {type_odd} object that prints the same but is not equal)")
 
 

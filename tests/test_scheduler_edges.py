@@ -14,7 +14,7 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from aioreplica import MirroredStrategy, PerReplica, Variable
+from aioreplica import MirroredStrategy, PerReplica, ReplicaSyncError, Variable, optimizers
 from aioreplica._backends._numpy import INLINE_BYTES
 from aioreplica.testing import host_devices, replica_context, replica_id
 
@@ -215,3 +215,25 @@ class TestMisuseInMergeFn:
             "`strategy.extended.reduce_to(...)` or `batch_reduce_to(...)` (a barrier is not "
             "needed there: every replica has arrived)"
         )
+
+    async def test_an_optimizer_made_in_each_replica_is_named(self) -> None:
+        """An optimizer made inside the step function is one per replica: its step's merge
+        functions are one method of two objects, which the error names, with the fix (and no
+        note claiming the replicas made different calls); nothing changes."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(np.zeros(2), name="v")
+
+        async def step() -> None:
+            opt = optimizers.SGD(0.1)
+            await opt.apply_gradients([(np.ones(2), v)])
+
+        with pytest.raises(ReplicaSyncError) as raised:
+            await strategy.run(step)
+        message = str(raised.value)
+        assert "of another SGD object (each replica made its own SGD: one made inside the " in (
+            message
+        )
+        assert "make it once, outside run())" in message
+        assert not any("different calls" in note for note in raised.value.__notes__)
+        assert v.numpy().tolist() == [0.0, 0.0]
