@@ -1668,17 +1668,12 @@ def _zero_rows(element: Any, where: str) -> Any:
         if not array.ndim:
             raise TypeError(
                 f"distribute_datasets_from_function: the dataset ran out {where}, and its "
-                f"elements have no batch dimension (one is {_short(first)}), so the replicas "
-                "left without data cannot get empty batches; give every replica an element in "
-                "every round, or batch the elements"
+                f"elements have no batch dimension (one is {_tree.short_repr(first)}), so the "
+                "replicas left without data cannot get empty batches; give every replica an "
+                "element in every round, or batch the elements"
             )
         zeros.append(_empty_rows(array))
     return treedef.unflatten(zeros)
-
-
-def _short(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 40 else f"{shown[:37]}..."
 
 
 def _shares(rows: int, parts: int) -> list[tuple[int, int]]:

@@ -73,7 +73,7 @@ from ._values import (
     select_replica,
     select_replicas,
 )
-from ._variables import SyncOnReadVariable, Variable, update, variable_label
+from ._variables import SyncOnReadVariable, Variable, check_updated_by, update, variable_label
 
 if TYPE_CHECKING:
     import threading
@@ -464,7 +464,8 @@ class StrategyExtended:
                 try:
                     _check_group(group)
                     strategy._check_not_mixed("extended.update()", state)
-                    _check_own_variable(strategy, var)
+                    if isinstance(var, Variable):  # else ``update`` says what it needs
+                        check_updated_by(strategy, var)
                 except (TypeError, ValueError, RuntimeError) as exc:
                     # Across workers, outside a run()'s step, the others raise it too (in a
                     # merge_fn an update is this worker's own, with no collective to meet).
@@ -2019,23 +2020,6 @@ def _check_group(group: object) -> None:
     """
     if not isinstance(group, bool | np.bool_):
         raise TypeError(f"extended.update(): group must be True or False, got {group!r:.60}")
-
-
-def _check_own_variable(strategy: MirroredStrategy, var: object) -> None:
-    """Refuse a variable of another strategy given to ``strategy.extended.update`` (an
-    ordinary variable, of no strategy, is updated as it is).
-
-    Raises:
-        ValueError: naming the variable and both strategies.
-    """
-    if not isinstance(var, Variable):
-        return  # ``update`` says what it needs
-    owner = var.distribute_strategy
-    if owner is not None and owner is not strategy:
-        raise ValueError(
-            f"update() of {strategy!r} was given variable {var.name!r}, which belongs to "
-            f"{owner!r}; update it through its own strategy"
-        )
 
 
 def _grouped(per_destination: list[Any]) -> Any:

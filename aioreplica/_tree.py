@@ -110,6 +110,7 @@ __all__ = [
     "node_mismatch",
     "register_dataclass",
     "register_node",
+    "short_repr",
     "unflatten",
 ]
 
@@ -606,8 +607,8 @@ def _aux_error(kind: int, t: type, aux_a: Any, aux_b: Any, exc: Exception) -> Ty
         else "mapping keys must compare to a bool with == and !="
     )
     return TypeError(
-        f"cannot compare the {what} of two {_type_name(t)} nodes, {_short_repr(aux_a)} and "
-        f"{_short_repr(aux_b)}: != raised {type(exc).__name__}: {exc}; {rule}"
+        f"cannot compare the {what} of two {_type_name(t)} nodes, {short_repr(aux_a)} and "
+        f"{short_repr(aux_b)}: != raised {type(exc).__name__}: {exc}; {rule}"
     )
 
 
@@ -971,7 +972,7 @@ def _with_article(name: str) -> str:
     return ("an " if name[:1].lower() in "aeiou" else "a ") + name
 
 
-def _short_repr(x: Any, limit: int = 40) -> str:
+def short_repr(x: Any, limit: int = 40) -> str:
     try:
         text = repr(x)
     except Exception:
@@ -985,7 +986,7 @@ def _describe_node(x: Any) -> str:
     kind = _kind(t)
     name = _type_name(t)
     if kind == _LEAF:
-        return f"a leaf {_short_repr(x)} of type {name}"
+        return f"a leaf {short_repr(x)} of type {name}"
     if kind == _CUSTOM:
         return f"{_with_article(name)} node"
     n = len(x)
@@ -1021,7 +1022,7 @@ def _fields_repr(fields: Any) -> str:
 
 
 def _keys_repr(keys: list[Any]) -> str:
-    return ", ".join(_short_repr(k) for k in _sorted_keys(keys))
+    return ", ".join(short_repr(k) for k in _sorted_keys(keys))
 
 
 def _node_mismatch(
@@ -1078,8 +1079,8 @@ def _node_mismatch(
     name = _with_article(_type_name(ta))
     if not _aux_equal(ka, ta, aux_a, aux_b):
         return ValueError, (
-            f"{first} has {name} node with aux data {_short_repr(aux_a)}, "
-            f"{second} with aux data {_short_repr(aux_b)}"
+            f"{first} has {name} node with aux data {short_repr(aux_a)}, "
+            f"{second} with aux data {short_repr(aux_b)}"
         )
     len_a, len_b = len(tuple(children_a)), len(tuple(children_b))
     if len_a != len_b:

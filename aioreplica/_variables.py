@@ -38,7 +38,7 @@ from ._context import (
 )
 from ._errors import ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
-from ._tree import flatten_with_path, format_path
+from ._tree import flatten_with_path, format_path, short_repr
 from ._values import (
     DistributedValues,
     Mirrored,
@@ -78,6 +78,7 @@ __all__ = [
     "VariableRef",
     "VariableSynchronization",
     "bits_differ",
+    "check_updated_by",
     "new_copies",
     "slot_variable",
     "snapshot",
@@ -1422,8 +1423,8 @@ async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given:
         ):
             raise ValueError(
                 f"{op}() of MirroredVariable {variable._name!r} (aggregation SUM): every "
-                f"replica passed the same object ({_short(given)}), which is one value, not one "
-                "per replica, so it cannot be reduced with SUM (it would count it once per "
+                f"replica passed the same object ({short_repr(given)}), which is one value, not "
+                "one per replica, so it cannot be reduced with SUM (it would count it once per "
                 'replica; TF refuses it too: "A non-DistributedValues value cannot be reduced '
                 'with the given reduce op"). A literal, a name the replicas share, and an int '
                 "from -5 to 256 (CPython keeps one object for each, so equal counts such as "
@@ -1774,6 +1775,21 @@ def _agreeing(engine: ReductionEngine | None) -> ReductionEngine | None:
     return engine
 
 
+def check_updated_by(strategy: Any, variable: Variable) -> None:
+    """Refuse ``variable`` given to ``strategy``'s ``extended.update`` when it belongs to
+    another strategy (an ordinary variable, of none, is updated as it is).
+
+    Raises:
+        ValueError: naming the variable and both strategies.
+    """
+    owner = variable._strategy
+    if owner is not None and owner is not strategy:
+        raise ValueError(
+            f"update() of {strategy!r} was given variable {variable._name!r}, which belongs "
+            f"to {owner!r}; update it through its own strategy"
+        )
+
+
 def _update_arguments(
     strategy: Any, variable: Variable, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
@@ -1787,12 +1803,7 @@ def _update_arguments(
             another number of values than the variable has copies.
         TypeError: a mirrored variable's argument is a ``PerReplica`` whose components differ.
     """
-    owner = variable._strategy
-    if owner is not None and owner is not strategy:
-        raise ValueError(
-            f"update() of {strategy!r} was given variable {variable._name!r}, which belongs "
-            f"to {owner!r}; update it through its own strategy"
-        )
+    check_updated_by(strategy, variable)
     copies = len(variable._devices)
     named = [
         (f"{where}{format_path(path)}", leaf)
@@ -2248,8 +2259,3 @@ def _check_aggregation_dtype(
             f"variable {name!r} of dtype bool cannot have aggregation SUM; use an integer "
             "dtype to count"
         )
-
-
-def _short(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 40 else f"{shown[:37]}..."
