@@ -751,6 +751,16 @@ class TestOtherReplicaCollectives:
         assert events == ["before"] * 3 + ["after"] * 3
 
 
+async def destination_refusals(calls: list[Callable[[], Awaitable[Any]]]) -> list[str]:
+    """The message of the ValueError about a destination that each of ``calls`` raises."""
+    refused = []
+    for call in calls:
+        with pytest.raises(ValueError, match=r"^destination ") as info:
+            await call()
+        refused.append(str(info.value))
+    return refused
+
+
 class TestCrossReplica:
     async def test_reduce(self) -> None:
         """strategy.reduce combines a PerReplica across replicas."""
@@ -1040,12 +1050,7 @@ class TestCrossReplica:
             ),
             lambda: strategy.extended.broadcast_to(np.ones(1), destination),
         ]
-        refused = []
-        for call in calls:
-            with pytest.raises(ValueError, match=r"^destination ") as info:
-                await call()
-            refused.append(str(info.value))
-        assert refused == [message] * 3
+        assert await destination_refusals(calls) == [message] * 3
         summed = await strategy.extended.reduce_to("sum", value, "cpu:1")
         np.testing.assert_array_equal(summed, [3.0])
 
@@ -1069,12 +1074,7 @@ class TestCrossReplica:
             lambda: strategy.extended.batch_reduce_to("sum", [(value, "cpu:1"), (value, foreign)]),
             lambda: strategy.extended.broadcast_to(np.ones(1), foreign),
         ]
-        refused = []
-        for call in calls:
-            with pytest.raises(ValueError, match=r"^destination ") as info:
-                await call()
-            refused.append(str(info.value))
-        assert refused == [message] * 3
+        assert await destination_refusals(calls) == [message] * 3
         placed = [
             await strategy.extended.reduce_to("sum", value, ordinary),
             await strategy.extended.broadcast_to(np.full(1, 5.0), ordinary),

@@ -37,6 +37,17 @@ async def sum_of_ids(strategy: MultiWorkerMirroredStrategy) -> list[Any]:
     return each_replica(strategy, await strategy.run(step))
 
 
+async def work_without_the_last(communicator: MPI.Comm) -> str:
+    """On a rank of ``communicator`` (every worker but the last): a strategy made on it sums
+    the replica ids of its workers only; what it saw, for the test's events."""
+    strategy = MultiWorkerMirroredStrategy(host_devices(1), communicator=communicator)
+    try:
+        assert await sum_of_ids(strategy) == [sum(range(WORKERS - 1))]
+        return f"{strategy.cluster.num_workers} workers"
+    finally:
+        strategy.close()
+
+
 async def test_a_rank_left_out_of_the_communicator_raises_at_once() -> None:
     """The last rank, left out by Split(MPI.UNDEFINED), gets MPI.COMM_NULL: it raises a
     TypeError saying so at once, with no collective, while the other ranks make their strategy
@@ -51,12 +62,9 @@ async def test_a_rank_left_out_of_the_communicator_raises_at_once() -> None:
         assert "communicator is MPI.COMM_NULL: this rank is not in it" in message, message
         events.append("refused")
     else:
-        strategy = MultiWorkerMirroredStrategy(host_devices(1), communicator=sub)
         try:
-            events.append(f"{strategy.cluster.num_workers} workers")
-            assert await sum_of_ids(strategy) == [sum(range(WORKERS - 1))]
+            events.append(await work_without_the_last(sub))
         finally:
-            strategy.close()
             sub.Free()
     assert time.monotonic() - started < 10
     expected = [f"{WORKERS - 1} workers"] * (WORKERS - 1) + ["refused"]
@@ -106,12 +114,7 @@ async def test_no_communicator_waits_for_the_others_on_comm_world_at_most_sync_t
             events.append("refused")
             told.Barrier()
         else:
-            strategy = MultiWorkerMirroredStrategy(host_devices(1), communicator=sub)
-            try:
-                events.append(f"{strategy.cluster.num_workers} workers")
-                assert await sum_of_ids(strategy) == [sum(range(WORKERS - 1))]
-            finally:
-                strategy.close()
+            events.append(await work_without_the_last(sub))
             told.Barrier()
             with pytest.raises(ValueError, match=f"worker {LAST} could not make its") as refused:
                 MultiWorkerMirroredStrategy(host_devices(1))
