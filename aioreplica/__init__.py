@@ -32,6 +32,8 @@ from ._errors import CheckpointError as CheckpointError
 from ._errors import ClusterBroken as ClusterBroken
 from ._errors import ReplicaSyncError as ReplicaSyncError
 from ._errors import WorkersDisagree as WorkersDisagree
+from ._losses import compute_average_loss as compute_average_loss
+from ._losses import scale_regularization_loss as scale_regularization_loss
 from ._multiworker import Cluster as Cluster
 from ._multiworker import ClusterSpec as ClusterSpec
 from ._multiworker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
@@ -96,6 +98,7 @@ __all__ = [
     "VariableSynchronization",
     "WorkersDisagree",
     "batched",
+    "compute_average_loss",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",
@@ -105,6 +108,7 @@ __all__ = [
     "nest",
     "optimizers",
     "regroup",
+    "scale_regularization_loss",
     "select_replica",
     "select_replica_mirrored",
 ]

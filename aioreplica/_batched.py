@@ -42,6 +42,11 @@ class batched:
     permutation of the rows from the dataset's generator when it is made. Its place in the
     epoch can be saved in a ``Checkpoint`` (``Checkpoint(data=iterator)``).
 
+    NumPy batches are read-only (``writeable=False``), as the batches of a distributed
+    dataset are: without shuffle they are views of ``arrays``, so nothing is copied and a
+    change would reach every later epoch. A step that changes its batch in place copies it
+    first (``batch = batch.copy()``).
+
     Args:
         arrays: a nested structure of arrays sharing a leading dimension, e.g. ``(x, y)``.
         batch_size: rows per batch; the last batch of an epoch may be smaller.
@@ -58,6 +63,8 @@ class batched:
     Example:
         >>> [b.tolist() for b in batched(np.arange(5), 2)]
         [[0, 1], [2, 3], [4]]
+        >>> next(iter(batched(np.arange(5), 2))).flags.writeable
+        False
     """
 
     def __init__(
@@ -91,9 +98,13 @@ class batched:
     def __iter__(self) -> BatchedIterator:
         return BatchedIterator(self)
 
-    def _structure(self) -> str:
-        """The structure of a batch, a leaf drawn as its dtype and shape (``*``: the rows)."""
-        described = [_LeafShape(leaf) for leaf in self._leaves]
+    def _structure(self, *, sized_records: bool = False) -> str:
+        """The structure of a batch, a leaf drawn as its dtype and shape (``*``: the rows).
+
+        ``sized_records`` draws a structured dtype by its size alone (``void128``), as
+        checkpoints written before its fields were drawn hold it.
+        """
+        described = [_LeafShape(leaf, sized_records=sized_records) for leaf in self._leaves]
         return repr(self._treedef.unflatten(described))
 
 
@@ -145,6 +156,12 @@ class BatchedIterator:
         else:
             rows = self._order[start:stop]
             parts = [leaf[rows] for leaf in dataset._leaves]
+        # Unshuffled batches are views of the caller's arrays: a step that changed one in
+        # place would change the data of every later epoch. Shuffled ones are copies, read-only
+        # as well, so that a step behaves the same with or without shuffle.
+        for part in parts:
+            if isinstance(part, np.ndarray):
+                part.flags.writeable = False
         return dataset._treedef.unflatten(parts)
 
     @property
@@ -187,12 +204,20 @@ class BatchedIterator:
         here = self._input_state()
         differences = []
         for field, name in _DATASET_FIELDS.items():
-            if state[field] != here[field]:
+            if state[field] != here[field] and not self._older_structure(field, state[field]):
                 differences.append(
                     f"{name} {_shown(field, state[field])} in the checkpoint, "
                     f"{_shown(field, here[field])} here"
                 )
         return differences
+
+    def _older_structure(self, field: str, value: Any) -> bool:
+        """Whether ``value`` is this dataset's structure as older checkpoints drew it.
+
+        Those drew a structured dtype by its size alone: a record of the same size matches,
+        as nothing there tells its fields apart.
+        """
+        return field == "structure" and value == self._dataset._structure(sized_records=True)
 
     def _input_problem(self, state: dict[str, Any]) -> str | None:
         """Why ``state``, of a dataset like this one, cannot be restored: a corrupted file."""
@@ -262,9 +287,13 @@ class _LeafShape:
 
     __slots__ = ("_text",)
 
-    def __init__(self, leaf: Any) -> None:
+    def __init__(self, leaf: Any, *, sized_records: bool = False) -> None:
         rows = ", ".join(["*", *map(str, leaf.shape[1:])])
-        self._text = f"{np.dtype(leaf.dtype).name}[{rows}]"
+        dtype = np.dtype(leaf.dtype)
+        # A structured dtype's name gives only its size ("void64"): its fields tell records
+        # of one layout from another. Other dtypes keep their name, which checkpoints hold.
+        described = dtype.name if dtype.fields is None or sized_records else str(dtype)
+        self._text = f"{described}[{rows}]"
 
     def __repr__(self) -> str:
         return self._text

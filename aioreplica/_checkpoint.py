@@ -23,7 +23,8 @@ File format
     its step count, and its slots under the path of the variable they belong to. A variable
     the optimizer has no slots for yet (no step trained it) has none in the file: restored,
     its slots restart at their initial values. A number learning rate is saved as an array
-    (``learning_rate`` names it); a schedule or callable is code, never saved: ``null``.
+    (``learning_rate`` names it); a schedule or callable is code, never saved, and a variable
+    is saved as a variable where the program puts it: ``null``.
     Files written before learning rates were saved have no ``learning_rate`` field.
 
     An ``iterator`` entry is the place of an iterator over a ``batched`` dataset, a plain one
@@ -1580,8 +1581,9 @@ def _optimizer_entry(
         "slot_names": list(optimizer.slot_names),
         "array": add(optimizer.iterations),
         # A number is saved, as Keras saves it (a variable); a schedule or callable is code,
-        # which a checkpoint never holds: null says the program gives it.
-        "learning_rate": None if callable(rate) else add(float(rate)),
+        # which a checkpoint never holds, and a variable is the program's to save: null says
+        # the program gives it.
+        "learning_rate": None if callable(rate) or isinstance(rate, Variable) else add(float(rate)),
         "slots": slots,
     }
 
@@ -2298,13 +2300,13 @@ class _Plan:
         saved = entry.get("learning_rate")
         here = optimizer.learning_rate
         where = (*path, "learning_rate")
-        if saved is None:  # none saved, or a schedule or callable (code, never saved)
-            if "learning_rate" in entry and not callable(here):
+        if saved is None:  # none saved, or given by the program (a schedule, a variable)
+            if "learning_rate" in entry and not _given_by_program(here):
                 self._skip(
                     "mismatch",
                     where,
-                    f"a schedule or callable in the checkpoint (its code is not saved), the "
-                    f"number {here!r} here",
+                    f"a schedule, callable or variable in the checkpoint (saved apart, if at "
+                    f"all), the number {here!r} here",
                 )
             return None
         array = self.arrays[saved]
@@ -2315,11 +2317,12 @@ class _Plan:
                 "corrupted)"
             )
             return None
-        if callable(here):
+        if _given_by_program(here):
             self._skip(
                 "mismatch",
                 where,
-                f"the number {float(array)!r} in the checkpoint, a schedule or callable here",
+                f"the number {float(array)!r} in the checkpoint, a schedule, callable or "
+                "variable here",
             )
             return None
         return float(array)
@@ -2433,11 +2436,13 @@ class _Plan:
                     problems.append(problem)
                 else:
                     slots_left += restore.slot_paths(variable_path)
-            if restore.learning_rate is not None and callable(restore.optimizer.learning_rate):
+            if restore.learning_rate is not None and _given_by_program(
+                restore.optimizer.learning_rate
+            ):
                 problems.append(
-                    f"{_show((*restore.path, 'learning_rate'))}: it became a schedule or "
-                    "callable while the restore waited for its turn, and the checkpoint holds "
-                    "a number; nothing was restored: restore again"
+                    f"{_show((*restore.path, 'learning_rate'))}: it became a schedule, "
+                    "callable or variable while the restore waited for its turn, and the "
+                    "checkpoint holds a number; nothing was restored: restore again"
                 )
         if problems:
             raise CheckpointError(self.path, problems)
@@ -2771,3 +2776,10 @@ def _check_not_in_replica(what: str) -> None:
             f"{what}() was called inside replica {replica.replica_id_in_sync_group}; "
             f"call it from cross-replica code, outside strategy.run()"
         )
+
+
+def _given_by_program(rate: Any) -> bool:
+    """Whether an optimizer's learning rate is the program's to give (as ``_optimizer_entry``
+    tells), not a number a checkpoint holds: a schedule or callable (code), or a variable
+    (saved as a variable, where the program puts it in the checkpoint)."""
+    return callable(rate) or isinstance(rate, Variable)

@@ -7,15 +7,15 @@ wrap its lists as ``Mirrored`` at the public boundary; variables and optimizers 
 directly with their device objects. Every call goes through one core:
 
 1. **check**: ``_leaves`` splits the value into one array per replica per leaf, each an array
-   or scalar of the devices' backend (``None``, a string or another object is a ``TypeError``
-   naming the replicas that passed it; NumPy and CuPy mixed is one too) placed on its
-   replica's device; ``_check_same_shapes`` (or ``_check_gather_shapes``) requires the same
-   shape and dtype on every replica (``ValueError`` naming both replicas, the path, both shapes
-   and dtypes), and ``_check_op`` a dtype the op can reduce (``TypeError``). Structures were
-   compared when the merge arguments were regrouped (``regroup`` names the replicas and the
-   key path). Nothing is computed before every leaf has
-   passed. Callers that have checked their arrays already (an optimizer's gradients) enter
-   after this step, at ``all_reduce_arrays``.
+   of the devices' backend, a NumPy array or a scalar (``None``, a string or another object is
+   a ``TypeError`` naming the replicas that passed it; so is a CuPy array on host devices),
+   placed on its replica's device (host data is copied there, on a GPU's own stream);
+   ``_check_same_shapes`` (or ``_check_gather_shapes``) requires the same shape and dtype on
+   every replica (``ValueError`` naming both replicas, the path, both shapes and dtypes), and
+   ``_check_op`` a dtype the op can reduce (``TypeError``). Structures were compared when the
+   merge arguments were regrouped (``regroup`` names the replicas and the key path). Nothing is
+   computed before every leaf has passed. Callers that have checked their arrays already (an
+   optimizer's gradients) enter after this step, at ``all_reduce_arrays``.
 2. **pack** (``_reduce_leaves``): small leaves of one dtype are reduced together as one flat
    array of at most ``bytes_per_pack`` bytes (``_reduce_packed``) and handed back as views of
    it, so a hundred small gradients cost one reduction instead of a hundred. How to pack is the
@@ -661,7 +661,9 @@ class ReductionEngine:
         if backend.name == "numpy" and all(type(c) is np.ndarray for c in components):
             return components  # host arrays already: nothing to place
         kinds = {array_kind(component) for component in components}
-        if not kinds <= {backend.name, "scalar"}:
+        # Host data goes to any device, as TF converts host values: each replica's device
+        # copies it onto itself, on its own stream for a GPU, so it is ready before its use.
+        if not kinds <= {backend.name, "scalar", "numpy"}:
             if any(isinstance(c, _copied_types) for c in components):
                 # Variables from some replicas (different ones, or beside arrays): each
                 # replica's own copy, as for one variable from every replica (``_leaves``).
@@ -1036,7 +1038,7 @@ def _refuse_components(
     ``shape``) are named first, grouped by replica; ``every replica`` when the leaf was one
     plain value standing for all of them; a replica by its id in sync (``first_replica`` is
     the first component's). Otherwise an array of another library is there
-    (CuPy on host devices, NumPy on GPUs, a tensor): it has a shape, so the advice is to place
+    (CuPy on host devices, a tensor): it has a shape, so the advice is to place
     it on the replica's device.
     """
     at = f" at {_tree.describe_path(path)}" if path else ""

@@ -564,6 +564,15 @@ async def _collective_now(
     return select_replica(0, await _merge_now(strategy, merge_fn, args, None))
 
 
+def other_strategy(shown: str, other: Any, other_shown: str) -> str:
+    """How a message refusing to mix strategies shows the other one: ``other_shown``, or,
+    where it reads as this strategy's ``shown`` (two strategies over the same devices),
+    ``another MirroredStrategy object with the same devices``."""
+    if other_shown != shown:
+        return other_shown
+    return f"another {type(other).__name__} object with the same devices"
+
+
 _default_context_factory: Callable[[], ReplicaContext] | None = None
 _default_context: ReplicaContext | None = None
 

@@ -50,22 +50,31 @@ _T = TypeVar("_T")
 
 
 @final
-class ClusterSpec(Mapping[str, list[str]]):
+class ClusterSpec(Mapping[str, list[str] | dict[int, str]]):
     """The workers as jobs of tasks, as TF's ``tf.train.ClusterSpec`` shows them: what
     ``cluster_resolver.cluster_spec()`` returns.
 
-    A read-only mapping from each job's name to its tasks' addresses, in task order (a new
-    list at each look, so changing one changes nothing here); equal to a dict that holds the
-    same, so code that looked up, iterated or compared the spec as a dict keeps working (it
-    is no dict: give ``as_dict()`` to ``json.dumps``, as for TF's). Jobs are sorted by name,
-    as TF sorts them. Under MPI the one job is ``"worker"``, whose tasks are named by MPI rank.
+    A read-only mapping from each job's name to its tasks' addresses: a list in task order
+    where the job's task indices are 0 to n - 1, else (a sparse job, as TF allows: a server
+    configured without the addresses of every other task) a dict from task index to address,
+    as TF's ``as_dict`` gives them (a new list or dict at each look, so changing one changes
+    nothing here; a job without tasks reads as it was given, ``[]`` or ``{}``). It is equal
+    to a dict that holds the same, however each job's tasks are written (a list or a mapping),
+    so code that looked up, iterated or compared the spec as a dict keeps working (it is no
+    dict: give ``as_dict()`` to ``json.dumps``, as for TF's).
+    Jobs are sorted by name, as TF sorts them. Under MPI the one job is ``"worker"``, whose
+    tasks are named by MPI rank.
 
     Args:
-        cluster: each job's name and its tasks' addresses, by task index.
+        cluster: each job's name and its tasks' addresses: a sequence, by task index, or a
+            mapping from task index to address; as in TF, a task index may be a string of
+            its digits, as JSON writes the keys of ``{1: "host1:2222"}``.
 
     Raises:
         TypeError: ``cluster`` is not a mapping of job names (``str``) to sequences of
-            addresses (``str``).
+            addresses (``str``) or mappings of task indices (``int``) to addresses.
+        ValueError: a task index is negative or a string of other than digits, or two give
+            the same index (``1`` and ``"1"``).
 
     Example:
         >>> spec = ClusterSpec({"worker": ["rank 0", "rank 1"]})
@@ -73,39 +82,57 @@ class ClusterSpec(Mapping[str, list[str]]):
         (['worker'], [0, 1], 'rank 1')
         >>> spec.as_dict()
         {'worker': ['rank 0', 'rank 1']}
+        >>> sparse = ClusterSpec({"worker": {1: "host1:2222"}, "ps": ["host0:2222"]})
+        >>> sparse.as_dict(), sparse.num_tasks("worker"), sparse.task_indices("worker")
+        ({'ps': ['host0:2222'], 'worker': {1: 'host1:2222'}}, 1, [1])
+        >>> import json
+        >>> ClusterSpec(json.loads('{"worker": {"1": "host1:2222"}}')).as_dict()
+        {'worker': {1: 'host1:2222'}}
     """
 
-    __slots__ = ("_jobs",)
+    __slots__ = ("_empty_lists", "_jobs")
 
-    def __init__(self, cluster: Mapping[str, Sequence[str]]) -> None:
+    def __init__(self, cluster: Mapping[str, Sequence[str] | Mapping[int, str]]) -> None:
         if not isinstance(cluster, Mapping):
             raise TypeError(
                 "ClusterSpec: cluster must be a mapping of job names to lists of task "
                 f"addresses, got {type(cluster).__name__} {cluster!r:.60}"
             )
-        jobs: dict[str, tuple[str, ...]] = {}
+        jobs: dict[str, dict[int, str]] = {}
         for job, tasks in cluster.items():
             if not isinstance(job, str):
                 raise TypeError(
                     f"ClusterSpec: job names must be str, got {type(job).__name__} {job!r:.60}"
                 )
-            if (
-                isinstance(tasks, (str, bytes))
-                or not isinstance(tasks, Sequence)
-                or not all(isinstance(task, str) for task in tasks)
-            ):
-                raise TypeError(
-                    f"ClusterSpec: job {job!r} must have a sequence of task addresses (str), "
-                    f"got {type(tasks).__name__} {tasks!r:.60}"
-                )
-            jobs[job] = tuple(tasks)
+            jobs[job] = dict(sorted(_job_tasks(job, tasks).items()))
         self._jobs = dict(sorted(jobs.items()))
+        # TF's as_dict shows a job without tasks as {}; looked up, it stays the [] it was
+        # given.
+        self._empty_lists = frozenset(
+            job for job, tasks in cluster.items() if not tasks and not isinstance(tasks, Mapping)
+        )
 
-    def __getitem__(self, job: str) -> list[str]:
-        return list(self._jobs[job])
+    def __getitem__(self, job: str) -> list[str] | dict[int, str]:
+        if job in self._empty_lists:
+            return []
+        return _as_given(self._jobs[job])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._jobs)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a ``ClusterSpec``, or a mapping that makes one, of the same jobs and
+        tasks, however each job's tasks are written (a list or a mapping, ``[]`` or ``{}``)."""
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        if not isinstance(other, ClusterSpec):
+            try:
+                other = ClusterSpec(other)
+            except (TypeError, ValueError):  # no cluster: not equal
+                return False
+        return self._jobs == other._jobs
+
+    __hash__ = None  # type: ignore[assignment]  # equal to dicts, which do not hash
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -118,17 +145,21 @@ class ClusterSpec(Mapping[str, list[str]]):
         """The jobs' names, sorted."""
         return list(self._jobs)
 
-    def as_dict(self) -> dict[str, list[str]]:
-        """Each job's name and its tasks' addresses, as a new dict (TF's ``as_dict``).
+    def as_dict(self) -> dict[str, list[str] | dict[int, str]]:
+        """Each job's name and its tasks' addresses, as a new dict (TF's ``as_dict``): a
+        list for a job whose task indices are 0 to n - 1, a dict from task index to address
+        for a sparse one (and for a job without tasks, as TF's).
 
         Example:
             >>> ClusterSpec({"worker": ["rank 0"]}).as_dict()
             {'worker': ['rank 0']}
+            >>> ClusterSpec({"worker": {2: "host2:2222"}}).as_dict()
+            {'worker': {2: 'host2:2222'}}
         """
-        return {job: list(tasks) for job, tasks in self._jobs.items()}
+        return {job: _as_given(tasks) for job, tasks in self._jobs.items()}
 
     def num_tasks(self, job_name: str) -> int:
-        """How many tasks ``job_name`` has.
+        """How many tasks ``job_name`` has: the tasks given, of a sparse job too.
 
         Raises:
             ValueError: no job is named ``job_name``.
@@ -136,6 +167,8 @@ class ClusterSpec(Mapping[str, list[str]]):
         Example:
             >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).num_tasks("worker")
             2
+            >>> ClusterSpec({"worker": {3: "host3:2222"}}).num_tasks("worker")
+            1
         """
         return len(self._tasks(job_name, "num_tasks"))
 
@@ -148,11 +181,15 @@ class ClusterSpec(Mapping[str, list[str]]):
         Example:
             >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).task_indices("worker")
             [0, 1]
+            >>> ClusterSpec({"worker": {3: "host3:2222", 1: "host1:2222"}}).task_indices("worker")
+            [1, 3]
         """
-        return list(range(len(self._tasks(job_name, "task_indices"))))
+        return list(self._tasks(job_name, "task_indices"))
 
-    def job_tasks(self, job_name: str) -> list[str]:
-        """The addresses of ``job_name``'s tasks, by task index.
+    def job_tasks(self, job_name: str) -> list[str | None]:
+        """The addresses of ``job_name``'s tasks, by task index: as TF's, a list from index 0
+        to the highest index, with ``None`` for an index a sparse job does not give (so its
+        length need not be ``num_tasks``).
 
         Raises:
             ValueError: no job is named ``job_name``.
@@ -160,8 +197,11 @@ class ClusterSpec(Mapping[str, list[str]]):
         Example:
             >>> ClusterSpec({"worker": ["rank 0", "rank 1"]}).job_tasks("worker")
             ['rank 0', 'rank 1']
+            >>> ClusterSpec({"worker": {1: "host1:2222"}}).job_tasks("worker")
+            [None, 'host1:2222']
         """
-        return list(self._tasks(job_name, "job_tasks"))
+        tasks = self._tasks(job_name, "job_tasks")
+        return [tasks.get(index) for index in range(max(tasks, default=-1) + 1)]
 
     def task_address(self, job_name: str, task_index: int) -> str:
         """The address of task ``task_index`` of ``job_name``.
@@ -181,14 +221,14 @@ class ClusterSpec(Mapping[str, list[str]]):
                 f"ClusterSpec.task_address: task_index must be an int, got "
                 f"{type(task_index).__name__} {task_index!r:.60}"
             )
-        if not 0 <= index < len(tasks):
+        if index not in tasks:
             raise ValueError(
                 f"ClusterSpec.task_address: no task with index {index} in job {job_name!r}, "
-                f"whose tasks are 0 to {len(tasks) - 1}"
+                f"{_whose_tasks(list(tasks))}"
             )
         return tasks[index]
 
-    def _tasks(self, job_name: str, what: str) -> tuple[str, ...]:
+    def _tasks(self, job_name: str, what: str) -> dict[int, str]:
         tasks = self._jobs.get(job_name)
         if tasks is None:
             jobs = ", ".join(map(repr, self._jobs)) or "none"
@@ -196,6 +236,68 @@ class ClusterSpec(Mapping[str, list[str]]):
                 f"ClusterSpec.{what}: no such job in the cluster: {job_name!r}; its jobs are {jobs}"
             )
         return tasks
+
+
+def _job_tasks(job: str, tasks: object) -> dict[int, str]:
+    """A job's tasks as given to ``ClusterSpec``, by task index: from a sequence of addresses
+    or a mapping of task indices to addresses (TF's sparse form)."""
+    expected = (
+        f"ClusterSpec: job {job!r} must have a sequence of task addresses (str) or a mapping "
+        "of task indices (int) to addresses"
+    )
+    if isinstance(tasks, Mapping):
+        by_index: dict[int, str] = {}
+        given: dict[int, object] = {}
+        for key, address in tasks.items():
+            if isinstance(key, str) and isinstance(address, str):
+                # JSON keys are strings: TF takes int(key), and so does this, for digits alone.
+                if not (key.isascii() and key.isdigit()):
+                    raise ValueError(
+                        f"ClusterSpec: job {job!r} has a task with index {key!r}; task indices "
+                        "are ints >= 0, or strings of their digits (as JSON keys)"
+                    )
+                index: int | None = int(key)
+            else:
+                index = as_integer(key)
+            if index is None or not isinstance(address, str):
+                raise TypeError(f"{expected}, got {type(tasks).__name__} {tasks!r:.60}")
+            if index < 0:
+                raise ValueError(
+                    f"ClusterSpec: job {job!r} has a task with index {index}; task indices "
+                    "are ints >= 0"
+                )
+            if index in given:
+                raise ValueError(
+                    f"ClusterSpec: job {job!r} gives task {index} twice, as {given[index]!r} "
+                    f"and {key!r}; give each task index once"
+                )
+            given[index] = key
+            by_index[index] = address
+        return by_index
+    if (
+        isinstance(tasks, (str, bytes))
+        or not isinstance(tasks, Sequence)
+        or not all(isinstance(task, str) for task in tasks)
+    ):
+        raise TypeError(f"{expected}, got {type(tasks).__name__} {tasks!r:.60}")
+    return dict(enumerate(tasks))
+
+
+def _as_given(tasks: dict[int, str]) -> list[str] | dict[int, str]:
+    """A job's tasks as TF's ``as_dict`` shows them: a list where the task indices are 0 to
+    n - 1, else a dict (an empty one for a job without tasks)."""
+    if tasks and max(tasks) + 1 == len(tasks):
+        return list(tasks.values())
+    return dict(tasks)
+
+
+def _whose_tasks(indices: list[int]) -> str:
+    """The end of a message about a task that a job lacks: which tasks it has."""
+    if not indices:
+        return "which has no tasks"
+    if indices[-1] + 1 == len(indices):
+        return f"whose tasks are 0 to {indices[-1]}"
+    return f"whose tasks are {', '.join(map(str, indices))}"
 
 
 @final
@@ -305,22 +407,7 @@ class Cluster:
             >>> Cluster(worker_index=0, num_workers=2).master("worker", 1)
             ''
         """
-        if task_type is not None and task_id is not None:
-            if task_type != "worker":
-                raise ValueError(
-                    f"master(): no such job in the cluster: {task_type!r}; its one job is 'worker'"
-                )
-            index = as_integer(task_id)
-            if index is None:
-                raise TypeError(
-                    f"master(): task_id must be an int, got {type(task_id).__name__} "
-                    f"{task_id!r:.60}"
-                )
-            if not 0 <= index < self.num_workers:
-                raise ValueError(
-                    f"master(): no task with index {index} in job 'worker', whose tasks are "
-                    f"0 to {self.num_workers - 1}"
-                )
+        self._check_task("master()", task_type, task_id)
         return ""
 
     def num_accelerators(
@@ -329,13 +416,42 @@ class Cluster:
         """This worker's accelerators, as TF's: ``{"GPU": n}`` for the GPUs its replicas use,
         ``{}`` for host replicas (every worker has as many). ``task_type``, ``task_id`` and
         ``config_proto`` are TF's and accepted: every worker has the same devices, so the
-        answer is the same for any task.
+        answer is the same for any task of the cluster; a task named by both ``task_type``
+        and ``task_id`` must be one, as for ``master()``.
+
+        Raises:
+            ValueError: ``task_type`` is not ``"worker"``, or ``task_id`` not a worker's
+                index, from 0 to ``num_workers - 1``.
+            TypeError: ``task_id`` is not an int.
 
         Example:
             >>> Cluster(worker_index=0, num_workers=2, gpus=4).num_accelerators()
             {'GPU': 4}
+            >>> Cluster(worker_index=0, num_workers=2, gpus=4).num_accelerators("worker", 1)
+            {'GPU': 4}
         """
+        self._check_task("num_accelerators()", task_type, task_id)
         return {"GPU": self.gpus} if self.gpus else {}
+
+    def _check_task(self, what: str, task_type: str | None, task_id: int | None) -> None:
+        """Refuse a task, named by both ``task_type`` and ``task_id`` (one alone is ignored,
+        as in TF), that is not one of the cluster's."""
+        if task_type is None or task_id is None:
+            return
+        if task_type != "worker":
+            raise ValueError(
+                f"{what}: no such job in the cluster: {task_type!r}; its one job is 'worker'"
+            )
+        index = as_integer(task_id)
+        if index is None:
+            raise TypeError(
+                f"{what}: task_id must be an int, got {type(task_id).__name__} {task_id!r:.60}"
+            )
+        if not 0 <= index < self.num_workers:
+            raise ValueError(
+                f"{what}: no task with index {index} in job 'worker', whose tasks are "
+                f"0 to {self.num_workers - 1}"
+            )
 
 
 class MultiWorkerMirroredStrategy(MirroredStrategy):

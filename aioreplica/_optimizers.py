@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Self, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, Self, TypeVar, final
 
 import numpy as np
 
@@ -32,7 +32,15 @@ from ._context import MERGE_CALLS, context_state, default_replica_context, get_r
 from ._errors import ReplicaSyncError, WorkersDisagree, add_note, checked_integer, replica_list
 from ._options import ReduceOp
 from ._values import DistributedValues, agreed
-from ._variables import Variable, bits_differ, slot_variable, variable_label, which_differ
+from ._variables import (
+    Variable,
+    bits_differ,
+    filled_slot_variable,
+    host_value,
+    slot_variable,
+    variable_label,
+    which_differ,
+)
 from ._writes import Turn, commit, compute_copies, taking_turns
 
 if TYPE_CHECKING:
@@ -43,10 +51,13 @@ if TYPE_CHECKING:
     from ._collectives import ReductionEngine
     from ._context import ReplicaContext
 
-    #: What a callable learning rate returns: a number, or an array of shape () holding one.
-    Rate: TypeAlias = float | np.floating[Any] | np.ndarray[Any, np.dtype[Any]]
-    #: A number, a schedule of the step count, or a callable of no arguments.
-    LearningRate: TypeAlias = float | Callable[[int], Rate] | Callable[[], Rate]
+    #: What a callable learning rate returns: a number, an array of shape () holding one, or
+    #: a 0-d variable, read at each step.
+    Rate: TypeAlias = float | np.floating[Any] | np.ndarray[Any, np.dtype[Any]] | Variable
+    #: A number, a 0-d variable, a schedule of the step count, or a callable of no arguments.
+    LearningRate: TypeAlias = float | Variable | Callable[[int], Rate] | Callable[[], Rate]
+    #: Another float hyperparameter: a number, or a 0-d variable read at every step.
+    Hyperparameter: TypeAlias = float | Variable
 
 __all__ = [
     "ITERATIONS_RANGE",
@@ -62,6 +73,8 @@ __all__ = [
     "slots_to_restore",
 ]
 
+_T = TypeVar("_T")
+
 #: The largest step count: a checkpoint keeps ``iterations`` as a 64-bit int.
 MAX_ITERATIONS: Final = 2**63 - 1
 #: What ``iterations`` must be, for the errors that refuse another value.
@@ -73,7 +86,7 @@ class Optimizer:
 
     A subclass names its slots in ``slot_names`` and implements ``_update_step``, a pure
     function of one copy's arrays; a slot that does not start at zero says so in
-    ``_slot_initial``.
+    ``_step_slot_initial`` (and, if it reads a held hyperparameter, ``_slot_initial``).
 
     An optimizer belongs to one strategy, as in TF: the one in whose ``scope()`` it was
     created, else the one of its first step (the default strategy for steps outside any
@@ -91,6 +104,9 @@ class Optimizer:
             is one whose signature Python cannot read). Set ``learning_rate`` to change it.
             A callable may return a NumPy array of shape ``()`` (as ``np.where`` does), taken
             as the number it holds, as Keras takes a schedule's 0-d tensor.
+            It may also be a 0-d ``aioreplica.Variable`` of an integer or float dtype, or a
+            callable returning one, as tf.keras takes a ``tf.Variable``: read at the start of
+            every step, so ``await lr.assign(x)`` between epochs sets the next steps' rate.
         weight_decay: if set, ``>= 0``: before its update, each variable (but those that
             ``exclude_from_weight_decay`` names) is decayed by
             ``w -= w * weight_decay * learning_rate``, with the step's learning rate (Keras'
@@ -106,10 +122,17 @@ class Optimizer:
     At most one of ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` can be set, as in
     Keras 3.
 
+    Every float hyperparameter, these and each optimizer's own (``momentum``, ``beta_1``,
+    ``epsilon``, ...), may be a 0-d ``aioreplica.Variable`` instead of a number: it is read,
+    and checked as the constructor checks a number, at the start of every step (a value it
+    refuses then fails that step, which changes nothing). ``get_config`` returns the variable;
+    it is the program's, as the model's variables are: list it in a checkpoint to save it.
+
     Raises:
-        TypeError: ``learning_rate`` is neither a number nor callable, or a callable that
-            needs other arguments than none or the step count; ``weight_decay`` or a clipping
-            bound is not a number.
+        TypeError: ``learning_rate`` is neither a number, a 0-d variable nor callable, or a
+            callable that needs other arguments than none or the step count; ``weight_decay``
+            or a clipping bound is not a number; a variable given for a hyperparameter is not
+            0-d or holds no integer or float.
         ValueError: ``learning_rate`` is not finite; ``weight_decay`` is not finite or
             ``< 0``; a clipping bound is not finite or not ``> 0``; more than one of
             ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` is set.
@@ -129,6 +152,12 @@ class Optimizer:
         1
         >>> w.numpy().round(6)  # w * (1 - 0.1 * 0.5), then -0.5 * [1.0, 0.5]
         array([-1.07, -1.01])
+        >>> lr = aioreplica.Variable(0.5, name="lr")
+        >>> held = aioreplica.optimizers.SGD(lr)
+        >>> anyio.run(lr.assign, 0.25)  # the next step's rate
+        <aioreplica.Variable 'lr' shape=() dtype=float64 value=array(0.25)>
+        >>> held.current_learning_rate()
+        0.25
     """
 
     #: The names of the per-variable slots this optimizer keeps.
@@ -138,17 +167,21 @@ class Optimizer:
         self,
         learning_rate: LearningRate,
         *,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
+        weight_decay: Hyperparameter | None = None,
+        clipnorm: Hyperparameter | None = None,
+        clipvalue: Hyperparameter | None = None,
+        global_clipnorm: Hyperparameter | None = None,
     ) -> None:
         self._learning_rate: LearningRate
         self._learning_rate, self._rate_of_step = _learning_rate(learning_rate)
-        self._weight_decay = _weight_decay(weight_decay)
-        self._clipnorm, self._clipvalue, self._global_clipnorm = _clipping(
-            clipnorm, clipvalue, global_clipnorm
-        )
+        # The hyperparameters given as variables, by name, with their checks: every step
+        # reads them first.
+        self._held: dict[str, tuple[Variable, Callable[[str, Any], Any]]] = {}
+        self._weight_decay = self._hyper("weight_decay", weight_decay, _weight_decay)
+        _clipping(clipnorm, clipvalue, global_clipnorm)  # at most one, each a bound
+        self._clipnorm = self._hyper("clipnorm", clipnorm, _clip_bound)
+        self._clipvalue = self._hyper("clipvalue", clipvalue, _clip_bound)
+        self._global_clipnorm = self._hyper("global_clipnorm", global_clipnorm, _clip_bound)
         # What ``exclude_from_weight_decay`` named: variables by id (the entry holds the
         # variable, so the id stays valid) and parts of names.
         self._excluded: dict[int, Variable] = {}
@@ -168,7 +201,8 @@ class Optimizer:
 
     @property
     def learning_rate(self) -> LearningRate:
-        """The learning rate as given: a number, a schedule or a callable of no arguments.
+        """The learning rate as given: a number, a 0-d variable, a schedule or a callable of
+        no arguments.
 
         Setting it (as in Keras) changes the rate of the steps that start afterwards; the
         value is checked as the constructor checks it.
@@ -190,23 +224,68 @@ class Optimizer:
         self._learning_rate, self._rate_of_step = _learning_rate(value)
 
     def current_learning_rate(self) -> float:
-        """The learning rate the next step will use.
+        """The learning rate the next step will use (a variable's value read now).
 
         Raises:
-            TypeError: a callable learning rate returned something that is not a number.
-            ValueError: it returned a number that is not finite.
+            TypeError: a callable learning rate returned something that is not a number or
+                a 0-d variable holding one.
+            ValueError: it returned a number that is not finite, or a variable holds one.
 
         Example:
             >>> aioreplica.optimizers.SGD(0.5).current_learning_rate()
             0.5
         """
         rate = self._learning_rate
+        if isinstance(rate, Variable):
+            return _number("learning_rate", rate)
         if not callable(rate):
             return rate
         call: Callable[..., object] = rate
         if self._rate_of_step:
             return _number(f"learning_rate({self._iterations})", call(self._iterations))
         return _number("learning_rate()", call())
+
+    async def _step_rate(self) -> tuple[float, Variable | None]:
+        """The learning rate of the step that starts now, and the variable it was read from
+        (if any), with every hyperparameter held in a variable read first (a GPU's copied to
+        the host without blocking the event loop).
+
+        Raises:
+            TypeError, ValueError: as ``current_learning_rate``; a variable's value that its
+                hyperparameter's check refuses.
+        """
+        # Every value is read and checked before any is kept: a refused step changes nothing.
+        values: dict[str, Any] = {}
+        for name, (variable, check) in self._held.items():
+            value = (await host_value(variable)).item()
+            values[name] = check(f"{name} (variable {variable.name!r})", value)
+        rate: Any = self._learning_rate
+        what = "learning_rate"
+        source: Variable | None = None
+        if callable(rate):
+            what = f"learning_rate({self._iterations})" if self._rate_of_step else "learning_rate()"
+            rate = rate(self._iterations) if self._rate_of_step else rate()
+        if isinstance(rate, Variable):
+            _check_held(what, rate)
+            what = f"{what} (variable {rate.name!r})"
+            source, rate = rate, (await host_value(rate)).item()
+        rate = _number(what, rate)
+        for name, value in values.items():
+            setattr(self, f"_{name}", value)
+        return rate, source
+
+    def _hyper(self, name: str, value: Any, check: Callable[[str, Any], _T]) -> _T:
+        """The constructor's argument ``name``, checked by ``check``; a 0-d variable given
+        for it is kept, and read again (and checked) at the start of every step."""
+        number = check(name, value)
+        if isinstance(value, Variable):
+            self._held[name] = (value, check)
+        return number
+
+    def _given(self, name: str) -> Any:
+        """Hyperparameter ``name`` as given: its variable, if it is held in one."""
+        held = self._held.get(name)
+        return held[0] if held is not None else getattr(self, f"_{name}")
 
     @property
     def iterations(self) -> int:
@@ -510,7 +589,11 @@ class Optimizer:
                 error = self._foreign(strategy)
                 await engine.refuse("apply_gradients()", error)  # on every worker alike
                 raise error
-            rate = self.current_learning_rate()
+            try:
+                rate, source = await self._step_rate()
+            except (TypeError, ValueError) as exc:
+                await engine.refuse("apply_gradients()", exc)  # on every worker alike
+                raise
             # Decided now: an exclude_from_weight_decay() while this step awaits is for the next.
             decays = [self._decays(variable) for variable in variables]
             if engine.cluster is None:
@@ -521,7 +604,7 @@ class Optimizer:
             # optimizer set alike (else the copies drift apart): its reductions say so, and
             # the workers compare that before any data moves.
             trained = ", ".join(map(variable_label, variables))
-            setting = self._setting(rate, decays)
+            setting = self._setting(rate, source, decays)
             try:
                 with reductions_for(f"apply_gradients() of {trained} by {setting}"):
                     return await self._apply(
@@ -537,13 +620,20 @@ class Optimizer:
                 )
                 raise
 
-    def _setting(self, rate: float, decays: list[bool]) -> str:
-        """What this step's optimizer is, as the workers compare it: its class, step count,
-        learning rate, other hyperparameters and which variables decay."""
-        config = self.get_config()
-        del config["learning_rate"]
+    def _setting(self, rate: float, source: Variable | None, decays: list[bool]) -> str:
+        """What this step's optimizer is, as the workers compare it: its class, learning rate
+        (and ``source``, the variable it was read from, if any), step count, other
+        hyperparameters and which variables decay."""
+        config = {  # a hyperparameter held in a variable as this step reads it
+            key: getattr(self, f"_{key}") if key in self._held else value
+            for key, value in self.get_config().items()
+            if key != "learning_rate"
+        }
         shown = ", ".join(f"{key}={value!r}" for key, value in config.items())
-        setting = f"{type(self).__name__}({shown}) at step {self._iterations}, rate {rate!r}"
+        held = "" if source is None else f" (variable {source.name!r})"
+        # The rate and step count first, as they differ most often between workers (a rate
+        # set per worker): a disagreement shows only the start of each worker's words.
+        setting = f"{type(self).__name__}(rate {rate!r}{held}, step {self._iterations}, {shown})"
         if self._weight_decay is not None:
             setting += f", decaying {''.join('1' if decayed else '0' for decayed in decays)}"
         return setting
@@ -604,7 +694,7 @@ class Optimizer:
         for variable, grad in zip(variables, summed, strict=True):
             entry = self._slots.get(id(variable))
             if entry is None:
-                entry = made[id(variable)] = (variable, self._new_slots(variable))
+                entry = made[id(variable)] = (variable, await self._filled_slots(variable))
             slots = entry[1]
             targets.append((variable, *slots))
             inputs += [variable._copies, grad, *scales, *(slot._copies for slot in slots)]
@@ -688,7 +778,12 @@ class Optimizer:
         raise NotImplementedError
 
     def _slot_initial(self, slot_name: str) -> float:
-        """The value every element of a new slot ``slot_name`` starts at."""
+        """The value every element of a new slot ``slot_name`` made outside a step starts at
+        (``build()``, a restore's reset), with any hyperparameter held in a variable read now."""
+        return self._step_slot_initial(slot_name)
+
+    def _step_slot_initial(self, slot_name: str) -> float:
+        """``_slot_initial`` for a slot a step makes, from the values read at its start."""
         return 0.0
 
     def _new_slots(self, variable: Variable) -> tuple[Variable, ...]:
@@ -697,6 +792,17 @@ class Optimizer:
                 variable, f"{variable.name}/{name}", initial_value=self._slot_initial(name)
             )
             for name in self.slot_names
+        )
+
+    async def _filled_slots(self, variable: Variable) -> tuple[Variable, ...]:
+        """``_new_slots``, filled on the devices (a step's are; ``build()``'s cannot be)."""
+        return tuple(
+            [
+                await filled_slot_variable(
+                    variable, f"{variable.name}/{name}", initial_value=self._step_slot_initial(name)
+                )
+                for name in self.slot_names
+            ]
         )
 
     def _foreign(self, strategy: Any) -> ValueError:
@@ -770,13 +876,13 @@ class Optimizer:
         """
         return cls(**config)
 
-    def _base_config(self) -> dict[str, float | None]:
+    def _base_config(self) -> dict[str, Any]:
         """The arguments every optimizer takes, in Keras' order."""
         return {
-            "weight_decay": self._weight_decay,
-            "clipnorm": self._clipnorm,
-            "global_clipnorm": self._global_clipnorm,
-            "clipvalue": self._clipvalue,
+            "weight_decay": self._given("weight_decay"),
+            "clipnorm": self._given("clipnorm"),
+            "global_clipnorm": self._given("global_clipnorm"),
+            "clipvalue": self._given("clipvalue"),
         }
 
     def __repr__(self) -> str:
@@ -822,13 +928,13 @@ class SGD(Optimizer):
     def __init__(
         self,
         learning_rate: LearningRate = 0.01,
-        momentum: float = 0.0,
+        momentum: Hyperparameter = 0.0,
         nesterov: bool = False,
         *,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
+        weight_decay: Hyperparameter | None = None,
+        clipnorm: Hyperparameter | None = None,
+        clipvalue: Hyperparameter | None = None,
+        global_clipnorm: Hyperparameter | None = None,
     ) -> None:
         super().__init__(
             learning_rate,
@@ -837,13 +943,12 @@ class SGD(Optimizer):
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
         )
-        momentum = _number("momentum", momentum)
-        if not 0.0 <= momentum <= 1.0:
-            raise ValueError(f"momentum must be in [0, 1], got {momentum!r}")
-        self._momentum = momentum
+        self._momentum = self._hyper("momentum", momentum, _closed_fraction)
         self._nesterov = _flag("nesterov", nesterov)
-        # An instance attribute: whether SGD keeps a slot depends on its momentum.
-        self.slot_names = ("momentum",) if momentum else ()  # type: ignore[misc]
+        # An instance attribute: whether SGD keeps a slot depends on its momentum (one held in
+        # a variable may change, so it keeps one).
+        keeps = self._momentum or "momentum" in self._held
+        self.slot_names = ("momentum",) if keeps else ()  # type: ignore[misc]
 
     def _update_step(
         self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
@@ -858,7 +963,7 @@ class SGD(Optimizer):
     def get_config(self) -> dict[str, Any]:
         return {
             "learning_rate": self._learning_rate,
-            "momentum": self._momentum,
+            "momentum": self._given("momentum"),
             "nesterov": self._nesterov,
             **self._base_config(),
         }
@@ -908,15 +1013,15 @@ class Adam(Optimizer):
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,
-        beta_1: float = 0.9,
-        beta_2: float = 0.999,
-        epsilon: float = 1e-7,
+        beta_1: Hyperparameter = 0.9,
+        beta_2: Hyperparameter = 0.999,
+        epsilon: Hyperparameter = 1e-7,
         amsgrad: bool = False,
         *,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
+        weight_decay: Hyperparameter | None = None,
+        clipnorm: Hyperparameter | None = None,
+        clipvalue: Hyperparameter | None = None,
+        global_clipnorm: Hyperparameter | None = None,
     ) -> None:
         super().__init__(
             learning_rate,
@@ -925,14 +1030,9 @@ class Adam(Optimizer):
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
         )
-        self._beta_1 = _number("beta_1", beta_1)
-        self._beta_2 = _number("beta_2", beta_2)
-        self._epsilon = _number("epsilon", epsilon)
-        for name, beta in (("beta_1", self._beta_1), ("beta_2", self._beta_2)):
-            if not 0.0 <= beta < 1.0:
-                raise ValueError(f"{name} must be in [0, 1), got {beta!r}")
-        if self._epsilon <= 0:
-            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        self._beta_1 = self._hyper("beta_1", beta_1, _fraction)
+        self._beta_2 = self._hyper("beta_2", beta_2, _fraction)
+        self._epsilon = self._hyper("epsilon", epsilon, _positive)
         self._amsgrad = _flag("amsgrad", amsgrad)
         if self._amsgrad:
             # An instance attribute: whether Adam keeps a third slot depends on amsgrad.
@@ -954,9 +1054,9 @@ class Adam(Optimizer):
     def get_config(self) -> dict[str, Any]:
         return {
             "learning_rate": self._learning_rate,
-            "beta_1": self._beta_1,
-            "beta_2": self._beta_2,
-            "epsilon": self._epsilon,
+            "beta_1": self._given("beta_1"),
+            "beta_2": self._given("beta_2"),
+            "epsilon": self._given("epsilon"),
             "amsgrad": self._amsgrad,
             **self._base_config(),
         }
@@ -995,15 +1095,15 @@ class AdamW(Adam):
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,
-        weight_decay: float = 0.004,
-        beta_1: float = 0.9,
-        beta_2: float = 0.999,
-        epsilon: float = 1e-7,
+        weight_decay: Hyperparameter = 0.004,
+        beta_1: Hyperparameter = 0.9,
+        beta_2: Hyperparameter = 0.999,
+        epsilon: Hyperparameter = 1e-7,
         amsgrad: bool = False,
         *,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
+        clipnorm: Hyperparameter | None = None,
+        clipvalue: Hyperparameter | None = None,
+        global_clipnorm: Hyperparameter | None = None,
     ) -> None:
         super().__init__(
             learning_rate,
@@ -1011,7 +1111,7 @@ class AdamW(Adam):
             beta_2,
             epsilon,
             amsgrad,
-            weight_decay=_number("weight_decay", weight_decay),
+            weight_decay=_not_none("weight_decay", weight_decay),
             clipnorm=clipnorm,
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
@@ -1021,7 +1121,7 @@ class AdamW(Adam):
         # The weight decay right after the learning rate, as in the signature.
         return {
             "learning_rate": self._learning_rate,
-            "weight_decay": self._weight_decay,
+            "weight_decay": self._given("weight_decay"),
             **super().get_config(),
         }
 
@@ -1063,13 +1163,13 @@ class Adagrad(Optimizer):
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,
-        initial_accumulator_value: float = 0.1,
-        epsilon: float = 1e-7,
+        initial_accumulator_value: Hyperparameter = 0.1,
+        epsilon: Hyperparameter = 1e-7,
         *,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
+        weight_decay: Hyperparameter | None = None,
+        clipnorm: Hyperparameter | None = None,
+        clipvalue: Hyperparameter | None = None,
+        global_clipnorm: Hyperparameter | None = None,
     ) -> None:
         super().__init__(
             learning_rate,
@@ -1078,18 +1178,19 @@ class Adagrad(Optimizer):
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
         )
-        self._initial_accumulator_value = _number(
-            "initial_accumulator_value", initial_accumulator_value
+        self._initial_accumulator_value = self._hyper(
+            "initial_accumulator_value", initial_accumulator_value, _non_negative
         )
-        self._epsilon = _number("epsilon", epsilon)
-        if self._initial_accumulator_value < 0:
-            raise ValueError(
-                f"initial_accumulator_value must be >= 0, got {initial_accumulator_value!r}"
-            )
-        if self._epsilon <= 0:
-            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        self._epsilon = self._hyper("epsilon", epsilon, _positive)
 
     def _slot_initial(self, slot_name: str) -> float:
+        held = self._held.get("initial_accumulator_value")
+        if held is None:
+            return self._initial_accumulator_value
+        variable = held[0]  # read now, on the calling thread, as build() makes its slots
+        return _non_negative(f"initial_accumulator_value (variable {variable.name!r})", variable)
+
+    def _step_slot_initial(self, slot_name: str) -> float:
         return self._initial_accumulator_value
 
     def _update_step(
@@ -1101,8 +1202,8 @@ class Adagrad(Optimizer):
     def get_config(self) -> dict[str, Any]:
         return {
             "learning_rate": self._learning_rate,
-            "initial_accumulator_value": self._initial_accumulator_value,
-            "epsilon": self._epsilon,
+            "initial_accumulator_value": self._given("initial_accumulator_value"),
+            "epsilon": self._given("epsilon"),
             **self._base_config(),
         }
 
@@ -1149,15 +1250,15 @@ class RMSprop(Optimizer):
     def __init__(
         self,
         learning_rate: LearningRate = 0.001,
-        rho: float = 0.9,
-        momentum: float = 0.0,
-        epsilon: float = 1e-7,
+        rho: Hyperparameter = 0.9,
+        momentum: Hyperparameter = 0.0,
+        epsilon: Hyperparameter = 1e-7,
         centered: bool = False,
         *,
-        weight_decay: float | None = None,
-        clipnorm: float | None = None,
-        clipvalue: float | None = None,
-        global_clipnorm: float | None = None,
+        weight_decay: Hyperparameter | None = None,
+        clipnorm: Hyperparameter | None = None,
+        clipvalue: Hyperparameter | None = None,
+        global_clipnorm: Hyperparameter | None = None,
     ) -> None:
         super().__init__(
             learning_rate,
@@ -1166,20 +1267,16 @@ class RMSprop(Optimizer):
             clipvalue=clipvalue,
             global_clipnorm=global_clipnorm,
         )
-        self._rho = _number("rho", rho)
-        self._momentum = _number("momentum", momentum)
-        self._epsilon = _number("epsilon", epsilon)
-        if not 0.0 <= self._rho <= 1.0:
-            raise ValueError(f"rho must be in [0, 1], got {self._rho!r}")
-        if not 0.0 <= self._momentum <= 1.0:
-            raise ValueError(f"momentum must be in [0, 1], got {self._momentum!r}")
-        if self._epsilon <= 0:
-            raise ValueError(f"epsilon must be > 0, got {epsilon!r}")
+        self._rho = self._hyper("rho", rho, _closed_fraction)
+        self._momentum = self._hyper("momentum", momentum, _closed_fraction)
+        self._epsilon = self._hyper("epsilon", epsilon, _positive)
         self._centered = _flag("centered", centered)
-        # An instance attribute: which slots RMSprop keeps depends on momentum and centered.
+        # An instance attribute: which slots RMSprop keeps depends on momentum (one held in a
+        # variable may change, so it keeps one) and centered.
+        keeps = self._momentum > 0 or "momentum" in self._held
         self.slot_names = (  # type: ignore[misc]
             "velocity",
-            *(("momentum",) if self._momentum > 0 else ()),
+            *(("momentum",) if keeps else ()),
             *(("average_gradient",) if self._centered else ()),
         )
 
@@ -1195,7 +1292,7 @@ class RMSprop(Optimizer):
         else:
             denominator = velocity + self._epsilon
         increment = rate * grad / xp.sqrt(denominator)
-        if self._momentum > 0:
+        if "momentum" in self.slot_names:
             momentum = self._momentum * slots[1] + increment
             new_slots.append(momentum)
             var = var - momentum
@@ -1208,9 +1305,9 @@ class RMSprop(Optimizer):
     def get_config(self) -> dict[str, Any]:
         return {
             "learning_rate": self._learning_rate,
-            "rho": self._rho,
-            "momentum": self._momentum,
-            "epsilon": self._epsilon,
+            "rho": self._given("rho"),
+            "momentum": self._given("momentum"),
+            "epsilon": self._given("epsilon"),
             "centered": self._centered,
             **self._base_config(),
         }
@@ -1342,21 +1439,106 @@ def restore_state(
 
 
 def _number(what: str, value: Any) -> float:
-    """``value`` as a float: a real number, NumPy's included, or an array of shape ``()``
-    holding one (what a schedule built of ``np.where`` returns, as Keras' return 0-d tensors).
+    """``value`` as a float: a real number, NumPy's included, an array of shape ``()``
+    holding one (what a schedule built of ``np.where`` returns, as Keras' return 0-d tensors),
+    or a 0-d variable holding one, read now.
 
     Raises:
-        TypeError: anything else (a bool, a complex number, an array of another shape).
+        TypeError: anything else (a bool, a complex number, an array or a variable of another
+            shape or dtype).
         ValueError: a number that is not finite.
     """
+    if isinstance(value, Variable):
+        _check_held(what, value)
+        value = value.numpy()
     held = value
     if isinstance(value, np.ndarray) and value.shape == () and value.dtype.kind in "iuf":
         held = value[()]
     if isinstance(held, bool) or not isinstance(held, int | float | np.integer | np.floating):
-        raise TypeError(f"{what} must be a number, got {type(value).__name__} {value!r}")
+        raise TypeError(
+            f"{what} must be a number, got {type(value).__name__} {value!r:.60}; pass a "
+            f"number, or {_HELD}"
+        )
     number = float(held)
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite, got {value!r}")
+    return number
+
+
+#: The other form a float hyperparameter takes, for the errors that refuse a value.
+_HELD: Final = "a 0-d aioreplica.Variable holding one (read at the start of every step)"
+
+
+def _check_held(what: str, variable: Variable) -> None:
+    """Refuse a variable that cannot hold hyperparameter ``what``.
+
+    Raises:
+        TypeError: ``variable`` is not 0-d, or its dtype is not an integer or float one.
+    """
+    if variable.shape != () or variable.dtype.kind not in "iuf":
+        raise TypeError(
+            f"{what} must be a number, got {type(variable).__name__} {variable.name!r} of "
+            f"shape {variable.shape} and dtype {variable.dtype}; pass a number, or {_HELD}: "
+            "an integer or float variable of shape ()"
+        )
+
+
+def _not_none(what: str, value: Any) -> Any:
+    """``value``, which must be given (a number or a variable, checked later).
+
+    Raises:
+        TypeError: ``value`` is ``None``.
+    """
+    if value is None:
+        raise TypeError(f"{what} must be a number, got NoneType None; pass a number, or {_HELD}")
+    return value
+
+
+def _fraction(what: str, value: Any) -> float:
+    """``value``, a number in ``[0, 1)`` (Adam's betas).
+
+    Raises:
+        TypeError, ValueError: as ``_number``; a number outside ``[0, 1)``.
+    """
+    number = _number(what, value)
+    if not 0.0 <= number < 1.0:
+        raise ValueError(f"{what} must be in [0, 1), got {number!r}")
+    return number
+
+
+def _closed_fraction(what: str, value: Any) -> float:
+    """``value``, a number in ``[0, 1]`` (momentum, RMSprop's ``rho``).
+
+    Raises:
+        TypeError, ValueError: as ``_number``; a number outside ``[0, 1]``.
+    """
+    number = _number(what, value)
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{what} must be in [0, 1], got {number!r}")
+    return number
+
+
+def _positive(what: str, value: Any) -> float:
+    """``value``, a number ``> 0`` (``epsilon``).
+
+    Raises:
+        TypeError, ValueError: as ``_number``; a number ``<= 0``.
+    """
+    number = _number(what, value)
+    if number <= 0:
+        raise ValueError(f"{what} must be > 0, got {number!r}")
+    return number
+
+
+def _non_negative(what: str, value: Any) -> float:
+    """``value``, a number ``>= 0`` (Adagrad's ``initial_accumulator_value``).
+
+    Raises:
+        TypeError, ValueError: as ``_number``; a number ``< 0``.
+    """
+    number = _number(what, value)
+    if number < 0:
+        raise ValueError(f"{what} must be >= 0, got {number!r}")
     return number
 
 
@@ -1368,8 +1550,17 @@ def _learning_rate(value: Any) -> tuple[LearningRate, bool]:
             the step count alone.
         ValueError: a number that is not finite.
     """
+    if isinstance(value, Variable):
+        _number("learning_rate", value)
+        return value, False
     if not callable(value):
-        return _number("learning_rate", value), False
+        try:
+            return _number("learning_rate", value), False
+        except TypeError as exc:
+            raise TypeError(
+                f"{exc}; or a callable of no arguments, or a schedule called with the step "
+                "count, learning_rate(step), each returning either"
+            ) from None
     try:
         signature = inspect.signature(value)
     except (TypeError, ValueError):  # no signature to read (some builtins): as a schedule
@@ -1444,11 +1635,11 @@ def _clip_bound(what: str, value: Any) -> float | None:
         return None
     bound = _number(what, value)
     if bound <= 0:
-        raise ValueError(f"{what} must be > 0 (or None: no clipping), got {value!r}")
+        raise ValueError(f"{what} must be > 0 (or None: no clipping), got {bound!r}")
     return bound
 
 
-def _weight_decay(value: Any) -> float | None:
+def _weight_decay(what: str, value: Any) -> float | None:
     """The checked weight decay: ``None`` (none), or a finite number ``>= 0``.
 
     Raises:
@@ -1457,9 +1648,9 @@ def _weight_decay(value: Any) -> float | None:
     """
     if value is None:
         return None
-    decay = _number("weight_decay", value)
+    decay = _number(what, value)
     if decay < 0:
-        raise ValueError(f"weight_decay must be >= 0 (0: no decay), got {value!r}")
+        raise ValueError(f"{what} must be >= 0 (0: no decay), got {decay!r}")
     return decay
 
 
@@ -1503,7 +1694,7 @@ async def _the_same_gradients(
         error = ValueError(
             "apply_gradients() without aggregation: the replicas passed different gradients "
             f"for {', '.join(repr(variables[i].name) for i in odd)}"
-            f"{which_differ(per_replica[odd[0]], engine)}; every replica must pass the same "
+            f"{await which_differ(per_replica[odd[0]], engine)}; every replica must pass the same "
             "gradient, since a variable's copies stay equal: all-reduce them first "
             "(`await ctx.all_reduce('sum', grads)`), or let apply_gradients() sum them"
         )

@@ -28,12 +28,30 @@ DEFAULT_PACK_BYTES: Final = 4 << 20
 
 
 class CaseInsensitiveStrEnum(enum.StrEnum):
-    """A string enum whose ``parse`` takes a member or its value in any case.
+    """A string enum whose ``parse`` and constructor take a member or its value in any case.
 
     The base of ``ReduceOp``, ``CommunicationImplementation``, ``VariableSynchronization`` and
     ``VariableAggregation``: each member's value is its name in lower case, so names and
-    values both parse.
+    values both parse, and TF's ``ReduceOp("SUM")`` (whose values are the upper-case names)
+    is ``ReduceOp.SUM`` here too.
     """
+
+    @classmethod
+    def _missing_(cls, value: object) -> Self:
+        """The member ``value`` names in another case; an unknown one raises ``parse``'s
+        error, which lists the valid values, instead of enum's bare one."""
+        if isinstance(value, str):
+            member = cls._value2member_map_.get(value.lower())
+            if member is not None:
+                return member  # type: ignore[return-value]  # a member of cls
+        raise ValueError(cls._unknown(value))
+
+    @classmethod
+    def _unknown(cls, value: object) -> str:
+        """The message for a value that names no member."""
+        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
+        valid = ", ".join(repr(member.value) for member in cls)
+        return f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}"
 
     @classmethod
     def parse(cls, value: Self | str) -> Self:
@@ -52,17 +70,28 @@ class CaseInsensitiveStrEnum(enum.StrEnum):
             member = cls._value2member_map_.get(value) or cls._value2member_map_.get(value.lower())
             if member is not None:
                 return member  # type: ignore[return-value]  # a member of cls
-        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
-        valid = ", ".join(repr(member.value) for member in cls)
-        raise ValueError(f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}")
+        raise ValueError(cls._unknown(value))
 
 
 class ReduceOp(CaseInsensitiveStrEnum):
-    """How values are combined across replicas. Strings (``"sum"``, ...) are accepted too.
+    """How values are combined across replicas. Strings (``"sum"``, ...) are accepted too, in
+    any case, by the functions that take an op and by the constructor, as TF's
+    ``ReduceOp("SUM")``.
+
+    Raises:
+        ValueError: ``ReduceOp(value)`` of a value that names no op; the message lists the
+            valid ones.
 
     Example:
         >>> ReduceOp.parse("mean")
         <ReduceOp.MEAN: 'mean'>
+        >>> ReduceOp("SUM")
+        <ReduceOp.SUM: 'sum'>
+        >>> ReduceOp("total")
+        Traceback (most recent call last):
+        ...
+        ValueError: unknown reduce op 'total': use a ReduceOp or one of 'sum', 'mean', 'max', \
+'min', 'prod'
     """
 
     SUM = "sum"
@@ -100,11 +129,18 @@ class CommunicationImplementation(CaseInsensitiveStrEnum):
     workers of a ``MultiWorkerMirroredStrategy`` (GPU replicas staged through the host; NCCL
     across workers is not built yet). TF treats it as a hint too: its ``NCCL`` falls back to
     its ring on CPUs and for all-gather and broadcast. Strings (``"nccl"``, ``"NCCL"``) are
-    accepted too.
+    accepted too, by ``CommunicationOptions`` and by the constructor, as TF's
+    ``CommunicationImplementation("NCCL")``.
+
+    Raises:
+        ValueError: ``CommunicationImplementation(value)`` of a value that names no member;
+            the message lists the valid ones.
 
     Example:
         >>> CommunicationImplementation.parse("NCCL")
         <CommunicationImplementation.NCCL: 'nccl'>
+        >>> CommunicationImplementation("RING")
+        <CommunicationImplementation.RING: 'ring'>
     """
 
     AUTO = "auto"
@@ -186,6 +222,9 @@ class CommunicationOptions:
     def override(self, other: CommunicationOptions | None) -> CommunicationOptions:
         """These options with the fields that ``other`` sets (non-default) taking precedence.
 
+        Raises:
+            TypeError: ``other`` is neither ``CommunicationOptions`` nor ``None``.
+
         Example:
             >>> options = CommunicationOptions(bytes_per_pack=1024).override(
             ...     CommunicationOptions(timeout_seconds=5.0)
@@ -211,3 +250,26 @@ class CommunicationOptions:
                 else self.implementation
             ),
         )
+
+    def merge(self, options: CommunicationOptions | None) -> CommunicationOptions:
+        """Merges with another options and returns a new one: TF's name of ``override``.
+
+        Values specified in ``options`` take precedence if they're not the default.
+
+        Args:
+            options: a ``CommunicationOptions`` (or ``None``, which changes nothing).
+
+        Returns:
+            A new ``CommunicationOptions``.
+
+        Raises:
+            TypeError: ``options`` is neither ``CommunicationOptions`` nor ``None``.
+
+        Example:
+            >>> merged = CommunicationOptions(bytes_per_pack=1024).merge(
+            ...     CommunicationOptions(timeout_seconds=5.0, implementation="NCCL")
+            ... )
+            >>> merged.bytes_per_pack, merged.timeout_seconds, merged.implementation
+            (1024, 5.0, <CommunicationImplementation.NCCL: 'nccl'>)
+        """
+        return self.override(options)

@@ -84,7 +84,9 @@ loop adapters asking which loop it is on.)
 Tracing (``aioreplica._trace``): a run that starts while its strategy is being traced wraps each
 replica's coroutine in ``_traced``, which records ``compute`` and ``merge wait`` on the
 replica's track, and ``complete`` records ``merge_fn``. A run that starts untraced pays one
-check of ``_trace.recorder`` per run and one of ``run.tracer`` per round.
+check of ``_trace.recorder`` per run and one of ``run.tracer`` per round, and muting its
+replicas (``_trace.mute``: one context variable set and reset per run, none per replica), so
+that a trace starting while it goes on gets none of its spans.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ import itertools
 import logging
 import math
 import operator
+import os
 import threading
 import time
 import types
@@ -171,12 +174,47 @@ def _describe_fn(fn: Callable[..., Any] | None) -> str:
 
 def _call_of(fn: Callable[..., Any] | None) -> str:
     """The call a merge function of the library's own stands for (``MERGE_CALLS``: a
-    collective, a write), or ``""`` for any other."""
+    collective, a write; or, for a method of an object with ``merge_call_words()``, what that
+    says, such as run_steps pulling the element of a step), or ``""`` for any other."""
     function: Any = getattr(fn, "__func__", fn)  # (a method: its function)
     try:
-        return MERGE_CALLS.get(function, "")
+        call = MERGE_CALLS.get(function, "")
     except TypeError:  # an unhashable callable: the user's own
         return ""
+    words = getattr(getattr(fn, "__self__", None), "merge_call_words", None)
+    return str(words()) if call and callable(words) else call
+
+
+def _merge_point(number: int, fn: Callable[..., Any] | None, replica: _Replica | None) -> str:
+    """Merge point ``number`` of merge function ``fn`` in words, for messages: the call it
+    stands for (``all_reduce (merge_call #1)``) or the merge function and where it is defined,
+    then where the replica code of ``replica`` awaits it, where that is known."""
+    call = _call_of(fn)
+    if call:
+        point = f"{call} (merge_call #{number})"
+    else:
+        point = f"merge_call #{number} ({_describe_fn(fn)})"
+    where = _await_site(replica.coro) if replica is not None else ""
+    return f"{point} at {where}" if where else point
+
+
+#: The package's own files: the place replica code awaits is the innermost frame outside them.
+_PACKAGE: Final = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _await_site(coro: Any) -> str:
+    """``file:line`` of the innermost frame outside the package in the chain of awaits of a
+    suspended coroutine (a replica's), or ``""`` where there is none."""
+    where = ""
+    awaited = coro
+    for _ in range(100):  # an await chain deeper than this is no program's
+        if awaited is None:
+            break
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is not None and not frame.f_code.co_filename.startswith(_PACKAGE):
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    return where
 
 
 class _RunFailed(BaseException):
@@ -238,6 +276,7 @@ class _Replica:
     __slots__ = (
         "cancel_requests",
         "context",
+        "coro",
         "device",
         "id",
         "in_own_coroutine",
@@ -257,6 +296,7 @@ class _Replica:
         self.in_own_coroutine = False
         self.pending: MergeRequest | None = None  # made by merge_call, not yet received
         self.track: _trace.ReplicaTrack | None = None  # its track, in a traced run
+        self.coro: Any = None  # the coroutine it steps, once it has one (for messages)
         # Counts the cancellations requested of its task (``Loop.cancel_requests``), looked up
         # on first use (``requests_now``).
         self.cancel_requests: Callable[[], int] | None = None
@@ -334,11 +374,8 @@ class _Replica:
     ) -> None:
         """The replica's task: run the driver, report how the replica ended."""
         context_state.set(ContextState(replica=self.context))
-        if self.run.tracing:  # a trace is being recorded: of this strategy, or another one
-            if self.track is not None:
-                self.track.enter()
-            else:
-                _trace.mute()
+        if self.track is not None:  # (an untraced run's replicas are muted: ``Scheduler.run``)
+            self.track.enter()
         try:
             result = await self._drive(fn, args, kwargs)
         except BaseException as exc:
@@ -385,8 +422,11 @@ class _Replica:
         self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> _Step:
         device = self.device
-        enter = device.enter if device.has_context else None
-        leave = device.leave if device.has_context else None
+        # A device with a context of its own (a GPU's stream) is made current around every
+        # step of the replica; ``resume``/``suspend``, where a device has them, also carry what
+        # the replica itself made current from one step to the next.
+        enter = getattr(device, "resume", device.enter) if device.has_context else None
+        leave = getattr(device, "suspend", device.leave) if device.has_context else None
         track = self.track
         started = track.now() if track is not None else 0  # compute starts
 
@@ -397,7 +437,7 @@ class _Replica:
             awaitable = fn(*args, **kwargs)
         except BaseException as exc:
             if track is not None:
-                track.record("compute", started, {"replica": self.id})
+                track.record("compute", started, {"replica": self.sync_id})
             if isinstance(exc, StopIteration):  # out of this generator: a bare RuntimeError
                 raise _escaped_stop(exc, f"replica {self.sync_id}'s step function") from exc
             raise
@@ -415,8 +455,9 @@ class _Replica:
             coro = awaitable.__await__()
         else:
             if track is not None:
-                track.record("compute", started, {"replica": self.id})
+                track.record("compute", started, {"replica": self.sync_id})
             return awaitable  # a plain function: no merge points
+        self.coro = coro  # (not the tracing wrapper below: its awaits are not a chain)
         if track is not None:
             coro = _traced(coro, self, track, started)
 
@@ -518,7 +559,7 @@ def _traced(coro: Any, replica: _Replica, track: _trace.ReplicaTrack, started: i
     """``coro`` (a replica's coroutine, computing since ``started``) as it is, recording its
     ``compute`` and ``merge wait`` spans: the driver steps this instead, in traced runs only."""
     run = replica.run
-    computing = {"replica": replica.id}  # the args of every compute span of this replica
+    computing = {"replica": replica.sync_id}  # the args of every compute span of this replica
     marker = MERGE
     waiting = False
     waits: dict[str, int] = {}
@@ -534,7 +575,11 @@ def _traced(coro: Any, replica: _Replica, track: _trace.ReplicaTrack, started: i
                 value = error = None  # as in ``_Replica._drive``: no cycle through this frame
             if type(yielded) is tuple and yielded and yielded[0] is marker:
                 number = run.round.number
-                waits = {"round": run.trace_round(number), "merge": number, "replica": replica.id}
+                waits = {
+                    "round": run.trace_round(number),
+                    "merge": number,
+                    "replica": replica.sync_id,
+                }
                 started = track.record("compute", started, computing)
                 waiting = True
             try:
@@ -601,12 +646,11 @@ class _Run:
         self.last_at = 0.0
         self.warned: _Round | None = None  # the round the watchdog warned about last
         recorder = _trace.recorder
-        self.tracing = recorder is not None
         self.tracer = recorder if recorder is not None and recorder.owner is self.strategy else None
         self.trace_rounds: dict[int, int] = {}  # merge number -> round number in the trace
         if self.tracer is not None:
             for replica in self.replicas:
-                replica.track = self.tracer.replica_track(replica.id)
+                replica.track = self.tracer.replica_track(replica.sync_id)
 
     def trace_round(self, number: int) -> int:
         """The trace's number of this run's merge round ``number`` (traced runs only)."""
@@ -670,14 +714,18 @@ class _Run:
         merges = self.merges_completed
         self.finished[replica.id] = merges
         self.fast_path = False
-        waiting = [r.sync_id for r in self.round.arrived]
+        rnd = self.round
+        waiting = [r.sync_id for r in rnd.arrived]
         if waiting and not self.failures:
-            number = self.round.number
+            number = rnd.number
+            first = rnd.arrived[0]
+            request = rnd.requests[first.id]
+            point = _merge_point(number, request[FN] if request is not None else None, first)
             self.fail(
                 ReplicaSyncError(
                     f"replica {replica.sync_id} finished after {merges} merge_call()s while "
                     f"{replica_list(waiting)} {'waits' if len(waiting) == 1 else 'wait'} in "
-                    f"merge_call #{number}; every replica must reach the same merge_calls, so "
+                    f"{point}; every replica must reach the same merge_calls, so "
                     "move merge_call out of replica-dependent branches",
                     merge_number=number,
                     replicas=[replica.sync_id],
@@ -691,8 +739,10 @@ class _Run:
         done = sorted(self.finished)
         merges = self.finished[done[0]]
         done = [self.first_replica + i for i in done]
+        request = self.round.requests[replica.id]
+        point = _merge_point(number, request[FN] if request is not None else None, replica)
         return ReplicaSyncError(
-            f"replica {replica.sync_id} reached merge_call #{number}, but {replica_list(done)} "
+            f"replica {replica.sync_id} reached {point}, but {replica_list(done)} "
             f"already finished after {merges} merge_call()s and can never join it; every "
             "replica must reach the same merge_calls, so move merge_call out of "
             "replica-dependent branches",
@@ -844,8 +894,8 @@ class _Run:
         assert request is not None  # it is parked in the round
         self.fail(
             ReplicaSyncError(
-                f"{replica_list(arrived)} waited {rnd.timeout:g} s in merge_call "
-                f"#{rnd.number} ({_describe_fn(request[FN])}) for {replica_list(late)}, "
+                f"{replica_list(arrived)} waited {rnd.timeout:g} s in "
+                f"{_merge_point(rnd.number, request[FN], replica)} for {replica_list(late)}, "
                 "which did not arrive; a replica is stuck or skips this merge_call (raise the "
                 "timeout if it is just slow)",
                 merge_number=rnd.number,
@@ -975,11 +1025,13 @@ class _Run:
         stop = exc if isinstance(exc, StopIteration) else _python_stop(exc)
         if stop is not None:  # out of run(), a coroutine: a bare RuntimeError
             exc = _escaped_stop(stop, f"merge_fn {_describe_fn(merge_fn)}")
-        self.fail(
-            exc,
-            f"raised by merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}, "
-            "in cross-replica context",
+        call = _call_of(merge_fn)  # the library's own merge function: the call it stands for
+        by = (
+            f"{call} (merge_call #{rnd.number})"
+            if call
+            else f"merge_fn {_describe_fn(merge_fn)} in merge_call #{rnd.number}"
         )
+        self.fail(exc, f"raised by {by}, in cross-replica context")
 
     def _park_failed(self) -> _Step:
         yield from self.loop.park_cancelled(_RunFailed)
@@ -1271,11 +1323,19 @@ class SchedulerStatistics:
         merge_rounds_completed: merge rounds completed since the strategy was made.
         steps: ``run()`` calls completed (returned a result) since the strategy was made; a
             ``run_steps`` call counts once.
-        wait_total: per replica (indexed by replica id), the seconds it was charged over the
-            completed merge rounds: how long it stood ready while others were late.
+        wait_total: per replica (indexed by replica id in sync, ``num_replicas_in_sync``
+            entries), the seconds it was charged over the completed merge rounds: how long it
+            stood ready while others were late.
         wait_max: per replica, the longest wait it was charged in one round, in seconds.
-        slowest_replica: the replica that arrived last in the most merge rounds (the lowest id
-            on a tie); ``None`` before any merge round has completed.
+        slowest_replica: the replica (by its id in sync) that arrived last in the most merge
+            rounds (the lowest id on a tie); ``None`` before any merge round has completed.
+
+    With several workers each worker measures its own replicas' merge rounds: the entries of
+    other workers' replicas are 0.0, and ``slowest_replica`` is one of this worker's. A wait
+    for another worker happens inside a collective's merge function, after every local replica
+    has arrived, so it is in none of these numbers (nor does it log a slow merge warning);
+    the collective's timeout (``sync_timeout``, ``CommunicationOptions(timeout_seconds=...)``)
+    bounds it.
     """
 
     runs_active: int
@@ -1332,14 +1392,21 @@ class Scheduler:
         second = longest[order[1]] if self.size > 1 else 0.0
         counts = self.last_counts
         most = max(counts)
+        # Indexed by replica id in sync: the entries of other workers' replicas stay 0.0.
+        base = self.engine.first_replica
+        wait_total = [0.0] * self.engine.num_replicas
+        wait_max = [0.0] * self.engine.num_replicas
+        for i in range(self.size):
+            wait_total[base + i] = max(0.0, total - self.waited_for[i])
+            wait_max[base + i] = second if i == first else longest[first]
         return SchedulerStatistics(
             runs_active=len(self._active),
             replicas_waiting=sum(len(run.round.arrived) for run in self._active),
             merge_rounds_completed=self.merge_rounds_completed,
             steps=self.steps,
-            wait_total=tuple(max(0.0, total - own) for own in self.waited_for),
-            wait_max=tuple(second if i == first else longest[first] for i in range(self.size)),
-            slowest_replica=counts.index(most) if most else None,
+            wait_total=tuple(wait_total),
+            wait_max=tuple(wait_max),
+            slowest_replica=base + counts.index(most) if most else None,
         )
 
     def stop_watching(self) -> None:
@@ -1376,13 +1443,13 @@ class Scheduler:
                 set(range(run.first_replica, run.first_replica + run.size)) - set(present)
             )
             request = rnd.requests[first.id]
-            where = _describe_fn(request[FN]) if request is not None else "merge_call"
+            # (Not where the replica awaits it: its coroutine runs on the loop's thread.)
+            point = _merge_point(rnd.number, request[FN] if request is not None else None, None)
             logger.warning(
-                "merge_call #%d (%s) of a run() on %r has waited %.1f s for %s, which %s not "
+                "%s of a run() on %r has waited %.1f s for %s, which %s not "
                 "arrived (%s waiting); a replica is stuck or much slower than the others "
                 "(slow_merge_warning=%g s: logged once per merge point)",
-                rnd.number,
-                where,
+                point,
                 self.strategy,
                 waited,
                 replica_list(late),
@@ -1417,6 +1484,9 @@ class Scheduler:
         if self._rng is not None:
             self._rng.shuffle(order)
         self._active.add(run)
+        # The replicas of a run that is not traced (a trace may start while it goes on, or
+        # another strategy's be recorded) inherit a context that records none of their spans.
+        muted = _trace.mute() if run.tracer is None else None
         try:
             # An await in a cancelled scope raises, before any replica starts, on every loop.
             if run.loop.cancelled():
@@ -1442,6 +1512,8 @@ class Scheduler:
                 if not run.failures or all(exc in own for exc, _, _ in run.failures):
                     raise
         finally:
+            if muted is not None:
+                _trace.unmute(muted)
             run.finished_run = True
             self._active.discard(run)
             if run.tracer is not None:
@@ -1452,6 +1524,7 @@ class Scheduler:
             # among them) are freed by reference counting, not at the next cycle collection.
             for replica in run.replicas:
                 replica.context = None
+                replica.coro = None
             run.replicas = []
             run.tasks = _NOT_STARTED  # the tasks' contexts hold the replicas
             # The failures' tracebacks hold the replicas' frames (and this one), which hold the

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import inspect
 import types
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, final
 
 from . import _tree
-from ._context import context_state, default_replica_context, get_replica_context
+from ._context import MERGE_CALLS, context_state, default_replica_context, get_replica_context
 from ._errors import add_note, as_integer, yielding_step
 from ._values import DistributedValues, misfit, shown_misfit
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable
 
     from ._options import ReduceOp
 
@@ -100,6 +100,13 @@ class _Feed:
             )
         return element
 
+    def merge_call_words(self) -> str:
+        """The merge round of ``next_element`` in words, for messages (``_scheduler``)."""
+        return f"run_steps pulling the element of step {self.pulled + 1}"
+
+
+MERGE_CALLS[_Feed.next_element] = "run_steps pulling the element of a step"
+
 
 async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
     """``strategy.run_steps``: see its docstring."""
@@ -119,11 +126,16 @@ async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any,
             element = await context.merge_call(feed.next_element)
             if element is _END:
                 return result
-            result = step_fn(element)
-            if inspect.isawaitable(result):
-                result = await result
-            elif type(result) is types.AsyncGeneratorType:
-                raise yielding_step("run_steps' step_fn", result)
+            step = feed.pulled  # this step's number, before another pull moves it on
+            try:
+                result = step_fn(element)
+                if inspect.isawaitable(result):
+                    result = await result
+                elif type(result) is types.AsyncGeneratorType:
+                    raise yielding_step("run_steps' step_fn", result)
+            except Exception as exc:
+                add_note(exc, f"raised in step {step} of run_steps()")
+                raise
 
     return await strategy.run(replica_loop)
 
@@ -217,7 +229,9 @@ class MultiStepContext:
         """Record ``output`` under ``name`` without reducing it.
 
         In replica context every replica's value is kept: the output is the tuple of them,
-        or, where every replica passed the very same object, a 1-tuple of it, as in TF.
+        or, where every replica passed the very same object, a 1-tuple of it, as in TF (a
+        list, tuple or dict is rebuilt around its leaves, as TF's regrouping does: a 1-tuple
+        of an equal one where every replica passed the same leaves).
 
         Example:
             >>> async def record():
@@ -233,8 +247,10 @@ class MultiStepContext:
             return
 
         def record(strategy: Any, value: Any) -> None:
-            # TF's local results: a value every replica passed as one object is one value.
-            one = not isinstance(value, DistributedValues) and _tree.is_leaf(value)
+            # TF's local results: a value in which every replica passed the same objects (the
+            # regrouping collapsed them: no per-replica part is left) is one value.
+            leaves, _ = _tree.flatten(value)
+            one = not any(isinstance(leaf, DistributedValues) for leaf in leaves)
             local = (value,) if one else strategy.experimental_local_results(value)
             self._non_tensor_outputs[name] = local
 
@@ -260,6 +276,12 @@ async def run_steps_on_iterator(
     def checked() -> tuple[AsyncIterator[Any], int]:
         if not callable(fn):
             raise TypeError(f"{what} needs a callable fn, got {type(fn).__name__}")
+        if initial_loop_values is not None and not isinstance(initial_loop_values, Mapping):
+            raise TypeError(
+                f"{what} takes initial_loop_values as a mapping of output names to values (a "
+                "dict, such as {'loss': 0.0}: the last_step_outputs before the first step) or "
+                f"None, got {type(initial_loop_values).__name__} {initial_loop_values!r:.60}"
+            )
         return _check_iterator(iterator, what), _check_steps(iterations, "iterations")
 
     feed, count = await strategy._accepted(what, checked, "iterations")

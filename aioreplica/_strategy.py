@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 import math
 import os
 import random
@@ -48,6 +49,7 @@ from ._context import (
     context_state,
     default_replica_context,
     default_scope_open,
+    other_strategy,
     register_default_context,
 )
 from ._dataset import (
@@ -60,7 +62,7 @@ from ._dataset import (
     distribute_values,
     interleaved,
 )
-from ._errors import as_integer, as_real
+from ._errors import add_note, as_integer, as_real
 from ._options import CommunicationOptions, ReduceOp
 from ._scheduler import Scheduler, SchedulerStatistics
 from ._steps import MultiStepContext, run_steps, run_steps_on_iterator
@@ -483,6 +485,97 @@ class StrategyExtended:
             return copies[0]
         return (PerReplica if isinstance(var, SyncOnReadVariable) else Mirrored)(list(copies))
 
+    async def update_non_slot(
+        self,
+        colocate_with: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
+        """Run ``fn(*args, **kwargs)`` on ``colocate_with`` devices, as TF's: the update of
+        variables that are no slot of another (TF 1's non-slot variables, such as an
+        optimizer's step count), placed on the devices ``non_slot_devices()`` returns.
+
+        ``fn`` runs once, plain or async, in this strategy's cross-replica context (in its
+        scope), with ``args`` and ``kwargs`` as given; a variable it writes changes on every
+        device, as any write outside a replica does. TF's ``MirroredStrategy`` calls ``fn``
+        once per device instead, each in an update context that confines its writes to that
+        device's copy; there is no such context here, so the one call does what TF's calls do
+        together (as TF's default strategy, whose one call ``testUpdateNonSlot`` expects).
+
+        Args:
+            colocate_with: devices returned by ``non_slot_devices()`` (names of this
+                strategy's devices).
+            fn: the function to run, plain or async.
+            args: a tuple or list of positional arguments for ``fn``.
+            kwargs: a dict of keyword arguments for ``fn``.
+            group: ``True`` (the default): ``fn``'s result as it returned it; ``False``: the
+                result's structure with each leaf replaced by its local results (a tuple, one
+                per local replica, as ``experimental_local_results`` gives them), the shape of
+                TF's ``update_regroup``: ``{"a": 1}`` gives ``{"a": (1, 1)}`` on two replicas,
+                where TF gives a plain value's local results as a 1-tuple, ``{"a": (1,)}``.
+
+        Returns:
+            The result of ``fn``, grouped as ``group`` says.
+
+        Raises:
+            RuntimeError: called inside a replica (call it outside ``run()``, or in a
+                ``merge_fn``), or in another strategy's scope.
+            ValueError: ``colocate_with`` names a device that is not this strategy's.
+            TypeError: ``fn`` is not callable, ``args`` not a tuple or list, ``kwargs`` not
+                a mapping, or ``group`` not a bool.
+            Exception: whatever ``fn`` raises.
+
+        Example:
+            >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+            >>> with strategy.scope():
+            ...     steps = aioreplica.Variable(0)
+            >>> async def count(step):
+            ...     await steps.assign_add(step)
+            ...     return steps.numpy()
+            >>> async def main():
+            ...     devices = strategy.extended.non_slot_devices([steps])
+            ...     return await strategy.extended.update_non_slot(devices, count, (1,))
+            >>> anyio.run(main)
+            array(1)
+        """
+        strategy = self._strategy
+        what = "strategy.extended.update_non_slot()"
+        state = context_state.get()
+        replica = state.replica
+        if replica is not None:
+            raise RuntimeError(
+                f"{what} was called inside replica {replica.replica_id_in_sync_group}; it runs "
+                "in cross-replica context: call it outside run(), or in a merge_fn "
+                "(ctx.merge_call)"
+            )
+        strategy._check_not_mixed(what, state)
+        if not callable(fn):
+            raise TypeError(f"{what}: fn must be callable, got {type(fn).__name__} {fn!r:.60}")
+        if not isinstance(args, tuple | list):
+            raise TypeError(
+                f"{what}: args must be a tuple or list, got {type(args).__name__} {args!r:.60}"
+            )
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise TypeError(
+                f"{what}: kwargs must be a dict or None, got {type(kwargs).__name__} {kwargs!r:.60}"
+            )
+        _check_group(group, what)
+        try:
+            strategy._destinations(colocate_with)
+        except ValueError as exc:
+            raise ValueError(
+                f"{what}: colocate_with names the devices non_slot_devices() returns: {exc}"
+            ) from exc
+        with strategy.scope():
+            result = fn(*args, **(kwargs or {}))
+            if inspect.isawaitable(result):
+                result = await result
+        if group:
+            return result
+        return _tree.map_structure(strategy.experimental_local_results, result)
+
     async def experimental_run_steps_on_iterator(
         self,
         fn: Callable[[MultiStepContext, Any], Any],
@@ -507,7 +600,8 @@ class StrategyExtended:
             The ``MultiStepContext``, holding the last step's outputs.
 
         Raises:
-            TypeError: ``fn`` is not callable; ``iterator`` is not an async iterator.
+            TypeError: ``fn`` is not callable; ``iterator`` is not an async iterator;
+                ``initial_loop_values`` is not a mapping of output names to values.
             ValueError: ``iterations`` is negative; across workers, another worker refused
                 its arguments, or the workers were given different ``iterations``
                 (``WorkersDisagree``, on every worker, before any step).
@@ -846,8 +940,10 @@ class MirroredStrategy:
         TF, where another strategy's ``run()`` and reductions work inside it."""
         current = state.strategy
         if current is not None and current is not self:
+            shown = self._shown()
+            other = other_strategy(shown, current, current._shown())
             raise RuntimeError(
-                f"{what} of {self._shown()} was called in the scope of {current._shown()}; "
+                f"{what} of {shown} was called in the scope of {other}; "
                 "strategies cannot be mixed: finish with one before using the other"
             )
 
@@ -1237,8 +1333,8 @@ class MirroredStrategy:
         Raises:
             RuntimeError: a trace is already being recorded (by this strategy or another).
             TypeError: ``path`` is not a str or ``os.PathLike``.
-            FileNotFoundError: the folder of ``path`` does not exist.
-            IsADirectoryError: ``path`` is a folder.
+            FileNotFoundError: ``path`` is empty, or its folder does not exist.
+            IsADirectoryError: ``path`` is a folder, or ends with a path separator.
             OSError: the folder of ``path`` does not take a new file (read-only, no
                 permission).
 
@@ -1311,11 +1407,12 @@ class MirroredStrategy:
         Raises:
             RuntimeError: a trace is already being recorded.
             TypeError: ``path`` is not a str or ``os.PathLike``.
-            FileNotFoundError: the folder of ``path`` does not exist.
-            IsADirectoryError: ``path`` is a folder.
+            FileNotFoundError: ``path`` is empty, or its folder does not exist.
+            IsADirectoryError: ``path`` is a folder, or ends with a path separator.
             OSError: the folder of ``path`` does not take a new file (read-only, no
                 permission).
-            OSError: (at the end) the file cannot be written.
+            OSError: (at the end) the file cannot be written. If the block raised, its own
+                exception comes out instead, with a note naming the trace that was lost.
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -1332,13 +1429,22 @@ class MirroredStrategy:
             ['all_reduce', 'compute', 'merge wait', 'merge_fn _merge_all_reduce']
         """
         recorder = self._start_trace(path)
+        raised: BaseException | None = None
         try:
             yield recorder.path
+        except BaseException as exc:
+            raised = exc
+            raise
         finally:
             if _trace.recorder is recorder:  # not stopped by stop_trace() in the block
                 _trace.stop(self)
                 with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(recorder.write)
+                    try:
+                        await anyio.to_thread.run_sync(recorder.write)
+                    except OSError as error:
+                        if raised is None:
+                            raise
+                        add_note(raised, f"while it was raised, {error}")  # it goes on
 
     def _start_trace(self, path: str | os.PathLike[str]) -> _trace.Recorder:
         if not isinstance(path, str | os.PathLike):
@@ -1409,9 +1515,11 @@ class MirroredStrategy:
         replica = state.replica
         current = replica.strategy if replica is not None else state.strategy
         if current is not None and current is not self:
+            shown = self._shown()
             raise RuntimeError(
-                f"cannot enter the scope of {self._shown()} while {current._shown()} is "
-                "current; strategies cannot be mixed: finish with one before using the other"
+                f"cannot enter the scope of {shown} while "
+                f"{other_strategy(shown, current, current._shown())} is current; strategies "
+                "cannot be mixed: finish with one before using the other"
             )
         # The default strategy's scope keeps the default replica context and changes nothing:
         # as in TF (testScopeMostlyNoOp), another strategy's scope may be entered inside it.
@@ -1706,8 +1814,11 @@ class MirroredStrategy:
     def _per_replica_arguments(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
-        """Each replica's ``(args, kwargs)``: distributed values replaced by its component."""
-        size = len(self._device_objects)
+        """Each replica's ``(args, kwargs)``: distributed values replaced by its component, and
+        on GPUs a CuPy array that lives on another GPU than the replica's copied onto its
+        device."""
+        devices = self._device_objects
+        size = len(devices)
         if not args and not kwargs:
             return [(args, kwargs)] * size
         if not kwargs and _tree.all_leaves(args):  # positional leaves only: no tree walk
@@ -1716,13 +1827,21 @@ class MirroredStrategy:
             leaves = _tree.flatten((args, kwargs))[0]
         distributed = [leaf for leaf in leaves if isinstance(leaf, DistributedValues)]
         if not distributed:
-            return [(args, kwargs)] * size  # nothing differs: no rebuilds
-        for leaf in distributed:
-            if len(leaf.values) != size:
-                self._check_distributed_arguments(args, kwargs)  # raises, naming its path
-        parts = select_replicas((args, kwargs), size)
-        if parts is None:
-            return [select_replica(i, (args, kwargs)) for i in range(size)]
+            parts = [(args, kwargs)] * size  # nothing differs: no rebuilds
+        else:
+            for leaf in distributed:
+                if len(leaf.values) != size:
+                    self._check_distributed_arguments(args, kwargs)  # raises, naming its path
+            selected = select_replicas((args, kwargs), size)
+            if selected is None:
+                selected = [select_replica(i, (args, kwargs)) for i in range(size)]
+            parts = selected
+        if devices[0].kind == "gpu":  # host replicas read any host array: nothing to walk
+            # As TF copies a step's inputs to each replica's device: a replica reading another
+            # GPU's array would read it with nothing ordering the read after its writes.
+            from ._backends._arrays import on_replica_devices
+
+            return on_replica_devices(parts, devices)
         return parts
 
     def _check_distributed_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -2012,14 +2131,14 @@ def _for_variables(
     return reductions_for(f"a reduction to {', '.join(variables)}")
 
 
-def _check_group(group: object) -> None:
-    """``extended.update``'s ``group``, or refused.
+def _check_group(group: object, what: str = "extended.update()") -> None:
+    """The ``group`` of ``extended.update`` (or of the call ``what`` names), or refused.
 
     Raises:
         TypeError: it is not a bool.
     """
     if not isinstance(group, bool | np.bool_):
-        raise TypeError(f"extended.update(): group must be True or False, got {group!r:.60}")
+        raise TypeError(f"{what}: group must be True or False, got {group!r:.60}")
 
 
 def _grouped(per_destination: list[Any]) -> Any:

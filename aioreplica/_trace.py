@@ -22,10 +22,11 @@ What is recorded, and by whom:
   dataset's ``prefetch``, 0 when pulled on demand).
 
 Tracks. Spans on one track nest (a child lies inside its parent's interval), which is what the
-viewers draw. Each replica has a track, ``tid`` = its replica id, named ``replica r``; ``pid`` is
-the worker index (0 in one process). A span recorded by a task that is not a replica (the
-caller of ``run()`` saving a checkpoint, a dataset's prefetch task) goes on a track of its own
-kind, ``main`` or ``prefetch``, numbered from ``N`` (the number of replicas) up in the order
+viewers draw. Each replica that ran in a traced run has a track, ``tid`` = its replica id in
+sync (global: a worker's replicas keep their ids), named ``replica r``; ``pid`` is the worker
+index (0 in one process). A span recorded by a task that is not a replica (the caller of
+``run()`` saving a checkpoint, a dataset's prefetch task) goes on a track of its own kind,
+``main`` or ``prefetch``, numbered from ``N`` (the number of replicas in sync) up in the order
 they are first needed. Whenever a span could not nest where it would go (two tasks recording at
 once on one kind of track, a task that a replica spawned recording beside the replica itself, a
 ``run()`` overlapping another ``run()`` of the same strategy) it goes on another track of that
@@ -33,10 +34,12 @@ kind instead, ``main (2)``, ``replica 1 (2)`` and so on, so that every track nes
 
 Costs. With no trace active each place that records pays one check of the module attribute
 ``recorder`` (the scheduler: one per ``run()`` and one per merge round, none per replica per
-round). With a trace active a span costs about a microsecond; nothing is written until the end.
+round, and a context variable set and reset per ``run()`` to mute its replicas). With a trace
+active a span costs about a microsecond; nothing is written until the end.
 
 A span that started before the trace or ends after it is left out: a trace holds what happened
-within it.
+within it. A run that started before the trace is not traced at all (its replicas are muted),
+so its later spans do not land on other tracks.
 
 Lifetime. A trace is the process's, but it ends with its strategy: closing the strategy
 (``close()``, ``aclose()``) stops and writes it (``release``), and a strategy garbage-collected
@@ -72,6 +75,7 @@ __all__ = [
     "stop",
     "trace_path",
     "traced",
+    "unmute",
 ]
 
 T = TypeVar("T")
@@ -177,7 +181,7 @@ class Recorder:
         path: the file to write.
         owner: the strategy being traced (compared by identity by the scheduler), held
             weakly: if it is collected, the trace ends, unwritten.
-        replicas: the number of replicas (the first ``tid`` of the other tracks).
+        replicas: the number of replicas in sync (the first ``tid`` of the other tracks).
         worker: the worker index (the ``pid`` of every track).
         version: aioreplica's version, for the file's ``otherData``.
     """
@@ -196,9 +200,6 @@ class Recorder:
         self._rounds = 0
         self._released: dict[int, list[ReplicaTrack]] = {}  # by replica: tracks to reuse
         self.stopped = False
-        for replica in range(replicas):
-            family = f"replica {replica}"
-            self._add_lane(_Lane(replica, family, family))
         self.started = _now()
 
     @property
@@ -326,7 +327,11 @@ class Recorder:
             track = released.pop()
             track._lane.held = True
             return track
-        lane = self._free_lane(f"replica {replica}")
+        family = f"replica {replica}"
+        if family in self._families:
+            lane = self._free_lane(family)
+        else:  # its first run: its own track, ``tid`` = its id (another worker's are not made)
+            lane = self._add_lane(_Lane(replica, family, family))
         lane.held = True
         return ReplicaTrack(self, lane, replica)
 
@@ -365,21 +370,33 @@ class Recorder:
 
     def write(self) -> str:
         """Write the trace to ``path`` atomically (a temporary file renamed over it); return
-        the path. Readers see the old file or the whole new one, never a part."""
+        the path. Readers see the old file or the whole new one, never a part.
+
+        Raises:
+            OSError: the file could not be written (its folder is gone, the disk is full): the
+                message names ``path`` and says that the trace was not written.
+        """
         data = json.dumps(self.document(), separators=(",", ":")).encode()
         directory = os.path.dirname(os.path.abspath(self.path))
-        descriptor, temporary = tempfile.mkstemp(
-            prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=directory
-        )
+        temporary = None
         try:
+            descriptor, temporary = tempfile.mkstemp(
+                prefix=f".{os.path.basename(self.path)}.", suffix=".tmp", dir=directory
+            )
             with os.fdopen(descriptor, "wb") as file:
                 file.write(data)
                 file.flush()
                 os.fsync(file.fileno())
             os.replace(temporary, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        except BaseException as exc:
+            if temporary is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary)
+            if isinstance(exc, OSError):
+                raise type(exc)(
+                    f"the trace was not written to {self.path!r}: {exc.strerror or exc}; it is "
+                    "lost (check that its folder still exists and the disk has room)"
+                ) from exc
             raise
         return self.path
 
@@ -435,9 +452,16 @@ def detach(kind: str) -> None:
     _current.set(_Root(None, None, kind))
 
 
-def mute() -> None:
-    """In a replica of a strategy that is not being traced: record none of its spans."""
-    _current.set(_MUTED)
+def mute() -> contextvars.Token[_Parent]:
+    """In the task starting the replicas of a run that is not traced: the replicas (which
+    inherit its context) record none of their spans, even once a trace starts while they run.
+    Give what it returns to ``unmute`` once they have ended."""
+    return _current.set(_MUTED)
+
+
+def unmute(token: contextvars.Token[_Parent]) -> None:
+    """Undo ``mute`` (in the same task)."""
+    _current.reset(token)
 
 
 async def traced(awaitable: Awaitable[T], name: str, args: dict[str, Any] | None = None) -> T:
@@ -474,10 +498,19 @@ def trace_path(path: str, worker: int) -> str:
     """The file of worker ``worker``: ``path`` itself for worker 0, else the index added
     before the extension (``run.json`` -> ``run.worker1.json``).
 
+    Raises:
+        FileNotFoundError: ``path`` is empty.
+        IsADirectoryError: ``path`` ends with a path separator, so it names a folder.
+
     Example:
         >>> trace_path("run.json", 0), trace_path("out/run.json", 2)
         ('run.json', 'out/run.worker2.json')
+        >>> trace_path("out/", 0)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        IsADirectoryError: the trace path 'out/' ends with a separator, so it names a folder; ...
     """
+    _check_names_file(path)
     if worker == 0:
         return path
     stem, extension = os.path.splitext(path)
@@ -489,6 +522,8 @@ def start(path: str, owner: Any, replicas: int, worker: int, version: str) -> Re
 
     Raises:
         RuntimeError: a trace is active already.
+        FileNotFoundError: ``path`` is empty.
+        IsADirectoryError: ``path`` ends with a path separator, so it names a folder.
         OSError: ``path``'s folder does not take a new file (read-only, no permission): refused
             now, rather than the trace being lost when it stops.
     """
@@ -499,9 +534,26 @@ def start(path: str, owner: Any, replicas: int, worker: int, version: str) -> Re
             "one trace at a time: stop it first (stop_trace(), or leave its "
             "`async with strategy.trace(...)` block)"
         )
+    _check_names_file(path)
     _check_writable(path)
     recorder = Recorder(path, owner, replicas, worker, version)
     return recorder
+
+
+def _check_names_file(path: str) -> None:
+    """Refuse a path that names no file: the empty one, or one ending with a separator.
+
+    Raises:
+        FileNotFoundError: ``path`` is empty.
+        IsADirectoryError: ``path`` ends with a separator.
+    """
+    if not path:
+        raise FileNotFoundError("the trace path is empty; name a JSON file, such as 'run.json'")
+    if path.endswith((os.sep, os.altsep or os.sep)):
+        raise IsADirectoryError(
+            f"the trace path {path!r} ends with a separator, so it names a folder; name a file "
+            f"({os.path.join(path, 'run.json')}, say)"
+        )
 
 
 def _check_writable(path: str) -> None:

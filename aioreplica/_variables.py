@@ -17,15 +17,18 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import operator
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, Literal, NoReturn, final, overload
 
+import anyio
 import numpy as np
 from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
+from ._backends._arrays import on_replica_devices
 from ._cluster import WorkersDisagree, call_of, error_line
 from ._collectives import reductions_for, register_copied_type
 from ._context import (
@@ -35,6 +38,7 @@ from ._context import (
     context_state,
     default_replica_context,
     default_scope_open,
+    other_strategy,
 )
 from ._errors import ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
@@ -79,6 +83,8 @@ __all__ = [
     "VariableSynchronization",
     "bits_differ",
     "check_updated_by",
+    "filled_slot_variable",
+    "host_value",
     "new_copies",
     "slot_variable",
     "snapshot",
@@ -308,6 +314,23 @@ class Variable(NDArrayOperatorsMixin):
         if shape is not None:
             _check_shape(shape, tuple(array.shape), name)
         _check_aggregation_dtype(agg, array.dtype, name, sync is _Sync.ON_READ)
+        self._describe(strategy, engine, name, array.dtype, array.shape, trainable, sync, agg)
+        self._copies: tuple[Any, ...] = tuple(
+            frozen(device.asarray(array)) for device in self._devices
+        )
+
+    def _describe(
+        self,
+        strategy: Any,
+        engine: ReductionEngine | None,
+        name: str,
+        dtype: Any,
+        shape: Sequence[int],
+        trainable: bool,
+        sync: VariableSynchronization,
+        agg: VariableAggregation,
+    ) -> None:
+        """Set every fact of a new variable but its copies, which the caller makes."""
         self._strategy = strategy
         self._engine = engine
         self._turn = Turn()  # writes take it in turn (invariant 8)
@@ -315,14 +338,11 @@ class Variable(NDArrayOperatorsMixin):
             engine.devices if engine is not None else (host_device(0),)
         )
         self._name = name
-        self._dtype: np.dtype[Any] = np.dtype(array.dtype)
-        self._shape: tuple[int, ...] = tuple(int(d) for d in array.shape)
+        self._dtype: np.dtype[Any] = np.dtype(dtype)
+        self._shape: tuple[int, ...] = tuple(int(d) for d in shape)
         self._trainable = trainable
         self._synchronization = sync
         self._aggregation = agg
-        self._copies: tuple[Any, ...] = tuple(
-            frozen(device.asarray(array)) for device in self._devices
-        )
         self._unsynced = False
         #: Across workers, the variable's number among those made on the communicator (the
         #: same on every worker, which compare it: ``variable_label``); else ``None``, as for
@@ -994,10 +1014,12 @@ class Variable(NDArrayOperatorsMixin):
         """
         current = context_state.get().strategy
         if current is not None and current is not self._strategy:
+            shown = repr(self._strategy)
             raise RuntimeError(
-                f"{op}() of variable {self._name!r}, created in the scope of "
-                f"{self._strategy!r}, was called in the scope of {current!r}; strategies "
-                'cannot be mixed (TF: "Mixing different tf.distribute.Strategy objects"): '
+                f"{op}() of variable {self._name!r}, created in the scope of {shown}, was "
+                f"called in the scope of {other_strategy(shown, current, repr(current))}; "
+                'strategies cannot be mixed (TF: "Mixing different tf.distribute.Strategy '
+                'objects"): '
                 "write it outside that scope, or in its own strategy's"
             )
 
@@ -1383,24 +1405,60 @@ def snapshot(variable: Variable) -> tuple[Any, Device]:
     return variable._read_cross_replica(), variable._devices[0]
 
 
+async def host_value(variable: Variable) -> np.ndarray[Any, Any]:
+    """``variable``'s value as a cross-replica read gives it, on the host, read without a
+    host sync on the event loop's thread: a GPU's copy comes in a worker thread."""
+    value, device = snapshot(variable)
+    if is_cupy_array(value):
+        return await anyio.to_thread.run_sync(host_array, value, device)
+    return np.asarray(value)
+
+
 def slot_variable(variable: Variable, name: str, *, initial_value: float = 0.0) -> Variable:
     """A new variable beside ``variable``: same devices and strategy, mirrored, every element
     ``initial_value`` (zero unless given).
 
-    Optimizers keep their per-variable state (momentum, moments, accumulators) in these.
+    Optimizers keep their per-variable state (momentum, moments, accumulators) in these. Its
+    copies are made here, on the calling thread: ``filled_slot_variable`` makes them on the
+    devices.
     """
-    slot = object.__new__(Variable if variable._strategy is None else MirroredVariable)
-    slot._init(
+    slot = _slot_beside(variable, name)
+    array = np.full(variable._shape, initial_value, variable._dtype)
+    slot._copies = tuple(frozen(device.asarray(array)) for device in slot._devices)
+    return slot
+
+
+async def filled_slot_variable(
+    variable: Variable, name: str, *, initial_value: float = 0.0
+) -> Variable:
+    """``slot_variable``, its copies filled where each device's rule puts work of their size
+    (``device.compute``: a big host array on the device's worker thread, a GPU's on its
+    stream), so that a step's first use of a big variable does not block the event loop."""
+    slot = _slot_beside(variable, name)
+    slot._copies = await compute_update(variable, functools.partial(_full_like, initial_value))
+    return slot
+
+
+def _slot_beside(variable: Variable, name: str) -> Variable:
+    """A slot of ``variable`` (see ``slot_variable``) without its copies yet."""
+    mirrored = variable._strategy is not None
+    slot = object.__new__(MirroredVariable if mirrored else Variable)
+    slot._describe(
         variable._strategy,
         variable._engine,
-        np.full(variable._shape, initial_value, variable._dtype),
         name,
-        None,
+        variable._dtype,
+        variable._shape,
         False,
-        _Sync.AUTO if variable._strategy is None else _Sync.ON_WRITE,
+        _Sync.ON_WRITE if mirrored else _Sync.AUTO,
         _Agg.NONE,
     )
     return slot
+
+
+def _full_like(value: float, copy: Any) -> Any:
+    """A new array of ``copy``'s shape and dtype, on its device, every element ``value``."""
+    return array_module(copy).full(copy.shape, value, copy.dtype)
 
 
 async def _merge_write(strategy: Any, variable: Any, op: Any, value: Any, given: Any) -> None:
@@ -1508,7 +1566,7 @@ async def _the_one_value(variable: Variable, value: Any) -> list[Any]:
         error = ValueError(
             f"cannot write MirroredVariable {variable._name!r} of dtype {variable._dtype} with "
             f"aggregation {variable._aggregation.name} in replica context: the replicas "
-            f"passed different values{which_differ(parts, engine)}, "
+            f"passed different values{await which_differ(parts, engine)}, "
             f"{why}, or write it in cross-replica context"
         )
         await engine.refuse("a write of a variable", error)  # every worker raises alike
@@ -1531,9 +1589,29 @@ async def bits_differ(engine: ReductionEngine, values: Sequence[Sequence[Any]]) 
     high = await engine.batch_reduce_to(ReduceOp.MAX, pairs)
     low = await engine.batch_reduce_to(ReduceOp.MIN, pairs)
     return [
-        not np.array_equal(host_array(h[0], devices[0]), host_array(lo[0], devices[0]))
+        not await _holds(devices[0], h[0].nbytes + lo[0].nbytes, _equal, h[0], lo[0])
         for h, lo in zip(high, low, strict=True)
     ]
+
+
+async def _holds(device: Device, nbytes: int, test: Callable[..., Any], *arrays: Any) -> bool:
+    """``bool(test(*arrays))`` for arrays on ``device``, tested where the device's rule puts
+    work that reads ``nbytes`` (``device.compute``: small host work inline, the rest on the
+    device's worker thread, a GPU's on its stream) and read without a host sync on the event
+    loop's thread (invariant 4): a GPU's answer is copied to the host in a worker thread."""
+    answer = await device.compute(nbytes, test, *arrays)
+    if is_cupy_array(answer):
+        answer = await anyio.to_thread.run_sync(host_array, answer, device)
+    return bool(answer)
+
+
+def _equal(first: Any, other: Any) -> Any:
+    """Whether two arrays of one device are equal, NaN equal to NaN where the dtype has NaNs
+    (a 0-d array of that device, or a bool)."""
+    xp = array_module(first)
+    if first.dtype.kind in "fc" and other.dtype.kind in "fc":
+        return xp.array_equal(first, other, equal_nan=True)
+    return xp.array_equal(first, other)
 
 
 def _bytes_of(array: Any) -> Any:
@@ -1544,29 +1622,49 @@ def _bytes_of(array: Any) -> Any:
     return array_module(array).ascontiguousarray(array).reshape(-1).view("u1")
 
 
-def which_differ(parts: Sequence[Any], engine: ReductionEngine) -> str:
+async def which_differ(parts: Sequence[Any], engine: ReductionEngine) -> str:
     """Which of this process's replicas passed another value than its first, for a message
-    (``""`` when they agree here: the difference is another worker's)."""
+    (``""`` when they agree here: the difference is another worker's).
+
+    Each replica's value is compared with the first's bytes on its own device, where the
+    device's rule puts work of that size, and the first one's text lists no more than a few
+    of its elements: a refused write of a big array does not block the event loop.
+    """
     first_replica = engine.first_replica
-    hosts = [host_array(p, d) for p, d in zip(parts, engine.devices, strict=True)]
-    ref = _bytes_of(hosts[0])
-    odd = [
-        first_replica + i
-        for i, other in enumerate(hosts)
-        if not np.array_equal(_bytes_of(other), ref)
-    ]
+    devices = engine.devices
+    odd = []
+    for i, (part, device) in enumerate(zip(parts, devices, strict=True)):
+        if part is parts[0]:
+            continue
+        first = device.asarray(parts[0])  # on this replica's device, in order
+        if not await _holds(device, part.nbytes + first.nbytes, _same_bits, first, part):
+            odd.append(first_replica + i)
     if not odd:
         return ""
-    first = _array_text(hosts[0])
+    first = await _array_text(parts[0], devices[0])
     return f" ({replica_list(odd)} passed another than replica {first_replica}'s {first})"
 
 
-def _array_text(array: np.ndarray[Any, Any]) -> str:
+def _same_bits(first: Any, other: Any) -> Any:
+    """Whether two arrays of one device hold the same bytes (see ``_bytes_of``)."""
+    return array_module(first).array_equal(_bytes_of(first), _bytes_of(other))
+
+
+#: Elements beyond which an array's values, as a list, cannot fit ``_array_text``'s 40
+#: characters (``[0, 0, ...]`` takes 3 per element).
+_LISTED: Final = 13
+
+
+async def _array_text(array: Any, device: Device) -> str:
     """``array``'s values as a list, or elided in the middle when that is long:
-    ``[0., 0., ..., 0., 0.]``."""
-    shown = repr(array.tolist())
-    if len(shown) <= 40:
-        return shown
+    ``[0., 0., ..., 0., 0.]``. NumPy formats the elided text from the corners alone; a GPU
+    array is copied to the host in a worker thread first."""
+    if is_cupy_array(array):
+        array = await anyio.to_thread.run_sync(host_array, array, device)
+    if array.size <= _LISTED:
+        shown = repr(array.tolist())
+        if len(shown) <= 40:
+            return shown
     text = np.array2string(array, threshold=6, edgeitems=2, max_line_width=1 << 20, separator=", ")
     return " ".join(text.split())
 
@@ -1704,7 +1802,7 @@ async def _update(
 
     async with variable._turn:
         try:
-            per_copy_args = _update_arguments(strategy, variable, args, kwargs)
+            per_copy_args = await _update_arguments(strategy, variable, args, kwargs)
             new = await compute_update(variable, apply, per_copy_args)
         except Exception as exc:  # bad arguments, or whatever fn raised
             # The others learn of it too: a refusal they raise in step. (In a run(), what else
@@ -1790,13 +1888,16 @@ def check_updated_by(strategy: Any, variable: Variable) -> None:
         )
 
 
-def _update_arguments(
+async def _update_arguments(
     strategy: Any, variable: Variable, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
     """``update``'s arguments for each copy of ``variable``, as TF selects them: a
     sync-on-read variable's copy ``i`` gets replica ``i``'s component of each distributed
     argument; a mirrored variable's copies, which stay equal, take ``PerReplica`` arguments
-    only when every replica's component is equal (made in each replica alike, say).
+    only when every replica's component is equal (made in each replica alike, say). Each
+    copy's array arguments are on its device (as TF runs ``fn`` under ``ops.device``): a NumPy
+    array is copied to a GPU, an array of another GPU copied in order with the work that
+    made it, an array passed twice copied once; a host copy's arguments stay as they are.
 
     Raises:
         ValueError: ``variable`` belongs to another strategy; a distributed argument holds
@@ -1819,29 +1920,59 @@ def _update_arguments(
             )
     if not isinstance(variable, SyncOnReadVariable):
         for where, leaf in named:
-            if isinstance(leaf, PerReplica) and not _equal_components(variable, leaf):
+            if isinstance(leaf, PerReplica) and not await _equal_components(variable, leaf):
                 raise TypeError(
                     f"update() of variable {variable._name!r}: {where} is a PerReplica whose "
                     "values differ between replicas, but a mirrored variable's copies stay "
                     "equal; pass the same value on every replica (plain, Mirrored, or a "
                     "PerReplica of equal values), or reduce it first"
                 )
-    return [select_replica(i, (args, kwargs)) for i in range(copies)]
+    parts = [select_replica(i, (args, kwargs)) for i in range(copies)]
+    return on_replica_devices(parts, variable._devices, host_data=True)
 
 
-def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
-    """Whether every replica's component of ``leaf`` equals the first's (NaN equal to NaN;
-    each read on its copy's device)."""
-    first = host_array(leaf.values[0], variable._devices[0])
+async def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
+    """Whether every replica's component of ``leaf`` equals the first's (NaN equal to NaN).
+    Arrays of numbers are compared on their copy's device, where its rule puts work of their
+    size, the first one copied there; other values on the host."""
+    first = leaf.values[0]
     for component, device in zip(leaf.values[1:], variable._devices[1:], strict=True):
-        other = host_array(component, device)
-        try:
-            same = np.array_equal(first, other, equal_nan=True)
-        except TypeError:  # a dtype NaN means nothing to (strings, say)
-            same = np.array_equal(first, other)
-        if not same:
+        if component is first:
+            continue
+        if device.kind != "gpu" and (is_cupy_array(first) or is_cupy_array(component)):
+            # GPU arrays for a host copy: their host copies wait for the GPU, so off the loop.
+            if not await anyio.to_thread.run_sync(_equal_on_host, first, component):
+                return False
+            continue
+        if not (_numeric_array(first) and _numeric_array(component)):
+            if not _equal_values(host_array(first), host_array(component)):
+                return False
+            continue
+        if first.shape != component.shape:
+            return False
+        here, other = device.asarray(first), device.asarray(component)
+        if not await _holds(device, here.nbytes + other.nbytes, _equal, here, other):
             return False
     return True
+
+
+def _equal_on_host(first: Any, other: Any) -> bool:
+    """``_equal_values`` of two values' host copies (on a worker thread: a GPU array's waits
+    for its GPU)."""
+    return _equal_values(host_array(first), host_array(other))
+
+
+def _numeric_array(value: Any) -> bool:
+    """Whether ``value`` is an array of numbers or bools (which a device can compare)."""
+    return is_array(value) and value.dtype.kind in "biufc"
+
+
+def _equal_values(first: np.ndarray[Any, Any], other: np.ndarray[Any, Any]) -> bool:
+    """Whether two host arrays are equal, NaN equal to NaN where their dtype has NaNs."""
+    try:
+        return bool(np.array_equal(first, other, equal_nan=True))
+    except TypeError:  # a dtype NaN means nothing to (strings, say)
+        return bool(np.array_equal(first, other))
 
 
 def _check_integer_range(array: Any, dtype: np.dtype[Any], what: str) -> None:

@@ -192,6 +192,8 @@ class ExtraReplicaDevice:
         self.index = index
         self.enter = self._inner.enter
         self.leave = self._inner.leave
+        self.resume = self._inner.resume
+        self.suspend = self._inner.suspend
         self.asarray = self._inner.asarray
 
     @property

@@ -184,13 +184,13 @@ class TestLearningRate:
             (
                 0.5,
                 lambda step: 0.1,
-                "the number 0.5 in the checkpoint, a schedule or callable here",
+                "the number 0.5 in the checkpoint, a schedule, callable or variable here",
             ),
             (
                 lambda: 0.1,
                 0.25,
-                "a schedule or callable in the checkpoint (its code is not saved), the number "
-                "0.25 here",
+                "a schedule, callable or variable in the checkpoint (saved apart, if at all), the "
+                "number 0.25 here",
             ),
         ],
     )

@@ -1197,6 +1197,23 @@ class TestBatched:
         assert all(np.shares_memory(b_x, x) and np.shares_memory(b_y, y) for b_x, b_y in batches)
         np.testing.assert_array_equal(batches[2][0], x[8:])
 
+    @pytest.mark.parametrize("shuffle", [False, True], ids=["in-order", "shuffle"])
+    def test_batches_are_read_only(self, shuffle: bool) -> None:
+        """A step cannot change the data of later epochs through a batch: batches are
+        read-only, shuffled or not, and the caller's arrays stay writable."""
+        x = np.arange(6.0)
+        data = batched(x, 3, shuffle=shuffle, seed=0 if shuffle else None)
+        refused = []
+        for batch in data:
+            with pytest.raises(ValueError, match="read-only") as info:
+                batch -= batch.mean()
+            refused.append(info.type)
+        assert (refused, x.tolist(), x.flags.writeable) == (
+            [ValueError, ValueError],
+            [0.0, 1.0, 2.0, 3.0, 4.0, 5.0],
+            True,
+        )
+
     def test_nested_structure(self) -> None:
         """Nested structures come out with the same containers and keys."""
         x, y = table(3)

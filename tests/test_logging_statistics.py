@@ -6,11 +6,11 @@ import logging
 import math
 import subprocess
 import sys
-import threading
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import pytest
+from log_records import Records, recorded
 
 import aioreplica
 from aioreplica import MirroredStrategy
@@ -31,32 +31,10 @@ def noop(strategy: Any) -> None:
     return None
 
 
-class Records(logging.Handler):
-    """Keeps the records of the ``aioreplica`` logger; ``first`` is set by the first one (on
-    whatever thread logs it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-        self.first = threading.Event()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-        self.first.set()
-
-    def warnings(self) -> list[logging.LogRecord]:
-        return [record for record in self.records if record.levelno == logging.WARNING]
-
-
 @pytest.fixture
 def records() -> Iterator[Records]:
-    handler = Records()
-    logger = logging.getLogger("aioreplica")
-    logger.addHandler(handler)
-    try:
+    with recorded() as handler:
         yield handler
-    finally:
-        logger.removeHandler(handler)
 
 
 @pytest.fixture
@@ -137,7 +115,7 @@ async def test_a_slow_merge_point_is_logged_once_while_it_waits(
     (record,) = records.warnings()
     assert record.name == "aioreplica"
     message = record.getMessage()
-    assert message.startswith("merge_call #1 (_merge_all_reduce ")
+    assert message.startswith("all_reduce (merge_call #1) of a run() on MirroredStrategy(")
     assert "of a run() on MirroredStrategy(devices=['cpu:0', 'cpu:1', 'cpu:2'])" in message
     assert "for replica 2, which has not arrived (replicas 0 and 1 waiting)" in message
     assert "(slow_merge_warning=0.05 s: logged once per merge point)" in message

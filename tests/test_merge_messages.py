@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
-from aioreplica import MirroredStrategy, ReplicaSyncError, Variable
+from aioreplica import MirroredStrategy, ReplicaSyncError, Variable, optimizers
 from aioreplica.testing import host_devices, replica_context, replica_id
 
 pytestmark = pytest.mark.anyio
@@ -122,3 +123,74 @@ class TestDifferentCalls:
             "the replicas made different calls here (replica 0: merge_call(keep ("
         ), note
         assert "; replica 1: all_gather): every replica must make" in note, note
+
+
+class TestMergePointsInMessages:
+    """A timeout, or a replica finishing while another waits, names the call the waiting
+    replica made (a collective, a write, an optimizer step) and where it made it, not the
+    library's merge function."""
+
+    @pytest.mark.parametrize(
+        ("call", "words"),
+        [
+            ("all_reduce", "all_reduce"),
+            ("assign_add", "a write of a variable (assign, assign_add or assign_sub)"),
+            ("apply_gradients", "an optimizer step (apply_gradients)"),
+            ("update", "extended.update of a variable"),
+        ],
+    )
+    async def test_a_timeout_names_the_call_and_where_it_waits(self, call: str, words: str) -> None:
+        strategy = MirroredStrategy(host_devices(2), sync_timeout=0.2)
+        with strategy.scope():
+            v = Variable(np.zeros(2), aggregation="sum")
+            optimizer = optimizers.SGD(0.1)
+        never = anyio.Event()
+
+        async def step() -> None:
+            ctx = replica_context()
+            if replica_id() == 1:
+                await never.wait()
+            grad = np.ones(2)
+            if call == "all_reduce":
+                await ctx.all_reduce("sum", 1.0)
+            elif call == "assign_add":
+                await v.assign_add(grad)
+            elif call == "apply_gradients":
+                await optimizer.apply_gradients([(grad, v)])
+            else:
+                await strategy.extended.update(v, lambda var, g: var + g, (grad,))
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError) as caught:
+            await strategy.run(step)
+        message = str(caught.value)
+        assert message.startswith(
+            f"replica 0 waited 0.2 s in {words} (merge_call #1) at {__file__}:"
+        ), message
+        assert message.endswith(
+            " for replica 1, which did not arrive; a replica is stuck or skips this merge_call "
+            "(raise the timeout if it is just slow)"
+        ), message
+        assert "/aioreplica/" not in message  # no merge function of the library
+
+    async def test_a_replica_finishing_early_names_the_call_the_other_waits_in(self) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        finished = anyio.Event()
+
+        async def step() -> Any:
+            if replica_id() == 1:
+                await finished.wait()  # replica 0 waits in its all_reduce by then
+                return None
+            finished.set()
+            return await replica_context().all_reduce("sum", 1.0)
+
+        with anyio.fail_after(5), pytest.raises(ReplicaSyncError) as caught:
+            await strategy.run(step)
+        message = str(caught.value)
+        assert message.startswith(
+            "replica 1 finished after 0 merge_call()s while replica 0 waits in all_reduce "
+            f"(merge_call #1) at {__file__}:"
+        ), message
+        assert message.endswith(
+            "; every replica must reach the same merge_calls, so move merge_call out of "
+            "replica-dependent branches"
+        ), message

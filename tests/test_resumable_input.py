@@ -385,6 +385,47 @@ class TestRefusedRestore:
         assert got == twin_epochs[0]
         assert [labels(batch).tolist() for batch in data] == twin_epochs[1]
 
+    async def test_structured_records_of_other_fields(self, tmp_path: Path) -> None:
+        """Records of the same size with other fields are another dataset: the structure
+        names the fields, not only the record size."""
+        saved = iter(batched(np.zeros(6, dtype=[("x", "<f8")]), 2))
+        next(saved)
+        await Checkpoint(data=saved).save(tmp_path / "c.npz")
+        iterator = iter(batched(np.zeros(6, dtype=[("label", "<i8")]), 2))
+        with pytest.raises(CheckpointError) as caught:
+            await Checkpoint(data=iterator).restore(tmp_path / "c.npz")
+        assert caught.value.problems == (
+            "data: the checkpoint's iterator is over another dataset: batch structure "
+            "[('x', '<f8')][*] in the checkpoint, [('label', '<i8')][*] here; restore into an "
+            "iterator over the same batched(...) dataset",
+        )
+        assert iterator.position == 0
+
+    async def test_structured_records_of_older_checkpoints(self, tmp_path: Path) -> None:
+        """Older checkpoints drew a structured dtype by its size alone ("void128"): a record
+        of that size takes the saved place; one of another size is another dataset."""
+        records = np.zeros(6, dtype=[("x", "<f8"), ("y", "<i8")])
+        records["y"] = np.arange(6)
+        saved = iter(batched(records, 2))
+        next(saved)
+        await Checkpoint(data=saved).save(tmp_path / "c.npz")
+        rewrite_manifest(tmp_path / "c.npz", tmp_path / "old.npz", "data", structure="void128[*]")
+        rewrite_manifest(tmp_path / "c.npz", tmp_path / "small.npz", "data", structure="void64[*]")
+
+        iterator = iter(batched(records, 2))
+        await Checkpoint(data=iterator).restore(tmp_path / "old.npz")
+        assert [batch["y"].tolist() for batch in iterator] == [[2, 3], [4, 5]]
+
+        iterator = iter(batched(records, 2))
+        with pytest.raises(CheckpointError) as caught:
+            await Checkpoint(data=iterator).restore(tmp_path / "small.npz")
+        assert caught.value.problems == (
+            "data: the checkpoint's iterator is over another dataset: batch structure "
+            "void64[*] in the checkpoint, [('x', '<f8'), ('y', '<i8')][*] here; restore into "
+            "an iterator over the same batched(...) dataset",
+        )
+        assert iterator.position == 0
+
     async def test_iterator_that_pulled_ahead(self, tmp_path: Path) -> None:
         """A distributed iterator that has prefetched is refused, and so is a closed one; with
         prefetch=0 one that handed out elements takes the saved place."""

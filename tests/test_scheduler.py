@@ -461,7 +461,10 @@ class TestReplicaSync:
         with pytest.raises(ReplicaSyncError) as info:
             await strategy.run(step)
         assert (info.value.merge_number, info.value.replicas) == (1, (0,))
-        assert "replica 1 reached merge_call #1, but replica 0 already finished" in str(info.value)
+        message = str(info.value)
+        assert message.startswith("replica 1 reached merge_call #1 (noop ("), message
+        assert f") at {__file__}:" in message  # where replica 1 awaits it
+        assert ", but replica 0 already finished after 0 merge_call()s" in message
 
     async def test_different_merge_functions_in_one_round(self) -> None:
         """Replicas passing merge functions with different code raise, naming both groups."""
@@ -650,7 +653,9 @@ class TestReplicaSync:
             await strategy.run(step)
         assert events == ["replica 0 left the round"]
         assert (info.value.replicas, info.value.waiting) == ((0, 2), (1,))
-        assert str(info.value).startswith("replica 1 waited 0.2 s in merge_call #1")
+        assert str(info.value).startswith(
+            f"replica 1 waited 0.2 s in all_reduce (merge_call #1) at {__file__}:"
+        )
 
 
 class TestFailures:

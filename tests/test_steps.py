@@ -151,7 +151,10 @@ class TestRunSteps:
 
         with pytest.raises(ValueError, match="bad batch") as info:
             await strategy.run_steps(step, aiter(strategy.distribute_dataset(batches(4))), 4)
-        assert info.value.__notes__ == ["raised in replica 1 of 2 (device cpu:1)"]
+        assert info.value.__notes__ == [
+            "raised in step 2 of run_steps()",
+            "raised in replica 1 of 2 (device cpu:1)",
+        ]
         # Step 1 ran on both; in step 2 replica 0 may be cancelled before it starts; no step 3.
         assert {(0, 0), (1, 2), (1, 6)} <= set(steps) <= {(0, 0), (1, 2), (0, 4), (1, 6)}
 

@@ -156,10 +156,10 @@ class TestDeviceListMistakes:
     def test_a_string_that_names_no_device(self) -> None:
         """A string that is no device name is not echoed back as advice."""
         with pytest.raises(TypeError) as info:
-            MirroredStrategy("cpu")
+            MirroredStrategy("host")
         message = str(info.value)
-        assert message.startswith("devices must be a list of device names, got the string 'cpu'")
-        assert "write ['cpu']" not in message
+        assert message.startswith("devices must be a list of device names, got the string 'host'")
+        assert "write ['host']" not in message
         assert "such as ['cpu:0', 'cpu:1']" in message
 
     def test_bytes(self) -> None:

@@ -38,15 +38,18 @@ __all__ = [
 ]
 
 # Accepts "cpu:1", "CPU:1", "/cpu:1", "/device:CPU:1", "cuda:0", "gpu:0", "/gpu:0", and TF's full
-# form "/job:localhost/replica:0/task:0/device:GPU:0" (only the device part is kept).
+# form "/job:localhost/replica:0/task:0/device:GPU:0" (only the device part is kept). Without an
+# index ("/cpu", "/device:GPU") it is device 0, as TF canonicalises it. TF's "*" (any index) is
+# matched only to be refused with its own message.
 _DEVICE_RE = re.compile(
-    r"^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:\d+)?(?:/?device:|/)?(cpu|gpu|cuda):(\d+)$",
+    r"^(?:/job:[^/]+)?(?:/replica:\d+)?(?:/task:\d+)?(?:/?device:|/)?(cpu|gpu|cuda)(?::(\d+|\*))?$",
     re.IGNORECASE,
 )
 
 _VALID = (
-    "valid names are logical host devices 'cpu:0', 'cpu:1', ... (TF spellings such as "
-    "'/device:CPU:1' are accepted too)"
+    "valid names are logical host devices 'cpu:0', 'cpu:1', ... and the GPUs CuPy sees, "
+    "'gpu:0', 'gpu:1', ... (or 'cuda:0', ...); TF spellings such as '/device:CPU:1' and "
+    "'/gpu:0' are accepted too"
 )
 
 
@@ -55,20 +58,24 @@ def canonical_device_name(name: str) -> str:
 
     Args:
         name: ``"cpu:1"``, ``"/device:CPU:1"``, ``"/cpu:1"``, ``"CPU:1"``, ``"gpu:0"``,
-            ``"cuda:0"``, ``"/gpu:0"`` and TF's ``"/job:.../device:GPU:0"`` are understood.
+            ``"cuda:0"``, ``"/gpu:0"`` and TF's ``"/job:.../device:GPU:0"`` are understood; a
+            name without an index (``"/cpu"``, ``"/device:GPU"``) is device 0, as in TF.
 
     Returns:
         ``"cpu:<i>"`` or ``"gpu:<i>"``.
 
     Raises:
         TypeError: ``name`` is not a string.
-        ValueError: ``name`` is not a device name.
+        ValueError: ``name`` is not a device name, or has TF's ``"*"`` (any device) for
+            its index: each replica needs one device, named by its index.
 
     Example:
         >>> canonical_device_name("/device:CPU:1")
         'cpu:1'
         >>> canonical_device_name("cuda:0")
         'gpu:0'
+        >>> canonical_device_name("/cpu")
+        'cpu:0'
     """
     if not isinstance(name, str):
         raise TypeError(f"a device name must be a str, got {type(name).__name__} {name!r}")
@@ -76,7 +83,14 @@ def canonical_device_name(name: str) -> str:
     if match is None:
         raise ValueError(f"unknown device {name!r}: {_VALID}")
     kind = match.group(1).lower()
-    return f"{'gpu' if kind == 'cuda' else kind}:{int(match.group(2))}"
+    kind = "gpu" if kind == "cuda" else kind
+    index = match.group(2) or "0"
+    if index == "*":
+        raise ValueError(
+            f"device {name!r} has '*' (any device) for its index, which names no one device: "
+            f"each replica runs on the device it names; name an index, e.g. '{kind}:0'"
+        )
+    return f"{kind}:{int(index)}"
 
 
 def _gpu_count() -> int:

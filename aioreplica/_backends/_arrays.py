@@ -11,10 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .. import _tree
+
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from ._protocol import Device
 
-__all__ = ["array_kind", "array_module", "host_array", "is_array", "is_cupy_array"]
+__all__ = [
+    "array_kind",
+    "array_module",
+    "host_array",
+    "is_array",
+    "is_cupy_array",
+    "on_replica_devices",
+]
 
 
 def is_cupy_array(value: object) -> bool:
@@ -84,3 +95,46 @@ def host_array(value: Any, owner: Device | None = None) -> np.ndarray[Any, Any]:
     cupy_array: Any = value
     with cupy_array.device:
         return cupy_array.get(stream=getattr(owner, "stream", None))  # type: ignore[no-any-return]
+
+
+_Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def on_replica_devices(
+    parts: list[_Arguments], devices: Sequence[Device], *, host_data: bool = False
+) -> list[_Arguments]:
+    """Each replica's ``(args, kwargs)``, with every CuPy array in it that lives on another GPU
+    than the replica's copied onto the replica's device, and with ``host_data`` every NumPy
+    array too (``extended.update`` runs ``fn`` on the copy's device, as TF does; ``run()``
+    leaves host data on the host).
+
+    ``device.asarray`` makes the copy on the replica's stream after the work queued so far on
+    the array's GPU's current stream (where code outside a step made it), so the replica
+    reads the array after it is written, as TF copies a step's inputs to each replica's device.
+    An array passed twice is copied once, and stays one object. A replica whose arguments need
+    no copy gets them as they are, and so does every replica on a host device: it reads host
+    data where it is, and a CuPy array is left alone (copying it to the host would block the
+    event loop's thread until its GPU is done).
+
+    Example:
+        >>> from aioreplica._backends import host_device
+        >>> on_replica_devices([((np.zeros(2),), {"scale": 2})], [host_device(0)])
+        [((array([0., 0.]),), {'scale': 2})]
+    """
+    if "cupy" not in sys.modules:  # no GPU device without CuPy: nothing to copy
+        return parts
+    placed = []
+    for part, device in zip(parts, devices, strict=True):
+        if device.kind != "gpu":
+            placed.append(part)
+            continue
+        leaves, treedef = _tree.flatten(part)
+        copies: dict[int, Any] = {}
+        for leaf in leaves:
+            moved = is_cupy_array(leaf) or (host_data and isinstance(leaf, np.ndarray))
+            if moved and id(leaf) not in copies:
+                copies[id(leaf)] = device.asarray(leaf)
+        if any(copy is not leaf for leaf in leaves if (copy := copies.get(id(leaf))) is not None):
+            part = treedef.unflatten([copies.get(id(leaf), leaf) for leaf in leaves])
+        placed.append(part)
+    return placed

@@ -4,19 +4,23 @@ Imported only when a GPU is asked for or listed; ``import aioreplica`` never imp
 
 Devices
 -------
-A ``CudaDevice`` owns one blocking stream (CuPy's default), created in its GPU's context:
-CUDA orders it with the GPU's legacy default stream, where code outside a step runs, so a
-``float(loss)`` after ``run()`` and an array made with ``cupy.asarray`` before it are ordered
-with the replica's work (docs/architecture.md, "Host reads and device order"). CuPy's
-current device and current stream are per host thread, and every replica runs on the loop
-thread, so the scheduler calls ``enter()`` before each step of a replica's coroutine and
-``leave()`` after it (invariant 1). ``enter`` pushes the device's stream the way
-``with stream:`` does, so a ``with other_stream:`` block inside replica code falls back to the
-replica's stream when it ends (a stream made current with ``Stream.use()`` would not be
-restored by CuPy there). ``leave`` pops it and, if the loop thread had made a stream current
-with ``use()`` before, makes that one current again: CuPy's ``with`` exit restores the previous
-``with`` block's stream, not a ``use()``'d one (cupy/cupy#8377). Calls nest: reading a variable
-inside a step enters its device again, and each ``leave`` undoes its own ``enter``.
+A ``CudaDevice`` owns one blocking stream (CuPy's default), created in its
+GPU's context: CUDA orders it with the GPU's legacy default stream, where code outside a step
+runs, so a ``float(loss)`` after ``run()`` and an array made with ``cupy.asarray`` before it
+are ordered with the replica's work (docs/architecture.md, "Host reads and device order").
+CuPy's current device and current stream are per host thread, and every replica runs on the
+loop thread, so the scheduler calls ``resume()`` before each step of a replica's coroutine and
+``suspend()`` after it (invariant 1): an ``enter()`` and a ``leave()`` of the device. ``enter``
+pushes the device's stream the way ``with stream:`` does, so a ``with other_stream:`` block
+inside replica code falls back to the replica's stream when it ends (a stream made current with
+``Stream.use()`` would not be restored by CuPy there). ``leave`` pops it and, if the loop
+thread had made a stream current with ``use()`` before, makes that one current again: CuPy's
+``with`` exit restores the previous ``with`` block's stream, not a ``use()``'d one
+(cupy/cupy#8377). Calls nest: reading a variable inside a step enters its device again, and
+each ``leave`` undoes its own ``enter``. What the replica itself made current when it suspends
+(its ``with other_stream:`` block, another GPU) is kept per task and made current again when it
+resumes, so such a block spans its awaits; meanwhile the loop thread has the caller's state
+back (``CudaDevice.suspend``).
 
 ``synchronize()`` never blocks the loop: it queues a stream callback that wakes the waiting
 task thread-safely, and polls an event if the callback is late (see
@@ -136,17 +140,105 @@ class CudaDevice:
     def enter(self) -> None:
         """Make this GPU and its stream current on the calling thread; remember the previous.
 
-        Called by the scheduler before every step of a replica coroutine, and around
-        synchronous work on the device outside it. Calls nest: each ``leave`` undoes the
-        latest ``enter`` (reading a variable inside a replica's step enters its device again).
+        Called around synchronous work on the device outside a replica's step (a merge
+        function's, a checkpoint's). Calls nest: each ``leave`` undoes the latest ``enter``
+        (reading a variable inside a replica's step enters its device again).
+
+        Example:
+            >>> device = cuda_device(0)
+            >>> device.enter(); cupy.cuda.get_current_stream() == device.stream
+            True
+            >>> device.leave()
         """
         self._saved.append(_activate(self._index, self._stream))
 
     def leave(self) -> None:
         """Make current again exactly the device and stream that were current at the matching
-        ``enter``."""
+        ``enter``.
+
+        Example:
+            >>> device = cuda_device(0)
+            >>> before = cupy.cuda.get_current_stream()
+            >>> device.enter(); device.leave()
+            >>> cupy.cuda.get_current_stream() == before
+            True
+        """
         if self._saved:
             _restore(self._index, self._stream, self._saved.pop())
+
+    def resume(self) -> None:
+        """``enter``, as the scheduler resumes a replica's step: then make current again what
+        the replica had made current when it last suspended (see ``suspend``), so a ``with
+        other_stream:`` or ``with cupy.cuda.Device(k):`` block around an await goes on after
+        it.
+
+        Example:
+            >>> device = cuda_device(0)
+            >>> device.resume(); cupy.cuda.get_current_stream() == device.stream
+            True
+            >>> device.suspend()
+        """
+        saved = self._saved
+        resumed = None if saved else _resume.get()
+        saved.append(_activate(self._index, self._stream))
+        if resumed is not None and resumed[0] is self:
+            _resume.set(None)  # taken: a task started in this step does not inherit it
+            _, gpu, stream, pushed = resumed
+            if stream is not self._stream:
+                if pushed:
+                    stream.__enter__()  # its ``with`` block's exit pops it again
+                else:
+                    stream.use()
+            if gpu != self._index:
+                _set_device(gpu)
+
+    def suspend(self) -> None:
+        """``leave``, as a replica's step suspends: first note what the replica has current, if
+        it is not this device and its stream: another GPU, or a stream of its own (made
+        current with ``with`` or ``use()``).
+
+        The note is a context variable, so per replica task, and the scheduler's next
+        ``resume`` in the task makes it current again; meanwhile the loop thread, and so every
+        other replica, merge function and the caller, has its own state back. The ``with``
+        block of a stream the replica pushed on this device is taken off CuPy's per-thread
+        stack with the entry under it and pushed again on resume, so its exit falls back to
+        this device's stream. One such block is carried: blocks nested around an await, or a
+        stream block on another GPU, stay on CuPy's stacks while the replica waits
+        (docs/gpu.md says so).
+
+        Example:
+            >>> device = cuda_device(0)
+            >>> before = cupy.cuda.get_current_stream()
+            >>> device.resume(); device.suspend()
+            >>> cupy.cuda.get_current_stream() == before
+            True
+        """
+        saved = self._saved
+        if not saved:
+            return
+        previous_device, previous_stream = saved.pop()
+        index, stream = self._index, self._stream
+        gpu = _get_device()
+        if gpu != index:
+            _set_device(index)
+        current = _get_current_stream()
+        stream.__exit__(None, None, None)
+        if not saved and (gpu != index or current is not stream):
+            # The replica suspends with its own device or stream current. If it had pushed
+            # that stream (``with side:``), the pop above took it and left this device's
+            # entry on top: take that too, so no stream of the replica's stays on the stack.
+            pushed = (
+                current is not stream
+                and previous_stream is not stream
+                and _get_current_stream() is stream
+            )
+            if pushed:
+                stream.__exit__(None, None, None)
+            _resume.set((self, gpu, current, pushed))
+        if _get_current_stream() is not previous_stream:
+            previous_stream.use()  # it was made current with use(), which the with-stack forgets
+        if previous_device != index:
+            _set_device(previous_device)
 
     def asarray(self, value: Any) -> Any:
         """Return ``value`` as a CuPy array on this GPU, copied on this device's stream.
@@ -258,6 +350,13 @@ class CudaDevice:
     def __repr__(self) -> str:
         return f"<CudaDevice {self.name}>"
 
+
+#: What the replica of this task had current when it last suspended, for its next ``enter``:
+#: ``(device, GPU current, stream current on the device's GPU, whether that stream was pushed
+#: with ``with``)``, or ``None`` when it was the device and its stream.
+_resume: contextvars.ContextVar[tuple[CudaDevice, int, Any, bool] | None] = contextvars.ContextVar(
+    "aioreplica_cuda_resume", default=None
+)
 
 _cuda_devices: dict[int, CudaDevice] = {}
 

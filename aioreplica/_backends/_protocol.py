@@ -4,7 +4,10 @@ A **device** is where a replica's arrays live and its work runs. The scheduler c
 ``enter()`` before every step of a replica's coroutine and ``leave()`` after it (invariant 1),
 so a device whose "current device" state is thread-local (CuPy's current device and stream)
 follows its replica across every await. Host devices have nothing to enter: they say
-so with ``has_context = False`` and the scheduler then skips both calls on its hot path.
+so with ``has_context = False`` and the scheduler then skips both calls on its hot path. A
+device may also have ``resume()`` and ``suspend()``, which the scheduler then calls in their
+place: an ``enter`` and a ``leave`` that also carry what the replica's own code made current
+from one step to the next (``CudaDevice``: a ``with other_stream:`` block around an await).
 
 An **array backend** (one per kind of device: NumPy for ``cpu``, CuPy for ``gpu``) carries out
 collectives over arrays that ``aioreplica._collectives`` has already validated: one input per

@@ -75,6 +75,32 @@ class TestCanonicalDeviceName:
         """GPU and CUDA spellings canonicalise to ``gpu:<i>`` (parsing needs no GPU)."""
         assert canonical_device_name(name) == expected
 
+    @pytest.mark.parametrize(
+        ("name", "expected"),
+        [
+            ("/cpu", "cpu:0"),
+            ("cpu", "cpu:0"),
+            ("/device:CPU", "cpu:0"),
+            ("/job:localhost/replica:0/task:0/device:CPU", "cpu:0"),
+            ("/gpu", "gpu:0"),
+            ("GPU", "gpu:0"),
+            ("cuda", "gpu:0"),
+        ],
+    )
+    def test_name_without_index_is_device_0(self, name: str, expected: str) -> None:
+        """A name without an index is device 0, as TF canonicalises it."""
+        assert canonical_device_name(name) == expected
+
+    @pytest.mark.parametrize(("name", "kind"), [("/device:CPU:*", "cpu"), ("/gpu:*", "gpu")])
+    def test_any_index_is_refused_asking_for_one(self, name: str, kind: str) -> None:
+        """TF's ``*`` (any device) names no one device: refused, asking for an index."""
+        with pytest.raises(ValueError, match=r"has '\*' \(any device\) for its index") as info:
+            canonical_device_name(name)
+        assert str(info.value) == (
+            f"device {name!r} has '*' (any device) for its index, which names no one device: "
+            f"each replica runs on the device it names; name an index, e.g. '{kind}:0'"
+        )
+
     def test_index_loses_leading_zeros(self) -> None:
         """The index is a number: ``cpu:01`` is ``cpu:1``."""
         assert canonical_device_name("cpu:01") == "cpu:1"
@@ -92,7 +118,6 @@ class TestCanonicalDeviceName:
         "name",
         [
             "",
-            "cpu",
             "cpu:",
             "cpu:x",
             "cpu:-1",
@@ -100,7 +125,6 @@ class TestCanonicalDeviceName:
             "cpu0",
             "tpu:0",
             "xla_cpu:0",
-            "/device:CPU",
             "cpu:1:2",
             "/job:localhost/replica:0/task:0",
             "/device:CPU:0/extra",
@@ -112,8 +136,9 @@ class TestCanonicalDeviceName:
             ValueError,
             match=(
                 rf"^unknown device {re.escape(repr(name))}: valid names are logical host "
-                r"devices 'cpu:0', 'cpu:1', \.\.\. \(TF spellings such as '/device:CPU:1' "
-                r"are accepted too\)$"
+                r"devices 'cpu:0', 'cpu:1', \.\.\. and the GPUs CuPy sees, 'gpu:0', 'gpu:1', "
+                r"\.\.\. \(or 'cuda:0', \.\.\.\); TF spellings such as '/device:CPU:1' and "
+                r"'/gpu:0' are accepted too$"
             ),
         ):
             canonical_device_name(name)
@@ -187,7 +212,8 @@ class TestResolveDevices:
             (3, 'for 3 replicas on this host write devices=[f"cpu:{i}" for i in range(3)]'),
             ("cpu:0 cpu:1", "write ['cpu:0', 'cpu:1']"),
             (b"cpu:2", "write ['cpu:2']"),
-            ("gpu", "which names no device; write a list such as ['cpu:0', 'cpu:1']"),
+            ("gpu", "write ['gpu']"),
+            ("tpu", "which names no device; write a list such as ['cpu:0', 'cpu:1']"),
             (HostDevice(1), "write [device]"),
             ({"cpu:1", "cpu:0"}, "which has no order; replica ids follow the order of the list"),
             (2.5, "such as ['cpu:0', 'cpu:1'], got the float 2.5"),

@@ -358,15 +358,15 @@ NAMED: dict[str, tuple[Callable[[], Awaitable[Any]], type[Exception], tuple[str,
     "late": (
         _late,
         aioreplica.ReplicaSyncError,
-        ("replica {g0} waited 0.3 s in merge_call #1 (_merge_all_reduce",),
+        ("replica {g0} waited 0.3 s in all_reduce (merge_call #1) at ",),
     ),
     "finished early": (
         _finished_early,
         aioreplica.ReplicaSyncError,
         (
-            "replica {g1} finished after 0 merge_call()s while replica {g0} waits in merge_call #1",
-            "replica {g0} reached merge_call #1, but replica {g1} already finished after 0 "
-            "merge_call()s",
+            "replica {g1} finished after 0 merge_call()s while replica {g0} waits in all_reduce "
+            "(merge_call #1) at ",
+            "replica {g0} reached all_reduce (merge_call #1) at ",
         ),
     ),
 }

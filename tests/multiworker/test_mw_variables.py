@@ -891,6 +891,31 @@ async def test_an_optimizer_set_otherwise_on_a_worker_is_refused(
         np.testing.assert_array_equal(total, [local * WORKERS])
 
 
+async def test_a_learning_rate_variable_that_differs_between_workers_is_named(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A learning rate held in a variable of the default strategy (not synced by the chief)
+    that holds another value on worker 1: the error every worker raises shows each worker's
+    rate and names the variable, so the messages say what differs."""
+    strategy = make_strategy(1)
+    with strategy.scope():
+        w = Variable(np.ones(2), name="w")
+    rate = Variable(0.25 if RANK == 1 else 0.5, name="lr")
+    optimizer = SGD(rate)
+
+    async def step() -> int:
+        return await optimizer.apply_gradients([(np.ones(2), w)])
+
+    with pytest.raises(ValueError, match=r"apply_gradients\(\) of variable #0 'w' by ") as caught:
+        await strategy.run(step)
+    assert len(set(allgather(str(caught.value)))) == 1
+    for worker, shown in enumerate(["0.5", "0.25"]):
+        assert f"worker {worker}: " in str(caught.value)
+        assert f"by SGD(rate {shown} (variable 'lr')" in str(caught.value)
+    assert optimizer.iterations == 0
+    assert_copies_equal(w, np.ones(2))
+
+
 @pytest.mark.parametrize("local", [1, 2])
 @pytest.mark.parametrize("aggregation", ["sum", "mean", "only_first_replica", "none"])
 @pytest.mark.parametrize("write", ["assign_add", "update", "reduce_to in a merge_fn"])

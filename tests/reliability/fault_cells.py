@@ -636,15 +636,22 @@ def merge_fn_note(name: str) -> str:
     return f"raised by merge_fn {name} (…) in merge_call #1, in cross-replica context"
 
 
+def call_note(call: str) -> str:
+    """The note of a failure in the merge function of one of the library's own calls."""
+    return f"raised by {call} (merge_call #1), in cross-replica context"
+
+
 def own_cancel_message(replica: int) -> str:
     return f"replica {replica}…CancelledError…not cancelled"
 
 
-def late_message(merge_fn: str) -> str:
-    return (
-        f"replicas 0 and 1 waited {TIMEOUT:g} s in merge_call #1 ({merge_fn} (…)) for "
-        "replica 2, which did not arrive"
-    )
+#: How messages name the call of merge_call #1 that the scenarios make.
+WRITE_CALL = "a write of a variable (assign, assign_add or assign_sub) (merge_call #1) at …"
+ALL_REDUCE_CALL = "all_reduce (merge_call #1) at …"
+
+
+def late_message(call: str) -> str:
+    return f"replicas 0 and 1 waited {TIMEOUT:g} s in {call} for replica 2, which did not arrive"
 
 
 def disagree_message(what: str, usual: str, odd: str) -> str:
@@ -658,7 +665,7 @@ _own_cancel = functools.partial(asyncio.CancelledError, "injected: the replica's
 _out_of_memory = functools.partial(MemoryError, "injected: device out of memory")
 _disk_full = functools.partial(OSError, errno.ENOSPC, "injected: no space left on device")
 _waits_then_cancelled = ("waits", "cancelled")
-_reduce_note = merge_fn_note("_merge_all_reduce")
+_reduce_note = call_note("all_reduce")
 
 CELLS: Final = [
     # -- before the first merge
@@ -728,7 +735,7 @@ CELLS: Final = [
         injection="replica 2 returns without merging; replicas 0 and 1 then write",
         scenario=replica_2_finishes_before_anyone_merges,
         raises=ReplicaSyncError,
-        message="reached merge_call #1, but replica 2 already finished after 0 merge_call()s",
+        message=f"reached {WRITE_CALL}, but replica 2 already finished after 0 merge_call()s",
         note="detected at a merge point",
         events=("replica 2 finished",),
     ),
@@ -788,7 +795,7 @@ CELLS: Final = [
         injection=f"sync_timeout={TIMEOUT:g}; replica 2 never arrives",
         scenario=replica_2_after_0_and_1_park(stuck_replica_2),
         raises=ReplicaSyncError,
-        message=late_message("_merge_write"),
+        message=late_message(WRITE_CALL),
         note="detected by a merge timeout",
         sync_timeout=TIMEOUT,
         events=("replica 2 waits", "replica 2 cancelled"),
@@ -800,8 +807,9 @@ CELLS: Final = [
         injection="replica 2 returns while replicas 0 and 1 are parked",
         scenario=replica_2_finishes_while_others_wait,
         raises=ReplicaSyncError,
-        message="replica 2 finished after 0 merge_call()s while replicas 0 and 1 wait in "
-        "merge_call #1",
+        message=(
+            f"replica 2 finished after 0 merge_call()s while replicas 0 and 1 wait in {WRITE_CALL}"
+        ),
         note="detected when replica 2 finished",
     ),
     Cell(
@@ -986,7 +994,7 @@ CELLS: Final = [
         injection=f"timeout_seconds={TIMEOUT:g}; replica 2 never arrives",
         scenario=replica_2_late_for_collective,
         raises=ReplicaSyncError,
-        message=late_message("_merge_all_reduce"),
+        message=late_message(ALL_REDUCE_CALL),
         note="detected by a merge timeout",
         events=("replica 2 waits", "replica 2 cancelled"),
     ),
@@ -1045,7 +1053,7 @@ CELLS: Final = [
         injection=f"sync_timeout={TIMEOUT:g}; replica 2's job outlasts it",
         scenario=replica_2_job_outlasts_timeout,
         raises=ReplicaSyncError,
-        message=late_message("_merge_write"),
+        message=late_message(WRITE_CALL),
         note="detected by a merge timeout",
         abandoned="replica 2's device job",
         sync_timeout=TIMEOUT,
@@ -1090,7 +1098,7 @@ CELLS: Final = [
         scenario=device_fails(_out_of_memory, write_once),
         raises=MemoryError,
         message="device out of memory",
-        note=merge_fn_note("_merge_write"),
+        note=call_note("a write of a variable (assign, assign_add or assign_sub)"),
     ),
     Cell(
         id="write-cancel",
@@ -1120,7 +1128,7 @@ CELLS: Final = [
         message=disagree_message(
             "the kind of write (assign, assign_add, assign_sub)", "'assign_add'", "'assign_sub'"
         ),
-        note=merge_fn_note("_merge_write"),
+        note=call_note("a write of a variable (assign, assign_add or assign_sub)"),
     ),
     Cell(
         id="write-base_exception",
@@ -1129,7 +1137,7 @@ CELLS: Final = [
         injection="cpu:0's worker raises a private BaseException subclass during the write",
         scenario=device_fails(_abort, write_once),
         raises=Abort,
-        note=merge_fn_note("_merge_write"),
+        note=call_note("a write of a variable (assign, assign_add or assign_sub)"),
     ),
     # -- in an optimizer step (both variables; the 2 MiB one on the device workers)
     Cell(
@@ -1150,7 +1158,7 @@ CELLS: Final = [
         scenario=device_fails(_out_of_memory, step_once),
         raises=MemoryError,
         message="device out of memory",
-        note=merge_fn_note("Optimizer._merge_apply"),
+        note=call_note("an optimizer step (apply_gradients)"),
     ),
     Cell(
         id="step-cancel",
@@ -1180,7 +1188,7 @@ CELLS: Final = [
         message=disagree_message(
             "the variable of pair 0 of apply_gradients()", "variable 'small'", "variable 'big'"
         ),
-        note=merge_fn_note("Optimizer._merge_apply"),
+        note=call_note("an optimizer step (apply_gradients)"),
     ),
     Cell(
         id="step-base_exception",
@@ -1189,7 +1197,7 @@ CELLS: Final = [
         injection="cpu:0's worker raises a private BaseException subclass during the step",
         scenario=device_fails(_abort, step_once),
         raises=Abort,
-        note=merge_fn_note("Optimizer._merge_apply"),
+        note=call_note("an optimizer step (apply_gradients)"),
     ),
     # -- in Checkpoint.save (CheckpointManager.save, max_to_keep=1, after ckpt-1)
     Cell(

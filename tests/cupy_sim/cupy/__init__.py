@@ -156,7 +156,12 @@ def _wrap_result(
     address = result.__array_interface__["data"][0]
     for source in sources:
         block = source._lease.block
-        if block.ptr <= address < block.ptr + block.size and _np.shares_memory(
+        if result.size == 0:
+            # An empty view shares no bytes with anything (``np.shares_memory`` says no), but
+            # CuPy's is still a view on its source's GPU (``_view_getitem``): no kernel.
+            if _viewed_from(result, block.buffer):
+                return ndarray._view(source._lease, result)
+        elif block.ptr <= address < block.ptr + block.size and _np.shares_memory(
             result, block.buffer
         ):
             return ndarray._view(source._lease, result)
@@ -164,6 +169,16 @@ def _wrap_result(
     array._a[...] = result
     made.append(array)
     return array
+
+
+def _viewed_from(array: _np.ndarray[Any, Any], buffer: _np.ndarray[Any, Any]) -> bool:
+    """Whether ``array`` is a view whose chain of bases reaches ``buffer``."""
+    base = array.base
+    while base is not None:
+        if base is buffer:
+            return True
+        base = getattr(base, "base", None)
+    return False
 
 
 def _f_only(array: _np.ndarray[Any, Any]) -> bool:
