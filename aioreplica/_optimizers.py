@@ -235,15 +235,17 @@ class Optimizer:
             >>> aioreplica.optimizers.SGD(0.5).current_learning_rate()
             0.5
         """
-        rate = self._learning_rate
-        if isinstance(rate, Variable):
-            return _number("learning_rate", rate)
-        if not callable(rate):
-            return rate
-        call: Callable[..., object] = rate
+        return _number(*self._given_rate())
+
+    def _given_rate(self) -> tuple[str, Any]:
+        """The learning rate of the next step before it is read as a number: what messages
+        call it, and a number, a 0-d array or a variable (a callable's result, or itself)."""
+        rate: Any = self._learning_rate
+        if not callable(rate):  # a number, or a variable
+            return "learning_rate", rate
         if self._rate_of_step:
-            return _number(f"learning_rate({self._iterations})", call(self._iterations))
-        return _number("learning_rate()", call())
+            return f"learning_rate({self._iterations})", rate(self._iterations)
+        return "learning_rate()", rate()
 
     async def _step_rate(self) -> tuple[float, Variable | None]:
         """The learning rate of the step that starts now, and the variable it was read from
@@ -259,12 +261,8 @@ class Optimizer:
         for name, (variable, check) in self._held.items():
             value = (await host_value(variable)).item()
             values[name] = check(f"{name} (variable {variable.name!r})", value)
-        rate: Any = self._learning_rate
-        what = "learning_rate"
+        what, rate = self._given_rate()
         source: Variable | None = None
-        if callable(rate):
-            what = f"learning_rate({self._iterations})" if self._rate_of_step else "learning_rate()"
-            rate = rate(self._iterations) if self._rate_of_step else rate()
         if isinstance(rate, Variable):
             _check_held(what, rate)
             what = f"{what} (variable {rate.name!r})"

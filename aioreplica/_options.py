@@ -40,18 +40,7 @@ class CaseInsensitiveStrEnum(enum.StrEnum):
     def _missing_(cls, value: object) -> Self:
         """The member ``value`` names in another case; an unknown one raises ``parse``'s
         error, which lists the valid values, instead of enum's bare one."""
-        if isinstance(value, str):
-            member = cls._value2member_map_.get(value.lower())
-            if member is not None:
-                return member  # type: ignore[return-value]  # a member of cls
-        raise ValueError(cls._unknown(value))
-
-    @classmethod
-    def _unknown(cls, value: object) -> str:
-        """The message for a value that names no member."""
-        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
-        valid = ", ".join(repr(member.value) for member in cls)
-        return f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}"
+        return cls._named(value)
 
     @classmethod
     def parse(cls, value: Self | str) -> Self:
@@ -66,11 +55,22 @@ class CaseInsensitiveStrEnum(enum.StrEnum):
         """
         if isinstance(value, cls):
             return value
+        return cls._named(value)
+
+    @classmethod
+    def _named(cls, value: object) -> Self:
+        """The member a string names, in any case.
+
+        Raises:
+            ValueError: ``value`` names no member; the message lists the valid ones.
+        """
         if isinstance(value, str):
             member = cls._value2member_map_.get(value) or cls._value2member_map_.get(value.lower())
             if member is not None:
                 return member  # type: ignore[return-value]  # a member of cls
-        raise ValueError(cls._unknown(value))
+        what = re.sub(r"(?<!^)(?=[A-Z])", " ", cls.__name__).lower()  # ReduceOp: "reduce op"
+        valid = ", ".join(repr(member.value) for member in cls)
+        raise ValueError(f"unknown {what} {value!r}: use a {cls.__name__} or one of {valid}")
 
 
 class ReduceOp(CaseInsensitiveStrEnum):

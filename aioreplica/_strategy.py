@@ -42,6 +42,7 @@ from ._backends import (
     canonical_device_name,
     resolve_devices,
 )
+from ._backends._arrays import on_replica_devices
 from ._collectives import ReductionEngine, reductions_for
 from ._context import (
     ContextState,
@@ -1839,8 +1840,6 @@ class MirroredStrategy:
         if devices[0].kind == "gpu":  # host replicas read any host array: nothing to walk
             # As TF copies a step's inputs to each replica's device: a replica reading another
             # GPU's array would read it with nothing ordering the read after its writes.
-            from ._backends._arrays import on_replica_devices
-
             return on_replica_devices(parts, devices)
         return parts
 

@@ -1408,10 +1408,15 @@ def snapshot(variable: Variable) -> tuple[Any, Device]:
 async def host_value(variable: Variable) -> np.ndarray[Any, Any]:
     """``variable``'s value as a cross-replica read gives it, on the host, read without a
     host sync on the event loop's thread: a GPU's copy comes in a worker thread."""
-    value, device = snapshot(variable)
+    return np.asarray(await _on_host(*snapshot(variable)))
+
+
+async def _on_host(value: Any, device: Device) -> Any:
+    """``value`` on the host: a GPU array copied in a worker thread, where the copy waits for
+    its GPU, which the event loop's thread must not (invariant 4); anything else as it is."""
     if is_cupy_array(value):
         return await anyio.to_thread.run_sync(host_array, value, device)
-    return np.asarray(value)
+    return value
 
 
 def slot_variable(variable: Variable, name: str, *, initial_value: float = 0.0) -> Variable:
@@ -1599,10 +1604,7 @@ async def _holds(device: Device, nbytes: int, test: Callable[..., Any], *arrays:
     work that reads ``nbytes`` (``device.compute``: small host work inline, the rest on the
     device's worker thread, a GPU's on its stream) and read without a host sync on the event
     loop's thread (invariant 4): a GPU's answer is copied to the host in a worker thread."""
-    answer = await device.compute(nbytes, test, *arrays)
-    if is_cupy_array(answer):
-        answer = await anyio.to_thread.run_sync(host_array, answer, device)
-    return bool(answer)
+    return bool(await _on_host(await device.compute(nbytes, test, *arrays), device))
 
 
 def _equal(first: Any, other: Any) -> Any:
@@ -1659,8 +1661,7 @@ async def _array_text(array: Any, device: Device) -> str:
     """``array``'s values as a list, or elided in the middle when that is long:
     ``[0., 0., ..., 0., 0.]``. NumPy formats the elided text from the corners alone; a GPU
     array is copied to the host in a worker thread first."""
-    if is_cupy_array(array):
-        array = await anyio.to_thread.run_sync(host_array, array, device)
+    array = await _on_host(array, device)
     if array.size <= _LISTED:
         shown = repr(array.tolist())
         if len(shown) <= 40:
@@ -1945,7 +1946,7 @@ async def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
                 return False
             continue
         if not (_numeric_array(first) and _numeric_array(component)):
-            if not _equal_values(host_array(first), host_array(component)):
+            if not _equal_on_host(first, component):
                 return False
             continue
         if first.shape != component.shape:
@@ -1957,22 +1958,18 @@ async def _equal_components(variable: Variable, leaf: PerReplica[Any]) -> bool:
 
 
 def _equal_on_host(first: Any, other: Any) -> bool:
-    """``_equal_values`` of two values' host copies (on a worker thread: a GPU array's waits
-    for its GPU)."""
-    return _equal_values(host_array(first), host_array(other))
+    """Whether two values' host copies are equal, NaN equal to NaN where their dtype has NaNs
+    (on a worker thread where one is a GPU array: its copy waits for its GPU)."""
+    first, other = host_array(first), host_array(other)
+    try:
+        return bool(np.array_equal(first, other, equal_nan=True))
+    except TypeError:  # a dtype NaN means nothing to (strings, say)
+        return bool(np.array_equal(first, other))
 
 
 def _numeric_array(value: Any) -> bool:
     """Whether ``value`` is an array of numbers or bools (which a device can compare)."""
     return is_array(value) and value.dtype.kind in "biufc"
-
-
-def _equal_values(first: np.ndarray[Any, Any], other: np.ndarray[Any, Any]) -> bool:
-    """Whether two host arrays are equal, NaN equal to NaN where their dtype has NaNs."""
-    try:
-        return bool(np.array_equal(first, other, equal_nan=True))
-    except TypeError:  # a dtype NaN means nothing to (strings, say)
-        return bool(np.array_equal(first, other))
 
 
 def _check_integer_range(array: Any, dtype: np.dtype[Any], what: str) -> None:
