@@ -16,6 +16,7 @@ from ._batched import batched as batched
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointManager as CheckpointManager
 from ._checkpoint import RestoreReport as RestoreReport
+from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._context import ReplicaContext as ReplicaContext
 from ._context import get_cross_replica_context as get_cross_replica_context
 from ._context import get_replica_context as get_replica_context
@@ -104,6 +105,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "latest_checkpoint",
     "list_devices",
     "nest",
     "optimizers",

@@ -304,13 +304,15 @@ def batch_rows(leaves: Sequence[Any], treedef: _tree.TreeDef, what: str) -> int:
     sizes = [shape[0] if (shape := getattr(leaf, "shape", None)) else None for leaf in leaves]
     if sizes and sizes[0] is not None and all(size == sizes[0] for size in sizes):
         return int(sizes[0])
-    paths = [path for path, _ in _tree.flatten_with_path(treedef.unflatten(leaves))[0]]
+    batch = treedef.unflatten(leaves)
+    paths = [path for path, _ in _tree.flatten_with_path(batch)[0]]
     for path, leaf, size in zip(paths, leaves, sizes, strict=True):
         if size is None:
             raise TypeError(
-                f"{what}: the leaf at {_tree.describe_path(path)} is a {type(leaf).__name__}, "
-                "which has no batch dimension; every leaf must be an array whose first "
-                "dimension is the batch"
+                f"{what}: the leaf at {_tree.describe_path(path)} is "
+                f"{_tree.with_article(type(leaf).__name__)}, which has no batch dimension; "
+                "every leaf must be an array whose first dimension is the batch"
+                f"{_list_advice(batch, path)}"
             )
     if not sizes:
         raise ValueError(f"{what}: the batch has no arrays")
@@ -318,3 +320,22 @@ def batch_rows(leaves: Sequence[Any], treedef: _tree.TreeDef, what: str) -> int:
         f"{_tree.describe_path(path)} has {size}" for path, size in zip(paths, sizes, strict=True)
     )
     raise ValueError(f"{what}: leaves have different leading (batch) sizes: {listed}")
+
+
+def _list_advice(batch: Any, path: _tree.KeyPath) -> str:
+    """What to do when the leaf at ``path`` lies inside a list of ``batch``: tf.data makes a
+    Python list one tensor, where here (as in ``tf.nest``, and for ``run()``'s arguments) a
+    list is a structure whose items are leaves of their own."""
+    node = batch
+    for depth, key in enumerate(path):
+        if isinstance(node, list):
+            where = _tree.describe_path(path[:depth])
+            return (
+                f"; the list at {where} is taken as a structure (as in tf.nest), not as one "
+                "array as tf.data takes it: wrap it in np.asarray(...) to make it an array of "
+                "rows"
+            )
+        level = _tree.node_level(node)
+        assert level is not None  # a node on the way to a leaf
+        node = level.children[level.keys.index(key)]
+    return ""

@@ -38,6 +38,16 @@ File format
     in an unbroken run. The dataset must match; a distributed iterator must not have pulled
     ahead yet (restore into a fresh one); the number of replicas may differ.
 
+    Across workers each worker has its own place (``distribute_datasets_from_function`` gives
+    each its own input): the chief gathers them, and an entry whose places differ holds them
+    all in ``workers``, a list of such places by worker index (the fields above keep the
+    chief's). Each worker restores its own, so such an entry restores only under the same
+    number of workers. A file with such an entry is format version 2; every other file is
+    version 1, which earlier versions of aioreplica read too.
+
+    Arrays are written in the writing machine's byte order, and their manifest ``dtype`` says
+    which; a restore reads either order, into this machine's.
+
 Saving is atomic
     The file is written under a temporary name in the target directory,
     ``.<name>.<host>.<pid>.<random>.tmp``, flushed and fsynced, then renamed over the target
@@ -144,7 +154,9 @@ from ._optimizers import (
 from ._variables import (
     SyncOnReadVariable,
     Variable,
+    VariableAggregation,
     new_copies,
+    settle_here,
     snapshot,
     sync_variables,
     variable_label,
@@ -166,10 +178,13 @@ else:  # a default needs typing_extensions before Python 3.13; only type checker
 
     _Interval = TypeVar("_Interval", covariant=True)
 
-__all__ = ["Checkpoint", "CheckpointManager", "RestoreReport"]
+__all__ = ["Checkpoint", "CheckpointManager", "RestoreReport", "latest_checkpoint"]
 
 FORMAT: Final = "aioreplica.checkpoint"
-VERSION: Final = 1
+#: The newest format version this aioreplica reads and writes. Version 2 added the place of an
+#: iterator on each worker (an iterator entry's ``workers``); a file that needs none is written
+#: as version 1, which earlier versions of aioreplica read too.
+VERSION: Final = 2
 _MANIFEST: Final = "manifest.json"
 
 #: How old (in seconds) a temporary must be before a manager removes it when it cannot ask
@@ -197,12 +212,13 @@ class Checkpoint:
     replaces or adds an object.
 
     An iterator is either ``iter(batched(...))`` or a distributed one over a ``batched``
-    dataset, ``aiter(strategy.distribute_dataset(batched(...)))``. It saves its epoch, the
-    batches it has handed out (not those prefetched) and the dataset's random state, so a
-    run resumed from the checkpoint sees the batches an unbroken run would have seen. Restore
-    it into a fresh iterator over the same ``batched(...)`` (same arrays, batch size and
-    shuffle); a new ``iter()`` of that dataset then begins the next epoch, shuffled as in the
-    unbroken run.
+    dataset, ``aiter(strategy.distribute_dataset(batched(...)))`` (or over one ``batched``
+    per worker, from ``distribute_datasets_from_function``: each worker saves and restores
+    its own place). It saves its epoch, the batches it has handed out (not those prefetched)
+    and the dataset's random state, so a run resumed from the checkpoint sees the batches an
+    unbroken run would have seen. Restore it into a fresh iterator over the same
+    ``batched(...)`` (same arrays, batch size and shuffle); a new ``iter()`` of that dataset
+    then begins the next epoch, shuffled as in the unbroken run.
 
     Args:
         **objects: what to save, by name.
@@ -286,8 +302,9 @@ class Checkpoint:
             RuntimeError: called inside a replica (save from cross-replica code, after
                 ``run()``).
             ValueError: an optimizer has slots for a variable that is not in this checkpoint;
-                an int does not fit in 64 bits; ``path`` is empty or ends with a path
-                separator.
+                an int does not fit in 64 bits; a sync-on-read variable has aggregation
+                ``NONE`` (its copies have no one value to save); ``path`` is empty or ends with
+                a path separator.
             TypeError: ``path`` is not a path (a str, bytes or ``os.PathLike``); a container
                 of the checkpoint now holds an object of another kind (a str, None, ...), a
                 number inside a tuple, or a dict key that is not a string.
@@ -336,7 +353,8 @@ class Checkpoint:
         ]
 
     def _workers(self) -> Workers | None:
-        """The workers of a multi-worker strategy whose variables this checkpoint holds.
+        """The workers of a multi-worker strategy whose variables or distributed iterators
+        this checkpoint holds.
 
         ``None`` too for objects nested in themselves, which ``_check`` then refuses on each
         worker (alike, with no collective: the objects are found on none).
@@ -346,9 +364,13 @@ class Checkpoint:
         except RecursionError:
             return None
         for _, obj in leaves:
-            engine = getattr(obj, "_engine", None) if isinstance(obj, Variable) else None
-            if engine is not None and engine.cluster is not None:
-                workers: Workers = engine.cluster
+            workers: Workers | None = None
+            if isinstance(obj, Variable):
+                engine = getattr(obj, "_engine", None)
+                workers = None if engine is None else engine.cluster
+            elif isinstance(obj, DistributedIterator):
+                workers = obj._input_workers()
+            if workers is not None:
                 return workers
         return None
 
@@ -381,10 +403,13 @@ class Checkpoint:
 
     async def _synced_snapshot(self, workers: Workers, caller: str) -> _Snapshot:
         """The snapshot of a save on several workers, every worker here: new variables take
-        the chief's values, and sync-on-read ones are read over all workers."""
+        the chief's values, sync-on-read ones are read over all workers, and each iterator
+        holds every worker's place."""
         if workers.pending:
             await sync_variables(workers)
-        return self._snapshot(caller)
+        snap = self._snapshot(caller)
+        await _gather_places(workers, snap)
+        return snap
 
     def _snapshot(self, caller: str) -> _Snapshot:
         """Every value to save, taken at once with no await in between: a consistent snapshot.
@@ -396,7 +421,20 @@ class Checkpoint:
         variable_paths = {id(v): p for p, v in self._leaves() if isinstance(v, Variable)}
         for obj_path, obj in self._leaves():
             if isinstance(obj, Variable):
-                array, device = snapshot(obj)
+                # Only a NONE variable's refusal is wrapped: across workers the read may also
+                # raise a WorkersDisagree (a ValueError too), which reaches the caller as such.
+                none = (
+                    isinstance(obj, SyncOnReadVariable)
+                    and obj.aggregation is VariableAggregation.NONE
+                )
+                try:
+                    array, device = snapshot(obj)
+                except ValueError as exc:
+                    if not none:
+                        raise
+                    raise ValueError(
+                        f"{caller}: cannot save {_show(obj_path)}: {exc}; nothing was written"
+                    ) from exc
                 snap.entries.append(_variable_entry(obj_path, obj, snap.add(array, device)))
             elif isinstance(obj, Optimizer):
                 snap.entries.append(_optimizer_entry(obj_path, obj, variable_paths, snap.add))
@@ -448,10 +486,17 @@ class Checkpoint:
         a new run or resumes one. The report says so: its ``path`` is ``None`` and every
         object is in ``only_in_program``.
 
-        With variables of a ``MultiWorkerMirroredStrategy`` it is collective, as ``save`` is:
-        every worker calls it, and before any value changes the workers agree that each one
-        read and checked the same file. If one could not, or read another file, every worker
-        raises and none restores anything.
+        With variables or distributed iterators of a ``MultiWorkerMirroredStrategy`` it is
+        collective, as ``save`` is: every worker calls it, and before any value changes the
+        workers agree that each one read and checked the same file (by its checksums and
+        name: a worker may reach the chief's file by another path, through a symlink or
+        another mount point). If one could not, or read another file, every worker raises
+        and none restores anything. Each worker's iterator takes its own place from the file.
+
+        A cancellation of the caller that arrives before the restore commits (while the file
+        is read, say, which is not given up midway) cancels it, changing nothing. Across
+        workers it does so up to their agreement, after which every worker commits and the
+        cancellation reaches the caller once its worker has.
 
         Args:
             path: a file written by ``save`` or ``CheckpointManager.save``, or ``None``.
@@ -462,12 +507,17 @@ class Checkpoint:
             skipped (a strict restore of a file that returns has skipped nothing).
 
         Raises:
-            CheckpointError: the file is truncated, corrupted or not a checkpoint; an
-                optimizer has slots for a variable outside this checkpoint; a distributed
-                iterator has pulled ahead; the checkpoint's dicts or lists changed while the
-                restore waited for its turn; or (unless ``partial``) an object does not match.
-                ``problems`` names each object concerned. Nothing changed.
+            CheckpointError: the file is truncated, corrupted, not a checkpoint, or of a
+                newer format version; an optimizer has slots for a variable outside this
+                checkpoint; a distributed iterator has pulled ahead; one variable is at two
+                paths whose values in the file differ; the checkpoint's dicts or lists changed
+                while the restore waited for its turn; or (unless ``partial``) an object does
+                not match (an iterator whose file holds each worker's place, restored under
+                another number of workers, included). ``problems`` names each object
+                concerned. Nothing changed.
             FileNotFoundError: there is no such file.
+            IsADirectoryError: ``path`` is a folder (restore a file in it, such as
+                ``latest_checkpoint(folder)``).
             TypeError: ``partial`` is not a bool; ``path`` is not a path or None; a container
                 of the checkpoint now holds an object it cannot restore (as ``save``).
                 Nothing changed.
@@ -506,15 +556,22 @@ class Checkpoint:
 
     async def _restore(self, where: str | os.PathLike[str] | None, partial: bool) -> RestoreReport:
         workers = self._workers()
+        # A file's per-worker places are this worker's even when the cluster is broken.
+        worker = (0, 1) if workers is None else (workers.worker_index, workers.num_workers)
         if workers is not None and workers.broken:
             workers = None  # no more agreements after a failure: this worker's restore alone
         async with call_of(workers, "Checkpoint.restore"):
-            return await self._restore_on(workers, where, partial)
+            return await self._restore_on(workers, worker, where, partial)
 
     async def _restore_on(
-        self, workers: Workers | None, where: str | os.PathLike[str] | None, partial: bool
+        self,
+        workers: Workers | None,
+        worker: tuple[int, int],
+        where: str | os.PathLike[str] | None,
+        partial: bool,
     ) -> RestoreReport:
-        """``restore`` on this worker alone (``workers`` None), or on every worker."""
+        """``restore`` on this worker alone (``workers`` None), or on every worker; ``worker``
+        is this worker's index and the number of workers (``(0, 1)`` without workers)."""
         if where is None and isinstance(partial, bool):
             return await self._restore_nothing(workers)
         try:
@@ -523,28 +580,35 @@ class Checkpoint:
             path = _file_path_of("Checkpoint.restore", where)
             self._check("Checkpoint.restore")
             manifest, arrays, fingerprint = await anyio.to_thread.run_sync(_read, path)
+            # The read is not given up midway: a cancellation meanwhile takes effect here.
+            await anyio.lowlevel.checkpoint_if_cancelled()
             self._check("Checkpoint.restore")  # again: the containers may change meanwhile
             structure = self._structure()
-            plan = _Plan(path, manifest, arrays, partial=partial)
+            plan = _Plan(path, manifest, arrays, partial=partial, worker=worker)
             for obj_path, obj in self._leaves():
                 plan.expect(obj_path, obj, self._leaves)
-            plan.finish()
+            await plan.finish()
         except BaseException as exc:
             if workers is not None:
                 await _refuse_restore(workers, exc)
             raise
         if workers is not None:  # every worker restores the same file, or none does
-            await self._agree_to_restore(workers, os.path.basename(path), fingerprint)
+            await self._agree_to_restore(workers, path, fingerprint)
         # Everything fits. Take the write turns of everything restored (an optimizer's new
         # slots included), so that no write or step interleaves with this one. ``build`` may
         # still give an optimizer slots while the copies are computed: then commit is refused
         # and the restore starts over.
-        while True:
-            async with taking_turns(plan.turns):
-                if await plan.commit(
-                    self._set_number, lambda: self._check_unchanged(path, structure)
-                ):
-                    return plan.report()
+        # Across workers, once they agreed, every worker commits: a cancellation of this
+        # caller meanwhile reaches it after the commit, not between the agreement and it.
+        with anyio.CancelScope(shield=workers is not None):
+            while True:
+                async with taking_turns(plan.turns):
+                    if await plan.commit(
+                        self._set_number, lambda: self._check_unchanged(path, structure)
+                    ):
+                        break
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        return plan.report()
 
     def _check_unchanged(self, path: str, structure: list[tuple[Path, Any]]) -> None:
         """Raise ``CheckpointError`` unless the objects are still those that a restore of
@@ -569,14 +633,27 @@ class Checkpoint:
         save), so every object keeps its value, as in TF. Across workers every worker must have
         none: one that restores a file meanwhile makes every worker raise."""
         if workers is not None:
-            await workers.barrier("Checkpoint.restore of no checkpoint (path None)")
+            try:
+                await workers.barrier("Checkpoint.restore of no checkpoint (path None)")
+            except WorkersDisagree as exc:
+                add_note(
+                    exc,
+                    "this worker has no checkpoint to restore (path None), another has one; "
+                    "every worker must restore the same file, the chief's, or none: "
+                    + _CHIEFS_FILE,
+                )
+                raise
         kept = tuple(sorted(_show(path) for path, _ in self._leaves()))
         return RestoreReport(None, only_in_program=kept)
 
-    async def _agree_to_restore(self, workers: Workers, name: str, fingerprint: int) -> None:
-        """Agree with the other workers to restore the file ``name`` (of ``fingerprint``)
+    async def _agree_to_restore(self, workers: Workers, path: str, fingerprint: int) -> None:
+        """Agree with the other workers to restore the file ``path`` (of ``fingerprint``)
         into the same multi-worker variables: each restored at the same path on every worker,
         or the copies of one would take what another's took elsewhere.
+
+        The workers compare the file's fingerprint and name, not its full path: a worker may
+        reach the chief's file by another path (a symlink, another mount point of the shared
+        filesystem). The full path is only shown when they disagree.
 
         Raises:
             WorkersDisagree: the workers restore different files, or into other variables.
@@ -584,14 +661,15 @@ class Checkpoint:
         into, placed = self._placement(every_object=False)
         try:
             await workers.barrier(
-                f"Checkpoint.restore of a file {fingerprint:08x} ({name}) into variables "
-                f"{placed:08x}"
+                f"Checkpoint.restore of a file {fingerprint:08x} ({os.path.basename(path)}) "
+                f"into variables {placed:08x}"
             )
         except WorkersDisagree as exc:
             add_note(
                 exc,
-                f"this worker restores {name} into {', '.join(into) or 'no variables'}; every "
-                "worker must restore the same file into the same variables",
+                f"this worker restores {_full_path(path)!r} into "
+                f"{', '.join(into) or 'no variables'}; every worker must restore the same "
+                f"file, the chief's, into the same variables: {_CHIEFS_FILE}",
             )
             raise
 
@@ -615,6 +693,12 @@ class Checkpoint:
     def _set_number(self, path: Path, value: int | float) -> None:
         _parent(self._objects, path)[path[-1]] = value
 
+
+#: How every worker restores the chief's file, for the messages of a restore across workers.
+_CHIEFS_FILE: Final = (
+    "give every worker's CheckpointManager the chief's directory (on a filesystem every worker "
+    "shares, at the same path), or restore the path that the chief's save returned"
+)
 
 #: TF's ``Checkpoint`` members that this one has no use for, with what to use instead.
 _TF_ONLY: Final = {
@@ -804,9 +888,11 @@ class CheckpointManager(Generic[_Interval]):
     newest of them starts the count of hours.
 
     ``checkpoint_interval`` works as TF's: ``save()`` reads ``step_counter`` and saves only
-    if it moved by at least that many steps since the last save (the first save always
-    saves); otherwise it returns ``None``. ``save(check_interval=False)`` saves whenever the
-    step moved at all; a save at the same step as the last returns ``None`` in any case.
+    if it moved by at least that many steps since the last save that succeeded (the first
+    save always saves); otherwise it returns ``None``. A save decides once the saves called
+    before it have ended, so one that fails holds no later save back.
+    ``save(check_interval=False)`` saves whenever the step moved at all; a save at the same
+    step as the last returns ``None`` in any case.
     Across workers the chief reads its step counter and decides for every worker.
 
     Args:
@@ -877,33 +963,13 @@ class CheckpointManager(Generic[_Interval]):
             if max_to_keep is None
             else checked_integer(max_to_keep, "max_to_keep must be an int >= 1 or None", 1)
         )
-        if not isinstance(checkpoint_name, str):
-            raise TypeError(
-                "checkpoint_name must be a str, the file name prefix (such as 'ckpt'), got "
-                f"{type(checkpoint_name).__name__} {checkpoint_name!r:.60}"
-            )
-        if not checkpoint_name or any(c in checkpoint_name for c in {os.sep, "/", "\0"}):
-            raise ValueError(
-                "checkpoint_name must be a non-empty file name prefix, with no path separator, "
-                f"such as 'ckpt'; got {checkpoint_name!r}"
-            )
+        name = _checked_name(checkpoint_name)
         hours = _hours(keep_checkpoint_every_n_hours)
         interval = _interval(step_counter, checkpoint_interval)
         self._checkpoint = checkpoint
-        self._directory = _path_of("CheckpointManager", directory)
-        if not self._directory:
-            raise ValueError(
-                "CheckpointManager: directory is empty; give the folder of the checkpoints "
-                "('.' for the current one)"
-            )
-        if os.path.exists(self._directory) and not os.path.isdir(self._directory):
-            raise NotADirectoryError(
-                errno.ENOTDIR,
-                f"CheckpointManager: directory {self._directory!r} is a file, not a folder; "
-                "give the folder for the checkpoints (a new one is created on the first save)",
-            )
+        self._directory = _directory_of("CheckpointManager", directory)
         self._max_to_keep = keep
-        self._name = checkpoint_name
+        self._name = name
         self._init_fn = init_fn
         self._numbers = sorted(self._existing())
         self._keep_hours = hours
@@ -1051,8 +1117,9 @@ class CheckpointManager(Generic[_Interval]):
         ``RuntimeWarning`` and no longer listed; the save itself succeeds (see the class).
 
         With a ``checkpoint_interval``, the step counter is read first, as in TF: a save
-        less than ``checkpoint_interval`` steps after the last one (``check_interval``
-        True), or at the same step (in any case), saves nothing and returns ``None``.
+        less than ``checkpoint_interval`` steps after the last one that succeeded
+        (``check_interval`` True), or at the same step (in any case), saves nothing and
+        returns ``None``. It decides once the saves called before it have ended.
 
         Args:
             checkpoint_number: the number to save as: a file of that number is replaced,
@@ -1074,7 +1141,8 @@ class CheckpointManager(Generic[_Interval]):
                 cannot save. Nothing is written.
             RuntimeError: called inside a replica.
             OSError: as ``Checkpoint.save``, for the checkpoint's path (also when its
-                directory cannot be made); older checkpoints are kept.
+                directory cannot be made; ``NotADirectoryError`` naming it when it is a file);
+                older checkpoints are kept.
 
         Example:
             >>> manager = CheckpointManager(Checkpoint(step=1), tmp / "numbered")
@@ -1112,15 +1180,18 @@ class CheckpointManager(Generic[_Interval]):
             raise error
         # References only (copies never change in place); the objects are checked first.
         values = self._checkpoint._snapshot("CheckpointManager.save")
-        last = self._last_step
-        if self._held_back(self._step(), check_interval):
-            return None
-        try:
-            async with self._turn:
+        step = self._step()  # read with the values; the interval is counted in its turn
+        async with self._turn:
+            # The saves called before this one have ended: ``_last_step`` is that of the last
+            # one that succeeded, so a failed save holds no later save back.
+            last = self._last_step
+            if self._held_back(step, check_interval):
+                return None
+            try:
                 return await self._save(values, number)
-        except BaseException:
-            self._last_step = last  # a save that failed saved no step
-            raise
+            except BaseException:
+                self._last_step = last  # a save that failed saved no step
+                raise
 
     def _step(self) -> int | None:
         """The step counter's value now (``None`` without a ``checkpoint_interval``)."""
@@ -1286,26 +1357,117 @@ class CheckpointManager(Generic[_Interval]):
                 return path
 
     def _existing(self) -> list[int]:
-        try:
-            names = os.listdir(self._directory)
-        except FileNotFoundError:
-            return []
-        prefix = f"{self._name}-"
-        numbers = []
-        for name in names:
-            middle = name[len(prefix) : -len(".npz")]
-            if (
-                name.startswith(prefix)
-                and name.endswith(".npz")
-                and middle.isascii()
-                and middle.isdigit()
-                and str(int(middle)) == middle  # the name a save gives it: no leading zeros
-            ):
-                numbers.append(int(middle))
-        return numbers
+        return _numbers_in(self._directory, self._name)
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._directory!r}, latest={self.latest!r})"
+
+
+def latest_checkpoint(
+    directory: str | os.PathLike[str], checkpoint_name: str = "ckpt"
+) -> str | None:
+    """The newest checkpoint a ``CheckpointManager`` saved in ``directory``, or ``None``.
+
+    TF's ``tf.train.latest_checkpoint(directory)``: the file a manager made over
+    ``directory`` now would name as ``latest``, the ``<checkpoint_name>-<number>.npz`` of
+    the highest number (a regular file; a folder of such a name is not a checkpoint). There
+    is no state file to read: the files are listed, as the manager lists them.
+
+    Args:
+        directory: the folder of the checkpoints (one that does not exist holds none).
+        checkpoint_name: the manager's file name prefix.
+
+    Returns:
+        The path of the newest checkpoint, or ``None`` when there is none.
+
+    Raises:
+        TypeError: ``directory`` is not a path; ``checkpoint_name`` is not a str.
+        ValueError: ``directory`` is empty; ``checkpoint_name`` is empty or holds a path
+            separator.
+        NotADirectoryError: ``directory`` is a file.
+
+    Example:
+        >>> aioreplica.latest_checkpoint(tmp / "latest") is None
+        True
+        >>> manager = CheckpointManager(Checkpoint(step=1), tmp / "latest")
+        >>> path = anyio.run(manager.save, 4)
+        >>> aioreplica.latest_checkpoint(tmp / "latest") == path
+        True
+        >>> resumed = Checkpoint(step=0)
+        >>> _ = anyio.run(resumed.restore, aioreplica.latest_checkpoint(tmp / "latest"))
+        >>> resumed.step
+        1
+    """
+    folder = _directory_of("latest_checkpoint", directory)
+    name = _checked_name(checkpoint_name)
+    numbers = _numbers_in(folder, name)
+    return os.path.join(folder, f"{name}-{max(numbers)}.npz") if numbers else None
+
+
+def _directory_of(what: str, directory: Any) -> str:
+    """The folder of a manager's checkpoints, as a str: it may not exist yet.
+
+    Raises:
+        TypeError: ``directory`` is not a path.
+        ValueError: it is empty.
+        NotADirectoryError: it is a file.
+    """
+    folder = _path_of(what, directory)
+    if not folder:
+        raise ValueError(
+            f"{what}: directory is empty; give the folder of the checkpoints ('.' for the "
+            "current one)"
+        )
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise NotADirectoryError(
+            errno.ENOTDIR,
+            f"{what}: directory {folder!r} is a file, not a folder; give the folder of the "
+            "checkpoints (a manager makes it on its first save)",
+        )
+    return folder
+
+
+def _checked_name(checkpoint_name: Any) -> str:
+    """A manager's ``checkpoint_name``, checked: a non-empty file name prefix.
+
+    Raises:
+        TypeError: it is not a str.
+        ValueError: it is empty or holds a path separator (or a NUL).
+    """
+    if not isinstance(checkpoint_name, str):
+        raise TypeError(
+            "checkpoint_name must be a str, the file name prefix (such as 'ckpt'), got "
+            f"{type(checkpoint_name).__name__} {checkpoint_name!r:.60}"
+        )
+    if not checkpoint_name or any(c in checkpoint_name for c in {os.sep, "/", "\0"}):
+        raise ValueError(
+            "checkpoint_name must be a non-empty file name prefix, with no path separator, "
+            f"such as 'ckpt'; got {checkpoint_name!r}"
+        )
+    return checkpoint_name
+
+
+def _numbers_in(directory: str, name: str) -> list[int]:
+    """The numbers of the checkpoints named ``<name>-<number>.npz`` in ``directory``: regular
+    files (or links to them) only, as a save makes them; a folder so named is not one."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    prefix = f"{name}-"
+    numbers = []
+    for entry in names:
+        middle = entry[len(prefix) : -len(".npz")]
+        if (
+            entry.startswith(prefix)
+            and entry.endswith(".npz")
+            and middle.isascii()
+            and middle.isdigit()
+            and str(int(middle)) == middle  # the name a save gives it: no leading zeros
+            and os.path.isfile(os.path.join(directory, entry))
+        ):
+            numbers.append(int(middle))
+    return numbers
 
 
 def _hours(value: Any) -> float | None:
@@ -1383,6 +1545,12 @@ def _path_of(what: str, path: Any) -> str:
             f"{what} needs a file path (a str or os.PathLike), got {type(path).__name__} "
             f"{path!r:.60}"
         ) from None
+
+
+def _full_path(path: str) -> str:
+    """``path`` made absolute, as a message about the file shows it. (No file is read: only
+    the working directory.)"""
+    return os.path.abspath(path)
 
 
 def _file_path_of(what: str, path: Any, *, writing: bool = False) -> str:
@@ -1475,6 +1643,7 @@ async def _chief_writes(
             outcome["path"] = await write()
         except Exception as exc:
             outcome["error"] = error_line(exc)
+            outcome["notes"] = [str(note) for note in getattr(exc, "__notes__", ())]
             outcome["exception"] = exc
         if numbers is not None:
             outcome["numbers"] = numbers
@@ -1485,14 +1654,44 @@ async def _chief_writes(
     if "exception" in outcome:
         raise outcome["exception"]
     if "error" in answer:
-        raise OSError(
+        error = OSError(
             f"the chief (worker 0) could not write the checkpoint: {answer['error']}; every "
             "worker's save failed, and the previous checkpoints are intact"
         )
+        for note in answer["notes"]:  # what the chief's save was doing
+            add_note(error, f"on the chief: {note}")
+        raise error
     if numbers is not None and not workers.is_chief:
         numbers[:] = answer["numbers"]
     path: str = answer["path"]
     return path
+
+
+async def _gather_places(workers: Workers, snap: _Snapshot) -> None:
+    """Put every worker's place of each iterator of ``snap`` in its entry, for the chief to
+    write: each worker may iterate an input of its own (``distribute_datasets_from_function``,
+    a shuffle seeded per worker, shards of other lengths) or be at another batch. A place that
+    is the same on every worker stays one; the others become the entry's ``workers``, by
+    worker index. Collective: every worker's checkpoint holds iterators at the same paths
+    (``_agree_to_save``), so all of them gather, or none.
+    """
+    entries = [entry for entry in snap.entries if entry["kind"] == "iterator"]
+    if not entries:
+        return
+    places = [{field: entry[field] for field in _FIELDS["iterator"]} for entry in entries]
+    local = np.frombuffer(json.dumps(places).encode(), np.uint8)
+    sizes = await workers.allgather_rows(np.array([local.size], np.int64), what=_GATHERING)
+    gathered = (await workers.allgather_rows(local, what=_GATHERING)).tobytes()
+    ends = np.cumsum(sizes).tolist()
+    every = [json.loads(gathered[end - size : end]) for size, end in zip(sizes, ends, strict=True)]
+    for index, entry in enumerate(entries):
+        each = [worker_places[index] for worker_places in every]
+        if any(place != each[0] for place in each):
+            entry["workers"] = each
+
+
+#: What the workers wait for while they gather their iterators' places (a wait's name).
+_GATHERING: Final = "the gathering of every worker's iterator places for a checkpoint"
 
 
 @final
@@ -1532,7 +1731,8 @@ class _Snapshot:
                 arrays.append((member, np.asarray(value)))
             else:
                 arrays.append((member, await to_host(value, device)))
-        manifest = {"format": FORMAT, "version": VERSION, "entries": self.entries}
+        version = VERSION if any("workers" in entry for entry in self.entries) else 1
+        manifest = {"format": FORMAT, "version": version, "entries": self.entries}
         data = json.dumps(manifest, indent=1).encode()
         written: str = await anyio.to_thread.run_sync(_write_atomic, path, data, arrays, place)
         return written
@@ -1725,10 +1925,22 @@ def _create(temporary: str, path: str) -> int:
 def _make_directory(directory: str, path: str) -> None:
     """Make a manager's ``directory`` for the checkpoint ``path``; an error names them both,
     not the part of the directory where making it failed."""
+    doing = f"making its folder {directory!r}"
     try:
         os.makedirs(directory, exist_ok=True)
+    except FileExistsError as exc:  # the folder itself is a file (replaced since, say)
+        error = NotADirectoryError(
+            errno.ENOTDIR,
+            f"cannot save checkpoint {path!r}: its folder is a file, not a folder (move that "
+            "file away, or give the manager another directory)",
+            directory,
+        )
+        add_note(
+            error, f"while saving checkpoint {path!r}: {doing}; any file already there is intact"
+        )
+        raise error from exc
     except OSError as exc:  # a file on the way, no permission...
-        _name_the_save(path, exc, f"making its folder {directory!r}")
+        _name_the_save(path, exc, doing)
         raise
 
 
@@ -1838,6 +2050,13 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]], i
     holds), so that workers can tell whether they read the same checkpoint."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"no checkpoint at {path!r}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(
+            errno.EISDIR,
+            f"cannot restore checkpoint {path!r}: it is a folder, not a checkpoint file; give "
+            "a file in it, such as the newest of a manager's: CheckpointManager(checkpoint, "
+            "folder).latest, or aioreplica.latest_checkpoint(folder)",
+        )
     what = "the manifest"
     try:
         with open(path, "rb") as file, zipfile.ZipFile(file) as archive:
@@ -1863,6 +2082,8 @@ def _read(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray[Any, Any]], i
                     arrays[member] = _read_array(archive, names, member)
     except _MalformedManifestError as exc:
         raise CheckpointError(path, [problem + _MALFORMED for problem in exc.problems]) from None
+    except _NewerFormatError as exc:
+        raise CheckpointError(path, [str(exc)]) from None
     except (FileNotFoundError, MemoryError):
         # Gone since it was found, or short of memory for arrays that fit in the file:
         # nothing wrong with the file itself (absurd sizes are refused above).
@@ -1925,7 +2146,9 @@ def _read_array(archive: zipfile.ZipFile, names: set[str], member: str) -> np.nd
                 f"member holds {max(held, 0)}"
             )
         data.seek(0)
-        return np.lib.format.read_array(data, allow_pickle=False)
+        array = np.lib.format.read_array(data, allow_pickle=False)
+    # A file written on a machine of the other byte order: the same values, in this one's.
+    return array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))
 
 
 def _members(manifest: dict[str, Any]) -> list[str]:
@@ -1949,6 +2172,10 @@ _MALFORMED: Final = "; the file is corrupted or not an aioreplica checkpoint"
 _MISSING: Final = object()
 
 
+class _NewerFormatError(Exception):
+    """A manifest of a newer format version: the file is fine, this aioreplica is too old."""
+
+
 class _MalformedManifestError(Exception):
     """The manifest's fields, each problem naming its entry (becomes a ``CheckpointError``)."""
 
@@ -1966,8 +2193,15 @@ def _check_manifest(manifest: Any) -> None:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"no {FORMAT!r} manifest")
     version = manifest.get("version")
-    if type(version) is not int or version != VERSION:  # not True, 1.0 or "1"
-        raise ValueError(f"format version {version!r}; this aioreplica reads version {VERSION}")
+    if type(version) is int and version > VERSION:
+        raise _NewerFormatError(
+            f"format version {version}, written by a newer aioreplica: this one reads versions "
+            f"1 to {VERSION}; upgrade aioreplica (pip install --upgrade aioreplica) to restore it"
+        )
+    if type(version) is not int or not 1 <= version <= VERSION:  # not True, 1.0 or "1"
+        raise ValueError(
+            f"format version {version!r}; this aioreplica reads versions 1 to {VERSION}"
+        )
     entries = manifest.get("entries", _MISSING)
     if not isinstance(entries, list):
         raise _MalformedManifestError([f"the manifest's 'entries' must be a list, {_got(entries)}"])
@@ -1997,6 +2231,15 @@ def _entry_problems(where: str, entry: dict[str, Any]) -> list[str]:
         return [f"{where}: 'kind' must be one of {', '.join(map(repr, _FIELDS))}, {_got(kind)}"]
     problems = _field_problems(where, entry, _FIELDS[kind])
     rate = entry.get("learning_rate", _MISSING)
+    places = entry.get("workers", _MISSING)
+    if kind == "iterator" and places is not _MISSING:  # (version 2: a place per worker)
+        if not (isinstance(places, list) and len(places) >= 2 and _is_objects(places)):
+            problems.append(
+                f"{where}: 'workers' must be a list of two or more iterator places, {_got(places)}"
+            )
+        else:
+            for index, place in enumerate(places):
+                problems += _field_problems(f"{where}, worker {index}", place, _FIELDS["iterator"])
     if kind == "optimizer" and rate is not _MISSING and not (rate is None or _is_str(rate)):
         # (absent in files written before learning rates were saved)
         problems.append(f"{where}: 'learning_rate' must be a string or null, {_got(rate)}")
@@ -2136,10 +2379,12 @@ class _Plan:
         arrays: dict[str, np.ndarray[Any, Any]],
         *,
         partial: bool,
+        worker: tuple[int, int] = (0, 1),
     ) -> None:
         self.path = path
         self.arrays = arrays
         self.partial = partial
+        self.worker = worker  # this worker's index, and the number of workers
         self.entries: dict[Path, dict[str, Any]] = {}
         for entry in manifest["entries"]:
             self.entries[tuple(entry["path"])] = entry
@@ -2150,6 +2395,11 @@ class _Plan:
         self.only_in_program: list[str] = []
         self.mismatched: list[tuple[str, str]] = []
         self.variables: list[tuple[Variable, np.ndarray[Any, Any]]] = []
+        #: Each variable's first path and array: one at several paths takes a value once.
+        self.places: dict[int, tuple[Path, np.ndarray[Any, Any]]] = {}
+        #: Such a variable's first path, another path, its name and the arrays at both: they
+        #: must be equal, which ``finish`` checks away from the event loop (O(data)).
+        self.ties: list[_Tie] = []
         self.optimizers: list[_OptimizerRestore] = []
         self.numbers: list[tuple[Path, int | float]] = []
         self.iterators: list[tuple[Path, ResumableInput, dict[str, Any]]] = []
@@ -2200,7 +2450,11 @@ class _Plan:
         array = self._array(path, entry, variable.dtype, variable.shape)
         if array is None:
             return False
-        self.variables.append((variable, array))
+        earlier = self.places.setdefault(id(variable), (path, array))
+        if earlier[0] == path:
+            self.variables.append((variable, array))
+        else:
+            self.ties.append((earlier[0], path, variable._name, earlier[1], array))
         return True
 
     def _array(
@@ -2382,7 +2636,9 @@ class _Plan:
         return True
 
     def _expect_iterator(self, path: Path, iterator: ResumableInput, entry: dict[str, Any]) -> bool:
-        state = {field: entry[field] for field in _FIELDS["iterator"]}
+        state = self._place(path, entry)
+        if state is None:
+            return False
         differences = iterator._input_differences(state)
         if differences:
             self._skip(
@@ -2399,7 +2655,44 @@ class _Plan:
         self.iterators.append((path, iterator, state))
         return True
 
-    def finish(self) -> None:
+    def _place(self, path: Path, entry: dict[str, Any]) -> dict[str, Any] | None:
+        """This worker's place of the iterator ``entry``: the one place every worker had, or
+        its own of those the entry holds per worker (else a mismatch: another worker count)."""
+        places = entry.get("workers")
+        if places is None:
+            return {field: entry[field] for field in _FIELDS["iterator"]}
+        index, count = self.worker
+        if len(places) != count:
+            self._skip(
+                "mismatch",
+                path,
+                f"the checkpoint holds a place for each of {len(places)} workers (each "
+                f"iterated its own input, or was at another batch), and this run has {count} "
+                f"worker{'s' if count != 1 else ''}: each worker resumes only its own place, so "
+                f"restore it with {len(places)} workers, or restore the rest with "
+                "partial=True and start this iterator anew",
+            )
+            return None
+        return {field: places[index][field] for field in _FIELDS["iterator"]}
+
+    async def finish(self) -> None:
+        """Check what needs every object's entry, then raise the problems found, if any.
+
+        The arrays of a variable at several paths are compared in a worker thread: a
+        comparison takes time in proportion to their size, which the event loop must not
+        wait for.
+
+        Raises:
+            CheckpointError: the file does not fit these objects (its message lists why).
+        """
+        if self.ties:
+            differ = await anyio.to_thread.run_sync(_differing, self.ties)
+            self.problems += [
+                f"{_show(first)} and {_show(second)}: the checkpoint holds different values "
+                f"at these paths, and here they hold the same variable {name!r}, which cannot "
+                "take both; give each path its own variable, as when it was saved"
+                for first, second, name in differ
+            ]
         for path in self.entries:
             if path not in self.used:
                 self._skip("file", path, "in the checkpoint but not restored here")
@@ -2414,14 +2707,19 @@ class _Plan:
         return turns
 
     async def commit(
-        self, set_number: Callable[[Path, int | float], None], unchanged: Callable[[], None]
+        self,
+        set_number: Callable[[Path, int | float], None],
+        unchanged: Callable[[], None],
     ) -> bool:
         """Compute every new copy, then change everything in one synchronous step.
 
         Call it holding ``turns()``. Returns ``False``, having changed nothing, if an
         optimizer got slots from elsewhere (``build``) while the new copies were computed.
         ``unchanged()`` is called just before the commit, with no await in between: it
-        raises if the objects restored are no longer those the plan was made for.
+        raises if the objects restored are no longer those the plan was made for. A
+        cancellation of the caller that came before the commit (while the copies were
+        computed, which is not given up midway) cancels the restore, unless the caller shields
+        it: across workers, once they agreed to restore, every worker commits.
 
         Raises:
             CheckpointError: while this restore waited for its turns, an optimizer got slots
@@ -2452,6 +2750,7 @@ class _Plan:
         for restore, made in zip(self.optimizers, slots, strict=True):
             writes += restore.writes(made) + restore.resets(self._fits)
         updates = [(variable, await new_copies(variable, array)) for variable, array in writes]
+        await anyio.lowlevel.checkpoint_if_cancelled()
         if tables != [restore.slot_ids() for restore in self.optimizers]:
             return False
         # An iterator may have been pulled from while the restore waited: checked again.
@@ -2465,6 +2764,8 @@ class _Plan:
         unchanged()  # every number's place is still a dict or list: set_number cannot fail
         # The all-or-nothing point: nothing above changed any state.
         commit(updates)
+        for variable, _ in updates:
+            settle_here(variable)
         for restore, made in zip(self.optimizers, slots, strict=True):
             restore_state(restore.optimizer, restore.iterations, made)
             if restore.learning_rate is not None:  # a finite float: the setter takes it
@@ -2616,15 +2917,36 @@ class _OptimizerRestore:
 
 
 def _as_its_entry_says(array: np.ndarray[Any, Any], entry: dict[str, Any]) -> bool:
-    """Whether a file's ``array`` has the dtype and shape its manifest ``entry`` says (the
-    check of ``_saved_array``, and of ``_fits`` without its side effect)."""
-    return bool(entry["dtype"] == array.dtype.str and entry["shape"] == list(array.shape))
+    """Whether a file's ``array`` (read in this machine's byte order) has the dtype, in any
+    byte order, and the shape its manifest ``entry`` says (the check of ``_saved_array``, and
+    of ``_fits`` without its side effect)."""
+    try:
+        saved = np.dtype(entry["dtype"])
+    except (TypeError, ValueError):  # not a dtype at all: a corrupted manifest
+        return False
+    return bool(saved.newbyteorder("=") == array.dtype and entry["shape"] == list(array.shape))
+
+
+#: A variable's first path, another path, its name, and the file's arrays at those paths.
+_Tie = tuple[Path, Path, str, np.ndarray[Any, Any], np.ndarray[Any, Any]]
+
+
+def _differing(ties: list[_Tie]) -> list[tuple[Path, Path, str]]:
+    """The paths and names of ``ties`` whose two arrays differ (NaNs equal to NaNs). Runs in
+    a worker thread: it reads every byte of both."""
+    return [
+        (first, second, name)
+        for first, second, name, one, other in ties
+        if not np.array_equal(one, other, equal_nan=one.dtype.kind in "fc")
+    ]
 
 
 def _is_of(array: np.ndarray[Any, Any], dtype: np.dtype[Any], shape: tuple[int, ...]) -> bool:
     """Whether ``array`` has an object's ``dtype`` and ``shape`` (the check of ``_array``, and
-    of ``_fits`` without its side effect)."""
-    return array.dtype == dtype and tuple(array.shape) == shape
+    of ``_fits`` without its side effect). Byte order aside: a file's arrays are read in this
+    machine's order, and the new copies take the object's own (``astype``)."""
+    native = array.dtype.newbyteorder("=") == dtype.newbyteorder("=")
+    return native and tuple(array.shape) == shape
 
 
 def _check_name(name: str) -> None:
@@ -2704,7 +3026,8 @@ def _refused(leaf: Any) -> str:
     """What ``leaf`` is and why a checkpoint cannot hold it, for the ``TypeError``."""
     kind = type(leaf).__name__
     if isinstance(leaf, DistributedIterator):
-        return f"a DistributedIterator over a {leaf._source_kind()}; {_SAVED_ITERATORS}"
+        over = _tree.with_article(leaf._source_kind())
+        return f"a DistributedIterator over {over}; {_SAVED_ITERATORS}"
     if isinstance(leaf, batched):
         return (
             "a batched dataset, which has no place of its own to save: save its iterator, "
@@ -2712,17 +3035,18 @@ def _refused(leaf: Any) -> str:
         )
     if hasattr(leaf, "__next__") or hasattr(leaf, "__anext__"):
         return f"an iterator ({kind}) with no position to save; {_SAVED_ITERATORS}"
-    article = "an" if kind[:1].lower() in {"a", "e", "i", "o", "u"} else "a"
     return (
-        f"{article} {kind}; a checkpoint holds variables, optimizers, ints and floats, in dicts, "
-        "lists and tuples, and iterators over aioreplica.batched datasets"
+        f"{_tree.with_article(kind)}; a checkpoint holds variables, optimizers, ints and "
+        "floats, in dicts, lists and tuples, and iterators over aioreplica.batched datasets"
     )
 
 
 #: Which iterators a checkpoint can save, for its messages.
 _SAVED_ITERATORS: Final = (
-    "a checkpoint saves only iterators over an aioreplica.batched dataset: iter(batched(...)) "
-    "and aiter(strategy.distribute_dataset(batched(...)))"
+    "a checkpoint saves only iterators over an aioreplica.batched dataset: iter(batched(...)), "
+    "aiter(strategy.distribute_dataset(batched(...))) and "
+    "aiter(strategy.distribute_datasets_from_function(fn)) where fn returns batched(...) "
+    "(InputReplicationMode.PER_WORKER, the default)"
 )
 
 

@@ -7,11 +7,11 @@ into an async iterable of per-replica batches (users' guide: README.md, "Distrib
   differing by at most one, larger slices first, in replica order. Host slices are read-only
   views (a step's in-place edit cannot reach the dataset's arrays); each slice is placed with
   its replica's ``device.asarray`` (an asynchronous copy on its stream for a GPU). An element
-  is ``regroup`` of the replicas' slices. With prefetching, the arrays an iterator yields are
-  copied as they come: it may refill the same buffer while earlier elements are in use.
-  Without, an item kept over a later pull is copied (all of a round's items but its last,
-  for ``distribute_datasets_from_function``; a smaller batch, for ``drop_remainder``). The
-  copies are made off the event loop: on the loader thread as part of its pull, else on a
+  is ``regroup`` of the replicas' slices. The arrays an iterator yields are copied as they
+  come, with or without prefetching: it may refill the same buffer while earlier elements are
+  still in use (by a step, a batch pulled ahead, or a caller's own pull of the next element
+  while a step runs); in-memory data, pulled inline, is never refilled. The copies are made
+  off the event loop: on the loader thread as part of its pull, else on a
   worker thread once they are big enough to take longer than the hop (``_owned_off_loop``).
 - **drop_remainder**: a global batch smaller than the first is dropped only if it is the
   last; one in the middle of the data is split as any other (the next batch is pulled to
@@ -28,15 +28,17 @@ into an async iterable of per-replica batches (users' guide: README.md, "Distrib
   ``RuntimeError``.
 - **synchronous loaders**: a synchronous dataset (other than lists, tuples and ``batched``,
   which never block and are pulled inline) is pulled on a daemon thread of its own, one call at
-  a time, so a slow loader never blocks the event loop and cancellation never waits for it. The
-  thread belongs to the iterator, or to the dataset for a one-shot iterator such as a generator,
-  which every pass shares. A wait given up (a timeout, a cancelled task, leaving ``async with``,
-  the loop ending) returns at once while the pull runs on, and no pull starts beside it; the
-  item it makes goes to the next pull asked for (with ``prefetch > 0`` a given-up wait ends the
-  iteration instead: see ``DistributedIterator``). A loader that never returns keeps its thread
-  blocked for good, but not the process (a daemon thread), and every later wait on it waits
-  for it (cancellably); closing the iterator then returns at once, and the loader is closed
-  after that pull, if it ever ends.
+  a time, from the ``iter()`` that starts each pass on, so a slow loader (or a slow start: a
+  data loader starting its workers, a reader opening its files) never blocks the event loop
+  and cancellation never waits for it (an async dataset's ``aiter()`` stays on the loop: it
+  must not block). The thread belongs to the iterator, or to the dataset for a one-shot
+  iterator such as a generator, which every pass shares. A wait given up (a timeout, a
+  cancelled task, leaving ``async with``, the loop ending) returns at once while the pull runs
+  on, and no pull starts beside it; the item it makes goes to the next pull asked for (with
+  ``prefetch > 0`` a given-up wait ends the iteration instead: see ``DistributedIterator``).
+  A loader that never returns keeps its thread blocked for good, but not the process (a
+  daemon thread), and every later wait on it waits for it (cancellably); closing the iterator
+  then returns at once, and the loader is closed after that pull, if it ever ends.
 - **async only**: ``for`` over a distributed dataset or its iterator is a ``TypeError`` that
   says to use ``async for``.
 - **input pipelines**: each input pipeline takes its own contiguous part of every global batch
@@ -61,7 +63,7 @@ import threading
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, SupportsIndex, TypeVar, final
 
@@ -77,7 +79,7 @@ from ._options import CaseInsensitiveStrEnum
 from ._values import PerReplica, regroup
 
 if TYPE_CHECKING:
-    from collections.abc import AsyncIterator, Callable, Sequence
+    from collections.abc import AsyncIterator, Callable, Iterable, Sequence
     from types import TracebackType
 
     from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -289,8 +291,9 @@ def interleaved(datasets: Sequence[Any]) -> Any:
     every epoch, as for one dataset).
 
     Raises:
-        TypeError: a dataset is not iterable, or is a string (characters, not batches), or is
-            a coroutine (then every coroutine among ``datasets`` is closed).
+        TypeError: a dataset is not iterable, or is a string, an array or a mapping (its items
+            are characters, rows or keys, not batches), or is a coroutine (then every
+            coroutine among ``datasets`` is closed).
     """
     try:
         for dataset in datasets:
@@ -309,9 +312,9 @@ def check_iterable(dataset: Any) -> None:
     """Refuse a dataset that cannot be iterated, or whose items are characters.
 
     Raises:
-        TypeError: ``dataset`` is neither iterable nor async iterable, is a string or an
-            array, or is a coroutine (which is closed: what an ``async def`` dataset function
-            returns).
+        TypeError: ``dataset`` is neither iterable nor async iterable, is a string, an array
+            or a mapping, or is a coroutine (which is closed: what an ``async def`` dataset
+            function returns).
     """
     if inspect.iscoroutine(dataset):
         dataset.close()
@@ -322,6 +325,7 @@ def check_iterable(dataset: Any) -> None:
         )
     refuse_characters(dataset)
     refuse_array(dataset)
+    refuse_mapping(dataset)
     if not (hasattr(dataset, "__aiter__") or hasattr(dataset, "__iter__")):
         raise TypeError(
             f"a dataset must be an iterable or async iterable of batches, got "
@@ -343,6 +347,43 @@ def refuse_array(dataset: Any) -> None:
             "whose items are its rows, not batches; pass a list of batches (for example "
             "list(np.array_split(x, number_of_batches))) or aioreplica.batched(x, batch_size)"
         )
+
+
+def refuse_mapping(dataset: Any) -> None:
+    """Refuse a mapping as a dataset: it iterates as its keys (TF's
+    ``from_tensor_slices({...})`` habit, which cuts its arrays into rows, does not carry over).
+    A mapping class of the program's that iterates in its own way (its own ``__iter__``, or
+    an ``__aiter__``) is a dataset like any other.
+
+    Raises:
+        TypeError: ``dataset`` is a ``Mapping`` (a dict of arrays, say) that iterates as a
+            standard mapping does.
+    """
+    if isinstance(dataset, Mapping) and _iterates_as_keys(type(dataset)):
+        raise TypeError(
+            f"a dataset must be an iterable or async iterable of batches, got "
+            f"{_tree.with_article(type(dataset).__name__)} with keys "
+            f"{_tree.short_repr(list(dataset))}, whose items are its keys, not batches; to cut "
+            "a dict of arrays into batches pass aioreplica.batched({...}, batch_size) (what "
+            "tf.data's from_tensor_slices({...}).batch(batch_size) makes), or pass a list of "
+            "dict batches"
+        )
+
+
+def _iterates_as_keys(cls: type) -> bool:
+    """Whether a mapping of class ``cls`` iterates as its keys: it has no ``__aiter__``, and
+    its ``__iter__`` comes from a standard mapping (``dict``, the ``collections`` ones,
+    ``types.MappingProxyType``), not from a class of the program's."""
+    if hasattr(cls, "__aiter__"):
+        return False
+    for klass in cls.__mro__:
+        if "__iter__" in vars(klass):
+            return klass.__module__ in _STANDARD_MODULES
+    return True
+
+
+#: The modules of the standard mappings, whose ``__iter__`` gives their keys.
+_STANDARD_MODULES: Final = frozenset({"builtins", "collections", "types", "_collections_abc"})
 
 
 def refuse_characters(dataset: Any) -> None:
@@ -412,7 +453,7 @@ class _InterleavedAsync:
         self._iterators: list[Any] = [
             _AsyncSource(aiter(d))
             if hasattr(d, "__aiter__")
-            else _LoaderThread(iter(d))
+            else _LoaderThread(d)
             if _pulled_on_a_thread(d)
             else iter(d)
             for d in datasets
@@ -439,7 +480,8 @@ class _InterleavedAsync:
         return self._ready.popleft()
 
     async def aclose(self) -> None:
-        """Close every dataset: the pipelines end with this one."""
+        """Close every dataset: the pipelines end with this one. A pull that runs meanwhile
+        closes its own dataset as it ends, and gives the end (see ``_AsyncSource``)."""
         self._ended = [True] * len(self._iterators)
         self._ready.clear()
         for iterator in self._iterators:
@@ -461,32 +503,64 @@ async def _next_of(iterator: Any) -> Any:
 class _AsyncSource:
     """An async iterator's items, one at a time. A wait given up inside an async generator
     ends it (the cancellation is raised in its frame); the next pull says so rather than
-    ending the pass as if the data had run out."""
+    ending the pass as if the data had run out.
 
-    __slots__ = ("_iterator", "_lost")
+    It is never closed while a pull of it runs (an async generator refuses that: "aclose():
+    asynchronous generator is already running"), as a loader thread never closes its iterator
+    during a pull: a close asked meanwhile is made by that pull as it ends, in its own task,
+    and the pull then gives ``_END``, its item dropped with the rest of the closed pass.
+    """
+
+    __slots__ = ("_close_pending", "_closed", "_iterator", "_lost", "_pulling")
 
     def __init__(self, iterator: AsyncIterator[Any]) -> None:
         self._iterator = iterator
         self._lost = False
+        self._pulling = False
+        self._closed = False  # asked to close: pulls give ``_END``
+        self._close_pending = False  # asked during a pull, which makes the close
 
     async def pull(self) -> Any:
-        """The iterator's next item, or ``_END``.
+        """The iterator's next item, or ``_END``: at its end, and once the source is closed
+        (by a close asked while this pull ran, too).
 
         Raises:
             RuntimeError: an earlier given-up pull ended the async generator.
             BaseException: whatever the iterator raised, unchanged.
         """
+        if self._closed:
+            return _END
         if self._lost:
             raise RuntimeError(_GENERATOR_CANCELLED.format(name=_name_of(self._iterator)))
+        self._pulling = True
         try:
-            return await anext(self._iterator, _END)
+            item = await anext(self._iterator, _END)
         except anyio.get_cancelled_exc_class():
             iterator = self._iterator
             self._lost = inspect.isasyncgen(iterator) and iterator.ag_frame is None
             raise
+        finally:
+            self._pulling = False
+            if self._close_pending:
+                self._close_pending = False
+                with anyio.CancelScope(shield=True):  # the finally of a cancelled pull too
+                    await self._close_iterator()
+        return _END if self._closed else item
 
     async def close(self) -> None:
-        """Close the iterator (an async generator's ``finally`` runs now)."""
+        """Close the iterator (an async generator's ``finally`` runs now), or, while a pull
+        of it runs, have that pull close it as it ends. Later pulls give ``_END``."""
+        if self._closed:
+            return
+        self._closed = True
+        # Interleaved pipelines close their own sources the same way, each after its pull:
+        # closed now, a round being pulled ends at once.
+        if self._pulling and not isinstance(self._iterator, _InterleavedAsync):
+            self._close_pending = True
+            return
+        await self._close_iterator()
+
+    async def _close_iterator(self) -> None:
         close_async = getattr(self._iterator, "aclose", None)
         if close_async is not None:
             await close_async()
@@ -629,9 +703,8 @@ class DistributedDataset:
             ),
             first_replica=self._first_replica,
             place=self._place,
-            copy_items=self._prefetch > 0,
         )
-        return DistributedIterator(puller, self._prefetch)
+        return DistributedIterator(puller, self._prefetch, self._workers)
 
     async def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
         """Run ``reduce_fn`` over all the elements of one pass, as TF's ``reduce``.
@@ -725,11 +798,14 @@ class DistributedIterator:
         PerReplica({0: array([0, 1]), 1: array([2])})
     """
 
-    def __init__(self, puller: _Puller, prefetch: int) -> None:
+    def __init__(self, puller: _Puller, prefetch: int, workers: Workers | None = None) -> None:
         # The prefetch task holds the puller, never the iterator: so a dropped iterator is
         # freed at once, and its ``__del__`` stops the task.
         self._puller = puller
         self._prefetch = prefetch
+        #: The strategy's workers (not the pass's own stream): a checkpoint of this iterator
+        #: is collective over them.
+        self._workers = workers
         self._closed = False
         self._background: _loops.Background | None = None
         self._receive: MemoryObjectReceiveStream[Any] | None = None
@@ -873,7 +949,11 @@ class DistributedIterator:
 
         A synchronous dataset is closed on its loader thread (a generator's ``finally`` runs
         there) and waited for; but while a pull of it is still running (a loader that blocks),
-        ``aclose`` returns at once and the close follows that pull, if it ever ends.
+        ``aclose`` returns at once and the close follows that pull, if it ever ends. So it is
+        for an async dataset whose pull another task waits for: that task closes it (an async
+        generator's ``finally`` runs there) once the pull ends. A task waiting for the next
+        element meanwhile gets the end of the iteration (``StopAsyncIteration``), never the
+        element being made, nor part of one.
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -951,7 +1031,14 @@ class DistributedIterator:
 
     def _source_kind(self) -> str:
         """What this pass pulls from, for messages: ``batched``, ``generator``, ``list``..."""
-        return self._puller.source_kind
+        kind = self._puller.source_kind
+        # (``InputReplicationMode.PER_REPLICA``'s interleaving of pipelines is internal)
+        return _PER_REPLICA_PIPELINES if kind.startswith("_") else kind
+
+    def _input_workers(self) -> Workers | None:
+        """The workers of a multi-worker strategy's pass, over which a checkpoint of it is
+        collective (each worker saves and restores its own place); None on one worker."""
+        return self._workers
 
     def _input_state(self) -> dict[str, Any]:
         return self._batched_source()._input_state(self._consumed)
@@ -983,6 +1070,12 @@ class DistributedIterator:
         if source is None:  # Checkpoint refuses such an iterator when it is given one
             raise TypeError(f"a DistributedIterator over a {self._source_kind()} has no position")
         return source
+
+
+#: What a pass over ``InputReplicationMode.PER_REPLICA``'s pipelines pulls from, for messages.
+_PER_REPLICA_PIPELINES: Final = (
+    "per-replica set of input pipelines (InputReplicationMode.PER_REPLICA)"
+)
 
 
 _PREFETCH_STOPPED: Final = (
@@ -1072,7 +1165,6 @@ class _Puller:
         workers: Workers | None = None,
         first_replica: int = 0,
         place: bool = True,
-        copy_items: bool = False,
     ) -> None:
         self._devices = devices
         #: Each replica's data goes to its device (``InputOptions.experimental_fetch_to_device``;
@@ -1097,17 +1189,15 @@ class _Puller:
             elif not _pulled_on_a_thread(dataset):
                 self._sync = iter(dataset)
             else:
-                self._loader = loader if loader is not None else _LoaderThread(iter(dataset))
+                self._loader = loader if loader is not None else _LoaderThread(dataset)
         except Exception as exc:
             if workers is None:
                 raise
             self._failed = exc
-        #: Whether the arrays an iterator yields may change when it yields again (refilling
-        #: one buffer, say): in-memory data (pulled inline) is never refilled.
-        self._refilled = self._sync is None
-        #: Whether those arrays are copied as they come: pulled ahead of the step, they must
-        #: not change (without prefetching, only an item kept over the next pull is copied).
-        self._copy_items = copy_items and self._refilled
+        #: Whether the arrays an iterator yields are copied as they come: they may change when
+        #: it yields again (a loader refilling one buffer), while a step, a batch pulled ahead
+        #: or a caller still holds them. In-memory data (pulled inline) is never refilled.
+        self._copy_items = self._sync is None
         #: A ``batched`` epoch, whose position a checkpoint can save; None for other sources.
         self.source = self._sync if isinstance(self._sync, BatchedIterator) else None
         self.source_kind = type(dataset).__name__
@@ -1131,6 +1221,9 @@ class _Puller:
         #: Whether the iterator stopped its prefetch task: a cancellation not asked for came
         #: from its event loop ending.
         self.stopped = False
+        #: Whether the pass is closed (``finish``): a pull still running then gives ``_END``,
+        #: and the element it was for is not made (never part of one, for a round).
+        self.closed = False
 
     async def _pull(self) -> Any:
         """The next item of the underlying dataset, or ``_END``; a blocking one on its thread."""
@@ -1140,27 +1233,27 @@ class _Puller:
             raise failed
         if self._exhausted:
             return _END
-        if self._async is not None:
-            item = await self._async.pull()
-        elif self._loader is not None:  # copied on the loader thread, as part of the pull
-            item = await self._loader.pull(copied=self._copy_items)
-        elif self._sync is not None:
-            await anyio.lowlevel.checkpoint()
-            item = next(self._sync, _END)
-        else:  # finished
-            return _END
+        try:
+            if self._async is not None:
+                item = await self._async.pull()
+            elif self._loader is not None:  # copied on the loader thread, as part of the pull
+                item = await self._loader.pull(copied=self._copy_items)
+            elif self._sync is not None:
+                await anyio.lowlevel.checkpoint()
+                item = _END if self.closed else next(self._sync, _END)
+            else:  # finished
+                return _END
+        except Exception:
+            if not self.closed:
+                raise
+            item = _END  # closed while this pull ran: what it raised is not handed out either
+        if self.closed:  # closed while this pull ran: its item is not handed out
+            item = _END
         if item is _END:
             self._exhausted = True
         elif self._copy_items and self._loader is None:
             item = await _owned_off_loop(item)
         return item
-
-    async def _kept(self, item: Any) -> Any:
-        """``item``, copied unless it is already (or is in-memory data): it is kept over the
-        next pull, which may refill its arrays."""
-        if self._copy_items or not self._refilled:
-            return item
-        return await _owned_off_loop(item)
 
     async def next_element(self) -> Any:
         """The next element (replicas' slices, regrouped), or ``_END``; with several workers,
@@ -1173,7 +1266,8 @@ class _Puller:
             WorkersDisagree: the workers' global batches differ.
         """
         if self._workers is None:
-            return await self._next_local()
+            element = await self._next_local()
+            return _END if self.closed else element
         workers = self._workers
         try:
             element = await self._next_local()
@@ -1184,6 +1278,8 @@ class _Puller:
                 )
                 await self._end_for_a_failure(marks, exc)  # this worker's error is still the one
             raise
+        if self.closed:  # and so is the pass's communicator: no agreement on this element
+            return _END
         mark = np.array([[element is not _END, self._fingerprint]], np.int64)
         marks = await workers.allgather_rows(mark, what=_NEXT_BATCH)
         if (marks[:, 0] == _RAISED).any():
@@ -1310,8 +1406,6 @@ class _Puller:
         elif self._drop_remainder and rows < self._first_rows:
             # Only the last batch is dropped: a smaller one is split if another follows it
             # (pulled ahead only here, so prefetch=0 pulls one batch per element otherwise).
-            batch = await self._kept(batch)
-            leaves, treedef = _tree.flatten(batch)
             try:
                 following = await self._pull()
             except BaseException:
@@ -1346,8 +1440,6 @@ class _Puller:
                 if batch is _END:
                     break
                 if batch is not _NO_BATCH:  # a PER_REPLICA dataset that ended: filled below
-                    if len(parts) + 1 < len(self._devices):  # kept over the round's next pulls
-                        batch = await self._kept(batch)
                     leaves, treedef = _tree.flatten(batch)
                     if not _unbatched(leaves):  # elements without a batch dimension pass as is
                         batch_rows(leaves, treedef, "distribute_datasets_from_function")
@@ -1356,7 +1448,7 @@ class _Puller:
         except BaseException:
             self._round = parts  # the batches pulled so far are the next wait's
             raise
-        if not parts:
+        if not parts or self.closed:  # a closed pass's round is not filled with empty batches
             return None
         self._check_round(parts)
         if len(parts) < len(self._devices):  # ran out mid-round: empty batches
@@ -1398,8 +1490,9 @@ class _Puller:
 
     async def finish(self) -> None:
         """Close the underlying iterator (a generator's ``finally`` runs now, not at GC), or,
-        while a pull of a blocking loader still runs, have it closed after that pull; free a
-        pass's communicator."""
+        while a pull of it still runs, have it closed after that pull, which then gives the
+        end of the pass; free a pass's communicator."""
+        self.closed = True
         if self._workers is not None:
             self._workers.close()
         if self._async is not None:
@@ -1423,9 +1516,9 @@ def _pulled_on_a_thread(dataset: Any) -> bool:
 
 @final
 class _LoaderThread:
-    """A synchronous iterator that may block, pulled on a daemon thread of its own.
+    """A synchronous iterable that may block, pulled on a daemon thread of its own.
 
-    The thread makes every call on the iterator (each ``next`` and the final ``close``), one at
+    The thread makes every call on it (``iter``, each ``next`` and the final ``close``), one at
     a time and in the order asked, so no pull ever starts while another runs: a generator would
     raise "generator already executing", another iterator could be corrupted. A task waiting
     for a pull may give up at once (``_Call.wait``); the pull runs on, and its item goes to the
@@ -1434,10 +1527,21 @@ class _LoaderThread:
     after the close, or once this object is collected, when its call in progress returns.
     """
 
-    __slots__ = ("__weakref__", "_calls", "_count", "_given_up", "_iterator", "_last", "closed")
+    __slots__ = (
+        "__weakref__",
+        "_calls",
+        "_count",
+        "_given_up",
+        "_iterator",
+        "_last",
+        "_name",
+        "closed",
+    )
 
-    def __init__(self, iterator: Iterator[Any]) -> None:
-        self._iterator = iterator  # touched here only before the thread starts
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        # Touched here only before the thread starts; ``iter()`` is the thread's first call.
+        self._iterator = iterable if isinstance(iterable, Iterator) else _Iteration(iterable)
+        self._name = type(iterable).__name__
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._count = 0  # calls asked so far: the thread starts with the first
         self._last: _Call | None = None  # the call asked last: once it is done, all are
@@ -1493,7 +1597,7 @@ class _LoaderThread:
             thread = threading.Thread(
                 target=_serve,
                 args=(self._iterator, self._calls),
-                name=f"aioreplica loader {type(self._iterator).__name__}",
+                name=f"aioreplica loader {self._name}",
                 daemon=True,
             )
             thread.start()
@@ -1503,6 +1607,35 @@ class _LoaderThread:
         self._calls.put(call)
         self._last = call
         return call
+
+
+@final
+class _Iteration:
+    """An iteration over ``iterable`` that calls ``iter()`` on its first pull: on the loader
+    thread, where a slow start (a data loader starting its worker processes, a reader opening
+    its files) blocks no event loop, and a wait for it can be given up."""
+
+    __slots__ = ("_iterable", "_iterator")
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self._iterable: Iterable[Any] | None = iterable
+        self._iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Iteration:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterable is not None:
+            iterable, self._iterable = self._iterable, None
+            self._iterator = iter(())  # a start that raised ends the iteration there
+            self._iterator = iter(iterable)
+        assert self._iterator is not None
+        return next(self._iterator)
+
+    def close(self) -> None:
+        """Close the iterator, if the iteration has started (a generator's ``finally`` runs)."""
+        if self._iterator is not None:
+            _close(self._iterator)
 
 
 def _serve(iterator: Iterator[Any], calls: queue.SimpleQueue[_Call | None]) -> None:
@@ -1626,7 +1759,7 @@ def _read_only_after(put: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _owned(value: Any) -> Any:
-    """A host array an iterator yielded, copied (see ``_Puller._copy_items``, ``_kept``)."""
+    """A host array an iterator yielded, copied (see ``_Puller._copy_items``)."""
     return value.copy() if isinstance(value, np.ndarray) else value
 
 

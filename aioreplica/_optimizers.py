@@ -31,7 +31,7 @@ from ._collectives import reductions_for
 from ._context import MERGE_CALLS, context_state, default_replica_context, get_replica_context
 from ._errors import ReplicaSyncError, WorkersDisagree, add_note, checked_integer, replica_list
 from ._options import ReduceOp
-from ._values import DistributedValues, agreed
+from ._values import DistributedValues, agreed, regroup
 from ._variables import (
     Variable,
     bits_differ,
@@ -81,6 +81,29 @@ MAX_ITERATIONS: Final = 2**63 - 1
 ITERATIONS_RANGE: Final = f"iterations must be an int from 0 to {MAX_ITERATIONS} (2**63 - 1)"
 
 
+class _CallableList(list[_T]):
+    """A list that returns itself when called, as tf.keras' ``CallableList``: so that
+    ``optimizer.variables`` reads as Keras' property and as its older method alike."""
+
+    __slots__ = ()
+
+    def __call__(self) -> Self:
+        return self
+
+
+@final
+class _Pairs:
+    """One replica's checked gradients and their variables, handed to the merge round as one
+    value: replicas that pass different numbers of pairs then reach it, which tells them so in
+    ``apply_gradients()``'s words (as two lists, they would differ as merge_call arguments)."""
+
+    __slots__ = ("grads", "variables")
+
+    def __init__(self, grads: list[Any], variables: list[Variable]) -> None:
+        self.grads = grads
+        self.variables = variables
+
+
 class Optimizer:
     """The base of every optimizer: steps, learning rate, slot variables, ``apply_gradients``.
 
@@ -120,7 +143,7 @@ class Optimizer:
             a non-finite joint norm makes the whole step NaN, as in Keras.
 
     At most one of ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` can be set, as in
-    Keras 3.
+    Keras 3. A clipping bound of ``0`` clips nothing, as ``None``, as Keras reads it.
 
     Every float hyperparameter, these and each optimizer's own (``momentum``, ``beta_1``,
     ``epsilon``, ...), may be a 0-d ``aioreplica.Variable`` instead of a number: it is read,
@@ -134,7 +157,7 @@ class Optimizer:
             or a clipping bound is not a number; a variable given for a hyperparameter is not
             0-d or holds no integer or float.
         ValueError: ``learning_rate`` is not finite; ``weight_decay`` is not finite or
-            ``< 0``; a clipping bound is not finite or not ``> 0``; more than one of
+            ``< 0``; a clipping bound is not finite or ``< 0``; more than one of
             ``clipnorm``, ``clipvalue`` and ``global_clipnorm`` is set.
 
     Example:
@@ -358,14 +381,25 @@ class Optimizer:
             )
         return entry[1][self.slot_names.index(slot_name)]
 
-    def variables(self) -> list[Variable]:
-        """Every slot variable, in the order their variables were first seen.
+    @property
+    def variables(self) -> _CallableList[Variable]:
+        """Every slot variable, in the order their variables were first seen, then in
+        ``slot_names`` order: a list, which can also be called, as in tf.keras (so both
+        ``opt.variables`` and ``opt.variables()`` give it).
+
+        Keras also lists its ``iterations`` and learning-rate variables: here ``iterations`` is
+        an int and a learning rate is no variable of the optimizer's own (one given as a
+        variable is the program's), so the list holds the slots only.
 
         Example:
-            >>> aioreplica.optimizers.SGD(0.1).variables()
-            []
+            >>> opt = aioreplica.optimizers.Adam(0.1)
+            >>> opt.build([aioreplica.Variable([1.0, 2.0], name="w")])
+            >>> [slot.name for slot in opt.variables]
+            ['w/m', 'w/v']
+            >>> opt.variables() == opt.variables
+            True
         """
-        return [slot for _, slots in self._slots.values() for slot in slots]
+        return _CallableList([slot for _, slots in self._slots.values() for slot in slots])
 
     def exclude_from_weight_decay(
         self, var_list: Iterable[Variable] | None = None, var_names: Iterable[str] | None = None
@@ -434,8 +468,10 @@ class Optimizer:
         Call it from every replica (or outside any strategy, with ordinary variables) with
         that replica's gradients. It takes one merge round, whose gradients are summed in one
         packed all-reduce; scale your loss by the global batch size so the sum is the mean.
-        Pairs whose gradient is ``None`` are skipped. An empty list changes nothing and takes
-        no merge round, as in TF (every replica must pass one then). Every variable, slot and
+        Pairs whose gradient is ``None`` are skipped. An empty list changes nothing (with
+        several replicas it still takes its merge round, where replicas that passed pairs are
+        told that another passed none; across workers, a worker whose replicas all passed
+        none makes every worker raise ``WorkersDisagree``). Every variable, slot and
         the step count change together, or (on any error or cancellation) none of them. With
         ``clipnorm``, ``clipvalue`` or ``global_clipnorm``, the summed gradients are clipped in
         that same round, so every replica applies the same clipped step; with
@@ -462,12 +498,18 @@ class Optimizer:
                 variable of another strategy, or of a strategy when called outside
                 ``strategy.run()``; an optimizer that belongs to another strategy (naming
                 both); without aggregation, gradients that differ between replicas (naming
-                the variables).
+                the variables); replicas that pass different numbers of pairs (naming them
+                and the numbers); ``iterations`` is ``2**63 - 1`` already, the most a
+                checkpoint keeps.
             TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
-                and ``aioreplica.Variable``; a gradient dtype that cannot be cast to its
-                variable's; an aggregation flag that is not a bool.
+                and ``aioreplica.Variable``; a variable that is not of a floating-point (or
+                complex) dtype; a gradient dtype that cannot be cast to its variable's; an
+                aggregation flag that is not a bool.
             RuntimeError: called in cross-replica context (``strategy.scope()`` or a merge
                 function): call it inside ``strategy.run``.
+            NotImplementedError: the optimizer's class does not implement ``_update_step``
+                (the base class ``Optimizer``, or a subclass written for Keras'
+                ``update_step``).
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -487,6 +529,8 @@ class Optimizer:
                 "apply_gradients() was called in cross-replica context; call it from the "
                 "step function inside strategy.run(), where each replica passes its gradients"
             )
+        if _without_update(type(self)):  # before anything is made
+            raise NotImplementedError(_missing_update(type(self)))
         try:
             if self._strategy is not None and self._strategy is not ctx.strategy:
                 raise self._foreign(ctx.strategy)
@@ -495,12 +539,12 @@ class Optimizer:
         except (TypeError, ValueError) as exc:
             ctx._engine.refusing("apply_gradients()", exc)  # on every worker alike
             raise
-        if not variables:  # an empty list: nothing to apply (TF's no-op)
+        if not variables and ctx.num_replicas_in_sync == 1:  # nothing to apply: TF's no-op
             return self._iterations
         engine = ctx._engine  # a collective, bounded as one by timeout_seconds
         iterations: int = await ctx._collective(
             self._merge_apply,
-            (engine, grads, variables, aggregate, skipped),
+            (engine, _Pairs(grads, variables), aggregate, skipped),
             engine.options._timeout,
         )
         return iterations
@@ -538,6 +582,13 @@ class Optimizer:
                     "gradients first"
                 )
             seen.add(id(variable))
+            if variable._dtype.kind not in "fc":
+                raise TypeError(
+                    f"apply_gradients(): variable {variable.name!r} has dtype "
+                    f"{variable.dtype}, but optimizers update floating-point (or complex) "
+                    "variables only: an update of another dtype would be truncated; make it "
+                    "a float variable, or leave it out of grads_and_vars"
+                )
             if variable._strategy is not strategy:
                 self._check_owner(variable, strategy)
             grads.append(_checked_gradient(grad, variable, device, replica_id))
@@ -553,8 +604,7 @@ class Optimizer:
         self,
         strategy: Any,
         engine: ReductionEngine,
-        grads: list[Any],
-        variables: list[Variable],
+        pairs: Any,
         aggregate: Any,
         skipped: Any,
     ) -> int:
@@ -566,6 +616,7 @@ class Optimizer:
         gradients (``skipped`` on some replica) hold their places until they are left out.
         """
         try:
+            grads, variables = _regrouped(pairs, engine.first_replica)
             if skipped is not False:
                 grads, variables = _with_gradients(grads, variables, engine.first_replica)
             variables = [
@@ -578,6 +629,8 @@ class Optimizer:
         except (ReplicaSyncError, ValueError) as exc:
             await engine.refuse("apply_gradients()", exc)  # on every worker alike
             raise
+        if not variables:  # every replica passed an empty list: nothing to apply
+            return self._iterations
         # Every turn at once, in the global order, so that no two steps or restores can wait
         # for each other; a slot made by a step that ran while this one waited included.
         async with taking_turns(lambda: self._turns(variables)):
@@ -585,6 +638,15 @@ class Optimizer:
             # this one waited for its turn.
             if self._strategy is not None and self._strategy is not strategy:
                 error = self._foreign(strategy)
+                await engine.refuse("apply_gradients()", error)  # on every worker alike
+                raise error
+            if self._iterations >= MAX_ITERATIONS:  # a step now would leave it unsaveable
+                error = ValueError(
+                    f"apply_gradients() of {type(self).__name__} was refused: iterations is "
+                    f"{self._iterations} (2**63 - 1), the most a checkpoint keeps, so another "
+                    "step would take it out of range; nothing was changed: set "
+                    "optimizer.iterations to a smaller count to go on"
+                )
                 await engine.refuse("apply_gradients()", error)  # on every worker alike
                 raise error
             try:
@@ -670,7 +732,7 @@ class Optimizer:
         updates: list[tuple[Variable, list[Any]]] = []
         xp = engine.devices[0].xp  # one backend for every device of a strategy
         scales: tuple[list[Any], ...] = ()  # per copy, the global clipping factor, if any
-        if self._global_clipnorm is not None:
+        if self._global_clipnorm:  # None or 0: no clipping
             scales = (await _global_scales(engine.devices, summed, self._global_clipnorm),)
         # The update of a variable that does not decay, and of one that does.
         update_steps = [
@@ -727,11 +789,12 @@ class Optimizer:
         self, update_step: Callable[..., tuple[Any, ...]], xp: Any
     ) -> Callable[..., tuple[Any, ...]]:
         """``update_step`` with this optimizer's gradient clipping, if any, done first."""
-        if self._clipnorm is not None:
+        # A bound of None or 0 clips nothing, as in Keras.
+        if self._clipnorm:
             return functools.partial(_clipped_step, update_step, xp, self._clipnorm)
-        if self._clipvalue is not None:
+        if self._clipvalue:
             return functools.partial(_value_clipped_step, update_step, xp, self._clipvalue)
-        if self._global_clipnorm is not None:
+        if self._global_clipnorm:
             return functools.partial(_scaled_step, update_step)
         return update_step
 
@@ -772,8 +835,17 @@ class Optimizer:
     def _update_step(
         self, xp: Any, var: Any, grad: Any, slots: Sequence[Any], rate: float, step: int
     ) -> tuple[Any, ...]:
-        """One copy's new ``(var, *slots)`` from its arrays; ``step`` counts from 0."""
-        raise NotImplementedError
+        """One copy's new ``(var, *slots)`` from its arrays; ``step`` counts from 0.
+
+        What a subclass implements: a pure function of one copy's arrays (``xp`` is their
+        array module, NumPy or CuPy; ``slots`` are in ``slot_names`` order; ``rate`` is the
+        step's learning rate), returning the new variable and each new slot, all of the
+        variable's shape. It writes nothing: every copy's results are committed together.
+
+        Raises:
+            NotImplementedError: always, here in the base class.
+        """
+        raise NotImplementedError(_missing_update(type(self)))
 
     def _slot_initial(self, slot_name: str) -> float:
         """The value every element of a new slot ``slot_name`` made outside a step starts at
@@ -1078,8 +1150,8 @@ class AdamW(Adam):
         clipnorm, clipvalue, global_clipnorm: gradient clipping, as ``Optimizer``.
 
     Raises:
-        ValueError: ``weight_decay < 0``; as ``Adam``.
-        TypeError: ``weight_decay`` is not a number (``None`` included); as ``Adam``.
+        ValueError: ``weight_decay`` is ``None`` or ``< 0`` (as Keras'); as ``Adam``.
+        TypeError: ``weight_decay`` is not a number; as ``Adam``.
 
     Example:
         >>> w = aioreplica.Variable([1.0])
@@ -1485,10 +1557,10 @@ def _not_none(what: str, value: Any) -> Any:
     """``value``, which must be given (a number or a variable, checked later).
 
     Raises:
-        TypeError: ``value`` is ``None``.
+        ValueError: ``value`` is ``None`` (as Keras' ``AdamW`` refuses it).
     """
     if value is None:
-        raise TypeError(f"{what} must be a number, got NoneType None; pass a number, or {_HELD}")
+        raise ValueError(f"{what} must be a number, got None; pass a number, or {_HELD}")
     return value
 
 
@@ -1601,7 +1673,7 @@ def _clipping(
     """The checked clipping bounds, of which Keras 3 allows one at most.
 
     Raises:
-        ValueError: more than one is set; one is not finite or not ``> 0``.
+        ValueError: more than one is set; one is not finite or ``< 0``.
         TypeError: one is not a number.
     """
     given = {
@@ -1629,11 +1701,18 @@ def _clipping(
 
 
 def _clip_bound(what: str, value: Any) -> float | None:
+    """The checked clipping bound ``what``: ``None`` or ``0`` (no clipping: Keras clips only
+    by a bound ``> 0``), or a finite number ``> 0``.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: not finite, or ``< 0``.
+    """
     if value is None:
         return None
     bound = _number(what, value)
-    if bound <= 0:
-        raise ValueError(f"{what} must be > 0 (or None: no clipping), got {bound!r}")
+    if bound < 0:
+        raise ValueError(f"{what} must be >= 0 (0 or None: no clipping), got {bound!r}")
     return bound
 
 
@@ -1707,6 +1786,64 @@ def _told_apart(strategy: Any, owner: Any, shown: Callable[[Any], str]) -> str:
     if repr(strategy) == repr(owner):
         return f"another {strategy!r}: two strategy objects over the same devices"
     return shown(strategy)
+
+
+def _without_update(cls: type[Optimizer]) -> bool:
+    """Whether ``cls`` has no update of its own that a step calls: it does not implement
+    ``_update_step``, or a class of its own, below the one that does, defines Keras'
+    ``update_step`` (which a step would silently leave uncalled)."""
+    if cls._update_step is Optimizer._update_step:
+        return True
+    for klass in cls.__mro__:
+        if "_update_step" in vars(klass):
+            return False
+        if "update_step" in vars(klass):
+            return True
+    return False
+
+
+def _missing_update(cls: type[Optimizer]) -> str:
+    """Why an optimizer of class ``cls``, which does not implement ``_update_step``, cannot
+    take a step, and what to do."""
+    how = (
+        "implement _update_step(self, xp, var, grad, slots, rate, step), returning the new "
+        "variable and its slots (in slot_names order) computed from one copy's arrays, or "
+        "use SGD, Adam, AdamW, Adagrad or RMSprop; nothing was changed"
+    )
+    if hasattr(cls, "update_step"):  # written for Keras, whose update_step assigns
+        return (
+            f"{cls.__name__} defines Keras' update_step(gradient, variable, learning_rate), "
+            "which aioreplica does not call: a step computes every copy of every variable and "
+            "slot first and commits them all at once, so nothing may assign during it; "
+            f"{how}"
+        )
+    return f"{cls.__name__} cannot apply gradients: an Optimizer subclass must {how}"
+
+
+def _regrouped(pairs: Any, first_replica: int) -> tuple[list[Any], list[Any]]:
+    """The gradients and the variables of a step, each regrouped across the replicas (a
+    ``PerReplica`` where they differ), from every replica's ``_Pairs`` (``first_replica``: the
+    id of the first replica here, for messages).
+
+    Raises:
+        ValueError: replicas passed different numbers of pairs, naming them and the numbers.
+    """
+    if not isinstance(pairs, DistributedValues):  # one replica
+        return pairs.grads, pairs.variables
+    parts = pairs.values
+    counts = [len(part.variables) for part in parts]
+    odd = [i for i, count in enumerate(counts) if count != counts[0]]
+    if odd:
+        others = " and ".join(f"replica {first_replica + i} passed {counts[i]}" for i in odd)
+        raise ValueError(
+            f"apply_gradients(): replica {first_replica} passed {counts[0]} (gradient, "
+            f"variable) pair{'' if counts[0] == 1 else 's'}, but {others}; every replica must "
+            "pass the same variables, in the same order: pass zeros as the gradient of a "
+            "variable that a replica's loss does not depend on"
+        )
+    grads = regroup([part.grads for part in parts], first_replica=first_replica)
+    variables = regroup([part.variables for part in parts], first_replica=first_replica)
+    return grads, variables
 
 
 def _with_gradients(

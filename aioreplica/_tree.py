@@ -659,7 +659,7 @@ def _rebuild_level(level: _Node, values: Iterable[Any]) -> Any:
     values = list(values)
     if len(values) != level.num_leaves:
         raise ValueError(
-            f"rebuilding {_with_article(_type_name(level.type))} needs {level.num_leaves} "
+            f"rebuilding {with_article(_type_name(level.type))} needs {level.num_leaves} "
             f"children, got {len(values)}"
         )
     return _join(level, values)
@@ -967,9 +967,16 @@ def _leaf_paths(treedef: TreeDef) -> list[KeyPath]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _with_article(name: str) -> str:
-    """``name`` with its indefinite article: ``a list``, ``an OrderedDict``."""
-    return ("an " if name[:1].lower() in "aeiou" else "a ") + name
+def with_article(name: str) -> str:
+    """``name`` with its indefinite article, as it is read out: ``a list``, ``an
+    OrderedDict``, ``a uint8``, ``a UserDict``, ``an ndarray``."""
+    lower = name.lower()
+    vowel = lower[:1] in "aeiou" and not lower.startswith(_READ_AS_YOU)
+    return ("an " if vowel or lower.startswith("nd") else "a ") + name
+
+
+#: The beginnings of names whose "u" is read as "you".
+_READ_AS_YOU: Final = ("uint", "use", "uni", "usu")
 
 
 def short_repr(x: Any, limit: int = 40) -> str:
@@ -988,9 +995,9 @@ def _describe_node(x: Any) -> str:
     if kind == _LEAF:
         return f"a leaf {short_repr(x)} of type {name}"
     if kind == _CUSTOM:
-        return f"{_with_article(name)} node"
+        return f"{with_article(name)} node"
     n = len(x)
-    return f"{_with_article(name)} of {n} item{'' if n == 1 else 's'}"
+    return f"{with_article(name)} of {n} item{'' if n == 1 else 's'}"
 
 
 def _same_name_classes(ta: type, tb: type, first: str, second: str) -> str:
@@ -1076,7 +1083,7 @@ def _node_mismatch(
     registration = _REGISTRY[ta]
     children_a, aux_a = registration.flatten_fn(a)
     children_b, aux_b = registration.flatten_fn(b)
-    name = _with_article(_type_name(ta))
+    name = with_article(_type_name(ta))
     if not _aux_equal(ka, ta, aux_a, aux_b):
         return ValueError, (
             f"{first} has {name} node with aux data {short_repr(aux_a)}, "

@@ -862,9 +862,12 @@ class Variable(NDArrayOperatorsMixin):
         """``assign``, ``assign_add`` or ``assign_sub`` (``op``; ``what``: its name): across
         workers, one call of every worker's, after the variable's first sync."""
         async with _call(self, what):
-            if self._unsynced:
+            replaced_here = self._unsynced and op == ASSIGN and _broken_before_first_sync(self)
+            if self._unsynced and not replaced_here:
                 await _sync_first(self)
             await self._write(op, value)
+            if replaced_here:
+                settle_here(self)
         return self if read_value else None
 
     async def _write(self, op: str, value: Any) -> Variable:
@@ -1346,6 +1349,27 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
         _note_unsynced(exc, pending)
         raise
     workers.pending = []
+
+
+def _broken_before_first_sync(variable: Variable) -> bool:
+    """Whether ``variable`` still waits for the chief's first value on a cluster that broke
+    before it came: that sync can never be made now, and only a write that replaces every
+    copy (an ``assign``, a restore) gives the variable a value of its own here."""
+    engine = variable._engine
+    workers = engine.cluster if engine is not None else None
+    return variable._unsynced and workers is not None and workers.broken
+
+
+def settle_here(variable: Variable) -> None:
+    """After a write that replaced every copy of ``variable`` committed, on a cluster that
+    broke before its first sync: the variable holds this worker's own value from now on, as
+    every other variable does after the failure (docs/multi-worker.md), so reads no longer
+    ask the chief for a first value that can never come. Nothing to do otherwise."""
+    if _broken_before_first_sync(variable):
+        variable._unsynced = False
+        pending = variable._engine.cluster.pending  # type: ignore[union-attr]
+        # By identity: a variable's == compares values, which would read the others.
+        pending[:] = [other for other in pending if other is not variable]
 
 
 async def _sync_before_replacing(variable: Variable) -> None:

@@ -810,10 +810,17 @@ class TestRefusedRestore:
                 ],
             ),
             (
-                {"format": "aioreplica.checkpoint", "version": 2, "entries": []},
+                {"format": "aioreplica.checkpoint", "version": 0, "entries": []},
                 [
-                    "the manifest cannot be read (ValueError: format version 2; this "
-                    "aioreplica reads version 1)" + UNREADABLE
+                    "the manifest cannot be read (ValueError: format version 0; this "
+                    "aioreplica reads versions 1 to 2)" + UNREADABLE
+                ],
+            ),
+            (
+                {"format": "aioreplica.checkpoint", "version": 3, "entries": []},
+                [
+                    "format version 3, written by a newer aioreplica: this one reads versions "
+                    "1 to 2; upgrade aioreplica (pip install --upgrade aioreplica) to restore it"
                 ],
             ),
             (
@@ -826,7 +833,7 @@ class TestRefusedRestore:
                 ],
             ),
         ],
-        ids=["format", "version", "entries"],
+        ids=["format", "version", "newer version", "entries"],
     )
     async def test_manifest_of_another_kind(
         self, tmp_path: Path, document: dict[str, Any], problems: list[str]
@@ -1090,22 +1097,22 @@ class TestConstruction:
     @pytest.mark.parametrize(
         ("value", "kind"),
         [
-            ("x", "str"),
-            (np.zeros(2), "ndarray"),
-            (np.array(3), "ndarray"),
-            (True, "bool"),
-            (np.True_, "bool"),
-            (np.complex64(1), "complex64"),
-            (None, "NoneType"),
+            ("x", "a str"),
+            (np.zeros(2), "an ndarray"),
+            (np.array(3), "an ndarray"),
+            (True, "a bool"),
+            (np.True_, "a bool"),
+            (np.complex64(1), "a complex64"),
+            (None, "a NoneType"),
         ],
         ids=["str", "ndarray", "0-d ndarray", "bool", "np.bool", "np.complex64", "None"],
     )
     def test_unsupported_object(self, value: Any, kind: str) -> None:
         """Strings, arrays (0-d ones too: arrays belong in variables), bools, complex numbers
         and None are not checkpoint objects."""
-        with pytest.raises(TypeError, match=rf"Checkpoint: thing is a {kind}; a checkpoint holds"):
+        with pytest.raises(TypeError, match=rf"Checkpoint: thing is {kind}; a checkpoint holds"):
             Checkpoint(thing=value)
-        with pytest.raises(TypeError, match=rf"Checkpoint: model/0 is a {kind}; a checkpoint"):
+        with pytest.raises(TypeError, match=rf"Checkpoint: model/0 is {kind}; a checkpoint"):
             Checkpoint(model=[value])
 
     def test_unsupported_object_assigned(self) -> None:
@@ -1767,6 +1774,8 @@ class FakeWorkers:
     is_chief = True
     broken = False
     pending = False
+    worker_index = 0
+    num_workers = 2
 
     def __init__(self) -> None:
         self.collectives: list[str] = []

@@ -751,8 +751,8 @@ class TestMalformedManifest:
         document["version"] = version
         assert await self.refused(tmp_path, ckpt, document, before) == (
             f"the manifest cannot be read (ValueError: format version {version!r}; this "
-            "aioreplica reads version 1); the file is truncated, corrupted or not an aioreplica "
-            "checkpoint",
+            "aioreplica reads versions 1 to 2); the file is truncated, corrupted or not an "
+            "aioreplica checkpoint",
         )
 
     async def test_path_given_twice(self, tmp_path: Path) -> None:

@@ -382,7 +382,7 @@ class TestCheckpointInterval:
             Checkpoint(step=step), directory, step_counter=step, checkpoint_interval=10
         )
         directory.write_bytes(b"")  # a file where the folder goes
-        with pytest.raises(FileExistsError):
+        with pytest.raises(NotADirectoryError):
             await manager.save()
         directory.unlink()
         assert os.path.basename(await manager.save() or "") == "ckpt-1.npz"

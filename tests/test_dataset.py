@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import sniffio
 import trio
+from messages import mentions
 
 import aioreplica
 from aioreplica import (
@@ -41,11 +42,6 @@ Array = np.ndarray[Any, Any]
 Table = tuple[Array, Array]
 
 SOURCES = ["list", "generator", "async generator"]
-
-
-def mentions(*patterns: str) -> str:
-    """A regex matching a message that contains every pattern, in any order."""
-    return "(?s)" + "".join(f"(?=.*{pattern})" for pattern in patterns)
 
 
 def table(rows: int, width: int = 3) -> Table:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 import pytest
+from messages import mentions
 
 import aioreplica
 from aioreplica import InputOptions, MirroredStrategy
@@ -37,11 +38,6 @@ GIVE_UP_S = 0.05
 BIG_ROW = 1 << 18
 
 EPOCH: contextvars.ContextVar[str] = contextvars.ContextVar("EPOCH", default="unset")
-
-
-def mentions(*patterns: str) -> str:
-    """A regex matching a message that contains every pattern, in any order."""
-    return "(?s)" + "".join(f"(?=.*{pattern})" for pattern in patterns)
 
 
 def firsts(element: Any) -> list[int | None]:
@@ -146,11 +142,9 @@ class TestCopiesOffTheEventLoop:
         loop = threading.get_ident()
         assert [thread == loop for thread in copied_on] == [False] * 3
 
-    async def test_a_big_smaller_batch_kept_without_prefetch_is_copied_off_the_loop(
-        self,
-    ) -> None:
-        """Without prefetching, a big smaller batch kept while the next is pulled is copied
-        on a worker thread, and keeps its values though the loader refills one buffer."""
+    async def test_big_batches_without_prefetch_are_copied_off_the_loop(self) -> None:
+        """Without prefetching too, the big batches an async generator yields are copied on a
+        worker thread, and keep their values though it refills one buffer."""
         strategy = MirroredStrategy(host_devices(2))
         copied_on: list[int] = []
 
@@ -163,11 +157,11 @@ class TestCopiesOffTheEventLoop:
         dist = strategy.distribute_dataset(batches(), drop_remainder=True, prefetch=0)
         assert [corners(element) async for element in dist] == [[0, 0], [1, 1], [2, 2]]
         loop = threading.get_ident()
-        assert [thread == loop for thread in copied_on] == [False]
+        assert [thread == loop for thread in copied_on] == [False] * 3
 
-    async def test_a_big_batch_kept_over_a_round_is_copied_off_the_loop(self) -> None:
-        """Without prefetching, the big batches of a round kept while the round's next is
-        pulled are copied on a worker thread, and each replica gets its own pull's values."""
+    async def test_the_big_batches_of_a_round_are_copied_off_the_loop(self) -> None:
+        """Without prefetching, the big batches of a round are copied on a worker thread,
+        and each replica gets its own pull's values."""
         strategy = MirroredStrategy(host_devices(2))
         copied_on: list[int] = []
 
@@ -180,7 +174,7 @@ class TestCopiesOffTheEventLoop:
         dist = strategy.distribute_datasets_from_function(loader, prefetch=0)
         assert [firsts(element) async for element in dist] == [[0, 1], [2, 3]]
         loop = threading.get_ident()
-        assert [thread == loop for thread in copied_on] == [False] * 2
+        assert [thread == loop for thread in copied_on] == [False] * 4
 
 
 class TestRoundsWithoutPrefetch:
@@ -194,6 +188,44 @@ class TestRoundsWithoutPrefetch:
         )
         got = [firsts(element) async for element in dist]
         assert got == [list(range(replicas)), list(range(replicas, 2 * replicas))]
+
+
+class TestRefilledWithoutPrefetch:
+    @pytest.mark.parametrize("source", ["dataset", "function"])
+    async def test_kept_elements_keep_their_values(self, source: str) -> None:
+        """Elements kept over later pulls keep their rows though the loader refills one
+        buffer each time, as elements kept with prefetching do."""
+        strategy = MirroredStrategy(host_devices(2))
+        if source == "dataset":
+            dist = strategy.distribute_dataset(refilling(4, rows=2), prefetch=0)
+        else:
+            dist = strategy.distribute_datasets_from_function(
+                lambda _: refilling(4, rows=1), prefetch=0
+            )
+        kept = [element async for element in dist]
+        expected = [[0, 0], [1, 1], [2, 2], [3, 3]] if source == "dataset" else [[0, 1], [2, 3]]
+        assert [firsts(element) for element in kept] == expected
+
+    async def test_a_step_keeps_its_batch_while_the_next_is_pulled(self) -> None:
+        """A caller pulling the next element while a step still reads its batch (its own
+        prefetching) does not change that batch."""
+        strategy = MirroredStrategy(host_devices(2))
+        pulled = anyio.Event()
+        seen: list[tuple[int, int]] = []
+
+        async def step(x: Array) -> None:
+            before = int(x[0])
+            await pulled.wait()
+            seen.append((before, int(x[0])))
+
+        async with aiter(strategy.distribute_dataset(refilling(3), prefetch=0)) as it:
+            element = await it.get_next()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(strategy.run, step, (element,))
+                following = await it.get_next()
+                pulled.set()
+        assert seen == [(0, 0), (0, 0)]
+        assert firsts(following) == [1, 1]
 
 
 class TestGivenUpWaitsWithoutPrefetch:

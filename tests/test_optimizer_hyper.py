@@ -121,9 +121,9 @@ class TestLearningRateVariable:
 HYPERPARAMETERS = [
     (SGD, "momentum", 0.5, 1.5),
     (SGD, "weight_decay", 0.1, -1.0),
-    (SGD, "clipnorm", 0.5, 0.0),
+    (SGD, "clipnorm", 0.5, -0.5),
     (SGD, "clipvalue", 0.5, -1.0),
-    (SGD, "global_clipnorm", 0.5, 0.0),
+    (SGD, "global_clipnorm", 0.5, -1.0),
     (Adam, "beta_1", 0.5, 1.0),
     (Adam, "beta_2", 0.5, 1.0),
     (Adam, "epsilon", 0.1, 0.0),

@@ -389,14 +389,13 @@ class TestClipValue:
     @pytest.mark.parametrize(
         ("value", "error", "message"),
         [
-            (0, ValueError, "clipvalue must be > 0 (or None: no clipping), got 0"),
-            (-1.0, ValueError, "clipvalue must be > 0 (or None: no clipping), got -1.0"),
+            (-1.0, ValueError, "clipvalue must be >= 0 (0 or None: no clipping), got -1.0"),
             (math.nan, ValueError, "clipvalue must be finite, got nan"),
             ("1", TypeError, "clipvalue must be a number, got str '1'"),
         ],
     )
     def test_invalid(self, value: Any, error: type[Exception], message: str) -> None:
-        """A ``clipvalue`` that is not a finite number ``> 0`` is refused."""
+        """A ``clipvalue`` that is not a finite number ``>= 0`` is refused."""
         with pytest.raises(error, match=re.escape(message)):
             Adam(clipvalue=value)
 

@@ -515,8 +515,10 @@ class TestRefusedIterators:
             (
                 lambda: (b for b in [np.zeros(2)]),
                 "data is an iterator (generator) with no position to save; a checkpoint saves "
-                "only iterators over an aioreplica.batched dataset: iter(batched(...)) and "
-                "aiter(strategy.distribute_dataset(batched(...)))",
+                "only iterators over an aioreplica.batched dataset: iter(batched(...)), "
+                "aiter(strategy.distribute_dataset(batched(...))) and "
+                "aiter(strategy.distribute_datasets_from_function(fn)) where fn returns "
+                "batched(...) (InputReplicationMode.PER_WORKER, the default)",
             ),
             (
                 lambda: iter([np.zeros(2)]),

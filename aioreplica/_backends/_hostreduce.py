@@ -39,24 +39,46 @@ the first huge page, not at it: a cross-worker reduction of 64 MiB into an array
 ``np.empty``'s (whose arrays start 16 bytes into a page); 4 and 16 MiB ran alike at either
 start, faster than into ``np.empty``'s.
 
-**The reuse rule.** A pooled buffer is *free* when nothing but the pool refers to it:
-``sys.getrefcount(buffer)`` equals the count measured, through the same code path, on an array
-that only a list holds (calibrated at import, so it does not depend on the interpreter's
-temporary references). Any other reference keeps it *busy*: the published result itself in
-any variable, list, ``PerReplica`` or frame, and every array derived from it without a copy:
-slices, ``reshape``, ``.T``, ``.view()``, ``np.asarray``, ``memoryview``, ``np.frombuffer``. A
-view's ``.base`` is a strong reference to the array that owns the memory (NumPy points a view of
-a view straight at the owner), so a view alive means the buffer is busy. Not covered: raw
-addresses (``.ctypes.data``, ``__array_interface__``) held without the array, and objects kept
-alive only by a reference cycle, which hold the buffer until the cycle collector frees them (the
-pool then allocates a new buffer meanwhile; it never overwrites). The pool itself creates no
-cycles: it holds buffers, and buffers hold nothing.
+**The reuse rule.** Every pooled buffer has an *owner*, the object that the ``.base`` of every
+array over its memory leads to: the array ``np.empty`` made, or a huge buffer's mapping. NumPy
+points a view's ``.base`` past the arrays that do not own their memory, towards the array that
+does, and stops before the first object that is not an array (the mapping): every chain of
+``.base`` from an array over the buffer ends at the owner, and each link holds the next.
+``take`` hands out a new array over the memory each time (a view of the owner, or an array over
+the mapping), never the owner itself and never an array it handed out before: a dropped result
+dies like any other array, its weak references with it, and never comes back as a later step's
+result. A buffer is *free* when nothing but the pool refers to its owner:
+``sys.getrefcount(owner)`` equals the count measured, through the same code path, on an array
+that only the pool's own entry holds (calibrated at import, so it does not depend on the
+interpreter's temporary references). Any other reference keeps it *busy*, and everything a
+caller can reach from a result refers to the owner: the result itself in any variable, list,
+``PerReplica`` or frame; every array derived from it without a copy (slices, ``reshape``,
+``.T``, ``.view()``, ``np.asarray``, ``memoryview``, ``np.frombuffer``); and the owner, reached
+through ``.base``, with whatever is made from it (``np.frombuffer(result.base)`` over a huge
+result's mapping). Not covered: raw addresses (``.ctypes.data``, ``__array_interface__``) held
+without an object that refers to the owner, and objects kept alive only by a reference cycle,
+which hold the buffer until the cycle collector frees them (the pool then allocates a new buffer
+meanwhile; it never overwrites), and weak references to the owner (``weakref.ref(result.base)``):
+the pool keeps the owner alive, so such a reference outlives the result and sees the memory of a
+later one. The pool itself creates no cycles: it holds owners, and owners hold nothing.
 
-The rule relies on CPython's reference counting. ``BufferPool`` has no lock: call ``take``,
-``publish`` and ``clear`` from one thread at a time (the event loop's). Other threads may hold
-and drop references to pooled buffers (a worker reducing into one keeps it busy until it
-returns); that is safe, because once only the pool refers to a buffer no other thread can reach
-it to take a new reference.
+A result is read-only; its owner is not (the cross-worker stage makes a result writeable again
+to reduce into it in place before anyone else sees it, which NumPy allows only over writeable
+memory): writing through ``result.base`` writes every replica's result.
+
+**Threads.** The host backend, and so its pool, is one per process: every thread that runs an
+event loop of its own (a threaded server calling ``anyio.run`` per request) takes from it. A
+lock makes each ``take`` whole: no other thread looks at a buffer between the moment one finds
+it free and the moment the array it hands out refers to the owner, which makes it busy. The
+counters and the byte total change under the same lock. It is re-entrant, for a ``take`` that
+runs inside another on one thread (see ``BufferPool.__init__``). Uncontended it costs some
+0.1-0.3 µs of a ``take`` and ``publish`` that take about 3 µs on a 2-core virtual machine.
+Per-thread pools would need no lock, but would keep ``max_bytes`` per thread and reuse nothing
+across threads. ``publish`` touches only the array it is given. Other threads may hold and drop
+references at any time (a worker reducing into a buffer keeps it busy until it returns): once
+only the pool refers to an owner, no other thread can reach it to take a new reference.
+
+The rule relies on CPython's reference counting with the global interpreter lock.
 """
 
 from __future__ import annotations
@@ -65,9 +87,10 @@ import contextlib
 import math
 import mmap
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, final
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, final
 
 import numpy as np
 
@@ -325,14 +348,47 @@ _START_OFFSET: Final = 4096 + 64
 _HUGE_PAGES: Final = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
 
 
+#: A buffer's memory: its owner (the array ``np.empty`` made, or a mapping of its own) and
+#: where the buffer starts in it, in bytes (0 in an array).
+_Memory: TypeAlias = "tuple[npt.NDArray[Any] | mmap.mmap, int]"
+_Key: TypeAlias = "tuple[tuple[int, ...], np.dtype[Any]]"
+
+
+def _memory(shape: tuple[int, ...], dtype: np.dtype[Any]) -> _Memory:
+    """Memory for a new buffer: ``np.empty``'s array, or from ``HUGE_BYTES`` up (on Linux) a
+    private anonymous mapping (see ``empty_buffer``)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < HUGE_BYTES or not _HUGE_PAGES:
+        return np.empty(shape, dtype), 0
+    try:
+        mapping = mmap.mmap(
+            -1, nbytes + _HUGE_PAGE + _START_OFFSET, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+    except OSError:  # out of address space or mappings: NumPy's own (or its MemoryError)
+        return np.empty(shape, dtype), 0
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
+        mapping.madvise(mmap.MADV_HUGEPAGE)
+    start = -np.frombuffer(mapping, np.uint8, count=1).ctypes.data % _HUGE_PAGE + _START_OFFSET
+    return mapping, start
+
+
+def _array(memory: _Memory, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """A new writeable array over ``memory``, whose ``.base`` is the owner."""
+    owner, start = memory
+    if isinstance(owner, np.ndarray):
+        return owner.view()
+    return np.ndarray(shape, dtype, buffer=owner, offset=start)
+
+
 def empty_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """``np.empty(shape, dtype)``; from ``HUGE_BYTES`` up (on Linux), in a private anonymous
     mapping of its own, aligned to 2 MiB and advised for transparent huge pages, so that the
     kernel can back it with them whatever the C allocator did before; the array starts
     ``_START_OFFSET`` bytes past the mapping's first 2 MiB boundary.
 
-    The array is the owner of its memory as NumPy's views see it (their ``.base`` is the
-    array, as for ``np.empty``), so the pool's reuse rule holds; the mapping goes with it.
+    Such an array's ``.base`` is the mapping; its views' ``.base`` is the array (NumPy stops
+    at the first object that is not an array), so the mapping is what every chain of
+    ``.base`` ends at, the owner in the pool's reuse rule.
 
     Raises:
         MemoryError: as ``np.empty``, when no mapping could be made either.
@@ -341,28 +397,20 @@ def empty_buffer(shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[An
         >>> empty_buffer((2, 3), np.dtype("float32")).shape
         (2, 3)
     """
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < HUGE_BYTES or not _HUGE_PAGES:
-        return np.empty(shape, dtype)
-    try:
-        mapping = mmap.mmap(
-            -1, nbytes + _HUGE_PAGE + _START_OFFSET, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        )
-    except OSError:  # out of address space or mappings: NumPy's own (or its MemoryError)
-        return np.empty(shape, dtype)
-    with contextlib.suppress(OSError):  # a kernel without transparent huge pages
-        mapping.madvise(mmap.MADV_HUGEPAGE)
-    start = -np.frombuffer(mapping, np.uint8, count=1).ctypes.data % _HUGE_PAGE + _START_OFFSET
-    return np.ndarray(shape, dtype, buffer=mapping, offset=start)
+    memory = _memory(shape, dtype)
+    if isinstance(memory[0], np.ndarray):
+        return memory[0]
+    return _array(memory, shape, dtype)
 
 
-def _refs(bucket: list[npt.NDArray[Any]], i: int) -> int:
-    """Reference count of ``bucket[i]`` as seen from here (the reuse test and its baseline)."""
-    return sys.getrefcount(bucket[i])
+def _refs(bucket: list[_Memory], i: int) -> int:
+    """Reference count of the owner of ``bucket[i]`` as seen from here (the reuse test and
+    its baseline)."""
+    return sys.getrefcount(bucket[i][0])
 
 
-#: What ``_refs`` reports for an array that only its bucket holds.
-_FREE_REFS: Final = _refs([np.empty(0)], 0)
+#: What ``_refs`` reports for an owner that only its entry in a bucket holds.
+_FREE_REFS: Final = _refs([(np.empty(0), 0)], 0)
 
 
 @final
@@ -389,11 +437,11 @@ class PoolStatistics:
 class BufferPool:
     """Output buffers reused instead of reallocated, once no caller holds them.
 
-    ``take`` returns a pooled buffer of the wanted shape and dtype that nothing but the pool
-    refers to (see the module docstring for the exact rule), made writeable again; otherwise a
-    new buffer, which the pool keeps for next time while its bounds allow. ``publish`` marks a
-    result read-only before it is handed to every replica. Not thread-safe: use one pool from one
-    thread (the event loop's); other threads may hold and drop buffers freely.
+    ``take`` returns a new array over a pooled buffer of the wanted shape and dtype that
+    nothing but the pool refers to (see the module docstring for the exact rule); otherwise
+    over a new buffer, which the pool keeps for next time while its bounds allow. ``publish``
+    marks a result read-only before it is handed to every replica. Several threads may use one
+    pool at once, and hold and drop its arrays freely.
 
     Args:
         per_key: the most buffers kept per (shape, dtype); 2 lets one result stay held while
@@ -413,16 +461,19 @@ class BufferPool:
         >>> result = pool.publish(out)
         >>> result.flags.writeable
         False
-        >>> pool.take((4,), np.float32) is result  # still held: a new buffer
+        >>> np.shares_memory(pool.take((4,), np.float32), result)  # still held: a new buffer
         False
         >>> del out, result
-        >>> pool.take((4,), np.float32).flags.writeable  # the first one, free again
-        True
+        >>> again = pool.take((4,), np.float32)  # the first one, free again, in a new array
+        >>> again.flags.writeable, pool.statistics().reused
+        (True, 1)
     """
 
     __slots__ = (
         "_allocated",
         "_buckets",
+        "_inside",
+        "_lock",
         "_max_bytes",
         "_min_bytes",
         "_per_key",
@@ -442,26 +493,34 @@ class BufferPool:
         self._per_key = per_key
         self._max_bytes = max_bytes
         self._min_bytes = min_bytes
+        # Guards everything below: the buckets, the byte total and the counters. Re-entrant,
+        # with ``_inside`` set while a ``take`` looks at or changes the buckets: Python may run
+        # a finalizer or a signal handler between any two bytecodes, and one that reduces (a
+        # ``__del__`` reading a sync-on-read variable, say) calls ``take`` inside ``take`` on
+        # the same thread, which must neither wait for itself nor see a buffer the outer call
+        # is about to hand out: it gets a new buffer, which the pool does not keep.
+        self._lock = threading.RLock()
+        self._inside = False
         # Least recently used key first: dicts keep insertion order, and a used key is
         # re-inserted at the end.
-        self._buckets: dict[tuple[tuple[int, ...], np.dtype[Any]], list[npt.NDArray[Any]]] = {}
+        self._buckets: dict[_Key, list[_Memory]] = {}
         self._pooled = 0
         self._taken = self._reused = self._allocated = 0
 
     def take(self, shape: int | Sequence[int], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
-        """Return a writeable, C-contiguous, uninitialised buffer of ``shape`` and ``dtype``.
+        """Return a new writeable, C-contiguous, uninitialised array of ``shape`` and ``dtype``.
 
-        A pooled buffer that nothing else refers to any more is reused (and made writeable
-        again); otherwise a new one is allocated and, while ``per_key`` and ``max_bytes``
-        allow, kept in the pool for later calls. A buffer that a caller, or a view of it,
-        still holds is never returned.
+        Its memory is a pooled buffer that nothing else refers to any more, if there is one;
+        otherwise a new buffer, kept in the pool for later calls while ``per_key`` and
+        ``max_bytes`` allow. A buffer that a caller, or anything made from what it was handed,
+        still holds is never handed out again. Safe to call from several threads at once.
 
         Args:
             shape: the array shape (an int for 1-d).
             dtype: anything ``np.dtype`` accepts.
 
         Returns:
-            The buffer; its contents are arbitrary.
+            The array; its contents are arbitrary.
 
         Raises:
             ValueError: a dimension is negative.
@@ -472,43 +531,67 @@ class BufferPool:
             >>> pool.take((2, 3), "float64").shape
             (2, 3)
         """
-        self._taken += 1
         key_shape = (int(shape),) if isinstance(shape, int | np.integer) else tuple(map(int, shape))
         if any(d < 0 for d in key_shape):
             raise ValueError(f"negative dimensions are not allowed, got shape {key_shape}")
         dt = np.dtype(dtype)
         nbytes = math.prod(key_shape) * dt.itemsize
         if nbytes < self._min_bytes or nbytes > self._max_bytes:
-            self._allocated += 1
-            return empty_buffer(key_shape, dt)
+            buffer = empty_buffer(key_shape, dt)
+            with self._lock:
+                self._taken += 1
+                self._allocated += 1
+            return buffer
         key = (key_shape, dt)
-        bucket = self._buckets.pop(key, None)
-        if bucket is None:
-            bucket = []
-        self._buckets[key] = bucket  # now the most recently used key
-        for i in range(len(bucket)):
-            if _refs(bucket, i) <= _FREE_REFS:
-                buffer = bucket[i]
-                buffer.flags.writeable = True
-                self._reused += 1
-                return buffer
-        self._allocated += 1
-        buffer = empty_buffer(key_shape, dt)
-        if len(bucket) < self._per_key and self._make_room(nbytes, key):
-            bucket.append(buffer)
-            self._pooled += nbytes
-        if not bucket:
-            del self._buckets[key]
+        with self._lock:
+            if not self._inside:  # else re-entered on this thread: a new buffer, kept out
+                self._inside = True
+                try:
+                    bucket = self._buckets.pop(key, None)
+                    if bucket is not None:
+                        self._buckets[key] = bucket  # now the most recently used key
+                        for i in range(len(bucket)):
+                            if _refs(bucket, i) <= _FREE_REFS:
+                                # The array refers to the owner before the lock is let go:
+                                # from here on the buffer is busy to every other thread.
+                                buffer = _array(bucket[i], key_shape, dt)
+                                self._taken += 1
+                                self._reused += 1
+                                return buffer
+                finally:
+                    self._inside = False
+        # A new buffer, made without the lock (a mapping takes system calls), and referred
+        # to by its array before the pool can offer it to anyone else.
+        memory = _memory(key_shape, dt)
+        buffer = _array(memory, key_shape, dt)
+        with self._lock:
+            self._taken += 1
+            self._allocated += 1
+            if not self._inside:
+                self._inside = True
+                # In the pool before room is made, so that an exception meanwhile (a
+                # KeyboardInterrupt) loses none of its buffers.
+                bucket = self._buckets.pop(key, None) or []
+                self._buckets[key] = bucket  # now the most recently used key
+                try:
+                    if len(bucket) < self._per_key and self._make_room(nbytes, key):
+                        bucket.append(memory)
+                        self._pooled += nbytes
+                finally:
+                    if not bucket:
+                        self._buckets.pop(key, None)
+                    self._inside = False
         return buffer
 
     def publish(self, buffer: npt.NDArray[Any]) -> npt.NDArray[Any]:
         """Mark ``buffer`` read-only and return it, ready to be shared by every replica.
 
-        Views made from it afterwards are read-only too. ``take`` makes it writeable again when
-        it hands the buffer out anew, which it only does once nothing refers to it.
+        Views made from it afterwards are read-only too. Its memory goes back to the pool
+        once nothing refers to it or to anything made from it; ``take`` then hands it out
+        in a new array.
 
         Args:
-            buffer: a buffer from ``take`` (any array that owns its memory works).
+            buffer: an array from ``take`` (any array works).
 
         Returns:
             ``buffer`` itself.
@@ -523,11 +606,15 @@ class BufferPool:
         """
         if not isinstance(buffer, np.ndarray):
             raise TypeError(f"publish takes a numpy.ndarray, got {type(buffer).__name__}")
-        buffer.flags.writeable = False
+        buffer.setflags(write=False)
         return buffer
 
     def clear(self) -> None:
         """Forget every pooled buffer; those still held by callers stay valid.
+
+        Not from a finalizer or a signal handler (the library never calls it): one that runs
+        inside a ``take`` on the same thread leaves the byte total counting the buffer that
+        ``take`` was adding, until the next ``clear``.
 
         Example:
             >>> pool = BufferPool()
@@ -535,8 +622,9 @@ class BufferPool:
             >>> pool.statistics().pooled_bytes
             0
         """
-        self._buckets.clear()
-        self._pooled = 0
+        with self._lock:
+            self._buckets.clear()
+            self._pooled = 0
 
     def statistics(self) -> PoolStatistics:
         """Return the pool's counters.
@@ -545,18 +633,20 @@ class BufferPool:
             >>> BufferPool().statistics().taken
             0
         """
-        return PoolStatistics(
-            taken=self._taken,
-            reused=self._reused,
-            allocated=self._allocated,
-            pooled_buffers=sum(len(b) for b in self._buckets.values()),
-            pooled_bytes=self._pooled,
-        )
+        with self._lock:
+            return PoolStatistics(
+                taken=self._taken,
+                reused=self._reused,
+                allocated=self._allocated,
+                pooled_buffers=sum(len(b) for b in self._buckets.values()),
+                pooled_bytes=self._pooled,
+            )
 
-    def _make_room(self, nbytes: int, keep: tuple[tuple[int, ...], np.dtype[Any]]) -> bool:
+    def _make_room(self, nbytes: int, keep: _Key) -> bool:
         """Drop free buffers, least recently used key first, until ``nbytes`` more fit.
 
         The bucket of ``keep`` (the key being served, whose buffers are all busy) is left alone.
+        Called with the lock held.
         """
         if self._pooled + nbytes <= self._max_bytes:
             return True
@@ -564,10 +654,12 @@ class BufferPool:
             if key == keep:
                 continue
             bucket = self._buckets[key]
+            size = math.prod(key[0]) * key[1].itemsize
             i = 0
             while i < len(bucket):
                 if _refs(bucket, i) <= _FREE_REFS:
-                    self._pooled -= bucket.pop(i).nbytes
+                    del bucket[i]
+                    self._pooled -= size
                     if self._pooled + nbytes <= self._max_bytes:
                         if not bucket:
                             del self._buckets[key]

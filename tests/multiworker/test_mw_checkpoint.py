@@ -7,16 +7,26 @@ multi-worker strategy assumes.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
+import zipfile
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 import pytest
 
-from aioreplica import Checkpoint, CheckpointManager, ReplicaSyncError, Variable
+from aioreplica import (
+    Checkpoint,
+    CheckpointError,
+    CheckpointManager,
+    InputContext,
+    ReplicaSyncError,
+    Variable,
+    batched,
+)
 from aioreplica._cluster import WorkersDisagree
 from aioreplica.optimizers import Adam
 from aioreplica.testing import replica_id
@@ -32,7 +42,7 @@ from multiworker.mwtools import (
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
-    from aioreplica import MultiWorkerMirroredStrategy
+    from aioreplica import DistributedIterator, MultiWorkerMirroredStrategy
     from multiworker.mwtools import MakeStrategy
 
 pytestmark = pytest.mark.anyio
@@ -348,6 +358,12 @@ async def test_a_restore_that_differs_on_one_worker_restores_nowhere(
             assert caught.value.workers == (1,)
             assert ": worker 1 refused what it was given (worker 0: " in message, message
             assert refused in message, (refused, message)  # whole, however long
+        if case == "other file":  # each worker's file by its name, this one's full path
+            assert "(second.npz) into" in message, message
+            assert "(first.npz) into" in message, message
+            notes = "\n".join(caught.value.__notes__)
+            assert f"this worker restores {second!r} into" in notes, notes
+            assert "restore the same file, the chief's" in notes
         if case == "no checkpoint":
             assert "worker 1: Checkpoint.restore of no checkpoint (path None)" in message
         elif case != "other file":
@@ -380,7 +396,7 @@ async def test_a_restore_into_other_variables_on_one_worker_restores_nowhere(
         # The same after the what (each worker's own words for the restore):
         assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
         label = "variable #0 'w'" if RANK == 0 else "variable #1 'w'"
-        assert f"this worker restores a.npz into w: {label}; every worker must restore" in (
+        assert f"this worker restores {saved!r} into w: {label}; every worker must restore" in (
             "\n".join(getattr(caught.value, "__notes__", []))
         ), getattr(caught.value, "__notes__", None)
         for variable, want in ((a, 2.0), (b, 9.0)):
@@ -513,3 +529,191 @@ async def test_a_save_of_other_objects_on_one_worker_is_refused_on_every_worker(
     assert written == []
     assert again is not None
     assert os.path.basename(again) in ("ck.npz", "ckpt-1.npz")
+
+
+def own_input(context: InputContext) -> batched:
+    """Each worker's own input: its own rows, more of them on worker 1, shuffled with its
+    own seed."""
+    pipeline = context.input_pipeline_id
+    return batched(np.arange(8 + 6 * pipeline) + 1000 * pipeline, 2, shuffle=True, seed=pipeline)
+
+
+async def batches_left(iterator: DistributedIterator) -> list[list[int]]:
+    """Every batch that ``iterator`` still hands out this epoch, as this worker's rows."""
+    return [np.asarray(batch).tolist() async for batch in iterator]
+
+
+async def test_each_worker_resumes_its_own_input(make_strategy: MakeStrategy) -> None:
+    """Iterators of ``distribute_datasets_from_function`` (a shuffle seeded per worker,
+    inputs of other lengths), in a checkpoint with no variable: the chief writes one file
+    holding every worker's place, and each worker resumes on its own next batches."""
+    strategy = make_strategy(1)
+    with shared_directory() as directory:
+        dataset = strategy.distribute_datasets_from_function(own_input)
+        iterator = aiter(dataset)
+        manager = CheckpointManager(Checkpoint(step=2, data=iterator), directory)
+        for _ in range(2):
+            await iterator.get_next()
+        path = await manager.save()
+        expected = await batches_left(iterator)
+        assert allgather(path) == [path] * WORKERS
+        assert os.listdir(directory) == ["ckpt-1.npz"]
+        resumed = aiter(dataset)
+        restarted = CheckpointManager(Checkpoint(step=0, data=resumed), directory)
+        assert await restarted.restore_or_initialize() == path
+        assert await batches_left(resumed) == expected
+        assert {row // 1000 for batch in expected for row in batch} == {RANK}  # its own
+        WORLD.Barrier()
+
+
+async def test_places_of_each_worker_are_refused_under_another_worker_count(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A checkpoint holding each worker's own place is refused, on every worker, by a run
+    with another number of workers (here one: a plain iterator), naming the counts."""
+    strategy = make_strategy(1)
+    with shared_directory() as directory:
+        iterator = aiter(strategy.distribute_datasets_from_function(own_input))
+        await iterator.get_next()
+        path = await Checkpoint(data=iterator).save(os.path.join(directory, "data.npz"))
+        alone = iter(own_input(InputContext(num_input_pipelines=WORKERS, input_pipeline_id=RANK)))
+        with pytest.raises(CheckpointError) as refused:
+            await Checkpoint(data=alone).restore(path)
+        assert refused.value.problems == (
+            f"data: the checkpoint holds a place for each of {WORKERS} workers (each iterated "
+            "its own input, or was at another batch), and this run has 1 worker: each worker "
+            f"resumes only its own place, so restore it with {WORKERS} workers, or restore the "
+            "rest with partial=True and start this iterator anew",
+        )
+        assert alone.position == 0
+        WORLD.Barrier()
+
+
+async def test_the_same_place_on_every_worker_is_saved_once(make_strategy: MakeStrategy) -> None:
+    """A ``distribute_dataset`` iterator is at the same place on every worker: the file
+    holds it once (a version-1 file), and it restores under any number of workers."""
+    strategy = make_strategy(1)
+    with shared_directory() as directory:
+        iterator = aiter(
+            strategy.distribute_dataset(batched(np.arange(12), 4, shuffle=True, seed=5))
+        )
+        await iterator.get_next()
+        path = await Checkpoint(data=iterator).save(os.path.join(directory, "data.npz"))
+        with zipfile.ZipFile(path) as archive:
+            manifest = json.loads(archive.read("manifest.json"))
+        assert manifest["version"] == 1
+        assert "workers" not in manifest["entries"][0]
+        alone = iter(batched(np.arange(12), 4, shuffle=True))
+        assert (await Checkpoint(data=alone).restore(path)).complete
+        assert alone.position == 1
+        WORLD.Barrier()
+
+
+async def test_a_save_whose_folder_is_a_file_names_it_on_every_worker(
+    make_strategy: MakeStrategy,
+) -> None:
+    """The manager's folder replaced by a file: the chief's save raises
+    ``NotADirectoryError`` naming it, and the others' ``OSError`` carries what the chief's
+    save was doing."""
+    strategy = make_strategy(1)
+    model = Model(strategy)
+    with shared_directory() as directory:
+        folder = os.path.join(directory, "run")
+        manager = CheckpointManager(model.checkpoint(), folder)
+        if RANK == 0:
+            await anyio.Path(folder).write_bytes(b"")
+        WORLD.Barrier()
+        with pytest.raises(OSError, match=r"cannot save|could not write") as caught:
+            await manager.save()
+        path = os.path.join(folder, "ckpt-1.npz")
+        doing = f"while saving checkpoint {path!r}: making its folder {folder!r}; any file"
+        if RANK == 0:
+            assert isinstance(caught.value, NotADirectoryError)
+            assert caught.value.filename == folder
+            assert caught.value.__notes__[0].startswith(doing)
+        else:
+            assert str(caught.value).startswith(
+                "the chief (worker 0) could not write the checkpoint: NotADirectoryError: "
+            )
+            assert caught.value.__notes__[0].startswith(f"on the chief: {doing}")
+        assert manager.checkpoints == []
+        WORLD.Barrier()
+
+
+async def test_the_chiefs_file_by_another_path_restores_on_every_worker(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A worker may reach the chief's file by another path (a symlink here, as another mount
+    point of the shared filesystem): the workers agree on the file itself, so it restores."""
+    strategy = make_strategy(1)
+    model = Model(strategy)
+    saved = np.array(model.w.values[0])
+    with shared_directory() as directory:
+        path = await model.checkpoint().save(os.path.join(directory, "model.npz"))
+        mount = os.path.join(directory, "mount")
+        if RANK == 0:
+            os.symlink(directory, mount)
+        WORLD.Barrier()
+        try:
+            await model.train(5.0)
+            mine = path if RANK == 0 else os.path.join(mount, "model.npz")
+            assert (await model.checkpoint().restore(mine)).complete
+            np.testing.assert_array_equal(model.w.values[0], saved)
+            assert_same_on_every_worker(*model.state())
+        finally:
+            WORLD.Barrier()
+            if RANK == 0:
+                os.remove(mount)
+
+
+async def test_a_restore_cancelled_once_the_workers_agreed_commits_on_every_worker(
+    make_strategy: MakeStrategy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once the workers agreed to restore, every worker commits: worker 1's caller, cancelled
+    right after the agreement (a large variable, whose new copies take a while), gets its
+    cancellation only after the commit."""
+    strategy = make_strategy(1)
+    saved = np.arange(4_000_000.0)
+    with strategy.scope():
+        w = Variable(saved, name="w")
+    with shared_directory() as directory:
+        ckpt = Checkpoint(w=w)
+        path = await ckpt.save(os.path.join(directory, "big.npz"))
+        await w.assign(0.0)
+        agree = Checkpoint._agree_to_restore
+        with anyio.CancelScope() as scope:
+
+            async def agreed(self: Checkpoint, *args: Any) -> None:
+                await agree(self, *args)
+                if RANK == 1:
+                    scope.cancel()
+
+            monkeypatch.setattr(Checkpoint, "_agree_to_restore", agreed)
+            await ckpt.restore(path)
+        assert allgather(scope.cancelled_caught) == [False, True]
+        np.testing.assert_array_equal(w.values[0], saved)
+        WORLD.Barrier()
+
+
+async def test_a_restore_on_a_broken_cluster_resumes_this_workers_own_place(
+    make_strategy: MakeStrategy,
+) -> None:
+    """After a failure each worker's restore is its own; a file holding each worker's place
+    still restores this worker's: the run still has its workers, though they agree on nothing
+    more (so the iterator is not read here: its passes agree on each batch)."""
+    strategy = make_strategy(1)
+    with shared_directory() as directory:
+        dataset = strategy.distribute_datasets_from_function(own_input)
+        iterator = aiter(dataset)
+        await iterator.get_next()
+        path = await Checkpoint(data=iterator).save(os.path.join(directory, "data.npz"))
+
+        async def step() -> None:
+            if RANK == 1:
+                raise RuntimeError("worker 1 fails")
+
+        with pytest.raises((RuntimeError, ReplicaSyncError)):
+            await strategy.run(step)
+        report = await Checkpoint(data=aiter(dataset)).restore(path)
+        assert (report.complete, report.restored) == (True, ("data",))
+        WORLD.Barrier()
