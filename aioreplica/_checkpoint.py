@@ -1679,11 +1679,8 @@ async def _gather_places(workers: Workers, snap: _Snapshot) -> None:
     if not entries:
         return
     places = [{field: entry[field] for field in _FIELDS["iterator"]} for entry in entries]
-    local = np.frombuffer(json.dumps(places).encode(), np.uint8)
-    sizes = await workers.allgather_rows(np.array([local.size], np.int64), what=_GATHERING)
-    gathered = (await workers.allgather_rows(local, what=_GATHERING)).tobytes()
-    ends = np.cumsum(sizes).tolist()
-    every = [json.loads(gathered[end - size : end]) for size, end in zip(sizes, ends, strict=True)]
+    gathered = await workers.allgather_bytes(json.dumps(places).encode(), what=_GATHERING)
+    every = [json.loads(data) for data in gathered]
     for index, entry in enumerate(entries):
         each = [worker_places[index] for worker_places in every]
         if any(place != each[0] for place in each):

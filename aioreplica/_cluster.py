@@ -65,6 +65,7 @@ import ast
 import atexit
 import contextlib
 import functools
+import itertools
 import json
 import math
 import re
@@ -975,6 +976,22 @@ class Workers:
             WorkersDisagree: the workers' arrays differ in dtype or in their other dimensions,
                 or a worker made another collective.
         """
+        return (await self._allgather(local, where, what))[0]
+
+    async def allgather_bytes(self, data: bytes, what: str = "all_gather") -> list[bytes]:
+        """Every worker's ``data``, in worker order (of any lengths); ``what`` names the wait.
+
+        Raises:
+            WorkersDisagree: a worker made another collective.
+        """
+        gathered, rows = await self._allgather(np.frombuffer(data, np.uint8), "", what)
+        ends = itertools.accumulate(rows)
+        return [gathered[end - size : end].tobytes() for size, end in zip(rows, ends, strict=True)]
+
+    async def _allgather(
+        self, local: np.ndarray[Any, Any], where: str, what: str
+    ) -> tuple[np.ndarray[Any, Any], list[int]]:
+        """``allgather_rows``, and how many rows each worker gave."""
         dtype = local.dtype
         local = _in_native_order(local)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
@@ -994,7 +1011,7 @@ class Workers:
             await self._wait(request, what, out.nbytes)
         finally:
             self._end()
-        return out.astype(dtype, copy=False)
+        return out.astype(dtype, copy=False), rows
 
     async def broadcast(
         self, value: np.ndarray[Any, Any] | None, root: int, where: str = "", matching: bool = True

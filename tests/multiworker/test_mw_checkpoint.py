@@ -717,3 +717,14 @@ async def test_a_restore_on_a_broken_cluster_resumes_this_workers_own_place(
         report = await Checkpoint(data=aiter(dataset)).restore(path)
         assert (report.complete, report.restored) == (True, ("data",))
         WORLD.Barrier()
+
+
+async def test_the_workers_gather_bytes_of_any_length(make_strategy: MakeStrategy) -> None:
+    """What gathers the iterator places: every worker's bytes, in worker order, whatever
+    their lengths (none at all included)."""
+    strategy = make_strategy(1)
+    workers = strategy._engine.cluster
+    assert workers is not None
+    mine = b"" if RANK == 0 else b"place of worker %d" % RANK
+    gathered = await workers.allgather_bytes(mine, what="a test")
+    assert gathered == [b"" if w == 0 else b"place of worker %d" % w for w in range(WORKERS)]
