@@ -1194,10 +1194,6 @@ class _Puller:
             if workers is None:
                 raise
             self._failed = exc
-        #: Whether the arrays an iterator yields are copied as they come: they may change when
-        #: it yields again (a loader refilling one buffer), while a step, a batch pulled ahead
-        #: or a caller still holds them. In-memory data (pulled inline) is never refilled.
-        self._copy_items = self._sync is None
         #: A ``batched`` epoch, whose position a checkpoint can save; None for other sources.
         self.source = self._sync if isinstance(self._sync, BatchedIterator) else None
         self.source_kind = type(dataset).__name__
@@ -1234,10 +1230,13 @@ class _Puller:
         if self._exhausted:
             return _END
         try:
+            # What an iterator yields is copied as it comes: it may change when it yields again
+            # (a loader refilling one buffer) while a step, a batch pulled ahead or a caller
+            # still holds it. In-memory data (pulled inline) is never refilled.
             if self._async is not None:
                 item = await self._async.pull()
             elif self._loader is not None:  # copied on the loader thread, as part of the pull
-                item = await self._loader.pull(copied=self._copy_items)
+                item = await self._loader.pull()
             elif self._sync is not None:
                 await anyio.lowlevel.checkpoint()
                 item = _END if self.closed else next(self._sync, _END)
@@ -1251,7 +1250,7 @@ class _Puller:
             item = _END
         if item is _END:
             self._exhausted = True
-        elif self._copy_items and self._loader is None:
+        elif self._async is not None:
             item = await _owned_off_loop(item)
         return item
 
@@ -1548,20 +1547,16 @@ class _LoaderThread:
         self._given_up: list[_Call] = []  # pulls whose waiter gave up, oldest first
         self.closed = False
 
-    async def pull(self, *, copied: bool = False) -> Any:
+    async def pull(self) -> Any:
         """The iterator's next item, or ``_END``: the oldest pull a waiter gave up, else a
-        new one, which with ``copied`` copies the item's host arrays on the thread as well
-        (``_Puller._copy_items``: every pull of one iterator asks the same).
+        new one, which copies the item's host arrays on the thread as well.
 
         Raises:
             BaseException: whatever the iterator raised, unchanged.
         """
         if self.closed:
             return _END
-        if self._given_up:
-            call = self._given_up.pop(0)
-        else:
-            call = self._ask(_next_owned_item if copied else _next_item)
+        call = self._given_up.pop(0) if self._given_up else self._ask(_next_owned_item)
         try:
             await call.wait()
         except BaseException:
@@ -1705,10 +1700,6 @@ def _order(call: _Call) -> int:
     return call.order
 
 
-def _next_item(iterator: Iterator[Any]) -> Any:
-    return next(iterator, _END)
-
-
 def _next_owned_item(iterator: Iterator[Any]) -> Any:
     item = next(iterator, _END)
     return item if item is _END else _tree.map_structure(_owned, item)
@@ -1759,7 +1750,7 @@ def _read_only_after(put: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def _owned(value: Any) -> Any:
-    """A host array an iterator yielded, copied (see ``_Puller._copy_items``)."""
+    """A host array an iterator yielded, copied (see ``_Puller._pull``)."""
     return value.copy() if isinstance(value, np.ndarray) else value
 
 
