@@ -330,10 +330,18 @@ def _list_advice(batch: Any, path: _tree.KeyPath) -> str:
     for depth, key in enumerate(path):
         if isinstance(node, list):
             where = _tree.describe_path(path[:depth])
+            try:
+                np.asarray(node)
+            except (TypeError, ValueError):  # ragged: items of different shapes
+                fix = (
+                    "its items differ in shape, so no one array can hold them: give them all "
+                    "one shape, then np.asarray(...) makes the list an array of rows"
+                )
+            else:
+                fix = "wrap it in np.asarray(...) to make it an array of rows"
             return (
                 f"; the list at {where} is taken as a structure (as in tf.nest), not as one "
-                "array as tf.data takes it: wrap it in np.asarray(...) to make it an array of "
-                "rows"
+                f"array as tf.data takes it: {fix}"
             )
         level = _tree.node_level(node)
         assert level is not None  # a node on the way to a leaf

@@ -418,8 +418,9 @@ class Checkpoint:
         """
         self._check(caller)
         snap = _Snapshot()
-        variable_paths = {id(v): p for p, v in self._leaves() if isinstance(v, Variable)}
-        for obj_path, obj in self._leaves():
+        leaves = list(self._leaves())
+        variable_paths = {id(v): p for p, v in leaves if isinstance(v, Variable)}
+        for obj_path, obj in leaves:
             if isinstance(obj, Variable):
                 # Only a NONE variable's refusal is wrapped: across workers the read may also
                 # raise a WorkersDisagree (a ValueError too), which reaches the caller as such.
@@ -1730,8 +1731,7 @@ class _Snapshot:
                 arrays.append((member, await to_host(value, device)))
         version = VERSION if any("workers" in entry for entry in self.entries) else 1
         manifest = {"format": FORMAT, "version": version, "entries": self.entries}
-        data = json.dumps(manifest, indent=1).encode()
-        written: str = await anyio.to_thread.run_sync(_write_atomic, path, data, arrays, place)
+        written: str = await anyio.to_thread.run_sync(_write_atomic, path, manifest, arrays, place)
         return written
 
 
@@ -1787,12 +1787,16 @@ def _optimizer_entry(
 
 def _write_atomic(
     path: str,
-    manifest: bytes,
+    manifest: dict[str, Any],
     arrays: list[tuple[str, Any]],
     place: Callable[[str], str] | None = None,
 ) -> str:
     """Write the archive under a temporary name, fsync it, rename it over ``path`` (or let
-    ``place`` put it where it returns); return the path written."""
+    ``place`` put it where it returns); return the path written.
+
+    The manifest is encoded here, off the event loop, by ``json``'s C encoder (no indent):
+    a model of thousands of variables has a manifest of megabytes."""
+    data = json.dumps(manifest).encode()
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(
         directory, _temporary_name(os.path.basename(path), _name_max(directory))
@@ -1802,7 +1806,7 @@ def _write_atomic(
         try:
             with os.fdopen(fd, "wb") as file:
                 with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
-                    archive.writestr(_MANIFEST, manifest)
+                    archive.writestr(_MANIFEST, data)
                     for member, array in arrays:
                         with archive.open(f"{member}.npy", "w", force_zip64=True) as out:
                             np.lib.format.write_array(out, array, allow_pickle=False)

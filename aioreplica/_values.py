@@ -402,6 +402,15 @@ class Mirrored(DistributedValues[T]):
         value: Any = self._value()
         return int(value)
 
+    def __format__(self, spec: str) -> str:
+        """``f"{m:.4f}"``: its value formatted as the value formats itself (a 0-d array or a
+        number with a spec; an array of more dimensions refuses one, as NumPy does); with no
+        spec, ``str(m)``."""
+        if not spec:
+            return str(self)
+        value: Any = self._value()
+        return format(value, spec)
+
     __add__, __radd__ = _delegate("__add__"), _delegate("__add__", reflected=True)
     __sub__, __rsub__ = _delegate("__sub__"), _delegate("__sub__", reflected=True)
     __mul__, __rmul__ = _delegate("__mul__"), _delegate("__mul__", reflected=True)

@@ -604,6 +604,14 @@ class Variable(NDArrayOperatorsMixin):
     def __int__(self) -> int:
         return int(self._host())
 
+    def __format__(self, spec: str) -> str:
+        """``f"{loss:.4f}"``: its value formatted as NumPy formats it (a 0-d variable as a
+        number; one of more dimensions refuses a spec, as a NumPy array does); with no spec,
+        ``str(v)``."""
+        if not spec:
+            return str(self)
+        return format(self._host(), spec)
+
     def __index__(self) -> int:
         """A 0-d integer variable as an index (``range(v)``, ``save(checkpoint_number=v)``),
         as NumPy's 0-d integer arrays and TF's integer variables are.

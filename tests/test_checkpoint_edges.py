@@ -363,3 +363,31 @@ def test_exported() -> None:
     """``latest_checkpoint`` is public, beside ``CheckpointManager``."""
     assert aioreplica.latest_checkpoint is latest_checkpoint
     assert latest_checkpoint.__module__ == "aioreplica"
+
+
+async def test_a_save_encodes_its_manifest_off_the_event_loop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest of a model of thousands of variables takes tens of milliseconds to
+    encode: a save does it in its worker thread, never on the event loop's thread, and the
+    file reads back the same."""
+    strategy = MirroredStrategy(host_devices(2))
+    with strategy.scope():
+        variables = {f"v{i}": Variable(np.full(3, i, np.float32)) for i in range(50)}
+    encoded_on: list[str] = []
+    dumps = json.dumps
+
+    def recording_dumps(obj: Any, *args: Any, **kwargs: Any) -> str:
+        if isinstance(obj, dict) and "entries" in obj:
+            encoded_on.append(threading.current_thread().name)
+        return dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(json, "dumps", recording_dumps)
+    checkpoint = Checkpoint(**variables)
+    path = await checkpoint.save(tmp_path / "ckpt")
+    assert len(encoded_on) == 1
+    assert encoded_on != [threading.current_thread().name]
+    for variable in variables.values():
+        await variable.assign(np.zeros(3, np.float32))
+    await checkpoint.restore(path)
+    assert [int(v.numpy()[0]) for v in variables.values()] == list(range(50))

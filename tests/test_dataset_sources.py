@@ -368,6 +368,24 @@ class TestListsInBatches:
         ):
             [element async for element in strategy.distribute_dataset(b for b in [batch])]
 
+    async def test_a_ragged_list_is_told_to_take_one_shape(self) -> None:
+        """A list whose items differ in shape (an array beside a number) cannot become one
+        array: the message says so, instead of advising an np.asarray(...) that would fail."""
+        strategy = MirroredStrategy(host_devices(2))
+        batch = {"x": [np.zeros((4, 2)), 1.0]}
+        with pytest.raises(
+            TypeError,
+            match=mentions(
+                r"the list at \['x'\] is taken as a structure",
+                "its items differ in shape",
+                "give them all one shape",
+            ),
+        ) as info:
+            [element async for element in strategy.distribute_dataset([batch])]
+        assert "wrap it in" not in str(info.value)
+        with pytest.raises(ValueError, match="inhomogeneous"):
+            np.asarray(batch["x"])
+
     def test_batched_over_a_list_says_the_same(self) -> None:
         """batched over a list of numbers names the list (the root) the same way."""
         with pytest.raises(

@@ -404,3 +404,46 @@ class TestIntegerTooLargeForCreation:
             r"too large for 64 bits, or values of mixed types, make a NumPy array of objects\)$",
         ):
             Variable(initial, name="big")
+
+
+class TestFormatSpecs:
+    @pytest.mark.parametrize("kind", list(KINDS))
+    async def test_a_0d_variable_formats_as_its_number(self, kind: str) -> None:
+        """``f"{loss:.4f}"`` on a 0-d variable formats its value as NumPy formats a 0-d
+        array, in cross-replica context and in each replica (its own copy there)."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = make(strategy, kind, np.float32(3.14159))
+        assert (f"{v:.2f}", f"{v:>7.3f}", format(v, "e")) == (
+            "3.14",
+            "  3.142",
+            format(np.array(np.float32(3.14159)), "e"),
+        )
+
+        async def step() -> str:
+            return f"{v:.1f}"
+
+        assert strategy.experimental_local_results(await strategy.run(step)) == ("3.1", "3.1")
+
+    async def test_a_spec_on_a_variable_of_more_dimensions_is_numpys_error(self) -> None:
+        """A variable of more dimensions refuses a spec as a NumPy array does; an empty spec
+        gives its str, as before."""
+        strategy = MirroredStrategy(host_devices(2))
+        v = make(strategy, "mirrored", np.arange(3.0))
+        with pytest.raises(TypeError, match="unsupported format string"):
+            f"{v:.2f}"
+        assert f"{v}" == str(v)
+
+    async def test_a_mirrored_value_formats_as_the_current_replicas_copy(self) -> None:
+        """A ``Mirrored`` number or 0-d array takes a spec: replica 0's copy in cross-replica
+        context, each replica's own in a replica."""
+        strategy = MirroredStrategy(host_devices(2))
+        m = Mirrored([np.array(2.5), np.array(2.5)])
+        assert (f"{m:.1f}", f"{Mirrored([1.25, 1.25]):>6.2f}", f"{m}") == ("2.5", "  1.25", str(m))
+
+        async def step(value: Mirrored[Any]) -> str:
+            return f"{value:.2f}"
+
+        results = strategy.experimental_local_results(await strategy.run(step, args=(m,)))
+        assert results == ("2.50", "2.50")
+        with pytest.raises(TypeError, match="unsupported format string"):
+            f"{Mirrored([np.zeros(2), np.zeros(2)]):.1f}"
