@@ -87,7 +87,15 @@ class batched:
                     "seeds; pass shuffle=True with it, or no seed"
                 )
         self._leaves, self._treedef = _tree.flatten(arrays)
-        self._rows = batch_rows(self._leaves, self._treedef, "batched")
+        self._rows = batch_rows(arrays, self._leaves, "batched")
+        # What a shuffled batch's gather copies, which decides where it is made: fixed by the
+        # leaves, so counted once here rather than over every leaf for every batch.
+        self._row_bytes = sum(
+            leaf.itemsize * math.prod(leaf.shape[1:])
+            for leaf in self._leaves
+            if isinstance(leaf, np.ndarray)
+        )
+        self._host_only = all(isinstance(leaf, np.ndarray) for leaf in self._leaves)
         self._batch_size = size
         self._rng = np.random.default_rng(seed_value) if shuffle else None
         self._epochs = 0  # iterators made so far: the epoch of the next one
@@ -116,6 +124,10 @@ class BatchedIterator:
     ``epoch`` counts the dataset's iterators made before this one; ``position`` the batches
     this one has handed out.
 
+    Raises:
+        TypeError: ``dataset`` is not a ``batched`` dataset (``iter(batched(...))`` makes
+            one of these; other iterables have iterators of their own).
+
     Example:
         >>> data = batched(np.arange(5), 2)
         >>> iterator = iter(data)
@@ -128,6 +140,12 @@ class BatchedIterator:
     __slots__ = ("_dataset", "_epoch", "_order", "_position", "_random_state")
 
     def __init__(self, dataset: batched) -> None:
+        if not isinstance(dataset, batched):
+            raise TypeError(
+                f"BatchedIterator: dataset must be an aioreplica.batched dataset, got "
+                f"{type(dataset).__name__} {dataset!r:.60}; iter(batched(arrays, batch_size)) "
+                "makes its iterators"
+            )
         self._dataset = dataset
         self._epoch = dataset._epochs
         dataset._epochs += 1
@@ -145,17 +163,27 @@ class BatchedIterator:
         return self
 
     def __next__(self) -> Any:
+        rows = self._next_rows()
+        if rows is None:
+            raise StopIteration
+        return self._batch(rows)
+
+    def _next_rows(self) -> slice | np.ndarray[Any, Any] | None:
+        """Take the next batch's place: its rows of the dataset (a slice, or with shuffle the
+        indices to gather), or None at the end of the epoch. ``_batch`` makes the batch, which
+        for a shuffled one is a copy that a caller may make on another thread."""
         dataset = self._dataset
         start = self._position * dataset._batch_size
         if start >= dataset._rows:
-            raise StopIteration
+            return None
         self._position += 1
         stop = min(start + dataset._batch_size, dataset._rows)
-        if self._order is None:
-            parts = [leaf[start:stop] for leaf in dataset._leaves]
-        else:
-            rows = self._order[start:stop]
-            parts = [leaf[rows] for leaf in dataset._leaves]
+        return slice(start, stop) if self._order is None else self._order[start:stop]
+
+    def _batch(self, rows: slice | np.ndarray[Any, Any]) -> Any:
+        """The batch of ``rows`` (from ``_next_rows``)."""
+        dataset = self._dataset
+        parts = [leaf[rows] for leaf in dataset._leaves]
         # Unshuffled batches are views of the caller's arrays: a step that changed one in
         # place would change the data of every later epoch. Shuffled ones are copies, read-only
         # as well, so that a step behaves the same with or without shuffle.
@@ -163,6 +191,14 @@ class BatchedIterator:
             if isinstance(part, np.ndarray):
                 part.flags.writeable = False
         return dataset._treedef.unflatten(parts)
+
+    def _gathered_bytes(self, rows: slice | np.ndarray[Any, Any]) -> int:
+        """The bytes of host memory ``_batch(rows)`` copies: none for a slice (views)."""
+        return 0 if isinstance(rows, slice) else len(rows) * self._dataset._row_bytes
+
+    def _host_only(self) -> bool:
+        """Whether every leaf is a host (NumPy) array, which any thread can gather from."""
+        return self._dataset._host_only
 
     @property
     def epoch(self) -> int:
@@ -299,27 +335,50 @@ class _LeafShape:
         return self._text
 
 
-def batch_rows(leaves: Sequence[Any], treedef: _tree.TreeDef, what: str) -> int:
-    """The shared leading size of ``leaves``; ``TypeError``/``ValueError`` naming the path."""
-    sizes = [shape[0] if (shape := getattr(leaf, "shape", None)) else None for leaf in leaves]
-    if sizes and sizes[0] is not None and all(size == sizes[0] for size in sizes):
-        return int(sizes[0])
-    batch = treedef.unflatten(leaves)
-    paths = [path for path, _ in _tree.flatten_with_path(batch)[0]]
-    for path, leaf, size in zip(paths, leaves, sizes, strict=True):
-        if size is None:
+def batch_rows(batch: Any, leaves: Sequence[Any], what: str) -> int:
+    """The shared leading size of ``leaves``, the leaves of ``batch`` (flattened);
+    ``TypeError``/``ValueError`` naming the path."""
+    sizes = []
+    for leaf in leaves:
+        shape = getattr(leaf, "shape", None)
+        if not shape:
+            # Named by a walk that ends at it: a batch of nested Python lists has a leaf per
+            # number, too many to pair each with its path.
+            path = _first_unbatched(batch)
             raise TypeError(
                 f"{what}: the leaf at {_tree.describe_path(path)} is "
                 f"{_tree.with_article(type(leaf).__name__)}, which has no batch dimension; "
                 "every leaf must be an array whose first dimension is the batch"
                 f"{_list_advice(batch, path)}"
             )
+        sizes.append(shape[0])
+    if sizes and all(size == sizes[0] for size in sizes):
+        return int(sizes[0])
     if not sizes:
         raise ValueError(f"{what}: the batch has no arrays")
+    paths = [path for path, _ in _tree.flatten_with_path(batch)[0]]
     listed = ", ".join(
         f"{_tree.describe_path(path)} has {size}" for path, size in zip(paths, sizes, strict=True)
     )
     raise ValueError(f"{what}: leaves have different leading (batch) sizes: {listed}")
+
+
+def _first_unbatched(batch: Any) -> _tree.KeyPath:
+    """The path of ``batch``'s first leaf (in flatten order) that has no batch dimension;
+    ``batch`` has one."""
+    pending: list[tuple[_tree.KeyPath, Any]] = [((), batch)]  # depth first, next one last
+    while pending:
+        path, node = pending.pop()
+        level = _tree.node_level(node)
+        if level is None:
+            if not getattr(node, "shape", None):
+                return path
+            continue
+        pending.extend(
+            ((*path, key), child)
+            for key, child in zip(reversed(level.keys), reversed(level.children), strict=True)
+        )
+    raise AssertionError("the batch has a leaf without a batch dimension")
 
 
 def _list_advice(batch: Any, path: _tree.KeyPath) -> str:

@@ -147,11 +147,13 @@ from ._errors import CheckpointError, add_note, as_real, checked_integer
 from ._optimizers import (
     MAX_ITERATIONS,
     Optimizer,
+    check_slots_to_restore,
     restore_state,
     slot_table,
     slots_to_restore,
 )
 from ._variables import (
+    Aggregate,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
@@ -227,6 +229,8 @@ class Checkpoint:
         TypeError: an object of another kind (an iterator over another source included), a
             dict key that is not a string, or a number inside a tuple (which cannot be
             restored in place).
+        ValueError: a name that is ``save``, ``restore``, ``_objects`` or a special name such
+            as ``__dict__`` (the checkpoint's own attributes would hide the object).
 
     Example:
         >>> w = aioreplica.Variable(np.zeros(3), name="w")
@@ -261,6 +265,11 @@ class Checkpoint:
         object.__setattr__(self, "_objects", dict(objects))
 
     def __getattr__(self, name: str) -> Any:
+        # No object has a name that ``_check_name`` refuses: such a name not found
+        # (``_objects`` of a copy being made, ``__setstate__``) is simply missing, and is not
+        # looked up in ``_objects``, which may not be set yet.
+        if _clashes(name):
+            raise AttributeError(f"this Checkpoint has no attribute {name!r}")
         try:
             return self._objects[name]
         except KeyError:
@@ -272,11 +281,64 @@ class Checkpoint:
             raise AttributeError(f"this Checkpoint holds no object named {name!r}") from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name.startswith("_"):
-            raise AttributeError(f"Checkpoint object names cannot start with '_': {name!r}")
         _check_name(name)
         _check_objects("Checkpoint", name, value)
         self._objects[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        """Remove the object named ``name`` (as ``del`` of a TF ``Checkpoint``'s attribute
+        stops tracking it): later saves leave it out, and restores leave it as it is.
+
+        Raises:
+            AttributeError: this checkpoint holds no object named ``name``.
+
+        Example:
+            >>> ckpt = Checkpoint(epoch=1, step=10)
+            >>> del ckpt.step
+            >>> ckpt
+            Checkpoint(epoch)
+        """
+        try:
+            del self._objects[name]
+        except KeyError:
+            raise AttributeError(f"this Checkpoint holds no object named {name!r}") from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy`` and ``pickle`` take of a checkpoint: its objects, by name.
+
+        ``copy.copy(ckpt)`` is a new checkpoint of the same objects (names added to or
+        removed from one leave the other as it is); ``copy.deepcopy(ckpt)`` one of deep copies
+        of them, as ``copy.deepcopy`` makes each (a variable's is a new variable; an optimizer
+        refuses it). Pickling works where every object pickles: numbers do, variables and
+        optimizers refuse it.
+
+        Example:
+            >>> import copy
+            >>> w = aioreplica.Variable(np.zeros(2), name="w")
+            >>> ckpt = Checkpoint(w=w, epoch=1)
+            >>> copy.copy(ckpt).w is w
+            True
+            >>> copy.deepcopy(ckpt).w is w  # a new variable, holding the same values
+            False
+        """
+        return dict(self._objects)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Take the objects of ``state`` (``__getstate__``'s), checked as the constructor
+        checks them.
+
+        Raises:
+            TypeError, ValueError: as the constructor.
+
+        Example:
+            >>> import pickle
+            >>> pickle.loads(pickle.dumps(Checkpoint(epoch=3))).epoch
+            3
+        """
+        for name, value in state.items():
+            _check_name(name)
+            _check_objects("Checkpoint", name, value)
+        object.__setattr__(self, "_objects", dict(state))
 
     def __repr__(self) -> str:
         return f"Checkpoint({', '.join(self._objects)})"
@@ -510,12 +572,13 @@ class Checkpoint:
         Raises:
             CheckpointError: the file is truncated, corrupted, not a checkpoint, or of a
                 newer format version; an optimizer has slots for a variable outside this
-                checkpoint; a distributed iterator has pulled ahead; one variable is at two
-                paths whose values in the file differ; the checkpoint's dicts or lists changed
-                while the restore waited for its turn; or (unless ``partial``) an object does
-                not match (an iterator whose file holds each worker's place, restored under
-                another number of workers, included). ``problems`` names each object
-                concerned. Nothing changed.
+                checkpoint, or would get slots for a variable its ``build()`` refuses (one of
+                another strategy than the optimizer's); a distributed iterator has pulled
+                ahead; one variable is at two paths whose values in the file differ; the
+                checkpoint's dicts or lists changed while the restore waited for its turn; or
+                (unless ``partial``) an object does not match (an iterator whose file holds
+                each worker's place, restored under another number of workers, included).
+                ``problems`` names each object concerned. Nothing changed.
             FileNotFoundError: there is no such file.
             IsADirectoryError: ``path`` is a folder (restore a file in it, such as
                 ``latest_checkpoint(folder)``).
@@ -1700,10 +1763,12 @@ class _Snapshot:
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
-        self.pending: list[tuple[str, Any, Any]] = []  # (member, array or number, device)
+        # (member, value, device), the value an array, an Aggregate or a number
+        self.pending: list[tuple[str, Any, Any]] = []
 
     def add(self, value: Any, device: Any = None) -> str:
-        """Keep ``value`` (an array on ``device``, or a number) for the file; its member."""
+        """Keep ``value`` (an array on ``device``, a sync-on-read variable's ``Aggregate``,
+        or a number) for the file; its member."""
         member = f"a{len(self.pending)}"
         self.pending.append((member, value, device))
         return member
@@ -1727,6 +1792,8 @@ class _Snapshot:
         for member, value, device in self.pending:
             if device is None:
                 arrays.append((member, np.asarray(value)))
+            elif isinstance(value, Aggregate):  # combined now, off the event loop's thread
+                arrays.append((member, await to_host(await value.value(), device)))
             else:
                 arrays.append((member, await to_host(value, device)))
         version = VERSION if any("workers" in entry for entry in self.entries) else 1
@@ -2533,6 +2600,7 @@ class _Plan:
         restore = _OptimizerRestore(path, optimizer, int(iterations), saved, in_file, variables)
         restore.learning_rate = rate
         self._uncovered(restore)
+        self.problems += restore.foreign_slots()
         for variable_path, arrays in saved.items():
             if set(arrays) != set(optimizer.slot_names):
                 self.problems.append(
@@ -2743,6 +2811,8 @@ class _Plan:
                     "callable or variable while the restore waited for its turn, and the "
                     "checkpoint holds a number; nothing was restored: restore again"
                 )
+            # A step may have decided the optimizer's strategy while the restore waited.
+            problems += restore.foreign_slots()
         if problems:
             raise CheckpointError(self.path, problems)
         tables = [restore.slot_ids() for restore in self.optimizers]
@@ -2877,6 +2947,19 @@ class _OptimizerRestore:
                 resets.append((slot, np.full(slot.shape, initial, dtype=slot.dtype)))
         return resets
 
+    def foreign_slots(self) -> list[str]:
+        """A problem for each variable whose slots the restore would make and the optimizer's
+        ``build()`` refuses (one of another strategy than the optimizer's): checked when the
+        restore is planned, and again once it holds the turns (a step decides the strategy
+        of an optimizer that has none yet)."""
+        problems = []
+        for path in self.saved:
+            try:
+                check_slots_to_restore(self.optimizer, self.variables[path])
+            except ValueError as exc:
+                problems.append(f"{_show((*self.path, 'slots', *path))}: {exc}")
+        return problems
+
     def slot_paths(self, variable_path: Path) -> list[str]:
         """The paths of the optimizer's slots of the variable at ``variable_path``."""
         return [
@@ -2954,13 +3037,26 @@ def _check_name(name: str) -> None:
     """Refuse an object name that ``Checkpoint``'s own attributes hide (``ckpt.save``).
 
     Raises:
-        ValueError: ``name`` is one of ``Checkpoint``'s methods.
+        ValueError: ``name`` is one of ``Checkpoint``'s methods, ``_objects`` or a special
+            name (``__dict__``).
     """
     if name in ("save", "restore"):
         raise ValueError(
             f"Checkpoint cannot hold an object named {name!r}: ckpt.{name} is its method, so "
             "the object could not be read back; choose another name"
         )
+    if _clashes(name):
+        raise ValueError(
+            f"Checkpoint cannot hold an object named {name!r}: the name is kept for its own "
+            "attributes (its objects, and Python's special names), so the object could not "
+            "be read back; choose another name"
+        )
+
+
+def _clashes(name: str) -> bool:
+    """Whether ``name`` is one of ``Checkpoint``'s own private or special attributes' names,
+    which ``copy`` and ``pickle`` look up before its objects are set."""
+    return name == "_objects" or (name.startswith("__") and name.endswith("__"))
 
 
 def _check_objects(caller: str, name: str, value: Any) -> None:

@@ -9,7 +9,10 @@ traffic on it is never disturbed:
   data that is not small) that the event loop polls with ``Test`` and a zero sleep, so the
   loop keeps running other tasks; after a short busy phase the poll backs off (up to a few
   milliseconds between tests) so a worker waiting long for a late peer does not spin a core.
-  MPI requires every worker to issue collectives in the same order. Two first-come queues
+  MPI moves data only inside ``Test``, so the data of a collective of ``_ASIDE_BYTES`` or
+  more is waited for on a thread of its own, which tests it (and the side channel) while the
+  loop runs other tasks: its copies held the loop for tens of milliseconds at 64 MiB. MPI
+  requires every worker to issue collectives in the same order. Two first-come queues
   (``_Turn``) keep it on each communicator: one for *calls*, the other for collectives. A
   call is what a user awaits (a ``run()``, a ``strategy.reduce``, a save, a variable's write
   outside a ``run()``): it holds the communicator from its first collective to its last
@@ -70,6 +73,7 @@ import json
 import math
 import re
 import sys
+import threading
 import time
 import weakref
 import zlib
@@ -94,6 +98,8 @@ __all__ = [
     "current_step",
     "error_line",
     "import_mpi",
+    "in_native_order",
+    "raw_bytes",
     "worker_list",
 ]
 
@@ -118,6 +124,16 @@ _MAX_PAUSE: Final = 0.005
 _ABORT_GRACE_SECONDS: Final = 0.5
 #: How long a wait still tests its request once a peer said its program ended (seconds).
 _LEFT_GRACE_SECONDS: Final = 0.05
+#: How long the exit waits for the large collectives' waits on threads to stop (seconds): one
+#: may be posting a large collective, which copies its data (60-500 ms at 128 MiB).
+_STOP_SECONDS: Final = 5.0
+#: From how many bytes a collective's data is waited for on a thread (``Workers._wait_aside``).
+#: Measured on two workers: handing a wait to a thread and its outcome back costs 0.25-0.45 ms
+#: per collective (all_reduce of 1-4 MiB: 0.31-0.75 of raw MPI's throughput that way, against
+#: 0.46-1.19 on the loop; of 16 MiB, 0.79-0.90 against 0.92-0.94), while the loop's longest
+#: pause in a collective of 64 MiB per replica was 20-80 ms on the loop (a first all_gather's
+#: post and page faults: 350-600 ms) and 4-8 ms with the thread.
+_ASIDE_BYTES: Final = 32 << 20
 
 #: The timeout of the collectives being made (seconds, or ``None``): set by the reduction
 #: engine from its options around each call, read by every wait.
@@ -589,11 +605,13 @@ class Workers:
         """
         side = self._side
         if side.notice_request is not None:
-            if not side.notice_request.Test():
-                return None
-            side.notice_request = None
-            side.notice_came = True
-            return self._noticed(what)
+            with side.testing:
+                request = side.notice_request
+                if request is not None:
+                    if not request.Test():
+                        return None
+                    side.notice_came = True
+                    side.notice_request = None
         return self._noticed(what) if side.notice_came else None
 
     def _raised(self, failure: ReplicaSyncError) -> ReplicaSyncError:
@@ -702,6 +720,132 @@ class Workers:
             # A dataset pass left early: its duplicate is abandoned with the request (the
             # peers, leaving at the same point, complete theirs); nothing else is affected.
             raise
+
+    async def _move(self, post: Callable[[], Any], what: str, nbytes: int) -> None:
+        """Make a collective's data move: post it (``post()`` returns its MPI request), on
+        this thread, and ``_wait`` for it; or, from ``_ASIDE_BYTES``, both on a thread
+        (``_wait_aside``) where MPI allows it (``_SideChannel.threaded``). The caller holds
+        the turn, so no other collective is posted on this communicator meanwhile.
+
+        Raises:
+            ReplicaSyncError: as ``_wait``.
+        """
+        if nbytes >= _ASIDE_BYTES and self._side.threaded:
+            await self._wait_aside(post, what, nbytes)
+        else:
+            await self._wait(post(), what, nbytes)
+
+    async def _wait_aside(self, post: Callable[[], Any], what: str, nbytes: int) -> None:
+        """``_wait`` for the data of a large collective (``nbytes``), posted (``post()``) and
+        tested on a thread of its own (``_tested_aside``) while the loop runs other tasks:
+        MPICH copies a worker's own part of the data when the collective is posted (and
+        faults in the output's pages: 60-500 ms at 128 MiB) and moves the rest inside
+        ``Test``. The wait keeps ``_wait``'s promises: a peer's failure or the timeout ends
+        it, and a cancelled wait is this worker's failure, told to the peers at once; the
+        thread sees that between two tests and stops.
+
+        Raises:
+            ReplicaSyncError: a peer failed, or the timeout in force passed (naming the late
+                workers); the cluster is then broken.
+        """
+        timeout = self._timeout()
+        # From now: the time the wait spends queued for a thread counts too.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        busy = _BUSY_SECONDS + nbytes / _SLOW_BYTES_PER_SECOND
+        stop = threading.Event()
+        side = self._side
+        try:
+            # A thread of anyio's: starting one of our own for each wait (and waiting for it to
+            # start) made a 16 MiB all_reduce of two replicas 30 % slower. Its tokens are the
+            # side channel's own: a program whose threads hold all of anyio's default ones
+            # (one waiting for this very call, say) cannot keep the wait from starting.
+            completed, failure = await anyio.to_thread.run_sync(
+                self._tested_aside,
+                post,
+                what,
+                deadline,
+                busy,
+                stop,
+                abandon_on_cancel=True,
+                limiter=side.limiter,
+            )
+        except BaseException as exc:  # cancelled meanwhile, or MPI raised on the thread
+            stop.set()
+            if self._primary:
+                self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
+            raise
+        if failure is not None:
+            if completed:  # the peer made this collective before it failed (as in ``_wait``)
+                self._defer(failure)
+                return
+            raise self._raised(failure)
+        if not completed:
+            assert timeout is not None
+            raise self._timed_out(what, timeout)
+
+    def _tested_aside(
+        self,
+        post: Callable[[], Any],
+        what: str,
+        deadline: float | None,
+        busy: float,
+        stop: threading.Event,
+    ) -> tuple[bool, ReplicaSyncError | None]:
+        """The thread of ``_wait_aside``: post the request (``post()``), then test it and the
+        side channel as ``_wait_here`` does, until it completes, a peer's failure comes,
+        ``deadline`` (``time.monotonic()``) passes or ``stop`` is set; whether it completed,
+        and the peer's failure, if one came (neither: the timeout passed, or the loop no
+        longer listens). A request left incomplete goes to ``_left`` from here, once nothing
+        tests it any more. A peer's notice is taken in here too (``_peer_failure`` records
+        it on the side channel, under ``_SideChannel.testing``); what this worker tells its
+        peers, and a failure to raise later, are done on the loop. While it runs, it is in
+        the side channel's ``waits``, which the exit stops (``_withdraw_at_exit``)."""
+        waiting = (stop, threading.Event())
+        self._side.waits.add(waiting)
+        try:
+            return self._tested_here(post, what, deadline, busy, stop)
+        finally:
+            self._side.waits.discard(waiting)
+            waiting[1].set()
+
+    def _tested_here(
+        self,
+        post: Callable[[], Any],
+        what: str,
+        deadline: float | None,
+        busy: float,
+        stop: threading.Event,
+    ) -> tuple[bool, ReplicaSyncError | None]:
+        """``_tested_aside``, once the wait is in the side channel's ``waits``."""
+        request = None
+        try:
+            request = post()
+            test = request.Test
+            started = time.monotonic()
+            pause = 0.0
+            completed, failure = True, None
+            while not _spin(test):
+                if stop.is_set():  # the wait was given up on the loop
+                    completed = False
+                    break
+                failure = self._peer_failure(what)
+                if failure is not None:
+                    completed = (self._side.peer_left or self._peer_went_past()) and _finishes(test)
+                    break
+                now = time.monotonic()
+                if deadline is not None and now > deadline:
+                    completed = False
+                    break
+                pause = _backed_off(now - started, busy, pause)
+                if pause:
+                    stop.wait(pause)
+        except BaseException:  # an MPI error: raised on the loop
+            if request is not None:
+                self._left.append(request)
+            raise
+        if not completed:
+            self._left.append(request)
+        return completed, failure
 
     def _wait_here(self, request: Any, what: str) -> None:
         """``_wait`` on this thread, for a synchronous caller (no event loop to give way to):
@@ -955,12 +1099,16 @@ class Workers:
                 return
             if out.dtype.isnative:
                 source = self.mpi.IN_PLACE if send is None else send
-                request = self._comm.Iallreduce(source, out, self._op(op, out.dtype))
-                await self._wait(request, "all_reduce", out.nbytes)
+                post = functools.partial(
+                    self._comm.Iallreduce, source, out, self._op(op, out.dtype)
+                )
+                await self._move(post, "all_reduce", out.nbytes)
             else:  # MPI reduces numbers in this machine's byte order: a copy in it
-                work = _in_native_order(out if send is None else send)
-                request = self._comm.Iallreduce(self.mpi.IN_PLACE, work, self._op(op, work.dtype))
-                await self._wait(request, "all_reduce", out.nbytes)
+                work = in_native_order(out if send is None else send)
+                post = functools.partial(
+                    self._comm.Iallreduce, self.mpi.IN_PLACE, work, self._op(op, work.dtype)
+                )
+                await self._move(post, "all_reduce", out.nbytes)
                 out[...] = work
         finally:
             self._end()
@@ -993,7 +1141,7 @@ class Workers:
     ) -> tuple[np.ndarray[Any, Any], list[int]]:
         """``allgather_rows``, and how many rows each worker gave."""
         dtype = local.dtype
-        local = _in_native_order(local)  # what MPI moves; the result is in ``dtype`` again
+        local = in_native_order(local)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
             f"all_gather of {local.dtype} rows of {local.shape[1:]}" + _named(where)
         )
@@ -1006,9 +1154,11 @@ class Workers:
             out = np.empty((sum(rows), *local.shape[1:]), local.dtype)
             counts = [r * row_bytes for r in rows]
             displacements = [sum(counts[:w]) for w in range(self.num_workers)]
-            recv = [_bytes_of(out), (counts, displacements), self.mpi.BYTE]
-            request = self._comm.Iallgatherv([_bytes_of(local), self.mpi.BYTE], recv)
-            await self._wait(request, what, out.nbytes)
+            recv = [raw_bytes(out), (counts, displacements), self.mpi.BYTE]
+            post = functools.partial(
+                self._comm.Iallgatherv, [raw_bytes(local), self.mpi.BYTE], recv
+            )
+            await self._move(post, what, out.nbytes)
         finally:
             self._end()
         return out.astype(dtype, copy=False), rows
@@ -1030,7 +1180,7 @@ class Workers:
             return await self._broadcast_any(value, root, where)
         assert value is not None
         dtype = value.dtype
-        value = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
+        value = in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
         header = _header_of(
             f"broadcast from worker {root} of {value.dtype} {value.shape}" + _named(where)
         )
@@ -1038,15 +1188,21 @@ class Workers:
         await self._begin("broadcast")
         try:
             if small and self.worker_index == root:
-                self._record[_HEADER_BYTES : _HEADER_BYTES + value.nbytes] = _bytes_of(value)
+                self._record[_HEADER_BYTES : _HEADER_BYTES + value.nbytes] = raw_bytes(value)
             await self._exchange("broadcast", header)
             if small:  # it came with the root's record
                 data = self._gathered[root, _HEADER_BYTES : _HEADER_BYTES + value.nbytes]
                 view: np.ndarray[Any, Any] = data.view(value.dtype).reshape(value.shape)
                 return view.astype(dtype)  # a copy, in the caller's byte order
-            out = value.copy() if self.worker_index == root else np.empty_like(value)
-            request = self._comm.Ibcast([_bytes_of(out), self.mpi.BYTE], root)
-            await self._wait(request, "broadcast", out.nbytes)
+            out = np.empty_like(value)
+            source = value if self.worker_index == root else None
+
+            def post() -> Any:  # the root's copy too: on the thread where the data moves
+                if source is not None:
+                    np.copyto(out, source)
+                return self._comm.Ibcast([raw_bytes(out), self.mpi.BYTE], root)
+
+            await self._move(post, "broadcast", out.nbytes)
         finally:
             self._end()
         return out.astype(dtype, copy=False)
@@ -1063,14 +1219,14 @@ class Workers:
         if sending:
             assert value is not None
             dtype, mine = value.dtype, _described(value.dtype, value.shape)
-            data = _in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
+            data = in_native_order(value)  # what MPI moves; the result is in ``dtype`` again
         await self._begin("broadcast")
         try:
             if mine is not None:
                 self._put(mine)
                 at = _data_at(_PUT_AT + len(mine))
                 if at + data.nbytes <= _RECORD_BYTES:
-                    self._record[at : at + data.nbytes] = _bytes_of(data)
+                    self._record[at : at + data.nbytes] = raw_bytes(data)
             await self._exchange("broadcast", header)
             said = await self._taken(mine, root)
             at = _data_at(_PUT_AT + len(said))
@@ -1078,10 +1234,10 @@ class Workers:
                 dtype, shape = _description(said)
                 data = np.empty(shape, _native_order(dtype))
             if at + data.nbytes > _RECORD_BYTES:  # the data follows
-                request = self._comm.Ibcast([_bytes_of(data), self.mpi.BYTE], root)
-                await self._wait(request, "broadcast", data.nbytes)
+                post = functools.partial(self._comm.Ibcast, [raw_bytes(data), self.mpi.BYTE], root)
+                await self._move(post, "broadcast", data.nbytes)
             elif not sending:
-                _bytes_of(data)[:] = self._gathered[root, at : at + data.nbytes]
+                raw_bytes(data)[:] = self._gathered[root, at : at + data.nbytes]
         finally:
             self._end()
         if sending:  # a copy of the root's, in its byte order
@@ -1123,7 +1279,7 @@ class Workers:
                 return data
             return self._gathered[root, _PUT_AT : _PUT_AT + size].tobytes()
         buffer = bytearray(size) if data is None else bytearray(data)
-        await self._wait(self._comm.Ibcast(buffer, root), what, size)
+        await self._move(functools.partial(self._comm.Ibcast, buffer, root), what, size)
         return bytes(buffer)
 
     async def refuse_in_step(self, what: str, error: BaseException) -> None:
@@ -1264,6 +1420,7 @@ class Workers:
         twin.step = None  # its collectives are ordered among themselves, beside any step
         twin._sequence = 0
         self._side.streams += 1
+        self._side.limiter.total_tokens = self._side.streams + 1
         twin._stream = self._side.streams  # the same on every worker: made in the same order
         self._side.members[twin._stream] = twin
         if self._timeout() is not None:
@@ -1513,6 +1670,20 @@ class _SideChannel:
         #: A peer's failure after a collective that completed here, raised by the next call.
         self.deferred: ReplicaSyncError | None = None
         self.notice = bytearray(_NOTICE_BYTES)
+        #: Whether MPI lets any thread call it at any time (``MPI_THREAD_MULTIPLE``): only
+        #: then is a large collective's data waited for on a thread (``Workers._move``);
+        #: otherwise every wait stays on the thread that runs the loop.
+        self.threaded: bool = mpi.Query_thread() >= mpi.THREAD_MULTIPLE
+        #: The tokens of the threads that wait for large collectives, one per communicator
+        #: made over this side channel (each has one collective under way at most).
+        self.limiter = anyio.CapacityLimiter(1)
+        #: The large collectives' waits now on a thread: each one's stop and the event it
+        #: sets once it has returned, which the exit sets and waits for.
+        self.waits: set[tuple[threading.Event, threading.Event]] = set()
+        #: Held to test the notice receive: a large collective's wait tests it on a thread of
+        #: its own (``Workers._wait_aside``), and MPI forbids two threads to complete one
+        #: request at once.
+        self.testing = threading.Lock()
         #: Whether a peer's notice came (into ``notice``): every wait then raises its failure.
         self.notice_came = False
         # The posted notice receive (``None`` once a notice came), in a list the finalizer
@@ -1528,7 +1699,13 @@ class _SideChannel:
         #: Frees the communicator once nothing uses this side channel (a strategy, its
         #: variables and its dataset passes all gone), or at exit, before MPI finalizes.
         self.close = weakref.finalize(
-            self, _retire, mpi, comm, receive=self._receive, failure=self.failure_box
+            self,
+            _retire,
+            mpi,
+            comm,
+            receive=self._receive,
+            failure=self.failure_box,
+            testing=self.testing,
         )
         _open_channels.add(self)
         _withdraw_at_exit()
@@ -1764,6 +1941,7 @@ def _free(
     made: Any = None,
     left: Sequence[Any] = (),
     failure: Sequence[str | None] = (None,),
+    testing: contextlib.AbstractContextManager[Any] | None = None,
 ) -> None:
     """Give ``comm`` back to MPI, withdrawing its posted ``receive`` and freeing its
     ``persistent`` requests first (those not under way), nothing after MPI finalized.
@@ -1773,17 +1951,19 @@ def _free(
     (``failure``, the side channel's) or while a request it ``left`` (a wait left early) or
     a persistent one is still under way. A communicator whose making (``made``, its ``Idup``)
     has not completed, because a worker never made it, is kept too: it cannot be freed
-    before it exists.
+    before it exists. ``testing`` is held while the receive is withdrawn: a wait on a thread
+    may test it.
     """
     if mpi.Is_finalized():
         return
     with contextlib.suppress(Exception):
         if made is not None and not made.Test():
             return
-        if receive and receive[0] is not None:
-            request, receive[0] = receive[0], None
-            request.Cancel()
-            request.Wait()
+        with contextlib.nullcontext() if testing is None else testing:
+            if receive and receive[0] is not None:
+                request, receive[0] = receive[0], None
+                request.Cancel()
+                request.Wait()
         settled = failure[0] is None and all(request.Test() for request in left)
         for request in persistent:
             if request.Test():  # inactive
@@ -1806,6 +1986,14 @@ def _withdraw_at_exit() -> None:
 
     def withdraw() -> None:
         channels = list(_open_channels)
+        # First the large collectives' waits still on a thread (one that was cancelled, on
+        # trio, whose threads do not hold the exit): MPI must not finalize under them.
+        waits = [waiting for channel in channels for waiting in list(channel.waits)]
+        for stop, _ in waits:
+            stop.set()
+        deadline = time.monotonic() + _STOP_SECONDS
+        for _, done in waits:
+            done.wait(max(0.0, deadline - time.monotonic()))
         deadline = time.monotonic() + 1.0  # for every channel's notices together
         for channel in channels:
             with contextlib.suppress(Exception):
@@ -2051,7 +2239,7 @@ def _native_order(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype.newbyteorder("=")
 
 
-def _in_native_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def in_native_order(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """``array``, C-contiguous, in this machine's byte order: itself when it is so already."""
     return np.asarray(array, dtype=_native_order(array.dtype), order="C")
 
@@ -2076,7 +2264,7 @@ def _data_at(offset: int) -> int:
     return -(-offset // 8) * 8
 
 
-def _bytes_of(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+def raw_bytes(array: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The bytes of a C-contiguous ``array``, as a flat ``uint8`` view: what MPI moves for the
     collectives that only move data, which so take any dtype (dates, fixed-width strings,
     records) but Python objects."""

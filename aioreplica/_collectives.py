@@ -8,7 +8,8 @@ directly with their device objects. Every call goes through one core:
 
 1. **check**: ``_leaves`` splits the value into one array per replica per leaf, each an array
    of the devices' backend, a NumPy array or a scalar (``None``, a string or another object is
-   a ``TypeError`` naming the replicas that passed it; so is a CuPy array on host devices),
+   a ``TypeError`` naming the replicas that passed it; so is a CuPy array on host devices; a
+   Python int that int64 cannot hold is a ``ValueError``, TF's out-of-range integer),
    placed on its replica's device (host data is copied there, on a GPU's own stream);
    ``_check_same_shapes`` (or ``_check_gather_shapes``) requires the same shape and dtype on
    every replica (``ValueError`` naming both replicas, the path, both shapes and dtypes), and
@@ -127,7 +128,8 @@ class ReductionEngine:
         """Reduce ``value`` across replicas: the result structure, once per replica.
 
         Raises:
-            ValueError: structures, shapes or dtypes that differ between replicas.
+            ValueError: structures, shapes or dtypes that differ between replicas; a Python int
+                that int64 cannot hold.
             TypeError: a leaf that is no number or array (``None``, a string); arrays of another
                 backend; an op the dtype cannot do.
         """
@@ -164,7 +166,8 @@ class ReductionEngine:
         over the engine's: their timeout bounds the cross-worker waits).
 
         Raises:
-            ValueError: structures, dtypes or shapes off ``axis`` differ; ``axis`` out of range.
+            ValueError: structures, dtypes or shapes off ``axis`` differ; ``axis`` out of range;
+                a Python int that int64 cannot hold.
             TypeError: a leaf that is no number or array (``None``, a string); arrays of another
                 backend.
         """
@@ -194,7 +197,12 @@ class ReductionEngine:
         cluster = self.cluster
         if cluster is None:
             return local
-        staged = np.moveaxis(await self._staged(local[0]), axis, 0)
+        # The workers' gather only reads this worker's part: a host result goes as it is (a
+        # copy of a large one would hold the loop), a device's is staged on the host.
+        mine = local[0]
+        if self.backend is not HOST_BACKEND or not mine.flags.c_contiguous:
+            mine = await self._staged(mine)
+        staged = np.moveaxis(mine, axis, 0)
         where = " ".join(filter(None, (_where(path), f"along axis {axis}")))
         whole = np.moveaxis(await cluster.allgather_rows(staged, where), 0, axis)
         return await self._placed(np.asarray(whole, order="C"))
@@ -215,7 +223,7 @@ class ReductionEngine:
         over the engine's: their timeout bounds the cross-worker waits.
 
         Raises:
-            ValueError: ``source`` is not a replica id.
+            ValueError: ``source`` is not a replica id; a Python int that int64 cannot hold.
             TypeError: ``source`` is not an int; a leaf that is no number or array (``None``,
                 a string); arrays of another backend.
         """
@@ -352,7 +360,8 @@ class ReductionEngine:
         (in replica context an integer mean stays refused: its result would change dtype).
 
         Raises:
-            ValueError: shapes or dtypes that differ; ``axis`` out of range.
+            ValueError: shapes or dtypes that differ; ``axis`` out of range; a Python int that
+                int64 cannot hold.
             TypeError: as ``all_reduce``.
         """
         leaves, treedef = self._leaves("reduce", value)
@@ -512,6 +521,7 @@ class ReductionEngine:
         Raises:
             TypeError: a leaf that is no number or array (``None``, a string), or a
                 ``PerReplica`` (one value per replica: which one to place?); nothing is placed.
+            ValueError: a leaf is a Python int that int64 cannot hold; nothing is placed.
         """
         pairs, treedef = _tree.flatten_with_path(value)
         first = destinations[0]
@@ -531,6 +541,7 @@ class ReductionEngine:
 
         Raises:
             TypeError: the leaf is no number or array, or is a ``PerReplica``.
+            ValueError: the leaf is a Python int that int64 cannot hold.
         """
         at = f" at {_tree.format_path(path)}" if path else ""
         if isinstance(leaf, Mirrored):
@@ -547,6 +558,7 @@ class ReductionEngine:
                 f"{what}: the value{at} is {_describe_component(leaf)}; {what} places numbers "
                 f"and arrays: pass a number or a {self.backend.name} array instead"
             )
+        _refuse_wide_ints(what, path, [leaf], False)
         array = device.asarray(leaf)
         if array.dtype.kind == "O":
             raise TypeError(
@@ -676,14 +688,15 @@ class ReductionEngine:
             _refuse_components(
                 what, path, components, per_replica, backend.name, self.first_replica
             )
+        _refuse_wide_ints(what, path, components, per_replica, self.first_replica)
         arrays = [device.asarray(c) for device, c in zip(self.devices, components, strict=True)]
         for replica, array in enumerate(arrays, start=self.first_replica):
             if array.dtype.kind == "O":
                 raise TypeError(
                     f"{what}: replica {replica}'s value at {_tree.describe_path(path)} is no "
                     f"number or array of numbers ({components[replica - self.first_replica]!r:.60}"
-                    " makes a NumPy array of objects: an int too large for 64 bits, or values "
-                    "of mixed types?)"
+                    " makes a NumPy array of objects: a number NumPy has no dtype for, such as "
+                    "a Decimal, or values of mixed types?)"
                 )
         return arrays
 
@@ -1075,6 +1088,36 @@ def _refuse_components(
         f"this strategy's devices hold {backend} arrays; put each value on its replica's "
         "device with ctx.device.asarray(value)"
     )
+
+
+#: The Python ints a collective takes: those int64 holds. NumPy makes one from 2**63 to
+#: 2**64 - 1 a uint64, which wraps when summed, and a larger one an array of objects.
+#: The range of int64, the dtype NumPy gives Python ints (plain ints: ``iinfo``'s are slow).
+_INT64_MIN: Final = -(2**63)
+_INT64_MAX: Final = 2**63 - 1
+
+
+def _refuse_wide_ints(
+    what: str, path: _tree.KeyPath, components: list[Any], per_replica: bool, first_replica: int = 0
+) -> None:
+    """Refuse a leaf with a Python int outside int64 among its components, as TF refuses an
+    out-of-range integer, before anything is converted (``first_replica``: the first
+    component's replica id, for the message).
+
+    Raises:
+        ValueError: a component is such an int; the message names its replica (when the
+            components are per replica) and the leaf's path.
+    """
+    for replica, component in enumerate(components, start=first_replica):
+        if isinstance(component, int) and not _INT64_MIN <= component <= _INT64_MAX:
+            who = f"replica {replica}'s value" if per_replica else "the value"
+            raise ValueError(
+                f"{what}: {who} at {_tree.describe_path(path)} is the int {component}, which "
+                f"does not fit int64 ({_INT64_MIN} to {_INT64_MAX}), the dtype of Python ints "
+                "here (TF refuses it as an out-of-range integer); NumPy would make it uint64, "
+                "whose sums wrap around, or an array of objects: pass a NumPy value of the "
+                "dtype meant (np.uint64 holds up to 2**64 - 1), or a float"
+            )
 
 
 def _describe_component(value: Any) -> str:

@@ -32,16 +32,16 @@ import types
 from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, SupportsIndex, final
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, TypeVar, final
 
 from . import _trace
-from ._errors import ReplicaSyncError
+from ._errors import ReplicaSyncError, made_by_yield, yielding_step
 from ._merge import MERGE
 from ._options import ReduceOp
 from ._values import PerReplica, agreed, register_current_replica, select_replica
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable, Generator
+    from collections.abc import Awaitable, Callable, Coroutine, Generator
 
     from ._backends import Device
     from ._collectives import ReductionEngine
@@ -61,6 +61,8 @@ __all__ = [
     "in_cross_replica_context",
     "register_default_context",
 ]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +103,10 @@ def merge_trap(request: MergeRequest) -> Generator[Any, Any, Any]:
 class ReplicaContext:
     """The view of one replica from inside its code (``get_replica_context()``).
 
+    ``strategy.run()`` makes one for each of its replicas; unlike TF's, it is not made by hand
+    (it needs the strategy's reduction engine and the replica's place in its run): get it with
+    ``get_replica_context()``. A constructor call with anything else raises ``TypeError``.
+
     Example:
         >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
         >>> async def step():
@@ -120,10 +126,24 @@ class ReplicaContext:
         replica_id: int,
         merge_point: MergePoint | None,
     ) -> None:
+        devices = getattr(engine, "devices", None)
+        if (
+            not isinstance(devices, tuple | list)
+            or type(replica_id) is not int
+            or not 0 <= replica_id < len(devices)
+        ):
+            raise TypeError(
+                f"ReplicaContext({strategy!r:.60}, {engine!r:.60}, {replica_id!r:.20}, ...) "
+                "was called by hand; strategy.run() makes the ReplicaContext of each of its "
+                "replicas (from the strategy's reduction engine and the replica's index): call "
+                "aioreplica.get_replica_context() inside a replica instead (outside any, it "
+                "returns the default single-replica context)"
+            )
         self._strategy = strategy
         self._engine = engine
         self._replica_id = replica_id
-        self._device = engine.devices[replica_id]
+        device: Device = devices[replica_id]
+        self._device = device
         self._merge_point = merge_point
 
     @property
@@ -253,9 +273,19 @@ class ReplicaContext:
 
     # -- collectives (each one merge round; the engine does the work) ----------------------
 
-    async def all_reduce(
+    def _called(self, coroutine: Coroutine[Any, Any, T]) -> Coroutine[Any, Any, T]:
+        """``coroutine``, a collective this replica called, kept until the replica ends: one
+        never awaited took no part in its collective, and the replica is told so then (each
+        collective is a coroutine made by a plain method, so it may be awaited later, in
+        turn with others, or handed to a task as any coroutine)."""
+        point = self._merge_point
+        if point is not None:
+            point.called(coroutine)
+        return coroutine
+
+    def all_reduce(
         self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Reduce ``value`` across replicas; every replica gets the result on its device.
 
         Every replica must call it. ``value`` is a nested structure of arrays or scalars, the
@@ -284,6 +314,11 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             array([2., 2., 2.])
         """
+        return self._called(self._all_reduce(op, value, options))
+
+    async def _all_reduce(
+        self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None
+    ) -> Any:
         engine = self._engine
         try:
             op = ReduceOp.parse(op)
@@ -295,9 +330,9 @@ class ReplicaContext:
             _merge_all_reduce, (engine, op, value, options), options._timeout
         )
 
-    async def all_gather(
+    def all_gather(
         self, value: Any, axis: SupportsIndex = 0, options: CommunicationOptions | None = None
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Concatenate every replica's ``value`` along ``axis``; every replica gets the whole.
 
         ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
@@ -317,16 +352,21 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             array([0, 1, 1, 2])
         """
+        return self._called(self._all_gather(value, axis, options))
+
+    async def _all_gather(
+        self, value: Any, axis: SupportsIndex, options: CommunicationOptions | None
+    ) -> Any:
         engine = self._engine
         timeout = self._options("all_gather", options)._timeout
         return await self._collective(_merge_all_gather, (engine, value, axis, options), timeout)
 
-    async def broadcast(
+    def broadcast(
         self,
         value: Any,
         source_replica: SupportsIndex = 0,
         options: CommunicationOptions | None = None,
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Give every replica ``source_replica``'s ``value`` (the others' are ignored, across
         workers too: only the structure must be the same).
 
@@ -346,6 +386,11 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             array([1., 1.])
         """
+        return self._called(self._broadcast(value, source_replica, options))
+
+    async def _broadcast(
+        self, value: Any, source_replica: SupportsIndex, options: CommunicationOptions | None
+    ) -> Any:
         engine = self._engine
         try:
             source_replica = engine.check_source(source_replica)  # at once, in this replica
@@ -357,13 +402,13 @@ class ReplicaContext:
             _merge_broadcast, (engine, value, source_replica, options), timeout
         )
 
-    async def reduce_scatter(
+    def reduce_scatter(
         self,
         op: ReduceOp | str,
         value: Any,
         axis: SupportsIndex = 0,
         options: CommunicationOptions | None = None,
-    ) -> Any:
+    ) -> Coroutine[Any, Any, Any]:
         """Reduce across replicas, then give replica ``i`` the ``i``-th chunk along ``axis``.
 
         ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
@@ -383,6 +428,15 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             PerReplica({0: array([0., 2.]), 1: array([4., 6.])})
         """
+        return self._called(self._reduce_scatter(op, value, axis, options))
+
+    async def _reduce_scatter(
+        self,
+        op: ReduceOp | str,
+        value: Any,
+        axis: SupportsIndex,
+        options: CommunicationOptions | None,
+    ) -> Any:
         engine = self._engine
         try:
             op = ReduceOp.parse(op)
@@ -394,7 +448,7 @@ class ReplicaContext:
             _merge_reduce_scatter, (engine, op, value, axis, options), options._timeout
         )
 
-    async def barrier(self, options: CommunicationOptions | None = None) -> None:
+    def barrier(self, options: CommunicationOptions | None = None) -> Coroutine[Any, Any, None]:
         """Wait until every replica has reached this barrier.
 
         ``options`` overrides the strategy's ``CommunicationOptions`` for this call (its
@@ -414,6 +468,9 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             [0, 1]
         """
+        return self._called(self._barrier(options))
+
+    async def _barrier(self, options: CommunicationOptions | None) -> None:
         timeout = self._options("barrier", options)._timeout
         await self._collective(_merge_barrier, (self._engine,), timeout)
 
@@ -429,6 +486,25 @@ class ReplicaContext:
         except TypeError as exc:
             self._engine.refusing(what, exc)
             raise
+
+    def __reduce_ex__(self, protocol: SupportsIndex, /) -> NoReturn:
+        """Refuse ``copy.copy``, ``copy.deepcopy`` and ``pickle``: a replica context belongs to
+        one replica of one run, and its strategy cannot be copied either.
+
+        Raises:
+            TypeError: always.
+
+        Example:
+            >>> import copy
+            >>> copy.copy(get_replica_context())
+            Traceback (most recent call last):
+            TypeError: cannot copy or pickle <ReplicaContext replica 0 of 1 on cpu:0>: ...
+        """
+        raise TypeError(
+            f"cannot copy or pickle {self!r}: a replica context is valid only inside its own "
+            "replica, and it holds its strategy, which is not copied; call "
+            "get_replica_context() where the copy was to be used"
+        )
 
     def __repr__(self) -> str:
         return (
@@ -552,6 +628,8 @@ async def _merge_now(
         result = merge_fn(strategy, *args, **(kwargs or {}))
         if inspect.isawaitable(result):
             result = await result
+        elif type(result) is types.AsyncGeneratorType or made_by_yield(merge_fn, result):
+            raise yielding_step("merge_fn", result, "a merge_fn")
         return result
     finally:
         context_state.reset(token)

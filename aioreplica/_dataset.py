@@ -13,6 +13,8 @@ into an async iterable of per-replica batches (users' guide: README.md, "Distrib
   while a step runs); in-memory data, pulled inline, is never refilled. The copies are made
   off the event loop: on the loader thread as part of its pull, else on a
   worker thread once they are big enough to take longer than the hop (``_owned_off_loop``).
+  So is the one copy in-memory data makes, a shuffled ``batched`` batch gathered from its
+  rows (``_next_batch``).
 - **drop_remainder**: a global batch smaller than the first is dropped only if it is the
   last; one in the middle of the data is split as any other (the next batch is pulled to
   tell, so that batch is pulled ahead of its element even with ``prefetch=0``).
@@ -25,7 +27,7 @@ into an async iterable of per-replica batches (users' guide: README.md, "Distrib
   generator) is then empty, where with ``prefetch=0`` it goes on from where the break left.
   It runs in a copy of the context of the task that started the pass, on every loop. When
   its event loop ends first, the iterator hands out what it had prefetched, then raises
-  ``RuntimeError``.
+  ``RuntimeError`` at every later wait.
 - **synchronous loaders**: a synchronous dataset (other than lists, tuples and ``batched``,
   which never block and are pulled inline) is pulled on a daemon thread of its own, one call at
   a time, from the ``iter()`` that starts each pass on, so a slow loader (or a slow start: a
@@ -115,6 +117,12 @@ _SAMPLED_ROWS: Final = 16
 _SAMPLED_VALUES: Final = 8
 #: The dtype kinds whose bytes the fingerprint takes: numbers, dates, fixed-width strings.
 _SAMPLED_KINDS: Final = "biufcmMSU"
+#: The bytes of a long double that hold its value, the first ones in native byte order: 10
+#: for x87's 80-bit format (stored in 12 or 16 bytes), all of them otherwise (IEEE quad, or
+#: a long double that is a double).
+_LONG_DOUBLE_VALUE_BYTES: Final = (
+    10 if np.finfo(np.longdouble).nmant == 63 else np.dtype(np.longdouble).itemsize
+)
 #: The bytes of an item's host arrays below which ``_owned_off_loop`` copies them on the event
 #: loop: a copy of 1 MiB takes 0.05-0.1 ms, less than the hop to a worker thread and back
 #: (0.1-0.2 ms, measured on asyncio and trio), and blocks the loop no longer than that; past
@@ -586,6 +594,15 @@ class ValueContext:
     """Which replica a value function is making a value for (``experimental_distribute_
     values_from_function``).
 
+    Attributes:
+        replica_id_in_sync_group: the replica, from 0.
+        num_replicas_in_sync: replicas in all.
+
+    Raises:
+        TypeError: a field is not an int.
+        ValueError: ``num_replicas_in_sync`` is below 1, or ``replica_id_in_sync_group`` is
+            not below it.
+
     Example:
         >>> ValueContext(1, 2).replica_id_in_sync_group
         1
@@ -593,6 +610,20 @@ class ValueContext:
 
     replica_id_in_sync_group: int = 0
     num_replicas_in_sync: int = 1
+
+    def __post_init__(self) -> None:
+        replicas = checked_integer(
+            self.num_replicas_in_sync, "ValueContext: num_replicas_in_sync must be an int >= 1", 1
+        )
+        replica = checked_integer(
+            self.replica_id_in_sync_group,
+            f"ValueContext: replica_id_in_sync_group must be an int from 0 to {replicas - 1} "
+            f"(one of its {replicas} replicas)",
+            0,
+            replicas - 1,
+        )
+        object.__setattr__(self, "replica_id_in_sync_group", replica)
+        object.__setattr__(self, "num_replicas_in_sync", replicas)
 
 
 @final
@@ -846,18 +877,23 @@ class DistributedIterator:
         try:
             element = await self._receive_element(self._receive)
         except anyio.EndOfStream:
-            self._closed = True
             self._receive.close()
         except anyio.ClosedResourceError:
             if self._closed:  # aclose() ran while this wait was in progress
                 raise StopAsyncIteration from None
-            raise RuntimeError(_PREFETCH_STOPPED) from None  # an earlier wait was given up
+            # An earlier wait was given up, or the event loop of the prefetching ended: every
+            # later wait says so, never an end of the data that was not reached.
+            stopped = _PREFETCH_LOOP_ENDED if self._puller.loop_ended else _PREFETCH_STOPPED
+            raise RuntimeError(stopped) from None
         except BaseException:
             self._stop_prefetching()  # cancelled while waiting: the iteration is over
             raise
         else:
             self._hand_on()
             return element
+        if self._puller.loop_ended:  # the stream stays closed: the next wait raises again
+            raise RuntimeError(_PREFETCH_LOOP_ENDED)
+        self._closed = True
         error, self._puller.error = self._puller.error, None
         if error is not None:
             raise error  # the dataset's own exception, untouched (raised outside any except)
@@ -1138,7 +1174,7 @@ async def _prefetch(
             await send.send(element)
     except anyio.get_cancelled_exc_class():
         if not puller.stopped:  # not by the iterator: its event loop is ending
-            puller.error = RuntimeError(_PREFETCH_LOOP_ENDED)
+            puller.loop_ended = True
     except anyio.BrokenResourceError:
         pass  # the consumer is gone
     except BaseException as exc:
@@ -1217,6 +1253,9 @@ class _Puller:
         #: Whether the iterator stopped its prefetch task: a cancellation not asked for came
         #: from its event loop ending.
         self.stopped = False
+        #: Whether the prefetch task ended with its event loop: every later wait on the
+        #: iterator, once the elements prefetched are handed out, raises ``RuntimeError``.
+        self.loop_ended = False
         #: Whether the pass is closed (``finish``): a pull still running then gives ``_END``,
         #: and the element it was for is not made (never part of one, for a round).
         self.closed = False
@@ -1239,7 +1278,12 @@ class _Puller:
                 item = await self._loader.pull()
             elif self._sync is not None:
                 await anyio.lowlevel.checkpoint()
-                item = _END if self.closed else next(self._sync, _END)
+                if self.closed:
+                    item = _END
+                elif self.source is not None:
+                    item = await _next_batch(self.source)
+                else:
+                    item = next(self._sync, _END)
             else:  # finished
                 return _END
         except Exception:
@@ -1399,7 +1443,7 @@ class _Puller:
             # needed to cut one, so numbers and other unbatched elements pass as they are.
             self._batches += 1
             return treedef, [[self._put[0](leaf)] for leaf in leaves]
-        rows = batch_rows(leaves, treedef, "distribute_dataset")
+        rows = batch_rows(batch, leaves, "distribute_dataset")
         if self._first_rows is None:
             self._first_rows = rows
         elif self._drop_remainder and rows < self._first_rows:
@@ -1439,9 +1483,9 @@ class _Puller:
                 if batch is _END:
                     break
                 if batch is not _NO_BATCH:  # a PER_REPLICA dataset that ended: filled below
-                    leaves, treedef = _tree.flatten(batch)
+                    leaves = _tree.flatten(batch)[0]
                     if not _unbatched(leaves):  # elements without a batch dimension pass as is
-                        batch_rows(leaves, treedef, "distribute_datasets_from_function")
+                        batch_rows(batch, leaves, "distribute_datasets_from_function")
                     self._last = batch
                 parts.append(batch)
         except BaseException:
@@ -1726,8 +1770,25 @@ def _fingerprint(leaves: list[Any], treedef: _tree.TreeDef) -> int:
         if isinstance(leaf, np.ndarray) and leaf.size and leaf.dtype.kind in _SAMPLED_KINDS:
             rows = np.linspace(0, len(leaf) - 1, min(len(leaf), _SAMPLED_ROWS)).astype(np.intp)
             sample = leaf[rows].reshape(len(rows), -1)[:, :_SAMPLED_VALUES]
-            crc = zlib.crc32(np.ascontiguousarray(sample).tobytes(), crc)
+            crc = zlib.crc32(np.ascontiguousarray(_by_value(sample)).tobytes(), crc)
     return crc
+
+
+def _by_value(sample: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """``sample``, or for long doubles the bytes that hold its values. An x87 long double
+    fills 10 of its 12 or 16 bytes, and the rest hold whatever was in memory, which differs
+    between processes: each value (each part of a complex one) is taken as its first
+    ``_LONG_DOUBLE_VALUE_BYTES`` bytes, in native byte order. Those are all of it, so values
+    beyond or below float64's range are told apart too, and (as for every other dtype) -0.0
+    from 0.0 and NaNs by their payloads."""
+    if (
+        sample.dtype.type not in (np.longdouble, np.clongdouble)
+        or np.dtype(np.longdouble).itemsize == _LONG_DOUBLE_VALUE_BYTES  # no padding
+    ):
+        return sample
+    native = np.ascontiguousarray(sample, sample.dtype.newbyteorder("="))
+    parts = native.view(np.longdouble)  # a complex value's real and imaginary parts in turn
+    return parts.view(np.uint8).reshape(*parts.shape, -1)[..., :_LONG_DOUBLE_VALUE_BYTES]
 
 
 def _as_is(value: Any) -> Any:
@@ -1766,6 +1827,22 @@ async def _owned_off_loop(item: Any) -> Any:
     with anyio.CancelScope(shield=True):
         copies = await anyio.to_thread.run_sync(lambda: [_owned(leaf) for leaf in leaves])
     return treedef.unflatten(copies)
+
+
+async def _next_batch(source: BatchedIterator) -> Any:
+    """The next batch of a ``batched`` epoch, or ``_END``. A shuffled batch is gathered from
+    the dataset's rows, a copy: on a worker thread when it is big (``_COPIED_INLINE_BYTES``),
+    so that the event loop never waits for it. The epoch takes the batch's place before the
+    copy, and the copy is never given up midway (as in ``_owned_off_loop``): batches come in
+    order, and the position a checkpoint saves is the one they were made at."""
+    rows = source._next_rows()
+    if rows is None:
+        return _END
+    if source._gathered_bytes(rows) < _COPIED_INLINE_BYTES or not source._host_only():
+        # (a device's arrays are gathered on the device, by a kernel the loop only queues)
+        return source._batch(rows)
+    with anyio.CancelScope(shield=True):
+        return await anyio.to_thread.run_sync(source._batch, rows)
 
 
 def _empty_rows(leaf: Any) -> Any:

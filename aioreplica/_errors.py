@@ -7,14 +7,16 @@ working, and builds its message from fields that tests and callers can read.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import numbers
 import operator
+import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
-    from types import AsyncGeneratorType
+    from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
     "AioreplicaInternalError",
@@ -26,6 +28,7 @@ __all__ = [
     "as_integer",
     "as_real",
     "checked_integer",
+    "made_by_yield",
     "replica_list",
     "yielding_step",
 ]
@@ -86,14 +89,44 @@ def as_real(value: object) -> float | None:
 
 
 def yielding_step(
-    step: str, generator: AsyncGeneratorType[Any, Any], kind: str = "a step function"
+    step: str,
+    generator: types.AsyncGeneratorType[Any, Any] | types.GeneratorType[Any, Any, Any],
+    kind: str = "a step function",
 ) -> TypeError:
     """The error for a step function (``step``: which one; ``kind``: what it is) with a
     ``yield``: calling it made ``generator``, and none of its code ran."""
+    what = "an async generator" if type(generator) is types.AsyncGeneratorType else "a generator"
+    if type(generator) is types.GeneratorType:
+        generator.close()  # never started: closing it runs none of its code
     return TypeError(
-        f"{step} is an async generator function ({generator.__qualname__}: it contains "
-        f"`yield`), so none of its code ran; {kind} returns its result: write `return`"
+        f"{step} is {what} function ({generator.__qualname__}: it contains `yield`), so none "
+        f"of its code ran; {kind} returns its result: write `return`"
     )
+
+
+def made_by_yield(fn: Callable[..., Any], result: object) -> bool:
+    """Whether ``result`` is the generator that calling ``fn`` made because ``fn`` itself
+    contains ``yield`` (none of its code ran), rather than one ``fn`` built and returned (a
+    generator expression, say), which is a result like any other. Looked through
+    ``functools.partial``, bound methods, ``functools.wraps`` and a callable object's
+    ``__call__``; only called on a result that is a generator, so the usual path pays nothing.
+
+    >>> def counting():
+    ...     yield 1
+    >>> made_by_yield(counting, counting()), made_by_yield(lambda: (i for i in []), counting())
+    (True, False)
+    """
+    if type(result) is not types.GeneratorType:
+        return False
+    inner: Any = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    with contextlib.suppress(ValueError):  # a cycle of __wrapped__: look no further
+        inner = inspect.unwrap(inner)
+    code = getattr(getattr(inner, "__func__", inner), "__code__", None)
+    if code is None:  # a callable object: its class's __call__
+        code = getattr(inspect.getattr_static(inner, "__call__", None), "__code__", None)
+    return result.gi_code is code
 
 
 def add_note(exc: BaseException, note: str) -> None:

@@ -52,11 +52,13 @@ def compute_average_loss(
     Raises:
         RuntimeError: ``global_batch_size`` is ``None`` in a strategy's cross-replica context
             (its ``scope()`` or a ``merge_fn``), where there is no replica batch to count.
-        ValueError: ``per_example_loss`` is a scalar; ``sample_weight`` does not broadcast
-            to it; ``global_batch_size`` is not a scalar, or is negative.
+        ValueError: ``per_example_loss`` is a scalar number; ``sample_weight`` does not
+            broadcast to it; ``global_batch_size`` is not a scalar, or is negative; an
+            argument is ragged (lists of different lengths), which makes no array.
         TypeError: ``per_example_loss`` holds something other than numbers (bools
-            included); ``global_batch_size`` is not an int (NumPy's integers are; a bool is
-            not).
+            included; ``None``, a string); ``sample_weight`` holds something other than
+            numbers or bools; ``global_batch_size`` is not an int (NumPy's integers are; a
+            bool is not).
 
     Example:
         >>> compute_average_loss(np.array([1.0, 2.0, 3.0]), global_batch_size=6)
@@ -73,9 +75,11 @@ def compute_average_loss(
         PerReplica({0: np.float64(0.75), 1: np.float64(1.75)})
     """
     xp = array_module(per_example_loss)
-    losses = xp.asarray(per_example_loss)
+    losses = _as_array(xp, "compute_average_loss", "per_example_loss", per_example_loss)
     dtype = losses.dtype
     if losses.ndim < 1:
+        if dtype.kind not in "iufc":  # no number at all: that, before its missing dimension
+            raise _not_numbers("per_example_loss", per_example_loss, dtype)
         raise ValueError(
             f"compute_average_loss(): per_example_loss must have at least one dimension (one "
             f"loss per example), got a scalar {per_example_loss!r:.60}; for a loss already "
@@ -85,18 +89,43 @@ def compute_average_loss(
     # losses hold.
     batch = _global_batch(len(losses), global_batch_size)
     if dtype.kind not in "iufc":
-        raise TypeError(
-            f"compute_average_loss(): per_example_loss must hold numbers, got {dtype} "
-            f"{per_example_loss!r:.60}: cast it first, e.g. losses.astype(np.float32)"
-        )
+        raise _not_numbers("per_example_loss", per_example_loss, dtype)
     if sample_weight is not None:  # weighted in the losses' dtype, as TF casts them back
-        losses = (losses * _weights_for(losses, xp.asarray(sample_weight))).astype(
-            dtype, copy=False
-        )
+        weights = _as_array(xp, "compute_average_loss", "sample_weight", sample_weight)
+        if weights.dtype.kind not in "biufc":  # TF casts bools to the losses' dtype too
+            raise _not_numbers("sample_weight", sample_weight, weights.dtype)
+        losses = (losses * _weights_for(losses, weights)).astype(dtype, copy=False)
     total = losses.sum(dtype=dtype)
     if batch == 0:  # TF's div_no_nan: no examples make no loss
         return xp.zeros((), dtype=np.float64 if dtype.kind in "iu" else dtype)[()]
     return total / dtype.type(batch)
+
+
+def _as_array(xp: Any, caller: str, name: str, given: Any) -> Any:
+    """``given``, ``caller``'s argument ``name``, as an array of ``xp``.
+
+    Raises:
+        ValueError: it is ragged (lists of different lengths), which makes no array; the
+            message names the argument.
+    """
+    try:
+        return xp.asarray(given)
+    except ValueError as exc:
+        raise ValueError(
+            f"{caller}(): {name} makes no array ({exc}), got {type(given).__name__} "
+            f"{given!r:.60}: pass an array, or lists of one length at each level"
+        ) from None
+
+
+def _not_numbers(name: str, given: Any, dtype: Any) -> TypeError:
+    """The error for ``compute_average_loss``'s argument ``name``, ``given``, which NumPy
+    makes an array of ``dtype``: no numbers (an array is shown with its dtype, anything else
+    with its type)."""
+    kind = dtype if hasattr(given, "dtype") else type(given).__name__
+    return TypeError(
+        f"compute_average_loss(): {name} must hold numbers, got {kind} {given!r:.60}: pass "
+        f"numbers, or cast them first, e.g. np.asarray({name}, dtype=np.float32)"
+    )
 
 
 def _global_batch(replica_batch: int, global_batch_size: Any) -> int:
@@ -118,7 +147,7 @@ def _global_batch(replica_batch: int, global_batch_size: Any) -> int:
                 "global_batch_size"
             )
         return replica_batch * context.num_replicas_in_sync
-    if np.ndim(global_batch_size) != 0:
+    if _as_array(np, "compute_average_loss", "global_batch_size", global_batch_size).ndim != 0:
         raise ValueError(
             "compute_average_loss(): global_batch_size must be scalar, got "
             f"{type(global_batch_size).__name__} {global_batch_size!r:.60} of shape "
@@ -171,6 +200,7 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
             ``merge_fn``), as in TF: the term belongs in the step function.
         TypeError: ``regularization_loss`` holds something other than numbers (``None``,
             bools, strings).
+        ValueError: ``regularization_loss`` is ragged (lists of different lengths).
 
     Example:
         >>> scale_regularization_loss([0.5, 1.5])
@@ -189,7 +219,7 @@ def scale_regularization_loss(regularization_loss: Any) -> Any:
             "replicas: call it in the step function"
         )
     xp = array_module(regularization_loss)
-    losses = xp.asarray(regularization_loss)
+    losses = _as_array(xp, "scale_regularization_loss", "regularization_loss", regularization_loss)
     if losses.dtype.kind not in "iufc":
         raise TypeError(
             "scale_regularization_loss(): regularization_loss must be a number or numbers, "

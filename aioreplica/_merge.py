@@ -27,7 +27,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeAlias, final
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Mapping
+    from collections.abc import Callable, Coroutine, Mapping
 
 __all__ = [
     "ARGS",
@@ -79,13 +79,19 @@ class MergePoint(Protocol):
     ``in_own_coroutine`` is true only while the scheduler runs this replica's own coroutine;
     ``pending`` is the request made and not yet received by the driver (``None`` otherwise):
     a second call before awaiting the first, or a replica that finishes with one pending, is
-    a misuse that ``misuse_message`` explains.
+    a misuse that ``misuse_message`` explains, as is one that finishes with a collective it
+    called (``called``) and never awaited.
     """
 
     in_own_coroutine: bool
     pending: MergeRequest | None
 
     def misuse_message(self, merge_fn: Callable[..., Any] | None = None) -> str: ...
+
+    def called(self, collective: Coroutine[Any, Any, Any]) -> None:
+        """Keep ``collective``, a coroutine of a collective this replica called, until the
+        replica ends: one still unstarted then was never awaited."""
+        ...
 
     def variable_creations(self) -> VariableCreations:
         """The variables made inside this replica's ``run()`` (one record per run)."""

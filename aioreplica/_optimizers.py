@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from typing import TYPE_CHECKING, Any, ClassVar, Final, Self, TypeVar, final
+from typing import TYPE_CHECKING, Any, ClassVar, Final, NoReturn, Self, TypeVar, final
 
 import numpy as np
 
@@ -68,6 +68,7 @@ __all__ = [
     "AdamW",
     "Optimizer",
     "RMSprop",
+    "check_slots_to_restore",
     "restore_state",
     "slot_table",
     "slots_to_restore",
@@ -115,7 +116,12 @@ class Optimizer:
     created, else the one of its first step (the default strategy for steps outside any
     ``strategy.run()``). Its slots and step count are that strategy's, so a step in another
     strategy's run is refused. ``build()`` and ``Checkpoint.restore`` take no step: they leave
-    an optimizer that belongs to no strategy yet as it is, and its first step decides.
+    an optimizer that belongs to no strategy yet as it is, and its first step decides; the
+    ``build()`` of one that belongs to a strategy, and a restore into it, refuse the variables
+    its steps would refuse.
+
+    An optimizer cannot be copied or pickled (a ``TypeError``): make a fresh one with
+    ``type(opt).from_config(opt.get_config())``, and keep its state in a ``Checkpoint``.
 
     Args:
         learning_rate: a number; a schedule ``learning_rate(step) -> float`` of the step
@@ -278,17 +284,21 @@ class Optimizer:
         Raises:
             TypeError, ValueError: as ``current_learning_rate``; a variable's value that its
                 hyperparameter's check refuses.
+            ValueError: a callable returned a multi-worker variable that still waits for the
+                chief's value (``_check_synced``).
         """
         # Every value is read and checked before any is kept: a refused step changes nothing.
         values: dict[str, Any] = {}
         for name, (variable, check) in self._held.items():
-            value = (await host_value(variable)).item()
-            values[name] = check(f"{name} (variable {variable.name!r})", value)
+            what = f"{name} (variable {variable.name!r})"
+            _check_synced(what, variable)
+            values[name] = check(what, (await host_value(variable)).item())
         what, rate = self._given_rate()
         source: Variable | None = None
         if isinstance(rate, Variable):
             _check_held(what, rate)
             what = f"{what} (variable {rate.name!r})"
+            _check_synced(what, rate)
             source, rate = rate, (await host_value(rate)).item()
         rate = _number(what, rate)
         for name, value in values.items():
@@ -334,11 +344,17 @@ class Optimizer:
     def build(self, var_list: Iterable[Variable]) -> None:
         """Create the slot variables of every variable in ``var_list`` that has none yet.
 
-        ``apply_gradients`` does this on first use; call it to read slots, or to restore a
-        checkpoint's slots, before the first step (``Checkpoint.restore`` calls it).
+        ``apply_gradients`` does this on first use; call it to read slots before the first
+        step. (``Checkpoint.restore`` makes the slots it restores itself, refusing the
+        variables this refuses.)
 
         Raises:
-            TypeError: an item is not an ``aioreplica.Variable``.
+            TypeError: ``var_list`` is a single variable, or not iterable; an item is not an
+                ``aioreplica.Variable``.
+            ValueError: this optimizer belongs to a strategy (see ``Optimizer``) and a
+                variable does not: one of another strategy, or, unless that is the default
+                strategy, one made outside any scope (its steps would refuse either). Nothing
+                is built then, for any variable of ``var_list``.
 
         Example:
             >>> opt = aioreplica.optimizers.SGD(0.1, momentum=0.9)
@@ -347,12 +363,43 @@ class Optimizer:
             >>> opt.get_slot(w, "momentum").numpy()
             array([0., 0.])
         """
-        variables = list(var_list)
+        variables = _variable_list("build", var_list)
         for variable in variables:  # all checked before any slot is made
-            _check_variable(variable)
+            self._check_builds(variable)
         for variable in variables:
             if id(variable) not in self._slots:
                 self._slots[id(variable)] = (variable, self._new_slots(variable))
+
+    def _check_builds(
+        self, variable: Variable, caller: str = "build()", made: str = "built"
+    ) -> None:
+        """Refuse to make slots for ``variable`` that this optimizer's steps would refuse to
+        train (``_check_owner``): they would be made on another strategy's devices. ``caller``
+        (``build()``, or a restore) begins the message, which says nothing was ``made``.
+
+        Raises:
+            ValueError: naming the variable and both strategies.
+        """
+        owner, mine = variable._strategy, self._strategy
+        if mine is None or owner is mine:
+            return
+        default = default_replica_context().strategy
+        if owner is None and mine is default:
+            return
+        if owner is None:
+            raise ValueError(
+                f"{caller}: variable {variable.name!r} was created outside any strategy scope, "
+                f"but this {type(self).__name__} belongs to {mine!r} ({self._bound_by}), whose "
+                f"steps would refuse it; nothing was {made}: create model variables inside "
+                "`with strategy.scope():`"
+            )
+        raise ValueError(
+            f"{caller}: variable {variable.name!r} belongs to {owner!r}, but this "
+            f"{type(self).__name__} belongs to {_told_apart(mine, owner, _label)} "
+            f"({self._bound_by}), whose steps would refuse it; nothing was {made}: use an "
+            "optimizer only with its own strategy's variables, and create one optimizer per "
+            "strategy, inside `with strategy.scope():`"
+        )
 
     def get_slot(self, var: Variable, slot_name: str) -> Variable:
         """Return the slot variable ``slot_name`` of ``var``.
@@ -416,9 +463,10 @@ class Optimizer:
                 expressions; here they are plain substrings.
 
         Raises:
-            TypeError: an item of ``var_list`` is not an ``aioreplica.Variable``;
-                ``var_names`` is a string (not a list of strings) or holds something other
-                than strings. Nothing is excluded differently then.
+            TypeError: ``var_list`` is a single variable, or neither ``None`` nor iterable;
+                an item of it is not an ``aioreplica.Variable``; ``var_names`` is a string
+                (not a list of strings), neither ``None`` nor iterable, or holds something
+                other than strings. Nothing is excluded differently then.
 
         Example:
             >>> w = aioreplica.Variable([1.0], name="dense/kernel")
@@ -430,14 +478,19 @@ class Optimizer:
             >>> w.numpy(), b.numpy()  # only the kernel decayed: 1 - 1 * 0.2 * 0.5
             (array([0.9]), array([1.]))
         """
-        variables = [] if var_list is None else list(var_list)
-        for variable in variables:
-            _check_variable(variable)
+        variables = (
+            [] if var_list is None else _variable_list("exclude_from_weight_decay", var_list)
+        )
         if isinstance(var_names, str):
             raise TypeError(
                 f"exclude_from_weight_decay(): var_names must be a list of strings, got the "
                 f"string {var_names!r}; pass [{var_names!r}] to exclude the variables whose "
                 "names contain it"
+            )
+        if var_names is not None and not _iterable(var_names):
+            raise TypeError(
+                "exclude_from_weight_decay(): var_names must be a list of strings, got "
+                f"{type(var_names).__name__} {var_names!r:.60}"
             )
         names = () if var_names is None else tuple(var_names)
         for name in names:
@@ -500,11 +553,14 @@ class Optimizer:
                 both); without aggregation, gradients that differ between replicas (naming
                 the variables); replicas that pass different numbers of pairs (naming them
                 and the numbers); ``iterations`` is ``2**63 - 1`` already, the most a
-                checkpoint keeps.
+                checkpoint keeps; a callable learning rate returned a multi-worker variable
+                that still waits for the chief's value (read it on every worker first).
             TypeError: ``grads_and_vars`` is not iterable; an item is not a pair of gradient
                 and ``aioreplica.Variable``; a variable that is not of a floating-point (or
-                complex) dtype; a gradient dtype that cannot be cast to its variable's; an
-                aggregation flag that is not a bool.
+                complex) dtype; a bool gradient (its elements would be summed as numbers; an
+                integer one is cast to the variable's dtype, as Keras casts it); a gradient
+                dtype that cannot be cast to its variable's; an aggregation flag that is not a
+                bool.
             RuntimeError: called in cross-replica context (``strategy.scope()`` or a merge
                 function): call it inside ``strategy.run``.
             NotImplementedError: the optimizer's class does not implement ``_update_step``
@@ -878,17 +934,10 @@ class Optimizer:
     def _foreign(self, strategy: Any) -> ValueError:
         """The error of a step in ``strategy``'s run by an optimizer of another strategy."""
         owner = self._strategy
-        default = default_replica_context().strategy
-
-        def label(which: Any) -> str:
-            if which is default:
-                return f"the default strategy {which!r} (outside any strategy.run())"
-            return repr(which)
-
-        stepper = _told_apart(strategy, owner, label)
+        stepper = _told_apart(strategy, owner, _label)
         return ValueError(
             f"apply_gradients() of {type(self).__name__} was called in {stepper}, but this "
-            f"optimizer belongs to {label(owner)} ({self._bound_by}); its slots and step "
+            f"optimizer belongs to {_label(owner)} ({self._bound_by}); its slots and step "
             "count are that strategy's, and nothing was changed: create one optimizer per "
             "strategy, inside `with strategy.scope():`"
         )
@@ -961,6 +1010,35 @@ class Optimizer:
             f"{key}={value!r}" for key, value in self.get_config().items() if value is not None
         )
         return f"{type(self).__name__}({config})"
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        """Refused: an optimizer cannot be copied (``copy.copy``, ``copy.deepcopy``) or
+        pickled. Its slots are variables on its strategy's devices, and its steps take their
+        turns with theirs: a shallow copy would share the slots but count its own steps, and
+        none of it travels to another process.
+
+        Raises:
+            TypeError: always, naming the optimizer, how to make a fresh one and how to keep
+                its state.
+
+        Example:
+            >>> import copy
+            >>> opt = aioreplica.optimizers.SGD(0.1, momentum=0.9)
+            >>> copy.copy(opt)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            TypeError: cannot copy or pickle SGD(learning_rate=0.1, momentum=0.9, ...
+            >>> type(opt).from_config(opt.get_config())  # a fresh one: no slots, no steps
+            SGD(learning_rate=0.1, momentum=0.9, nesterov=False)
+        """
+        raise TypeError(
+            f"cannot copy or pickle {self!r}: its slots are variables of its strategy and its "
+            "steps take their turns with theirs, so a copy would share some of its state and "
+            "not the rest; make a fresh optimizer with the same hyperparameters with "
+            "type(opt).from_config(opt.get_config()) (no slots, no steps yet), and keep an "
+            "optimizer's step count and slots in an aioreplica.Checkpoint (restore it into "
+            "the fresh one)"
+        )
 
 
 MERGE_CALLS[Optimizer._merge_apply] = "an optimizer step (apply_gradients)"
@@ -1496,6 +1574,17 @@ def slots_to_restore(optimizer: Optimizer, variable: Variable) -> tuple[Variable
     return entry[1] if entry is not None else optimizer._new_slots(variable)
 
 
+def check_slots_to_restore(optimizer: Optimizer, variable: Variable) -> None:
+    """Refuse ``variable`` if ``slots_to_restore`` would make slots for it that ``build()``
+    refuses (of another strategy than the optimizer's).
+
+    Raises:
+        ValueError: naming the variable and both strategies.
+    """
+    if id(variable) not in optimizer._slots:
+        optimizer._check_builds(variable, "Checkpoint.restore()", "restored")
+
+
 def restore_state(
     optimizer: Optimizer, iterations: int, slots: Sequence[tuple[Variable, tuple[Variable, ...]]]
 ) -> None:
@@ -1533,6 +1622,27 @@ def _number(what: str, value: Any) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{what} must be finite, got {value!r}")
     return number
+
+
+def _check_synced(what: str, variable: Variable) -> None:
+    """Refuse to read hyperparameter ``what`` in a step from ``variable`` of a multi-worker
+    strategy that still waits for its first sync (the chief's value). A run of its strategy
+    makes that sync first, and so does the read that keeps a variable given for a
+    hyperparameter; one that a callable returns, read in a step of another strategy, would
+    be this worker's own initial value instead: the sync is a collective that every worker
+    must make, which such a step does not.
+
+    Raises:
+        ValueError: naming the variable, its strategy and what to do.
+    """
+    if variable._unsynced:
+        raise ValueError(
+            f"{what} belongs to {variable._strategy!r} and still waits for its first value "
+            "from the chief, which this step of another strategy cannot fetch (every worker "
+            "takes it together), so it would read this worker's own initial value; nothing "
+            "was changed: read it on every worker first (its numpy()), or run a step of its "
+            "strategy first"
+        )
 
 
 #: The other form a float hyperparameter takes, for the errors that refuse a value.
@@ -1731,6 +1841,40 @@ def _weight_decay(what: str, value: Any) -> float | None:
     return decay
 
 
+def _iterable(value: Any) -> bool:
+    """Whether ``value`` can be iterated over (as ``iter()`` tells)."""
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _variable_list(method: str, var_list: Any) -> list[Variable]:
+    """``var_list``, the argument of the optimizer's ``method``, as a list of variables, each
+    checked.
+
+    Raises:
+        TypeError: a single variable (which iterates over its elements), something that is
+            not iterable, or an item that is not an ``aioreplica.Variable``.
+    """
+    if isinstance(var_list, Variable):
+        raise TypeError(
+            f"{method}(): var_list must be a list of variables, got the single variable "
+            f"{var_list.name!r} (whose elements it would go through); pass a list holding it, "
+            f"as in opt.{method}([variable])"
+        )
+    if not _iterable(var_list):
+        raise TypeError(
+            f"{method}(): var_list must be a list of aioreplica.Variable objects, got "
+            f"{type(var_list).__name__} {var_list!r:.60}"
+        )
+    variables = list(var_list)
+    for variable in variables:
+        _check_variable(variable)
+    return variables
+
+
 def _check_variable(variable: Any) -> Variable:
     if not isinstance(variable, Variable):
         raise TypeError(
@@ -1778,6 +1922,13 @@ async def _the_same_gradients(
         await engine.refuse("apply_gradients()", error)  # on every worker alike
         raise error
     return [list(grads) for grads in per_replica]
+
+
+def _label(strategy: Any) -> str:
+    """``strategy`` as messages name it: the default strategy says it is."""
+    if strategy is default_replica_context().strategy:
+        return f"the default strategy {strategy!r} (outside any strategy.run())"
+    return repr(strategy)
 
 
 def _told_apart(strategy: Any, owner: Any, shown: Callable[[Any], str]) -> str:
@@ -1913,7 +2064,13 @@ def _checked_gradient(grad: Any, variable: Variable, device: Any, replica_id: in
             f"{replica_id} is no array ({exc}); pass an array (or a nested list) of the "
             f"variable's shape {variable.shape}"
         ) from exc
-    if array.dtype.kind not in "biufc" or not np.can_cast(
+    if array.dtype.kind == "b":
+        raise TypeError(
+            f"apply_gradients(): the gradient of variable {variable.name!r} from replica "
+            f"{replica_id} has dtype bool, which is no gradient: its True and False would be "
+            "summed across replicas as 1 and 0; pass a gradient of a float dtype"
+        )
+    if array.dtype.kind not in "iufc" or not np.can_cast(
         array.dtype, variable._dtype, casting="same_kind"
     ):
         raise TypeError(

@@ -103,7 +103,7 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
@@ -117,11 +117,13 @@ from ._context import (
     ContextState,
     ReplicaContext,
     context_state,
+    merge_trap,
 )
 from ._errors import (
     AioreplicaInternalError,
     ReplicaSyncError,
     add_note,
+    made_by_yield,
     replica_list,
     yielding_step,
 )
@@ -185,6 +187,13 @@ def _call_of(fn: Callable[..., Any] | None) -> str:
     return str(words()) if call and callable(words) else call
 
 
+def _call_words(fn: Callable[..., Any] | None) -> str:
+    """How a replica called merge function ``fn``, for messages: ``ctx.all_reduce()`` for a
+    replica context's collective, else ``merge_call()``."""
+    call = _call_of(fn)
+    return f"ctx.{call}()" if call.isidentifier() else "merge_call()"
+
+
 def _merge_point(number: int, fn: Callable[..., Any] | None, replica: _Replica | None) -> str:
     """Merge point ``number`` of merge function ``fn`` in words, for messages: the call it
     stands for (``all_reduce (merge_call #1)``) or the merge function and where it is defined,
@@ -196,6 +205,18 @@ def _merge_point(number: int, fn: Callable[..., Any] | None, replica: _Replica |
         point = f"merge_call #{number} ({_describe_fn(fn)})"
     where = _await_site(replica.coro) if replica is not None else ""
     return f"{point} at {where}" if where else point
+
+
+#: How many collectives a replica keeps before it drops those already started (``called``).
+_KEPT_COLLECTIVES: Final = 64
+_CREATED: Final = inspect.CORO_CREATED
+
+
+def _collective_name(collective: Coroutine[Any, Any, Any]) -> str:
+    """The name of the ``ReplicaContext`` method that made ``collective`` (``all_reduce``; the
+    coroutine is its private ``_all_reduce``)."""
+    name: str = getattr(collective, "__name__", "collective")
+    return name.lstrip("_")
 
 
 #: The package's own files: the place replica code awaits is the innermost frame outside them.
@@ -275,6 +296,7 @@ class _Replica:
 
     __slots__ = (
         "cancel_requests",
+        "collectives",
         "context",
         "coro",
         "device",
@@ -295,6 +317,8 @@ class _Replica:
         # True only while the driver is inside this replica's coroutine.
         self.in_own_coroutine = False
         self.pending: MergeRequest | None = None  # made by merge_call, not yet received
+        # The coroutines of the collectives it called (``called``), checked when it ends.
+        self.collectives: list[Coroutine[Any, Any, Any]] = []
         self.track: _trace.ReplicaTrack | None = None  # its track, in a traced run
         self.coro: Any = None  # the coroutine it steps, once it has one (for messages)
         # Counts the cancellations requested of its task (``Loop.cancel_requests``), looked up
@@ -305,6 +329,35 @@ class _Replica:
     def sync_id(self) -> int:
         """Its id in sync, by which messages name it (across workers, not from 0)."""
         return self.run.first_replica + self.id
+
+    def called(self, collective: Coroutine[Any, Any, Any]) -> None:
+        """Keep ``collective``, the coroutine of a collective this replica called, until it
+        ends (``_unawaited``). A long ``run_steps`` calls many: those already started are
+        dropped now and then, so the list stays short."""
+        collectives = self.collectives
+        collectives.append(collective)
+        if len(collectives) > _KEPT_COLLECTIVES:
+            collectives[:] = [c for c in collectives if inspect.getcoroutinestate(c) == _CREATED]
+
+    def _unawaited(self, result: Any) -> RuntimeError | None:
+        """The error of this replica ending with a collective it called and never awaited
+        (none started: it took no part in its collective, and the other replicas may wait for
+        it), or ``None``; ``result`` is what it returned."""
+        unstarted = [
+            c
+            for c in self.collectives
+            if c is not result and inspect.getcoroutinestate(c) == _CREATED
+        ]
+        self.collectives = []
+        if not unstarted:
+            return None
+        for collective in unstarted:
+            collective.close()  # never started: closed, so Python does not warn about it later
+        call = _collective_name(unstarted[0])
+        return RuntimeError(
+            f"replica {self.sync_id} called ctx.{call}() but never awaited it, so it took no "
+            f"part in that {call}; write `await ctx.{call}(...)`"
+        )
 
     def requests_now(self) -> int:
         """The cancellations requested of its task so far, read as it parks to tell its own
@@ -326,14 +379,16 @@ class _Replica:
     def misuse_message(self, merge_fn: Callable[..., Any] | None = None) -> str:
         """Why a ``merge_call`` (of ``merge_fn``, where the caller says) with this replica's
         context cannot go ahead."""
+        called = _call_words(merge_fn)
         if self.in_own_coroutine and self.pending is not None:
+            previous = _call_words(self.pending[FN])
             return (
-                f"replica {self.sync_id} called merge_call() again before awaiting its previous "
-                "merge_call(); await each merge_call() where you call it"
+                f"replica {self.sync_id} called {called} again before awaiting its previous "
+                f"{previous}; await each merge_call() and collective where you call it"
             )
         if self.run.finished_run:
             return (
-                f"merge_call() was called on replica {self.sync_id}'s context after its run() "
+                f"{called} was called on replica {self.sync_id}'s context after its run() "
                 "returned; a ReplicaContext is valid only inside its own replica"
             )
         state = context_state.get()
@@ -357,14 +412,15 @@ class _Replica:
                     "you need directly in merge_fn"
                 )
             return (
-                f"merge_call() was called with replica {self.sync_id}'s context outside that "
+                f"{called} was called with replica {self.sync_id}'s context outside that "
                 "replica; call get_replica_context() inside the replica instead"
             )
+        awaited = called[:-2] if called.startswith("ctx.") else "ctx.merge_call"
         return (
-            f"merge_call() must be awaited by replica {self.sync_id}'s own coroutine, not by a "
+            f"{called} must be awaited by replica {self.sync_id}'s own coroutine, not by a "
             "task it spawned (a task group child, asyncio.shield, or asyncio.wait_for, which runs "
             "its argument in a new task on Python 3.11); to bound the wait use "
-            "`with anyio.fail_after(seconds): await ctx.merge_call(...)` instead"
+            f"`with anyio.fail_after(seconds): await {awaited}(...)` instead"
         )
 
     # -- the driver --------------------------------------------------------------------------
@@ -379,6 +435,8 @@ class _Replica:
         try:
             result = await self._drive(fn, args, kwargs)
         except BaseException as exc:
+            if self.collectives:  # not awaited because it failed: closed without a warning
+                self._unawaited(None)
             run = self.run
             if isinstance(exc, _RunFailed):
                 return  # the run's own failure is what run() raises
@@ -392,30 +450,53 @@ class _Replica:
             run.replica_failed(self, exc)
             return
         if self.pending is not None:
-            self.run.replica_failed(
-                self,
-                RuntimeError(
-                    f"replica {self.sync_id} called "
-                    f"merge_call({_describe_fn(self.pending[FN])}) but never awaited it; write "
-                    "`await ctx.merge_call(...)`"
-                ),
-            )
+            self.run.replica_failed(self, self._never_awaited(self.pending[FN], result))
             return
         if type(result) is types.CoroutineType:  # ``return ctx.all_reduce(...)``, say
             result.close()  # never started: closed, so Python does not warn about it later
+            returned = (
+                f"ReplicaContext.{_collective_name(result)}"
+                if result in self.collectives
+                else result.__qualname__
+            )
+            self.collectives = []
             self.run.replica_failed(
                 self,
                 RuntimeError(
                     f"replica {self.sync_id}'s step function returned the coroutine "
-                    f"{result.__qualname__}() without awaiting it; write `return await ...`"
+                    f"{returned}() without awaiting it; write `return await ...`"
                 ),
             )
             return
-        if type(result) is types.AsyncGeneratorType:  # a ``yield`` in the step function
+        if self.collectives:
+            unawaited = self._unawaited(result)
+            if unawaited is not None:
+                self.run.replica_failed(self, unawaited)
+                return
+        if type(result) is types.AsyncGeneratorType or (
+            type(result) is types.GeneratorType and made_by_yield(fn, result)
+        ):  # a ``yield`` in the step function
             step = f"replica {self.sync_id}'s step function"
             self.run.replica_failed(self, yielding_step(step, result))
             return
         self.run.replica_finished(self, result)
+
+    def _never_awaited(self, merge_fn: Callable[..., Any], result: Any) -> RuntimeError:
+        """The error of this replica finishing (with ``result``) with the request of
+        ``merge_fn`` made and never awaited: the call made nothing happen, and the other
+        replicas may wait for it."""
+        call = _call_of(merge_fn)
+        if type(result) is types.GeneratorType and result.gi_code is merge_trap.__code__:
+            result.close()  # ``return ctx.all_reduce(...)``: the request's own trap, returned
+            method = call if call.isidentifier() else "merge_call"
+            return RuntimeError(
+                f"replica {self.sync_id}'s step function returned the coroutine "
+                f"ReplicaContext.{method}() without awaiting it; write `return await ...`"
+            )
+        return RuntimeError(
+            f"replica {self.sync_id} called merge_call({_describe_fn(merge_fn)}) but never "
+            "awaited it; write `await ctx.merge_call(...)`"
+        )
 
     @types.coroutine
     def _drive(
@@ -938,7 +1019,9 @@ class _Run:
             context_state.reset(token)
         if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
             return self._complete_awaiting(rnd, last, merge_fn, result, started)
-        if type(result) is types.AsyncGeneratorType:  # a ``yield`` in merge_fn
+        if type(result) is types.AsyncGeneratorType or (
+            type(result) is types.GeneratorType and made_by_yield(merge_fn, result)
+        ):  # a ``yield`` in merge_fn
             error = yielding_step(f"merge_fn {_describe_fn(merge_fn)}", result, "a merge_fn")
             self._merge_failed(error, merge_fn, rnd)
             return self._park_failed()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Final, final
 
 from . import _tree
 from ._context import MERGE_CALLS, context_state, default_replica_context, get_replica_context
-from ._errors import add_note, as_integer, yielding_step
+from ._errors import add_note, as_integer, made_by_yield, yielding_step
 from ._values import DistributedValues, misfit, shown_misfit
 
 if TYPE_CHECKING:
@@ -131,7 +131,9 @@ async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any,
                 result = step_fn(element)
                 if inspect.isawaitable(result):
                     result = await result
-                elif type(result) is types.AsyncGeneratorType:
+                elif type(result) is types.AsyncGeneratorType or (
+                    type(result) is types.GeneratorType and made_by_yield(step_fn, result)
+                ):
                     raise yielding_step("run_steps' step_fn", result)
             except Exception as exc:
                 add_note(exc, f"raised in step {step} of run_steps()")
@@ -195,6 +197,7 @@ class MultiStepContext:
                 is (cross-replica context, or outside any strategy, only).
 
         Raises:
+            TypeError: ``name`` is not a ``str``.
             ValueError: ``reduce_op`` is ``None`` in replica context (TF requires one there).
 
         Example:
@@ -205,6 +208,7 @@ class MultiStepContext:
             >>> anyio.run(record)
             {'step': 3}
         """
+        _check_name("set_last_step_output()", name)
         context = get_replica_context()
         if context is None or context is default_replica_context():  # one replica, or none
             strategy = _strategy()
@@ -233,6 +237,9 @@ class MultiStepContext:
         list, tuple or dict is rebuilt around its leaves, as TF's regrouping does: a 1-tuple
         of an equal one where every replica passed the same leaves).
 
+        Raises:
+            TypeError: ``name`` is not a ``str``.
+
         Example:
             >>> async def record():
             ...     context = MultiStepContext()
@@ -241,6 +248,7 @@ class MultiStepContext:
             >>> anyio.run(record)
             {'note': 'done'}
         """
+        _check_name("set_non_tensor_output()", name)
         context = get_replica_context()
         if context is None or context is default_replica_context():
             self._non_tensor_outputs[name] = output
@@ -255,6 +263,19 @@ class MultiStepContext:
             self._non_tensor_outputs[name] = local
 
         await context.merge_call(record, args=(output,))
+
+
+def _check_name(what: str, name: object) -> None:
+    """Refuse an output name that is not a string (the outputs are looked up by name).
+
+    Raises:
+        TypeError: ``name`` is not a ``str``.
+    """
+    if not isinstance(name, str):
+        raise TypeError(
+            f"{what} takes an output name as a str, got {type(name).__name__} {name!r:.60}; "
+            "name the output with a string, such as 'loss'"
+        )
 
 
 def _strategy() -> Any:
@@ -282,6 +303,8 @@ async def run_steps_on_iterator(
                 "dict, such as {'loss': 0.0}: the last_step_outputs before the first step) or "
                 f"None, got {type(initial_loop_values).__name__} {initial_loop_values!r:.60}"
             )
+        for name in initial_loop_values or {}:
+            _check_name(f"{what}'s initial_loop_values", name)
         return _check_iterator(iterator, what), _check_steps(iterations, "iterations")
 
     feed, count = await strategy._accepted(what, checked, "iterations")
@@ -296,4 +319,6 @@ async def run_steps_on_iterator(
             result = fn(context, inputs)
             if inspect.isawaitable(result):
                 await result
+            elif type(result) is types.AsyncGeneratorType or made_by_yield(fn, result):
+                raise yielding_step(f"{what}'s fn", result)
     return context

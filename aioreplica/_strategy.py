@@ -104,6 +104,20 @@ class StrategyExtended:
     def __init__(self, strategy: MirroredStrategy) -> None:
         self._strategy = strategy
 
+    def __reduce_ex__(self, protocol: SupportsIndex, /) -> NoReturn:
+        """Refuse copies and pickles, as the strategy does (``MirroredStrategy.__reduce_ex__``).
+
+        Raises:
+            TypeError: always.
+
+        Example:
+            >>> import copy
+            >>> copy.deepcopy(MirroredStrategy(["cpu:0"]).extended)
+            Traceback (most recent call last):
+            TypeError: cannot copy or pickle MirroredStrategy(devices=['cpu:0']).extended: ...
+        """
+        raise TypeError(_not_copied(self._strategy, ".extended"))
+
     @property
     def worker_devices(self) -> tuple[str, ...]:
         """The canonical device names of this worker's replicas, in replica order."""
@@ -225,7 +239,7 @@ class StrategyExtended:
         """``strategy.run(fn, args, kwargs)`` (TF 1's spelling).
 
         Raises:
-            Exception: as ``run``.
+            Exception: as ``run`` (a closed strategy's error names this call).
 
         Example:
             >>> strategy = MirroredStrategy(["cpu:0", "cpu:1"])
@@ -234,6 +248,7 @@ class StrategyExtended:
             >>> anyio.run(strategy.extended.call_for_each_replica, step, (3,))
             6
         """
+        self._strategy._check_open("extended.call_for_each_replica()")
         return await self._strategy.run(fn, args, kwargs)
 
     def variable_created_in_scope(self, v: Any) -> bool:
@@ -602,7 +617,10 @@ class StrategyExtended:
 
         Raises:
             TypeError: ``fn`` is not callable; ``iterator`` is not an async iterator;
-                ``initial_loop_values`` is not a mapping of output names to values.
+                ``initial_loop_values`` is not a mapping of output names (strings) to values;
+                ``fn`` is a generator or async generator function (it has a ``yield``: at the
+                first step).
+            RuntimeError: ``close()`` closed the strategy.
             ValueError: ``iterations`` is negative; across workers, another worker refused
                 its arguments, or the workers were given different ``iterations``
                 (``WorkersDisagree``, on every worker, before any step).
@@ -1479,6 +1497,24 @@ class MirroredStrategy:
         does not tell from a strategy made over ``cpu:0``."""
         return f"the default strategy, {self!r}" if self._is_default else repr(self)
 
+    def __reduce_ex__(self, protocol: SupportsIndex, /) -> NoReturn:
+        """Refuse ``copy.copy``, ``copy.deepcopy`` and ``pickle`` (each asks this first).
+
+        A strategy owns its devices' claims, their worker threads and its scheduler: a copy
+        sharing them would close them under the original (TF refuses a shallow copy too), and
+        they cannot be pickled. Make a new strategy with the same arguments instead.
+
+        Raises:
+            TypeError: always.
+
+        Example:
+            >>> import copy
+            >>> copy.copy(MirroredStrategy(["cpu:0", "cpu:1"]))
+            Traceback (most recent call last):
+            TypeError: cannot copy or pickle MirroredStrategy(devices=['cpu:0', 'cpu:1']): ...
+        """
+        raise TypeError(_not_copied(self))
+
     # -- contexts -------------------------------------------------------------------------
 
     def scope(self) -> contextlib.AbstractContextManager[MirroredStrategy]:
@@ -1546,7 +1582,8 @@ class MirroredStrategy:
         once the jobs already queued there have run. ``close()`` does not wait for that (it
         never blocks the event loop); ``aclose()`` and ``async with strategy:`` do.
 
-        After ``close()``, ``run()`` and ``run_steps()`` raise ``RuntimeError``; ``async with
+        After ``close()``, ``run()``, ``run_steps()`` and
+        ``extended.experimental_run_steps_on_iterator()`` raise ``RuntimeError``; ``async with
         strategy:`` reopens it. What else still uses the devices (reductions, variables,
         datasets, checkpoints) works and starts their threads again; closing again stops
         them. Calling it again is harmless. The default strategy is never closed: its
@@ -1697,7 +1734,7 @@ class MirroredStrategy:
                 ``merge_fn`` may run the replicas again, as in TF).
             TypeError: ``fn`` is not callable, ``args`` is not a sequence (or is a string or
                 bytes, whose characters are no arguments) or ``kwargs`` not a mapping; ``fn``
-                is an async generator function (it has a ``yield``).
+                is a generator or async generator function (it has a ``yield``).
             ValueError: a distributed value in the arguments has a different number of
                 components than the strategy has replicas.
             ReplicaSyncError: replicas made different merge calls, or one was left waiting
@@ -1769,7 +1806,13 @@ class MirroredStrategy:
     ) -> tuple[_T, int]:
         """``check()``: the arguments of ``what`` (``run_steps()``, say) checked before it
         starts, and its number of steps (the argument named ``counted``). A strategy spanning
-        several workers checks them on every worker together, and compares the numbers."""
+        several workers checks them on every worker together, and compares the numbers.
+
+        Raises:
+            RuntimeError: ``close()`` closed this strategy (naming ``what``).
+            Exception: what ``check()`` raises.
+        """
+        self._check_open(what)
         return check()
 
     async def run_steps(self, step_fn: Callable[[Any], Any], iterator: Any, steps: int) -> Any:
@@ -1796,8 +1839,8 @@ class MirroredStrategy:
 
         Raises:
             TypeError: ``step_fn`` is not callable; ``iterator`` is not an async iterator;
-                ``steps`` is not an int; ``step_fn`` is an async generator function (it has a
-                ``yield``: at the first step).
+                ``steps`` is not an int; ``step_fn`` is a generator or async generator
+                function (it has a ``yield``: at the first step).
             ValueError: ``steps`` is negative.
             BaseException: as ``run()``: the first failure of any step ends the loop.
 
@@ -1934,6 +1977,9 @@ class _Scope:
         for position in range(len(stack) - 1, -1, -1):  # this context's latest entry of it
             scope, entered = stack[position]
             if scope is self:
+                if position != len(stack) - 1:  # out of order: an ``ExitStack``, say
+                    _entered.set(_left_out_of_order(stack, position))
+                    return
                 if entered is not None:
                     variable, token = entered
                     try:
@@ -1963,6 +2009,38 @@ class _Scope:
 _entered: contextvars.ContextVar[tuple[tuple[_Scope, _ScopeToken | None], ...]] = (
     contextvars.ContextVar("aioreplica.scopes_entered", default=())
 )
+
+
+def _left_out_of_order(
+    stack: tuple[tuple[_Scope, _ScopeToken | None], ...], position: int
+) -> tuple[tuple[_Scope, _ScopeToken | None], ...]:
+    """The entries once the one at ``position`` is left while those after it stay open.
+
+    What it set stays set until the scope entered next after it is left: that scope inherits
+    what to reset when it holds nothing of its own (a scope of the same strategy, which
+    changed nothing) or a later setting of the same variable (the default strategy's scope
+    entered twice). Anything else it set is reset now (the default strategy's scope left
+    while another strategy's, entered inside it, stays open)."""
+    _, entered = stack[position]
+    after, inherited = stack[position + 1]
+    if entered is not None:
+        if inherited is None or inherited[0] is entered[0]:
+            return (*stack[:position], (after, entered), *stack[position + 2 :])
+        variable, token = entered
+        with contextlib.suppress(ValueError):  # the token of another context: nothing to undo
+            variable.reset(token)
+    return stack[:position] + stack[position + 1 :]
+
+
+def _not_copied(strategy: MirroredStrategy, part: str = "") -> str:
+    """The refusal of a copy or pickle of ``strategy`` (or its ``part``, such as
+    ``.extended``)."""
+    return (
+        f"cannot copy or pickle {strategy._shown()}{part}: a strategy owns its devices, their "
+        "worker threads and its scheduler, which a copy would share (closing either would "
+        "close them under the other) and a pickle cannot carry; make a new strategy with the "
+        f"same arguments instead ({type(strategy).__name__}(...)), or pass this one itself"
+    )
 
 
 def _release_collected(devices: tuple[HostDevice, ...]) -> None:

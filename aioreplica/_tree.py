@@ -75,6 +75,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import operator
 import types
 from collections.abc import (
     Callable,
@@ -124,9 +125,28 @@ _T = TypeVar("_T")
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SequenceKey:
-    """A position in a list, a tuple or a registered node: shown as ``[index]``."""
+    """A position in a list, a tuple or a registered node: shown as ``[index]``.
+
+    Raises:
+        TypeError: `index` is not an int (NumPy's integers are, kept as a Python int; a bool
+            is not).
+
+    Example:
+        >>> SequenceKey(1), str(SequenceKey(1))
+        (SequenceKey(index=1), '[1]')
+    """
 
     index: int
+
+    def __post_init__(self) -> None:
+        index = self.index
+        if type(index) is not int:
+            if isinstance(index, bool) or not hasattr(type(index), "__index__"):
+                raise TypeError(
+                    f"SequenceKey needs index to be an int, a position from 0, got "
+                    f"{short_repr(index)} of type {type(index).__name__}"
+                )
+            object.__setattr__(self, "index", operator.index(index))
 
     def __str__(self) -> str:
         return f"[{self.index}]"
@@ -134,7 +154,12 @@ class SequenceKey:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MappingKey:
-    """A key of a mapping: shown as ``[repr(key)]``, e.g. ``['c']``."""
+    """A key of a mapping: shown as ``[repr(key)]``, e.g. ``['c']``.
+
+    Example:
+        >>> MappingKey("c"), str(MappingKey("c"))
+        (MappingKey(key='c'), "['c']")
+    """
 
     key: Hashable
 
@@ -144,9 +169,24 @@ class MappingKey:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class AttrKey:
-    """A namedtuple or registered dataclass field: shown as ``.name``."""
+    """A namedtuple or registered dataclass field: shown as ``.name``.
+
+    Raises:
+        TypeError: `name` is not a string.
+
+    Example:
+        >>> AttrKey("x"), str(AttrKey("x"))
+        (AttrKey(name='x'), '.x')
+    """
 
     name: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(
+                f"AttrKey needs name to be a str, a field's name, got {short_repr(self.name)} "
+                f"of type {type(self.name).__name__}"
+            )
 
     def __str__(self) -> str:
         return f".{self.name}"
@@ -156,17 +196,25 @@ KeyEntry: TypeAlias = SequenceKey | MappingKey | AttrKey
 KeyPath: TypeAlias = tuple[KeyEntry, ...]
 
 
+_NEEDS_KEY_PATH: Final = (
+    "format_path() needs path to be a key path, a tuple of SequenceKey, MappingKey and AttrKey "
+    "entries (as flatten_with_key_paths gives)"
+)
+
+
 def format_path(path: Iterable[KeyEntry]) -> str:
     """Format a key path the way error messages show it.
 
     Args:
-        path: A key path, as given by :func:`flatten_with_path`.
+        path: A key path, as given by :func:`flatten_with_path`: an iterable of
+            :class:`SequenceKey`, :class:`MappingKey` and :class:`AttrKey` entries.
 
     Returns:
         The entries joined, e.g. ``[1]['c'].x``; the empty string for the root.
 
     Raises:
-        Nothing of its own; each entry is formatted with ``str``.
+        TypeError: `path` is not iterable, or an entry is not a key entry (a tuple path of
+            raw keys, as ``yield_flat_paths`` gives, among them); the message names it.
 
     Example:
         >>> format_path((SequenceKey(1), MappingKey("c"), AttrKey("x")))
@@ -174,7 +222,21 @@ def format_path(path: Iterable[KeyEntry]) -> str:
         >>> format_path(())
         ''
     """
-    return "".join([str(entry) for entry in path])
+    try:
+        if isinstance(path, str | bytes):
+            raise TypeError  # iterable, but of characters: no key path
+        entries = list(path)
+    except TypeError:
+        raise TypeError(
+            f"{_NEEDS_KEY_PATH}, got {short_repr(path)} of type {type(path).__name__}"
+        ) from None
+    for position, entry in enumerate(entries):
+        if not isinstance(entry, SequenceKey | MappingKey | AttrKey):
+            raise TypeError(
+                f"{_NEEDS_KEY_PATH}, got {short_repr(entry)} of type {type(entry).__name__} at "
+                f"position {position}"
+            )
+    return "".join([str(entry) for entry in entries])
 
 
 def describe_path(path: Iterable[KeyEntry]) -> str:
@@ -770,15 +832,23 @@ class TreeDef:
 
         Raises:
             ValueError: The number of leaves is wrong.
-            TypeError: A mapping type or an attrs class cannot be rebuilt (see the module
-                docstring).
+            TypeError: `leaves` is not iterable; or a mapping type or an attrs class cannot be
+                rebuilt (see the module docstring).
 
         Example:
             >>> flatten({"b": 0, "a": 0})[1].unflatten([1, 2])
             {'b': 2, 'a': 1}
         """
         if not isinstance(leaves, list | tuple):
-            leaves = list(leaves)
+            try:
+                iterator = iter(leaves)
+            except TypeError:
+                raise TypeError(
+                    f"unflatten() needs leaves to be a list (or another iterable) of the "
+                    f"{self.num_leaves} values to place in {self!r}, in flatten order, got "
+                    f"{short_repr(leaves)} of type {type(leaves).__name__}"
+                ) from None
+            leaves = list(iterator)
         root = self._root
         if len(leaves) != (1 if root is None else root.num_leaves):
             raise ValueError(
@@ -915,8 +985,8 @@ def unflatten(treedef_or_structure: TreeDef | Any, leaves: Iterable[Any]) -> Any
 
     Raises:
         ValueError: The number of leaves is wrong; the message names expected and got.
-        TypeError: A mapping type or an attrs class cannot be rebuilt (see the module
-            docstring).
+        TypeError: `leaves` is not iterable; or a mapping type or an attrs class cannot be
+            rebuilt (see the module docstring).
 
     Example:
         >>> unflatten([0, (0, 0)], ["a", "b", "c"])

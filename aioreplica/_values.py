@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic, NoReturn, TypeVar, final,
 
 import numpy as np
 
-from ._errors import ReplicaSyncError, as_integer, replica_list
+from ._errors import ReplicaSyncError, as_integer, checked_integer, replica_list
 from ._tree import (
     all_leaves,
     describe_path,
@@ -466,11 +466,12 @@ def regroup(
         The regrouped structure, or a single leaf or ``wrap_class`` value.
 
     Raises:
-        TypeError: `values` is not a list or tuple; or two replicas have containers of
-            different types at the same key path.
-        ValueError: `values` is empty; or a replica has a leaf where replica 0 has a
-            container (or the reverse), or a different length or key set. The message
-            names both replicas and the key path.
+        TypeError: `values` is not a list or tuple; `wrap_class` is not a
+            ``DistributedValues`` class; `first_replica` is not an int (a bool is not one); or
+            two replicas have containers of different types at the same key path.
+        ValueError: `values` is empty; `first_replica` is negative; or a replica has a leaf
+            where replica 0 has a container (or the reverse), or a different length or key
+            set. The message names both replicas and the key path.
 
     Example:
         >>> regroup([{"loss": 1.0, "step": 7}, {"step": 7, "loss": 2.0}])
@@ -479,6 +480,12 @@ def regroup(
         [1, Mirrored({0: 2, 1: 3})]
     """
     replicas = _check_values("regroup", values)
+    if wrap_class is not PerReplica and wrap_class is not Mirrored:
+        _check_wrap_class(wrap_class)
+    if type(first_replica) is not int or first_replica < 0:
+        first_replica = checked_integer(
+            first_replica, "regroup(): first_replica must be a replica id, an int >= 0", 0
+        )
     first = replicas[0]
     if type(first) in _PLAIN:
         # The common case, merge arguments: tuples, lists and dicts of leaves, walked directly.
@@ -487,6 +494,19 @@ def regroup(
         except _NotPlain:
             pass  # the general walk checks it and names what differs
     return _regroup_tree(replicas, wrap_class, first_replica)
+
+
+def _check_wrap_class(wrap_class: object) -> None:
+    """Refuse a ``wrap_class`` that is no ``DistributedValues`` class.
+
+    Raises:
+        TypeError: naming what was given.
+    """
+    if not (isinstance(wrap_class, type) and issubclass(wrap_class, DistributedValues)):
+        raise TypeError(
+            "regroup(): wrap_class must be a DistributedValues class (PerReplica or "
+            f"Mirrored), got {type(wrap_class).__name__} {wrap_class!r:.60}"
+        )
 
 
 def _regroup_tree(

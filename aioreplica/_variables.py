@@ -29,7 +29,7 @@ from numpy.lib.mixins import NDArrayOperatorsMixin
 
 from ._backends import array_module, host_array, host_device, is_array, is_cupy_array
 from ._backends._arrays import on_replica_devices
-from ._cluster import WorkersDisagree, call_of, error_line
+from ._cluster import WorkersDisagree, call_of, error_line, in_native_order, raw_bytes
 from ._collectives import reductions_for, register_copied_type
 from ._context import (
     MERGE_CALLS,
@@ -62,7 +62,7 @@ from ._writes import (
     compute_copies,
     compute_update,
     frozen,
-    split_sum,
+    share_writer,
     writer,
 )
 
@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     from ._collectives import ReductionEngine
 
 __all__ = [
+    "Aggregate",
     "MirroredVariable",
     "SyncOnReadVariable",
     "Variable",
@@ -187,14 +188,15 @@ class Variable(NDArrayOperatorsMixin):
     Raises:
         ValueError: an invalid ``synchronization`` or ``aggregation`` (the message lists the
             valid ones); ``synchronization="none"`` inside a strategy scope; an integer of
-            ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around);
-            ``shape`` differs from the initial value's.
+            ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around), or,
+            with no ``dtype``, a Python int beyond int64 (pass ``dtype="uint64"`` for one up to
+            ``2**64 - 1``); ``shape`` differs from the initial value's.
         TypeError: ``initial_value`` is not numeric or bool (an int too large for 64 bits is
             not); ``dtype`` is not a numeric or bool NumPy dtype, or ``initial_value`` does not
             cast to it without losing its kind of number (a float to an integer, a complex to a
-            float); a sync-on-read variable with ``aggregation="mean"`` and a dtype that cannot
-            be averaged (integers, bool); ``name`` is not a string, ``trainable`` not a bool, or
-            ``shape`` not ints.
+            float, a bool to any other dtype); a sync-on-read variable with
+            ``aggregation="mean"`` and a dtype that cannot be averaged (integers, bool);
+            ``name`` is not a string, ``trainable`` not a bool, or ``shape`` not ints.
         RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
             class, synchronization, aggregation, dtype, ``trainable`` or initial shape from
             the one another replica made as its ``k``-th (every replica must make the same
@@ -719,8 +721,7 @@ class Variable(NDArrayOperatorsMixin):
 
     def _shown(self) -> str:
         """The value a repr shows (its cross-replica read)."""
-        value, device = snapshot(self)
-        return repr(host_array(value, device))
+        return repr(host_array(self._read_cross_replica(), self._devices[0]))
 
     def _shown_pending(self) -> str:
         """What a repr shows of a variable across workers before its first read or write:
@@ -742,18 +743,22 @@ class Variable(NDArrayOperatorsMixin):
     async def assign(
         self,
         value: Any,
-        use_locking: bool = ...,
+        use_locking: bool | None = ...,
         name: str | None = ...,
         read_value: Literal[True] = ...,
     ) -> Variable: ...
     @overload
     async def assign(
-        self, value: Any, use_locking: bool = ..., name: str | None = ..., read_value: bool = ...
+        self,
+        value: Any,
+        use_locking: bool | None = ...,
+        name: str | None = ...,
+        read_value: bool = ...,
     ) -> Variable | None: ...
     async def assign(
         self,
         value: Any,
-        use_locking: bool = False,
+        use_locking: bool | None = None,
         name: str | None = None,
         read_value: bool = True,
     ) -> Variable | None:
@@ -767,8 +772,8 @@ class Variable(NDArrayOperatorsMixin):
 
         Args:
             value: an array-like, or in cross-replica context a ``Mirrored`` value.
-            use_locking: TF's, accepted so that TF code runs: writes to one variable always
-                take turns, and each is all-or-nothing.
+            use_locking: TF's (a bool, or ``None`` as TF's default), accepted so that TF code
+                runs: writes to one variable always take turns, and each is all-or-nothing.
             name: TF's name of the write operation, accepted and unused.
             read_value: ``False``: return ``None`` instead of the variable, as TF does.
 
@@ -782,9 +787,13 @@ class Variable(NDArrayOperatorsMixin):
                 ``MEAN``) given different values by the replicas in replica context; across
                 workers, another worker refused its write, or its replicas wrote another
                 variable (``WorkersDisagree``).
-            TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``), or
-                is no number (an int too large for 64 bits); a distributed value written
-                inside a replica, or a ``PerReplica`` outside one.
+            TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``: an
+                int into a float or complex variable is taken, a float into an int one is
+                not), is bool and the variable's is not, or is no number (an int too large
+                for 64 bits); ``value`` makes no array (a ragged nested list); a distributed
+                value written inside a replica, or a ``PerReplica`` outside one;
+                ``use_locking`` is no bool or ``None``, ``read_value`` no bool, or ``name``
+                no str or ``None``.
             RuntimeError: written inside a replica of another strategy; across workers,
                 written outside a ``run()`` from another task while one is in progress.
             ReplicaSyncError: across workers, outside a ``run()``: a worker failed, or was
@@ -795,24 +804,28 @@ class Variable(NDArrayOperatorsMixin):
             >>> anyio.run(v.assign, [1.0, 2.0]).numpy()
             array([1., 2.])
         """
-        return await self._written(ASSIGN, "assign()", value, read_value)
+        return await self._written(ASSIGN, "assign()", value, use_locking, name, read_value)
 
     @overload
     async def assign_add(
         self,
         value: Any,
-        use_locking: bool = ...,
+        use_locking: bool | None = ...,
         name: str | None = ...,
         read_value: Literal[True] = ...,
     ) -> Variable: ...
     @overload
     async def assign_add(
-        self, value: Any, use_locking: bool = ..., name: str | None = ..., read_value: bool = ...
+        self,
+        value: Any,
+        use_locking: bool | None = ...,
+        name: str | None = ...,
+        read_value: bool = ...,
     ) -> Variable | None: ...
     async def assign_add(
         self,
         value: Any,
-        use_locking: bool = False,
+        use_locking: bool | None = None,
         name: str | None = None,
         read_value: bool = True,
     ) -> Variable | None:
@@ -830,24 +843,28 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_add, 2.0))
             3.0
         """
-        return await self._written(ADD, "assign_add()", value, read_value)
+        return await self._written(ADD, "assign_add()", value, use_locking, name, read_value)
 
     @overload
     async def assign_sub(
         self,
         value: Any,
-        use_locking: bool = ...,
+        use_locking: bool | None = ...,
         name: str | None = ...,
         read_value: Literal[True] = ...,
     ) -> Variable: ...
     @overload
     async def assign_sub(
-        self, value: Any, use_locking: bool = ..., name: str | None = ..., read_value: bool = ...
+        self,
+        value: Any,
+        use_locking: bool | None = ...,
+        name: str | None = ...,
+        read_value: bool = ...,
     ) -> Variable | None: ...
     async def assign_sub(
         self,
         value: Any,
-        use_locking: bool = False,
+        use_locking: bool | None = None,
         name: str | None = None,
         read_value: bool = True,
     ) -> Variable | None:
@@ -864,11 +881,27 @@ class Variable(NDArrayOperatorsMixin):
             >>> float(anyio.run(v.assign_sub, 0.25))
             0.75
         """
-        return await self._written(SUB, "assign_sub()", value, read_value)
+        return await self._written(SUB, "assign_sub()", value, use_locking, name, read_value)
 
-    async def _written(self, op: str, what: str, value: Any, read_value: bool) -> Variable | None:
+    async def _written(
+        self,
+        op: str,
+        what: str,
+        value: Any,
+        use_locking: bool | None,
+        name: str | None,
+        read_value: bool,
+    ) -> Variable | None:
         """``assign``, ``assign_add`` or ``assign_sub`` (``op``; ``what``: its name): across
         workers, one call of every worker's, after the variable's first sync."""
+        # Checked on every write of every replica: plain bools pass at the cost of two compares.
+        if use_locking.__class__ is not bool or read_value.__class__ is not bool:
+            self._check_flags(what, use_locking, read_value)
+        if name is not None and not isinstance(name, str):
+            raise TypeError(
+                f"{what} of variable {self._name!r}: name must be a str or None, got "
+                f"{type(name).__name__} {name!r:.60}; nothing was written"
+            )
         async with _call(self, what):
             replaced_here = self._unsynced and op == ASSIGN and _broken_before_first_sync(self)
             if self._unsynced and not replaced_here:
@@ -877,6 +910,23 @@ class Variable(NDArrayOperatorsMixin):
             if replaced_here:
                 settle_here(self)
         return self if read_value else None
+
+    def _check_flags(self, what: str, use_locking: Any, read_value: Any) -> None:
+        """Refuse a write's (``what``) ``use_locking`` other than a bool or ``None``, or
+        ``read_value`` other than a bool.
+
+        Raises:
+            TypeError: naming the write, the variable and the argument.
+        """
+        for argument, given, allowed, said in (
+            ("use_locking", use_locking, _LOCKING, "True, False or None"),
+            ("read_value", read_value, _BOOLS, "True or False"),
+        ):
+            if not isinstance(given, allowed):
+                raise TypeError(
+                    f"{what} of variable {self._name!r}: {argument} must be {said}, got "
+                    f"{type(given).__name__} {given!r:.60}; nothing was written"
+                )
 
     async def _write(self, op: str, value: Any) -> Variable:
         """An ordinary variable: one copy, written in any context."""
@@ -895,7 +945,20 @@ class Variable(NDArrayOperatorsMixin):
         where = "" if replica is None else f" from replica {replica}"
         if isinstance(value, DistributedValues):
             value = self._one_value(value, replica)
-        array = value if is_array(value) else np.asarray(value)
+        if is_array(value):
+            array = value
+        elif isinstance(value, _SEQUENCES):
+            try:
+                array = np.asarray(value)
+            except (TypeError, ValueError) as exc:  # ragged: NumPy's reason, in our words
+                raise TypeError(
+                    f"cannot write {type(value).__name__} {value!r:.60} to variable "
+                    f"{self._name!r}{where}: it makes no array: {exc}"
+                ) from exc
+        else:
+            # Anything else makes its own array (``__array__``), whose errors stay its own:
+            # a variable that cannot be read across replicas raises as its read does.
+            array = np.asarray(value)
         if array.dtype == object:
             raise TypeError(
                 f"cannot write {value!r:.60} to variable {self._name!r} of dtype "
@@ -903,6 +966,14 @@ class Variable(NDArrayOperatorsMixin):
             )
         if isinstance(value, int) and not isinstance(value, bool) and self._dtype.kind in "bu":
             array = self._python_int(value, array, where)
+        if array.dtype.kind == "b" and self._dtype.kind != "b":
+            # NumPy casts bools to numbers; TF refuses, and a bool here is most likely a
+            # mask or a comparison written to the wrong variable.
+            raise TypeError(
+                f"cannot write a bool value to variable {self._name!r} of dtype "
+                f"{self._dtype}{where}: bools are no numbers (as in TF); cast it first "
+                f"(e.g. value.astype({self._dtype}))"
+            )
         if array.dtype.kind not in "biufc" or not np.can_cast(
             array.dtype, self._dtype, casting="same_kind"
         ):
@@ -1216,11 +1287,13 @@ class SyncOnReadVariable(Variable):
             value = np.array(host_array(copies[0], devices[0]), order="C", copy=True)
 
             def read(comm: Any, wait: Callable[[Any], None]) -> None:
-                wait(comm.Ibcast(value, 0))
+                wait(comm.Ibcast([raw_bytes(value), mpi.BYTE], 0))
 
         else:
             local = devices[0].backend.reduce_to_first("sum", copies, devices)
-            value = np.array(host_array(local, devices[0]), order="C", copy=True)
+            # MPI sums numbers in this machine's byte order only: the sum is made in it, and
+            # given back in the variable's dtype below.
+            value = in_native_order(np.array(host_array(local, devices[0]), copy=True))
 
             def read(comm: Any, wait: Callable[[Any], None]) -> None:
                 wait(comm.Iallreduce(mpi.IN_PLACE, value, mpi.SUM))
@@ -1229,7 +1302,7 @@ class SyncOnReadVariable(Variable):
 
         what = f"reading sync-on-read variable {self._name!r} ({value.dtype.name} {value.shape})"
         workers.blocking(what, read)
-        return frozen(devices[0].asarray(value))
+        return frozen(devices[0].asarray(value.astype(self._dtype, copy=False)))
 
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
@@ -1244,9 +1317,11 @@ class SyncOnReadVariable(Variable):
                 commit([(self, copies)])
             return self
         values = await self._written_values(op, value)
-        if op == ASSIGN and self._aggregation is _Agg.SUM:
-            values = split_sum(values, self._dtype, self._devices, *_global_copies(self))
-        await self._write_copies(op, values)
+        if op != ASSIGN or self._aggregation is not _Agg.SUM:
+            await self._write_copies(op, values)
+            return self
+        async with self._turn:
+            commit([(self, await _shares_of_sum(self, values))])
         return self
 
     def _cross_replica_values(self, op: str, value: Any) -> list[Any]:
@@ -1341,12 +1416,14 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
     if workers is None or not workers.pending:
         return
     pending = workers.pending
+    comm_byte = workers.mpi.BYTE
 
     def broadcast(comm: Any, wait: Callable[[Any], None]) -> None:
         for variable in pending:
             copy = host_array(variable._copies[0], variable._devices[0])
             value = np.array(copy, order="C", copy=True)
-            wait(comm.Ibcast(value, 0))
+            # As bytes: MPI refuses typed data in another byte order than this machine's.
+            wait(comm.Ibcast([raw_bytes(value), comm_byte], 0))
             _start_from(variable, value)
 
     # What every worker's variables are, so that workers disagreeing refuse before any data.
@@ -1421,26 +1498,79 @@ async def new_copies(variable: Variable, host_value: np.ndarray[Any, Any]) -> tu
     """
     await _sync_before_replacing(variable)
     value = host_value.astype(variable._dtype, copy=False)
-    values = [value] * len(variable._devices)
+    placed = [device.asarray(value) for device in variable._devices]
     if isinstance(variable, SyncOnReadVariable) and variable._aggregation is _Agg.SUM:
-        values = split_sum(values, variable._dtype, variable._devices, *_global_copies(variable))
-    placed = [device.asarray(v) for device, v in zip(variable._devices, values, strict=True)]
+        return await _shares_of_sum(variable, placed)
     return await compute_update(variable, writer(ASSIGN), placed)
+
+
+async def _shares_of_sum(variable: Variable, values: Sequence[Any]) -> tuple[Any, ...]:
+    """New copies of a ``SUM`` sync-on-read ``variable``, uncommitted, whose sum over every
+    copy (every worker's) is ``values[i]`` (one per copy): ``value / num_copies`` each,
+    integers exactly, the remainder on global copy 0. Split where the write runs
+    (``compute_copies``: a large one off the event loop's thread), not here."""
+    devices = variable._devices
+    total, first = _global_copies(variable)
+    firsts = [first + i == 0 for i in range(len(devices))]
+    split = share_writer(variable._dtype, total if total is not None else len(devices))
+    return await compute_update(variable, split, values, firsts)
 
 
 def snapshot(variable: Variable) -> tuple[Any, Device]:
     """What a checkpoint saves of ``variable`` (its cross-replica read), and on which device.
 
     A reference, taken synchronously: copies are never written in place, so snapshots of many
-    variables taken in one go are consistent with each other, whatever runs afterwards.
+    variables taken in one go are consistent with each other, whatever runs afterwards. A
+    ``SUM`` or ``MEAN`` sync-on-read variable's copies in one process are kept as they are, an
+    ``Aggregate`` that the caller combines later (``Aggregate.value``): combining large copies
+    here would hold the event loop.
+
+    Raises:
+        ValueError: a sync-on-read variable with aggregation ``NONE``; across workers, the
+            workers disagree on a sync-on-read variable's read (``WorkersDisagree``).
     """
+    engine = variable._engine
+    if (
+        isinstance(variable, SyncOnReadVariable)
+        and variable._aggregation in (_Agg.SUM, _Agg.MEAN)
+        and len(variable._copies) > 1
+        and (engine is None or engine.cluster is None)  # across workers: a collective, now
+    ):
+        op = "mean" if variable._aggregation is _Agg.MEAN else "sum"
+        return Aggregate(op, variable._copies, variable._devices), variable._devices[0]
     return variable._read_cross_replica(), variable._devices[0]
+
+
+@final
+class Aggregate:
+    """A sync-on-read variable's copies as ``snapshot`` took them, and how they combine
+    (``op``: ``"sum"`` or ``"mean"``), computed by ``value``."""
+
+    __slots__ = ("copies", "devices", "op")
+
+    def __init__(self, op: str, copies: Sequence[Any], devices: Sequence[Device]) -> None:
+        self.op = op
+        self.copies = tuple(copies)
+        self.devices = tuple(devices)
+
+    async def value(self) -> Any:
+        """The combined copies, on the first device, computed where that device runs work
+        that reads that many bytes (``device.compute``): large work off the event loop's
+        thread (invariant 4)."""
+        device = self.devices[0]
+        nbytes = sum([getattr(copy, "nbytes", 0) for copy in self.copies])
+        return await device.compute(
+            nbytes, device.backend.reduce_to_first, self.op, self.copies, self.devices
+        )
 
 
 async def host_value(variable: Variable) -> np.ndarray[Any, Any]:
     """``variable``'s value as a cross-replica read gives it, on the host, read without a
     host sync on the event loop's thread: a GPU's copy comes in a worker thread."""
-    return np.asarray(await _on_host(*snapshot(variable)))
+    value, device = snapshot(variable)
+    if isinstance(value, Aggregate):
+        value = await value.value()
+    return np.asarray(await _on_host(value, device))
 
 
 async def _on_host(value: Any, device: Device) -> Any:
@@ -2036,6 +2166,17 @@ _OBJECTS: Final = (
     "(an integer too large for 64 bits, or values of mixed types, make a NumPy array of objects)"
 )
 
+#: The containers whose items NumPy reads as an array's rows, where a write's value or an
+#: initial value may be ragged or hold Python ints.
+_SEQUENCES: Final = (list, tuple)
+
+#: What ``use_locking`` may be: TF's write methods default it to ``None``, and Keras passes
+#: that on.
+_LOCKING: Final = (bool, np.bool_, type(None))
+
+#: What ``read_value`` may be.
+_BOOLS: Final = (bool, np.bool_)
+
 #: What ``update``'s ``fn`` must be, for the errors that refuse another.
 _PLAIN_FN: Final = (
     "fn must be a plain (not async) function that returns the copy's new value; it runs once "
@@ -2324,6 +2465,8 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
                 f"variable {name!r}: the initial value has dtype object; variables hold numeric "
                 f"or bool arrays, and {value!r:.60} is no array of numbers {_OBJECTS}"
             )
+        if target is None and not isinstance(value, np.generic):
+            _check_python_ints(value, array, name)
         if target is not None:
             own = isinstance(value, np.generic)  # a NumPy scalar has its dtype, as an array
             _check_initial_cast(array, target, name, own_dtype=own)
@@ -2334,6 +2477,61 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
             "numeric or bool arrays"
         )
     return array
+
+
+def _check_python_ints(value: Any, array: np.ndarray[Any, Any], name: str) -> None:
+    """Refuse an initial value (``array``: NumPy's array of it, no dtype asked) holding a
+    Python int beyond int64: NumPy makes it uint64 (or float64), where later writes wrap
+    around or lose digits; TF refuses it too (an out-of-range integer).
+
+    Looked for only where such an int can hide: NumPy made unsigned integers (where it
+    wraps around), or floats (complex) of a value whose first number is an int, of which TF
+    makes an integer tensor (it takes the dtype from the first number). A value whose first
+    number is a float is a float tensor in TF too, and is not walked: a long list of floats
+    would cost far more here than making its array.
+
+    Raises:
+        ValueError: naming the int and what to pass instead.
+    """
+    kind = array.dtype.kind
+    if kind not in "ufc" or not array.size:
+        return
+    if kind != "u" and not _is_python_int(_first_number(value)):
+        return
+    big = _int_beyond_int64(value)
+    if big is not None:
+        info = np.iinfo(np.int64)
+        raise ValueError(
+            f"variable {name!r}: the initial value {big} does not fit int64, which holds "
+            f"{info.min} to {info.max} and is the dtype Python ints make; NumPy would make "
+            f"it {array.dtype}, where writes wrap around or lose digits: pass the dtype "
+            "that holds it (e.g. dtype='uint64')"
+        )
+
+
+def _first_number(value: Any) -> Any:
+    """The first item of ``value`` that is no list or tuple (``value`` itself if it is none);
+    an empty list or tuple if it meets one first."""
+    while isinstance(value, _SEQUENCES) and value:
+        value = value[0]
+    return value
+
+
+def _is_python_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_beyond_int64(value: Any) -> int | None:
+    """The first Python int outside int64 in ``value`` (an int, or nested lists and tuples),
+    or ``None``."""
+    if _is_python_int(value):
+        return None if -(2**63) <= value < 2**63 else value
+    if isinstance(value, _SEQUENCES):
+        for item in value:
+            found = _int_beyond_int64(item)
+            if found is not None:
+                return found
+    return None
 
 
 def _target_dtype(dtype: Any, name: str) -> np.dtype[Any]:
@@ -2372,6 +2570,12 @@ def _check_initial_cast(array: Any, dtype: np.dtype[Any], name: str, *, own_dtyp
         )
     if not own_dtype and not array.size:
         return  # no numbers (``[]``): the dtype NumPy guessed means nothing
+    if kind == "b" and dtype.kind != "b":
+        raise TypeError(
+            f"variable {name!r}: an initial value of dtype bool cannot make a variable of "
+            f"dtype {dtype}: bools are no numbers (as in TF, and a write refuses them too); "
+            f"cast it first (e.g. np.asarray(value).astype({dtype}))"
+        )
     python_int = not own_dtype and kind in "iu"  # Python ints take any integer dtype or bool
     if not np.can_cast(array.dtype, dtype, casting="same_kind") and not (
         python_int and dtype.kind in "iub"

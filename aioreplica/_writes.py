@@ -52,7 +52,7 @@ __all__ = [
     "compute_copies",
     "compute_update",
     "frozen",
-    "split_sum",
+    "share_writer",
     "taking_turns",
     "to_host",
     "writer",
@@ -303,31 +303,23 @@ def _empty_like(array: Any) -> Any:
     return array_module(array).empty(array.shape, array.dtype)
 
 
-def split_sum(
-    values: list[Any],
-    dtype: np.dtype[Any],
-    devices: Sequence[Device],
-    total: int | None = None,
-    first: int = 0,
-) -> list[Any]:
-    """Copies whose sum is each value: ``value / n`` each; integers exactly, remainder first.
+def share_writer(dtype: np.dtype[Any], total: int) -> Callable[[Any, Any, bool], Any]:
+    """A write function for ``compute_copies`` that sets a copy to its share of a sum of
+    ``total`` copies: ``fn(old, value, first)``, where ``first`` says whether the copy is
+    global copy 0 (an integer division's remainder goes there). It computes the share where
+    ``compute_copies`` runs the write, with the copy's device current, so a large one never
+    holds the event loop."""
 
-    Over several workers, ``total`` is the number of copies of every worker and ``first`` the
-    global index of this worker's first one: the remainder goes to global copy 0 only.
+    def write(old: Any, value: Any, first: bool) -> Any:
+        out = _empty_like(old)
+        if dtype.kind in "iu":
+            quotient, remainder = divmod(value, total)
+            out[...] = quotient + remainder if first else quotient
+        else:
+            out[...] = value / total
+        return out
 
-    Each share is computed with its copy's device current (a GPU's stream), so it is made on
-    that device, in order with the copy's other work.
-    """
-    n = total if total is not None else len(values)
-    shares = []
-    for i, (value, device) in enumerate(zip(values, devices, strict=True)):
-        with active(device):
-            if dtype.kind in "iu":
-                quotient, remainder = divmod(value, n)
-                shares.append(quotient + remainder if first + i == 0 else quotient)
-            else:
-                shares.append(value / n)
-    return shares
+    return write
 
 
 class active:

@@ -697,8 +697,8 @@ def unflatten(treedef: TreeDef, leaves: Iterable[Any]) -> Any:
         The rebuilt structure.
 
     Raises:
-        TypeError: `treedef` is not a :class:`TreeDef`, or a container cannot be rebuilt (see
-            :func:`pack_sequence_as`).
+        TypeError: `treedef` is not a :class:`TreeDef`, `leaves` is not iterable, or a
+            container cannot be rebuilt (see :func:`pack_sequence_as`).
         ValueError: The number of leaves is wrong; the message names expected and got.
 
     Example:

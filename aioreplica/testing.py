@@ -84,7 +84,7 @@ import pytest
 
 from ._backends import HostDevice
 from ._context import get_replica_context
-from ._errors import as_integer
+from ._errors import as_integer, checked_integer
 from ._strategy import MirroredStrategy
 
 if TYPE_CHECKING:
@@ -227,6 +227,11 @@ class FakeDevice:
             timing: the order of a run is the strategy's (seeded) order of starts and merge
             points, interleaved only at the test's own awaits, the same on every run.
 
+    Raises:
+        TypeError: ``name`` is not a str, ``index`` not an int (a bool is not one), ``inline``
+            not a bool.
+        ValueError: ``name`` is empty, or ``index`` negative.
+
     Example:
         >>> devices = [FakeDevice(f"fake:{i}", i, inline=True) for i in range(2)]
         >>> strategy = aioreplica.MirroredStrategy(devices)
@@ -242,6 +247,18 @@ class FakeDevice:
     has_context = True
 
     def __init__(self, name: str, index: int = 0, *, inline: bool = False) -> None:
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{type(self).__name__}: name must be a str, got {type(name).__name__} {name!r}"
+            )
+        if not name:
+            raise ValueError(f"{type(self).__name__}: name must not be empty")
+        index = checked_integer(index, f"{type(self).__name__}: index must be an int >= 0", 0)
+        if not isinstance(inline, bool):
+            raise TypeError(
+                f"{type(self).__name__}: inline must be True or False, got "
+                f"{type(inline).__name__} {inline!r}"
+            )
         self.name = name
         self.index = index
         self.inline = inline
@@ -362,6 +379,10 @@ class RecordingDevice(FakeDevice):
         name: the device name.
         inline: as for ``FakeDevice``.
 
+    Raises:
+        TypeError: ``log`` is not a ``DeviceLog``; the other arguments as for ``FakeDevice``.
+        ValueError: as for ``FakeDevice``.
+
     Example:
         >>> log = DeviceLog()
         >>> strategy = aioreplica.MirroredStrategy([RecordingDevice(i, log) for i in range(2)])
@@ -376,6 +397,11 @@ class RecordingDevice(FakeDevice):
     def __init__(
         self, index: int, log: DeviceLog, *, name: str | None = None, inline: bool = False
     ) -> None:
+        if not isinstance(log, DeviceLog):
+            raise TypeError(
+                f"RecordingDevice: log must be a DeviceLog (one shared by the devices of a "
+                f"strategy: log = DeviceLog()), got {type(log).__name__} {log!r}"
+            )
         super().__init__(f"rec:{index}" if name is None else name, index, inline=inline)
         self.log = log
 

@@ -355,9 +355,10 @@ class TestMigrationTable:
                     continue
                 function: Any = resolve(match[2])
                 function = getattr(function, "__func__", function)
-                awaitable = inspect.iscoroutinefunction(function) or (
-                    callable(function)
-                    and "Awaitable" in str(inspect.signature(function).return_annotation)
+                signature = inspect.signature(function) if callable(function) else None
+                returns = "" if signature is None else str(signature.return_annotation)
+                awaitable = inspect.iscoroutinefunction(function) or any(
+                    kind in returns for kind in ("Awaitable", "Coroutine")
                 )
                 assert awaitable == bool(match[1]), span
 

@@ -424,6 +424,21 @@ class TestFormatSpecs:
 
         assert strategy.experimental_local_results(await strategy.run(step)) == ("3.1", "3.1")
 
+    async def test_each_replica_formats_its_own_copy(self) -> None:
+        """Copies that differ (a SUM sync-on-read variable each replica wrote on its own) are
+        formatted each in its replica, and as their sum in cross-replica context."""
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(np.float32(0), synchronization="on_read", aggregation="sum", name="v")
+
+        async def step() -> str:
+            await v.assign(np.float32(replica_id() + 1))
+            return f"{v:.1f}|{v:>5.2f}"
+
+        results = strategy.experimental_local_results(await strategy.run(step))
+        own = [float(c) for c in v.values]
+        assert (results, f"{v:.1f}", own) == (("1.0| 1.00", "2.0| 2.00"), "3.0", [1.0, 2.0])
+
     async def test_a_spec_on_a_variable_of_more_dimensions_is_numpys_error(self) -> None:
         """A variable of more dimensions refuses a spec as a NumPy array does; an empty spec
         gives its str, as before."""

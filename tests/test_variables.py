@@ -368,7 +368,10 @@ class TestCreation:
         assert_all(v, np.array([1.0, 2.0], dtype=np.float32))
         assert (i.dtype, i.shape) == (np.array(7).dtype, ())
         assert (f.dtype, f.shape) == (np.dtype(np.float64), ())
-        assert Variable([True, False], dtype=np.int8).dtype == np.dtype(np.int8)
+        with pytest.raises(
+            TypeError, match="an initial value of dtype bool cannot make a variable of dtype int8"
+        ):
+            Variable([True, False], dtype=np.int8)
 
     @pytest.mark.parametrize(
         ("initial", "dtype", "error", "message"),
