@@ -143,7 +143,7 @@ from ._batched import BatchedIterator, ResumableInput, batched
 from ._cluster import WorkersDisagree, call_of, error_line
 from ._context import context_state
 from ._dataset import DistributedIterator
-from ._errors import CheckpointError, add_note, as_real, checked_integer
+from ._errors import INT64_MAX, INT64_MIN, CheckpointError, add_note, as_real, checked_integer
 from ._optimizers import (
     MAX_ITERATIONS,
     Optimizer,
@@ -3094,9 +3094,6 @@ def _check_objects(caller: str, name: str, value: Any) -> None:
         raise TypeError(f"{caller}: {where} is {_refused(leaf)}")
 
 
-_INT64: Final = np.iinfo(np.int64)
-
-
 def _is_number(leaf: Any) -> bool:
     """Whether ``leaf`` is a number a checkpoint holds: an int or a float, Python's or NumPy's
     (not a bool, nor an array: arrays belong in variables)."""
@@ -3112,10 +3109,10 @@ def _number(leaf: Any) -> int | float:
 def _check_int_range(caller: str, where: str, number: Any) -> None:
     """A checkpoint stores an int as a 64-bit integer: refuse one that does not fit."""
     number = _number(number)
-    if isinstance(number, int) and not _INT64.min <= number <= _INT64.max:
+    if isinstance(number, int) and not INT64_MIN <= number <= INT64_MAX:
         raise ValueError(
             f"{caller}: the int at {where} is {number}, outside the 64-bit range a checkpoint "
-            f"stores ({_INT64.min} to {_INT64.max}); store it as a float or in parts"
+            f"stores ({INT64_MIN} to {INT64_MAX}); store it as a float or in parts"
         )
 
 

@@ -774,8 +774,25 @@ class Workers:
             if self._primary:
                 self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
             raise
+        self._settle(completed, failure, what, timeout)
+
+    def _settle(
+        self,
+        completed: bool,
+        failure: ReplicaSyncError | None,
+        what: str,
+        timeout: float | None,
+    ) -> None:
+        """End a wait of ``_tested_here`` by its outcome: whether the request ``completed``,
+        and the ``failure`` a peer announced meanwhile, if any (neither: ``timeout`` passed).
+
+        Raises:
+            ReplicaSyncError: the peer's failure, unless the request completed (the peer made
+                this collective first, as in ``_wait``: raised by the next call), or the
+                timeout, naming the late workers.
+        """
         if failure is not None:
-            if completed:  # the peer made this collective before it failed (as in ``_wait``)
+            if completed:
                 self._defer(failure)
                 return
             raise self._raised(failure)
@@ -791,15 +808,11 @@ class Workers:
         busy: float,
         stop: threading.Event,
     ) -> tuple[bool, ReplicaSyncError | None]:
-        """The thread of ``_wait_aside``: post the request (``post()``), then test it and the
-        side channel as ``_wait_here`` does, until it completes, a peer's failure comes,
-        ``deadline`` (``time.monotonic()``) passes or ``stop`` is set; whether it completed,
-        and the peer's failure, if one came (neither: the timeout passed, or the loop no
-        longer listens). A request left incomplete goes to ``_left`` from here, once nothing
-        tests it any more. A peer's notice is taken in here too (``_peer_failure`` records
-        it on the side channel, under ``_SideChannel.testing``); what this worker tells its
-        peers, and a failure to raise later, are done on the loop. While it runs, it is in
-        the side channel's ``waits``, which the exit stops (``_withdraw_at_exit``)."""
+        """The thread of ``_wait_aside``: ``_tested_here``, while in the side channel's
+        ``waits``, which the exit stops (``_withdraw_at_exit``). A peer's notice is taken in
+        here too (``_peer_failure`` records it on the side channel, under
+        ``_SideChannel.testing``); what this worker tells its peers, and a failure to raise
+        later, are done on the loop."""
         waiting = (stop, threading.Event())
         self._side.waits.add(waiting)
         try:
@@ -816,7 +829,13 @@ class Workers:
         busy: float,
         stop: threading.Event,
     ) -> tuple[bool, ReplicaSyncError | None]:
-        """``_tested_aside``, once the wait is in the side channel's ``waits``."""
+        """Post the request (``post()``), then test it and the side channel, backing off after
+        ``busy`` seconds, until it completes, a peer's failure comes, ``deadline``
+        (``time.monotonic()``) passes or ``stop`` is set; whether it completed, and the peer's
+        failure, if one came (neither: the timeout passed, or the waiter gave up), for
+        ``_settle``. A request left incomplete goes to ``_left``, once nothing tests it any
+        more. The wait of a synchronous caller (``_wait_here``) and of a thread
+        (``_tested_aside``)."""
         request = None
         try:
             request = post()
@@ -854,24 +873,11 @@ class Workers:
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
         """
-        test = request.Test
         timeout = self._timeout()
-        started = time.monotonic()
-        pause = 0.0
-        try:
-            while not _spin(test):
-                failure = self._peer_failure(what)
-                if failure is not None:
-                    if (self._side.peer_left or self._peer_went_past()) and _finishes(test):
-                        self._defer(failure)
-                        return
-                    raise self._raised(failure)
-                pause = self._next_pause(what, started, timeout, _BUSY_SECONDS, pause)
-                if pause:
-                    time.sleep(pause)
-        except BaseException:
-            self._left.append(request)
-            raise
+        deadline = None if timeout is None else time.monotonic() + timeout
+        never = threading.Event()  # nobody gives up a synchronous wait from elsewhere
+        outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never)
+        self._settle(*outcome, what, timeout)
 
     def _next_pause(
         self, what: str, started: float, timeout: float | None, busy: float, pause: float

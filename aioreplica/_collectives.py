@@ -52,7 +52,7 @@ import numpy as np
 from . import _trace, _tree
 from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
 from ._cluster import call_of
-from ._errors import as_integer, checked_integer, replica_list
+from ._errors import INT64_MAX, INT64_MIN, as_integer, checked_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, Mirrored, regroup
 
@@ -1090,30 +1090,24 @@ def _refuse_components(
     )
 
 
-#: The Python ints a collective takes: those int64 holds. NumPy makes one from 2**63 to
-#: 2**64 - 1 a uint64, which wraps when summed, and a larger one an array of objects.
-#: The range of int64, the dtype NumPy gives Python ints (plain ints: ``iinfo``'s are slow).
-_INT64_MIN: Final = -(2**63)
-_INT64_MAX: Final = 2**63 - 1
-
-
 def _refuse_wide_ints(
     what: str, path: _tree.KeyPath, components: list[Any], per_replica: bool, first_replica: int = 0
 ) -> None:
     """Refuse a leaf with a Python int outside int64 among its components, as TF refuses an
-    out-of-range integer, before anything is converted (``first_replica``: the first
-    component's replica id, for the message).
+    out-of-range integer (NumPy makes one from 2**63 to 2**64 - 1 a uint64, which wraps when
+    summed, and a larger one an array of objects), before anything is converted
+    (``first_replica``: the first component's replica id, for the message).
 
     Raises:
         ValueError: a component is such an int; the message names its replica (when the
             components are per replica) and the leaf's path.
     """
     for replica, component in enumerate(components, start=first_replica):
-        if isinstance(component, int) and not _INT64_MIN <= component <= _INT64_MAX:
+        if isinstance(component, int) and not INT64_MIN <= component <= INT64_MAX:
             who = f"replica {replica}'s value" if per_replica else "the value"
             raise ValueError(
                 f"{what}: {who} at {_tree.describe_path(path)} is the int {component}, which "
-                f"does not fit int64 ({_INT64_MIN} to {_INT64_MAX}), the dtype of Python ints "
+                f"does not fit int64 ({INT64_MIN} to {INT64_MAX}), the dtype of Python ints "
                 "here (TF refuses it as an out-of-range integer); NumPy would make it uint64, "
                 "whose sums wrap around, or an array of objects: pass a NumPy value of the "
                 "dtype meant (np.uint64 holds up to 2**64 - 1), or a float"

@@ -628,7 +628,7 @@ async def _merge_now(
         result = merge_fn(strategy, *args, **(kwargs or {}))
         if inspect.isawaitable(result):
             result = await result
-        elif type(result) is types.AsyncGeneratorType or made_by_yield(merge_fn, result):
+        elif made_by_yield(merge_fn, result):
             raise yielding_step("merge_fn", result, "a merge_fn")
         return result
     finally:

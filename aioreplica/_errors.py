@@ -13,12 +13,14 @@ import math
 import numbers
 import operator
 import types
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
     "AioreplicaInternalError",
     "CheckpointError",
     "ClusterBroken",
@@ -88,6 +90,12 @@ def as_real(value: object) -> float | None:
         return math.inf
 
 
+#: The range of int64, the dtype NumPy gives Python ints, which collectives, variables and
+#: checkpoints refuse beyond it (plain ints: ``np.iinfo``'s are slow to read).
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
+
+
 def yielding_step(
     step: str,
     generator: types.AsyncGeneratorType[Any, Any] | types.GeneratorType[Any, Any, Any],
@@ -105,17 +113,19 @@ def yielding_step(
 
 
 def made_by_yield(fn: Callable[..., Any], result: object) -> bool:
-    """Whether ``result`` is the generator that calling ``fn`` made because ``fn`` itself
-    contains ``yield`` (none of its code ran), rather than one ``fn`` built and returned (a
-    generator expression, say), which is a result like any other. Looked through
-    ``functools.partial``, bound methods, ``functools.wraps`` and a callable object's
-    ``__call__``; only called on a result that is a generator, so the usual path pays nothing.
+    """Whether ``result`` shows that ``fn`` contains ``yield``, so that calling it ran none of
+    its code: an async generator, or the generator that calling ``fn`` made, rather than one
+    ``fn`` built and returned (a generator expression, say), which is a result like any
+    other. Looked through ``functools.partial``, bound methods, ``functools.wraps`` and a
+    callable object's ``__call__``, only for a result that is a generator.
 
     >>> def counting():
     ...     yield 1
     >>> made_by_yield(counting, counting()), made_by_yield(lambda: (i for i in []), counting())
     (True, False)
     """
+    if type(result) is types.AsyncGeneratorType:
+        return True
     if type(result) is not types.GeneratorType:
         return False
     inner: Any = fn

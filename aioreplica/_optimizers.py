@@ -381,10 +381,7 @@ class Optimizer:
             ValueError: naming the variable and both strategies.
         """
         owner, mine = variable._strategy, self._strategy
-        if mine is None or owner is mine:
-            return
-        default = default_replica_context().strategy
-        if owner is None and mine is default:
+        if mine is None or _trains(mine, owner):
             return
         if owner is None:
             raise ValueError(
@@ -944,10 +941,9 @@ class Optimizer:
 
     def _check_owner(self, variable: Variable, strategy: Any) -> None:
         owner = variable._strategy
-        outside_run = strategy is default_replica_context().strategy
-        if owner is strategy or (owner is None and outside_run):
+        if _trains(strategy, owner):
             return
-        if outside_run:
+        if strategy is default_replica_context().strategy:  # outside any run()
             raise ValueError(
                 f"apply_gradients() was called outside strategy.run() for variable "
                 f"{variable.name!r} of {owner!r}; call it from the step function inside "
@@ -1922,6 +1918,12 @@ async def _the_same_gradients(
         await engine.refuse("apply_gradients()", error)  # on every worker alike
         raise error
     return [list(grads) for grads in per_replica]
+
+
+def _trains(strategy: Any, owner: Any) -> bool:
+    """Whether steps in ``strategy`` train a variable of ``owner`` (its strategy, or ``None``
+    outside any scope): their own, or the default strategy one made outside any scope."""
+    return owner is strategy or (owner is None and strategy is default_replica_context().strategy)
 
 
 def _label(strategy: Any) -> str:

@@ -473,9 +473,7 @@ class _Replica:
             if unawaited is not None:
                 self.run.replica_failed(self, unawaited)
                 return
-        if type(result) is types.AsyncGeneratorType or (
-            type(result) is types.GeneratorType and made_by_yield(fn, result)
-        ):  # a ``yield`` in the step function
+        if made_by_yield(fn, result):  # a ``yield`` in the step function
             step = f"replica {self.sync_id}'s step function"
             self.run.replica_failed(self, yielding_step(step, result))
             return
@@ -485,13 +483,11 @@ class _Replica:
         """The error of this replica finishing (with ``result``) with the request of
         ``merge_fn`` made and never awaited: the call made nothing happen, and the other
         replicas may wait for it."""
-        call = _call_of(merge_fn)
         if type(result) is types.GeneratorType and result.gi_code is merge_trap.__code__:
-            result.close()  # ``return ctx.all_reduce(...)``: the request's own trap, returned
-            method = call if call.isidentifier() else "merge_call"
+            result.close()  # ``return ctx.merge_call(...)``: the request's own trap, returned
             return RuntimeError(
                 f"replica {self.sync_id}'s step function returned the coroutine "
-                f"ReplicaContext.{method}() without awaiting it; write `return await ...`"
+                "ReplicaContext.merge_call() without awaiting it; write `return await ...`"
             )
         return RuntimeError(
             f"replica {self.sync_id} called merge_call({_describe_fn(merge_fn)}) but never "
@@ -1019,9 +1015,7 @@ class _Run:
             context_state.reset(token)
         if type(result) not in _PLAIN_RESULTS and inspect.isawaitable(result):
             return self._complete_awaiting(rnd, last, merge_fn, result, started)
-        if type(result) is types.AsyncGeneratorType or (
-            type(result) is types.GeneratorType and made_by_yield(merge_fn, result)
-        ):  # a ``yield`` in merge_fn
+        if made_by_yield(merge_fn, result):  # a ``yield`` in merge_fn
             error = yielding_step(f"merge_fn {_describe_fn(merge_fn)}", result, "a merge_fn")
             self._merge_failed(error, merge_fn, rnd)
             return self._park_failed()

@@ -14,7 +14,6 @@ its ``fn(context, inputs)`` runs in cross-replica context once per step, calls
 from __future__ import annotations
 
 import inspect
-import types
 from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any, Final, final
 
@@ -131,9 +130,7 @@ async def run_steps(strategy: Any, step_fn: Callable[[Any], Any], iterator: Any,
                 result = step_fn(element)
                 if inspect.isawaitable(result):
                     result = await result
-                elif type(result) is types.AsyncGeneratorType or (
-                    type(result) is types.GeneratorType and made_by_yield(step_fn, result)
-                ):
+                elif made_by_yield(step_fn, result):
                     raise yielding_step("run_steps' step_fn", result)
             except Exception as exc:
                 add_note(exc, f"raised in step {step} of run_steps()")
@@ -319,6 +316,6 @@ async def run_steps_on_iterator(
             result = fn(context, inputs)
             if inspect.isawaitable(result):
                 await result
-            elif type(result) is types.AsyncGeneratorType or made_by_yield(fn, result):
+            elif made_by_yield(fn, result):
                 raise yielding_step(f"{what}'s fn", result)
     return context

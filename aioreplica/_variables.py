@@ -40,7 +40,7 @@ from ._context import (
     default_scope_open,
     other_strategy,
 )
-from ._errors import ReplicaSyncError, add_note, replica_list
+from ._errors import INT64_MAX, INT64_MIN, ReplicaSyncError, add_note, replica_list
 from ._options import CaseInsensitiveStrEnum, ReduceOp
 from ._tree import flatten_with_path, format_path, short_repr
 from ._values import (
@@ -2500,10 +2500,9 @@ def _check_python_ints(value: Any, array: np.ndarray[Any, Any], name: str) -> No
         return
     big = _int_beyond_int64(value)
     if big is not None:
-        info = np.iinfo(np.int64)
         raise ValueError(
             f"variable {name!r}: the initial value {big} does not fit int64, which holds "
-            f"{info.min} to {info.max} and is the dtype Python ints make; NumPy would make "
+            f"{INT64_MIN} to {INT64_MAX} and is the dtype Python ints make; NumPy would make "
             f"it {array.dtype}, where writes wrap around or lose digits: pass the dtype "
             "that holds it (e.g. dtype='uint64')"
         )
@@ -2525,7 +2524,7 @@ def _int_beyond_int64(value: Any) -> int | None:
     """The first Python int outside int64 in ``value`` (an int, or nested lists and tuples),
     or ``None``."""
     if _is_python_int(value):
-        return None if -(2**63) <= value < 2**63 else value
+        return None if INT64_MIN <= value <= INT64_MAX else value
     if isinstance(value, _SEQUENCES):
         for item in value:
             found = _int_beyond_int64(item)
