@@ -100,6 +100,7 @@ __all__ = [
     "import_mpi",
     "in_native_order",
     "raw_bytes",
+    "reductions_called",
     "worker_list",
 ]
 
@@ -139,6 +140,13 @@ _ASIDE_BYTES: Final = 32 << 20
 #: engine from its options around each call, read by every wait.
 collective_timeout: ContextVar[float | None] = ContextVar(
     "aioreplica.collective_timeout", default=None
+)
+
+#: The name that the all-reduces being made go by in their waits (a timeout, a peer's
+#: failure), where the user's call is not ``all_reduce`` (a ``reduce_scatter``): set by the
+#: reduction engine around it. A disagreement still says ``all_reduce``, alike on every worker.
+reductions_called: ContextVar[str] = ContextVar(
+    "aioreplica.reductions_called", default="all_reduce"
 )
 
 #: The step (a ``run()``, or an agreement standing in for one) that the running task belongs
@@ -181,12 +189,28 @@ _RECORD_TAG: Final = 0
 _START_BYTES: Final = 512
 
 
-#: What a call holds in one process: nothing (``nullcontext`` is reentrant: one for all).
-_NO_CALL: Final = contextlib.nullcontext()
+@final
+class _NoCall:
+    """What a call holds in one process: nothing (one for all). Its start is a checkpoint: a
+    call awaited in a cancelled scope raises before it begins, as trio's and anyio's own
+    awaits do. (Across workers a call goes on until its first wait, where the cancellation
+    counts as this worker failing, so the peers raise rather than wait for it.)"""
+
+    __slots__ = ()
+
+    async def __aenter__(self) -> None:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+
+_NO_CALL: Final = _NoCall()
 
 
 def call_of(workers: Workers | None, what: str) -> contextlib.AbstractAsyncContextManager[None]:
-    """``workers.call(what)`` across workers; nothing in one process (``workers`` None)."""
+    """``workers.call(what)`` across workers; nothing in one process (``workers`` None),
+    where entering it is a checkpoint."""
     return _NO_CALL if workers is None else workers.call(what)
 
 
@@ -868,7 +892,8 @@ class Workers:
 
     def _wait_here(self, request: Any, what: str) -> None:
         """``_wait`` on this thread, for a synchronous caller (no event loop to give way to):
-        the side channel, the timeout and the back-off are the same.
+        the side channel, the timeout and the back-off are the same, and an exception that
+        interrupts it (Ctrl-C) counts as this worker failing, as a cancellation of ``_wait``.
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
@@ -876,7 +901,13 @@ class Workers:
         timeout = self._timeout()
         deadline = None if timeout is None else time.monotonic() + timeout
         never = threading.Event()  # nobody gives up a synchronous wait from elsewhere
-        outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never)
+        try:
+            outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never)
+        except BaseException as exc:  # interrupted: Ctrl-C, a signal handler's exception
+            # As a cancelled ``_wait``: this worker fails (MPI cannot cancel the request).
+            if self._primary:
+                self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
+            raise
         self._settle(*outcome, what, timeout)
 
     def _next_pause(
@@ -1083,11 +1114,12 @@ class Workers:
             WorkersDisagree: the workers passed different ops, dtypes, shapes or layouts, or
                 made another collective (on every worker alike; nothing was reduced).
         """
+        what = reductions_called.get()
         plan = self._plans.get((op, out.dtype, out.shape, layout))
         if plan is None:
             plan = self._plan(op, out, layout)
         if not self._begin_now():
-            await self._begin("all_reduce")
+            await self._begin(what)
         try:
             if isinstance(send, list):  # straight into the record, or into ``out``
                 _combine(plan.ufunc, send, plan.slot if plan.parts else out)
@@ -1097,8 +1129,9 @@ class Workers:
             # ``_exchange``, written out here and in ``barrier`` (the two collectives of an
             # 8-byte step): a coroutine less each.
             header = self._called(plan.header)
+            # (a disagreement says "all_reduce" on every worker alike, whatever each called)
             if not self._exchanged("all_reduce", header):
-                await self._wait(self._exchange_request, "all_reduce")
+                await self._wait(self._exchange_request, what)
                 self._check_agreed("all_reduce", header)
             if plan.parts:
                 _combine(plan.ufunc, plan.parts, out)
@@ -1108,13 +1141,13 @@ class Workers:
                 post = functools.partial(
                     self._comm.Iallreduce, source, out, self._op(op, out.dtype)
                 )
-                await self._move(post, "all_reduce", out.nbytes)
+                await self._move(post, what, out.nbytes)
             else:  # MPI reduces numbers in this machine's byte order: a copy in it
                 work = in_native_order(out if send is None else send)
                 post = functools.partial(
                     self._comm.Iallreduce, self.mpi.IN_PLACE, work, self._op(op, work.dtype)
                 )
-                await self._move(post, "all_reduce", out.nbytes)
+                await self._move(post, what, out.nbytes)
                 out[...] = work
         finally:
             self._end()
@@ -1388,10 +1421,18 @@ class Workers:
         self._in_step = self.in_step
         self._arrive()
         header = _header_in_full(what)
-        if not self._exchanged(what, header):
-            self._wait_here(self._exchange_request, what)
-            self._check_agreed(what, header)
-        return fn(self._comm, lambda request: self._wait_here(request, what))
+        try:
+            if not self._exchanged(what, header):
+                self._wait_here(self._exchange_request, what)
+                self._check_agreed(what, header)
+            return fn(self._comm, lambda request: self._wait_here(request, what))
+        except (WorkersDisagree, ReplicaSyncError):
+            raise  # every worker raises it alike, or a peer's failure: nothing to tell
+        except BaseException as exc:  # interrupted between two waits (Ctrl-C), or MPI failed
+            # As in ``_wait_here``: this worker fails, and its peers are told (once).
+            if self._primary:
+                self.announce(f"its {what} was interrupted by {type(exc).__name__}")
+            raise
 
     def duplicate(self, name: str) -> Workers:
         """A cluster of the same workers on a new duplicate communicator, for an independent

@@ -51,7 +51,7 @@ import numpy as np
 
 from . import _trace, _tree
 from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
-from ._cluster import call_of
+from ._cluster import call_of, reductions_called
 from ._errors import INT64_MAX, INT64_MIN, as_integer, checked_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, Mirrored, regroup
@@ -288,7 +288,7 @@ class ReductionEngine:
             reducing = self._reduce_leaves(op, leaves, opts)
             if _trace.recorder is not None:
                 reducing = self._traced(reducing, "reduce_scatter", op, leaves)
-            with self._timeout(opts):
+            with self._timeout(opts), _called("reduce_scatter"):
                 results = await reducing
         size, first, chunks = self.size, self.first_replica, self.num_replicas
         scattered = [
@@ -337,15 +337,17 @@ class ReductionEngine:
         if self.cluster is not None:
             self.cluster.refusing.append((what, error))
 
-    async def barrier(self) -> None:
-        """Wait until every worker's replicas have reached this barrier (several workers)."""
+    async def barrier(self, options: CommunicationOptions) -> None:
+        """Wait until every worker's replicas have reached this barrier (several workers),
+        bounded by ``options``' timeout."""
         if self.cluster is None:
             return
         waiting = self.cluster.barrier("barrier")
         recorder = _trace.recorder
         if recorder is not None:
             waiting = recorder.timed(waiting, "barrier", {"devices": self.num_replicas})
-        await waiting
+        with self._timeout(options):
+            await waiting
 
     # -- one result per destination ---------------------------------------------------
 
@@ -965,6 +967,17 @@ def _where(path: _tree.KeyPath) -> str:
 #: What a cross-worker all-reduce is for, where it is not a plain ``all_reduce`` (its layout
 #: says so, which the workers compare): set by ``reductions_for``.
 _reduction_of: contextvars.ContextVar[str] = contextvars.ContextVar("_reduction_of", default="")
+
+
+@contextlib.contextmanager
+def _called(what: str) -> Iterator[None]:
+    """Name the cross-worker all-reduces made in the block ``what`` in their errors and
+    timeouts: the user's call (a ``reduce_scatter``), not ``all_reduce``."""
+    token = reductions_called.set(what)
+    try:
+        yield
+    finally:
+        reductions_called.reset(token)
 
 
 @contextlib.contextmanager

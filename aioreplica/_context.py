@@ -284,7 +284,7 @@ class ReplicaContext:
         return coroutine
 
     def all_reduce(
-        self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None
+        self, reduce_op: ReduceOp | str, value: Any, options: CommunicationOptions | None = None
     ) -> Coroutine[Any, Any, Any]:
         """Reduce ``value`` across replicas; every replica gets the result on its device.
 
@@ -293,7 +293,8 @@ class ReplicaContext:
         reduced together. Host replicas share one read-only result (copy it to change it).
 
         Args:
-            op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name.
+            reduce_op: ``ReduceOp.SUM``, ``MEAN``, ``MAX``, ``MIN``, ``PROD``, or its name
+                (TF's name for it, so ``all_reduce(reduce_op=..., value=...)`` works as in TF).
             value: this replica's contribution.
             options: overrides the strategy's ``CommunicationOptions`` for this call.
 
@@ -314,7 +315,7 @@ class ReplicaContext:
             >>> anyio.run(strategy.run, step)
             array([2., 2., 2.])
         """
-        return self._called(self._all_reduce(op, value, options))
+        return self._called(self._all_reduce(reduce_op, value, options))
 
     async def _all_reduce(
         self, op: ReduceOp | str, value: Any, options: CommunicationOptions | None
@@ -471,8 +472,8 @@ class ReplicaContext:
         return self._called(self._barrier(options))
 
     async def _barrier(self, options: CommunicationOptions | None) -> None:
-        timeout = self._options("barrier", options)._timeout
-        await self._collective(_merge_barrier, (self._engine,), timeout)
+        options = self._options("barrier", options)
+        await self._collective(_merge_barrier, (self._engine, options), options._timeout)
 
     def _options(self, what: str, options: Any) -> CommunicationOptions:
         """The strategy's communication options with the call's ``options`` over them.
@@ -586,9 +587,11 @@ COLLECTIVE_VALUES: dict[Callable[..., Any], tuple[str, int]] = {
 _REFUSALS = (TypeError, ValueError, ReplicaSyncError)
 
 
-def _merge_barrier(strategy: Any, engine: ReductionEngine) -> Awaitable[None] | None:
+def _merge_barrier(
+    strategy: Any, engine: ReductionEngine, options: CommunicationOptions
+) -> Awaitable[None] | None:
     if engine.cluster is not None:  # the other workers' replicas too
-        return engine.barrier()
+        return engine.barrier(options)
     recorder = _trace.recorder
     if recorder is not None:  # nothing to move: a mark of where the replicas met
         with recorder.span("barrier", {"devices": strategy.num_replicas_in_sync}):

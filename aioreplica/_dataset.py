@@ -737,10 +737,10 @@ class DistributedDataset:
         )
         return DistributedIterator(puller, self._prefetch, self._workers)
 
-    async def reduce(self, initial_state: Any, reduce_fn: Callable[[Any, Any], Any]) -> Any:
-        """Run ``reduce_fn`` over all the elements of one pass, as TF's ``reduce``.
+    async def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any]) -> Any:
+        """Run ``reduce_func`` over all the elements of one pass, as TF's ``reduce``.
 
-        ``state = reduce_fn(state, element)`` for each element, in order, starting from
+        ``state = reduce_func(state, element)`` for each element, in order, starting from
         ``initial_state``, an element being what ``async for`` gives (per-replica values); the
         pass is closed when it ends, by its end or by an exception.
 
@@ -748,8 +748,8 @@ class DistributedDataset:
             The state after the last element (``initial_state`` for an empty dataset).
 
         Raises:
-            TypeError: ``reduce_fn`` is not callable, or returned a coroutine (which is closed).
-            Exception: whatever the dataset or ``reduce_fn`` raised, unchanged.
+            TypeError: ``reduce_func`` is not callable, or returned a coroutine (which is closed).
+            Exception: whatever the dataset or ``reduce_func`` raised, unchanged.
 
         Example:
             >>> strategy = aioreplica.MirroredStrategy(["cpu:0", "cpu:1"])
@@ -759,19 +759,19 @@ class DistributedDataset:
             >>> anyio.run(dataset.reduce, 0, count_rows)
             6
         """
-        if not callable(reduce_fn):
+        if not callable(reduce_func):
             raise TypeError(
-                f"reduce_fn must be callable (state, element) -> state, got "
-                f"{type(reduce_fn).__name__} {reduce_fn!r:.60}"
+                f"reduce_func must be callable (state, element) -> state, got "
+                f"{type(reduce_func).__name__} {reduce_func!r:.60}"
             )
         state = initial_state
         async with aiter(self) as iterator:
             async for element in iterator:
-                state = reduce_fn(state, element)
+                state = reduce_func(state, element)
                 if inspect.iscoroutine(state):
                     state.close()
                     raise TypeError(
-                        "DistributedDataset.reduce: reduce_fn returned a coroutine; it must "
+                        "DistributedDataset.reduce: reduce_func returned a coroutine; it must "
                         "return the new state, so make it a plain function, not a coroutine "
                         "function"
                     )

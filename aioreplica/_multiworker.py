@@ -639,6 +639,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
         fn: Callable[..., Any],
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        options: None = None,
     ) -> Any:
         """Run ``fn`` once per local replica of every worker; return this worker's results.
 
@@ -677,7 +678,7 @@ class MultiWorkerMirroredStrategy(MirroredStrategy):
             'cpu:0'
         """
         try:
-            parts = self._prepare_run(fn, args, kwargs)
+            parts = self._prepare_run(fn, args, kwargs, options)
         except (TypeError, ValueError, RuntimeError) as exc:  # bad input, closed, in a run
             await self._refuse_step(exc, "run()")
             raise

@@ -642,12 +642,14 @@ class StrategyExtended:
             self._strategy, fn, iterator, iterations, initial_loop_values
         )
 
-    async def broadcast_to(self, value: Any, destinations: Any) -> Any:
-        """Place ``value`` on every destination device (host devices share one read-only copy).
+    async def broadcast_to(self, tensor: Any, destinations: Any) -> Any:
+        """Place ``tensor`` on every destination device (host devices share one read-only
+        copy).
 
-        ``value`` is one value (a number, an array, or a nested structure of them): a
-        ``Mirrored`` leaf counts as its value, which every replica holds, but a ``PerReplica``
-        is refused (reduce it first with ``reduce_to``, or pick one replica's component).
+        ``tensor`` (TF's name) is one value (a number, an array, or a nested structure of
+        them): a ``Mirrored`` leaf counts as its value, which every replica holds, but a
+        ``PerReplica`` is refused (reduce it first with ``reduce_to``, or pick one replica's
+        component).
 
         ``destinations`` are as ``reduce_to``'s.
 
@@ -665,8 +667,9 @@ class StrategyExtended:
         """
         strategy = self._strategy
         strategy._check_cross_replica("extended.broadcast_to")
+        await anyio.lowlevel.checkpoint_if_cancelled()  # a checkpoint, as every other call
         devices = strategy._destinations(destinations)
-        return _grouped(await strategy._engine.broadcast_to(value, devices))
+        return _grouped(await strategy._engine.broadcast_to(tensor, devices))
 
 
 class MirroredStrategy:
@@ -1712,6 +1715,7 @@ class MirroredStrategy:
         fn: Callable[..., Any],
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        options: None = None,
     ) -> Any:
         """Run ``fn`` once per replica and return the results regrouped.
 
@@ -1723,6 +1727,8 @@ class MirroredStrategy:
             fn: the step function.
             args: positional arguments, possibly holding distributed values.
             kwargs: keyword arguments, possibly holding distributed values.
+            options: TF's ``tf.distribute.RunOptions``, whose fields concern TF's graph
+                compilation: only ``None``, TF's default, is taken.
 
         Returns:
             The replicas' return values regrouped: a value that differs between replicas
@@ -1734,7 +1740,8 @@ class MirroredStrategy:
                 ``merge_fn`` may run the replicas again, as in TF).
             TypeError: ``fn`` is not callable, ``args`` is not a sequence (or is a string or
                 bytes, whose characters are no arguments) or ``kwargs`` not a mapping; ``fn``
-                is a generator or async generator function (it has a ``yield``).
+                is a generator or async generator function (it has a ``yield``); ``options``
+                is not ``None``.
             ValueError: a distributed value in the arguments has a different number of
                 components than the strategy has replicas.
             ReplicaSyncError: replicas made different merge calls, or one was left waiting
@@ -1756,7 +1763,8 @@ class MirroredStrategy:
             >>> anyio.run(strategy.run, step, (aioreplica.PerReplica([1, 2]),))
             3
         """
-        return regroup(await self._scheduler.run(fn, self._prepare_run(fn, args, kwargs)))
+        parts = self._prepare_run(fn, args, kwargs, options)
+        return regroup(await self._scheduler.run(fn, parts))
 
     def _check_open(self, what: str) -> None:
         """Refuse ``what`` (``run()``, say) on a closed strategy.
@@ -1771,10 +1779,20 @@ class MirroredStrategy:
             )
 
     def _prepare_run(
-        self, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+        kwargs: Mapping[str, Any] | None,
+        options: object = None,
     ) -> list[tuple[tuple[Any, ...], dict[str, Any]]]:
         """``run()``'s checks, then each replica's arguments."""
         self._check_open("run()")
+        if options is not None:
+            raise TypeError(
+                f"run() takes options=None only, got {type(options).__name__} {options!r:.60}: "
+                "TF's RunOptions set how TF compiles a step (dynamic batch sizes, XLA), which "
+                "has no counterpart here; leave options out"
+            )
         state = context_state.get()
         replica = state.replica
         if replica is not None:

@@ -17,6 +17,7 @@ sync-on-read variable's aggregate.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import operator
@@ -67,7 +68,6 @@ from ._writes import (
 )
 
 if TYPE_CHECKING:
-    import contextlib
     from collections.abc import Callable, Iterator, Sequence
 
     from ._backends import Device
@@ -190,12 +190,12 @@ class Variable(NDArrayOperatorsMixin):
             valid ones); ``synchronization="none"`` inside a strategy scope; an integer of
             ``initial_value`` that ``dtype`` cannot hold (a cast would wrap it around), or,
             with no ``dtype``, a Python int beyond int64 (pass ``dtype="uint64"`` for one up to
-            ``2**64 - 1``); ``shape`` differs from the initial value's.
-        TypeError: ``initial_value`` is not numeric or bool (an int too large for 64 bits is
-            not); ``dtype`` is not a numeric or bool NumPy dtype, or ``initial_value`` does not
-            cast to it without losing its kind of number (a float to an integer, a complex to a
-            float, a bool to any other dtype); a sync-on-read variable with
-            ``aggregation="mean"`` and a dtype that cannot be averaged (integers, bool);
+            ``2**64 - 1``), and any beyond uint64; ``shape`` differs from the initial value's.
+        TypeError: ``initial_value`` is not numeric or bool; ``dtype`` is not a numeric or
+            bool NumPy dtype, or ``initial_value`` does not cast to it without losing its kind
+            of number (a float to an integer, a complex to a float, a bool to any other
+            dtype); a sync-on-read variable with ``aggregation="mean"`` and a dtype that
+            cannot be averaged (integers, bool);
             ``name`` is not a string, ``trainable`` not a bool, or ``shape`` not ints.
         RuntimeError: inside a replica, this replica's ``k``-th variable differs in name,
             class, synchronization, aggregation, dtype, ``trainable`` or initial shape from
@@ -782,15 +782,16 @@ class Variable(NDArrayOperatorsMixin):
 
         Raises:
             ValueError: ``value`` does not broadcast to the variable's shape, or holds an
-                integer the variable's integer (or bool) dtype cannot hold; a
+                integer the variable's integer (or bool) dtype cannot hold (or a Python int
+                beyond 64 bits); a
                 ``MirroredVariable`` with aggregation ``NONE`` (or an integer one with
                 ``MEAN``) given different values by the replicas in replica context; across
                 workers, another worker refused its write, or its replicas wrote another
                 variable (``WorkersDisagree``).
             TypeError: ``value``'s dtype cannot be cast to the variable's (``same_kind``: an
                 int into a float or complex variable is taken, a float into an int one is
-                not), is bool and the variable's is not, or is no number (an int too large
-                for 64 bits); ``value`` makes no array (a ragged nested list); a distributed
+                not), is bool and the variable's is not, or is no number; ``value`` makes no
+                array (a ragged nested list); a distributed
                 value written inside a replica, or a ``PerReplica`` outside one;
                 ``use_locking`` is no bool or ``None``, ``read_value`` no bool, or ``name``
                 no str or ``None``.
@@ -960,6 +961,13 @@ class Variable(NDArrayOperatorsMixin):
             # a variable that cannot be read across replicas raises as its read does.
             array = np.asarray(value)
         if array.dtype == object:
+            big = _int_beyond_int64(value)
+            if big is not None:  # beyond uint64 too: NumPy keeps it as an object
+                raise ValueError(
+                    f"cannot write {big} to variable {self._name!r} of dtype "
+                    f"{self._dtype}{where}: it fits no NumPy integer dtype, nor this one; "
+                    "nothing was written"
+                )
             raise TypeError(
                 f"cannot write {value!r:.60} to variable {self._name!r} of dtype "
                 f"{self._dtype}{where}: it is no array of numbers {_OBJECTS}"
@@ -2014,9 +2022,17 @@ async def _check_every_worker_computed(
 def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManager[None]:
     """Across workers, a write of ``variable`` as one call (``ReductionEngine.call``), held
     before the variable's turn: a first sync and the write's collective never interleave
-    with another task's call."""
+    with another task's call. In one process, a write in a replica needs no checkpoint of its
+    own (its merge round is one): it enters nothing."""
     engine = variable._engine
-    return call_of(engine.cluster if engine is not None else None, what)
+    cluster = engine.cluster if engine is not None else None
+    if cluster is None and context_state.get().replica is not None:
+        return _IN_REPLICA
+    return call_of(cluster, what)
+
+
+#: What a write in a replica of a one-process strategy holds: nothing (reentrant).
+_IN_REPLICA: Final = contextlib.nullcontext()
 
 
 def _writing_as_the_chief(variable: Variable) -> ReductionEngine | None:
@@ -2162,9 +2178,7 @@ def _out_of_range(array: Any, dtype: np.dtype[Any]) -> int | None:
 
 #: Why NumPy made an array of objects of a value written or given as numbers, for the
 #: errors that refuse it.
-_OBJECTS: Final = (
-    "(an integer too large for 64 bits, or values of mixed types, make a NumPy array of objects)"
-)
+_OBJECTS: Final = "(values of mixed types make a NumPy array of objects)"
 
 #: The containers whose items NumPy reads as an array's rows, where a write's value or an
 #: initial value may be ragged or hold Python ints.
@@ -2461,6 +2475,14 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
                 f"{type(value).__name__} {value!r:.60}: {exc}"
             ) from None
         if array.dtype == object:  # not an array the caller made of objects: say why
+            big = _int_beyond_int64(value)
+            if big is not None:  # beyond uint64 too: NumPy keeps it as an object
+                held = "no NumPy integer dtype" if target is None else f"dtype {target}"
+                raise ValueError(
+                    f"variable {name!r}: the initial value {big} fits {held} (int64 holds "
+                    f"{INT64_MIN} to {INT64_MAX}, uint64 0 to {2**64 - 1}); pass it as a "
+                    "float if an approximation will do"
+                )
             raise TypeError(
                 f"variable {name!r}: the initial value has dtype object; variables hold numeric "
                 f"or bool arrays, and {value!r:.60} is no array of numbers {_OBJECTS}"

@@ -402,9 +402,8 @@ def _allreduce_cases(
                 lambda: within(VERIFY_TIMEOUT_S, strat.run(step, args=(per_replica,)))
             )
             wrapped = isinstance(result, api.distributed_values)
+            # one entry per replica, the one shared array n times where every replica got it
             values = strat.experimental_local_results(result)
-            if not wrapped:  # regroup: every replica got this very object
-                values = values * n
             info = _check_shared(values, n, arrays)
             info["run_returned"] = "PerReplica/Mirrored" if wrapped else "the one shared array"
             close_to_reference(values[0], "aioreplica")
@@ -688,9 +687,7 @@ def _gpu_allreduce_cases(
             result = driver.run(
                 lambda: within(VERIFY_TIMEOUT_S, strat.run(step, args=(per_replica,)))
             )
-            values = strat.experimental_local_results(result)
-            if not isinstance(result, api.distributed_values):
-                values = values * n
+            values = strat.experimental_local_results(result)  # one entry per replica
             for value in values:
                 close_to_reference(value, "aioreplica")
             inputs = {x.data.ptr for x in arrays}

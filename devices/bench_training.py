@@ -243,11 +243,12 @@ async def numpy_throughput(hidden: int, batch: int, passes: int, steps: int) -> 
     params = wide_model(hidden)
     momenta = {k: np.zeros_like(v) for k, v in params.items()}
 
-    async def step() -> None:
+    async def step() -> None:  # updated in place, as the optimizer updates its copies
         _, grads = train_digits.loss_and_grads(np, params, x, y, batch)
         for k in params:
-            momenta[k] = MOMENTUM * momenta[k] - 0.01 * grads[k]
-            params[k] = params[k] + momenta[k]
+            momenta[k] *= MOMENTUM
+            momenta[k] -= 0.01 * grads[k]
+            params[k] += momenta[k]
 
     return 1.0 / await best_of(passes, steps, step)
 

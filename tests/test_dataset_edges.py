@@ -486,7 +486,7 @@ class TestRoundStructures:
 class TestReduce:
     @pytest.mark.parametrize("prefetch", [0, 2])
     async def test_reduce_folds_one_pass(self, prefetch: int) -> None:
-        """reduce applies reduce_fn to each element in order, from initial_state, and each
+        """reduce applies reduce_func to each element in order, from initial_state, and each
         call is a new pass."""
         strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset(aioreplica.batched(np.arange(10), 4), prefetch=prefetch)
@@ -504,8 +504,8 @@ class TestReduce:
         state = object()
         assert await strategy.distribute_dataset([]).reduce(state, lambda s, _: s + 1) is state
 
-    async def test_an_error_of_reduce_fn_comes_out_and_closes_the_pass(self) -> None:
-        """What reduce_fn raises comes out unchanged, and the dataset is closed."""
+    async def test_an_error_of_reduce_func_comes_out_and_closes_the_pass(self) -> None:
+        """What reduce_func raises comes out unchanged, and the dataset is closed."""
         strategy = MirroredStrategy(host_devices(2))
         events: list[str] = []
 
@@ -527,15 +527,15 @@ class TestReduce:
             await dist.reduce(0, fail_on_second)
         assert events == ["pulled 0", "pulled 1", "closed"]
 
-    async def test_a_reduce_fn_that_is_not_a_plain_function_is_refused(self) -> None:
-        """A reduce_fn that is not callable, or returns a coroutine, is a TypeError."""
+    async def test_a_reduce_func_that_is_not_a_plain_function_is_refused(self) -> None:
+        """A reduce_func that is not callable, or returns a coroutine, is a TypeError."""
         strategy = MirroredStrategy(host_devices(2))
         dist = strategy.distribute_dataset([np.arange(2)])
 
         async def coroutine_fn(state: int, element: Any) -> int:
             return state
 
-        with pytest.raises(TypeError, match=mentions("reduce_fn must be callable", "int 3")):
+        with pytest.raises(TypeError, match=mentions("reduce_func must be callable", "int 3")):
             await dist.reduce(0, 3)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=mentions("returned a coroutine", "plain function")):
             await dist.reduce(0, coroutine_fn)

@@ -50,11 +50,11 @@ def assert_scenario(name: str, backend: str, parts: tuple[str, ...], within: flo
     assert job.seconds < within, job.log
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(660)
 def test_multiworker_suite() -> None:
     """tests/multiworker passes in 2 ranks on asyncio, uvloop and trio: every test passed on every
     rank, none skipped or failed."""
-    job = launch(["-m", "pytest", "tests/multiworker", "-p", "no:cacheprovider", "-q"], timeout=240)
+    job = launch(["-m", "pytest", "tests/multiworker", "-p", "no:cacheprovider", "-q"], timeout=600)
     assert job.returncode == 0, job.log
     summary = re.search(r"\b(\d+) passed(?: in|,)", job.output)
     assert summary, job.log

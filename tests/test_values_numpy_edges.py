@@ -395,13 +395,13 @@ class TestBoolVariableWrites:
 class TestIntegerTooLargeForCreation:
     @pytest.mark.parametrize("initial", [2**70, [1, 2**70]], ids=["int", "list"])
     def test_message_says_why(self, initial: Any) -> None:
-        """Variable(2**70) says what assign(2**70) says: the integer is too large for 64
-        bits, so NumPy made an array of objects."""
+        """Variable(2**70) says what is wrong: the integer fits no NumPy integer dtype (a
+        ValueError, as for one beyond int64; NumPy would make an array of objects)."""
         with pytest.raises(
-            TypeError,
-            match=r"^variable 'big': the initial value has dtype object; variables hold numeric "
-            rf"or bool arrays, and {re.escape(repr(initial))} is no array of numbers \(an integer "
-            r"too large for 64 bits, or values of mixed types, make a NumPy array of objects\)$",
+            ValueError,
+            match=r"^variable 'big': the initial value 1180591620717411303424 fits no NumPy "
+            r"integer dtype \(int64 holds -9223372036854775808 to 9223372036854775807, uint64 0 "
+            r"to 18446744073709551615\); pass it as a float if an approximation will do$",
         ):
             Variable(initial, name="big")
 

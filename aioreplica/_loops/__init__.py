@@ -7,8 +7,11 @@ and caches it; ``_asyncio.py`` and ``_trio.py`` implement the same protocols und
 section headings, as anyio's backends do:
 
 - **replica tasks** (``replica_tasks``): spawn one task per replica, cancel them all on demand
-  or when the caller is cancelled (and say so: a merge function the scheduler shields from a
-  replica's own cancellation stops then), wait for all, let none outlive the call.
+  or when the caller is cancelled (and say so at once: a merge function the scheduler shields
+  from a replica's own cancellation stops then), wait for all, let none outlive the call. The
+  tasks take the cancellation as trio delivers it, at their next wait: on asyncio it is
+  delivered at the loop's next turn, so a task not started yet starts, and one woken with its
+  part of a merge round takes it.
 - **gates** (``gate_factory``): where the replicas of one merge round park until the last one has
   run the merge function, and how they are woken in the order the scheduler asks for.
 - **defer_cancellation**: keep a cancellation that reached a replica after its part of a
@@ -17,8 +20,8 @@ section headings, as anyio's backends do:
 - **cancel_requests**: what counts the cancellations requested of a replica's task, so that a
   gate whose replicas share one waiter tells its own from a sibling's.
 - **park_cancelled**: deliver a failing run's cancellation to a replica that would otherwise park
-  (at once on asyncio, at the next checkpoint on trio); a replica inside an anyio shield, which
-  no cancellation reaches, gets the exception the scheduler gives instead.
+  (raised at once on asyncio, at the next checkpoint on trio); a replica inside an anyio shield,
+  which no cancellation reaches, gets the exception the scheduler gives instead.
 - **thread results** (``thread_result``): a worker thread hands a result to the waiting task
   without blocking until the loop gets round to it.
 - **background tasks** (``spawn_background``): a task owned by an object (a dataset's
@@ -82,7 +85,8 @@ class Gate(Protocol):
 
 
 class ReplicaTasks(Protocol):
-    """The tasks of one ``run()``: ``wait`` runs them all to their end; ``cancel`` stops them.
+    """The tasks of one ``run()``: ``wait`` runs them all to their end; ``cancel`` stops them
+    (each at its next wait).
 
     If the caller of ``wait`` is cancelled, every task is cancelled and still awaited before
     the cancellation goes on, so none outlives ``wait``. Either way the tasks are cancelled,

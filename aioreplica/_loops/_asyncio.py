@@ -62,7 +62,11 @@ class _ReplicaTasks:
         if not self._cancelling:
             self._cancelling = True
             self._on_cancel()
-            self._deliver_cancellation()
+            # At the loop's next turn, as trio delivers a cancellation at a task's next wait:
+            # a replica not started yet runs until its first wait (a synchronous step runs
+            # whole), and one already woken with its part of a merge round takes it, instead
+            # of being told that a round it took part in did not happen.
+            self._loop.call_soon(self._deliver_cancellation)
 
     def _deliver_cancellation(self) -> None:
         """Cancel every task, except one inside a shielded anyio cancel scope: that one is
@@ -354,7 +358,9 @@ class AsyncioLoop:
         # The run is failing and every replica has been cancelled: deliver it now. Waiting
         # for the task's cancellation instead would hang if the replica's code swallowed it.
         task = asyncio.current_task()
-        if task is not None and _in_anyio_shield(task):
+        in_shield = task is not None and _in_anyio_shield(task)
+        del task  # what is raised holds this frame, which must not hold the task (a cycle)
+        if in_shield:
             raise shielded()
         raise asyncio.CancelledError
 

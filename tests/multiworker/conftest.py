@@ -14,7 +14,7 @@ order, so the collective calls of each test meet their peers on the other rank.
 - Ranks other than 0 write no terminal report, so rank 0's closing "N passed" line is the
   job's; at the end every rank checks that all ranks passed the same tests.
 - A per-rank watchdog (``faulthandler.dump_traceback_later(..., exit=True)``) ends a rank that
-  outlives ``AIOREPLICA_MW_WATCHDOG`` seconds (default 240), printing every thread's stack:
+  outlives ``AIOREPLICA_MW_WATCHDOG`` seconds (default 600), printing every thread's stack:
   ``mpiexec`` puts the ranks in sessions of their own, out of the launcher's reach.
 - Each test gets a timeout of ``AIOREPLICA_MW_TEST_TIMEOUT`` seconds (default 20) unless it
   has its own ``timeout`` mark.
@@ -59,7 +59,7 @@ if WORLD.Get_size() < 2:
 
 RANK = WORLD.Get_rank()
 KEEP_GOING = os.environ.get("AIOREPLICA_MW_KEEP_GOING") == "1"
-WATCHDOG_SECONDS = float(os.environ.get("AIOREPLICA_MW_WATCHDOG", "240"))
+WATCHDOG_SECONDS = float(os.environ.get("AIOREPLICA_MW_WATCHDOG", "600"))
 TEST_TIMEOUT = float(os.environ.get("AIOREPLICA_MW_TEST_TIMEOUT", "20"))
 
 #: The rank's real stderr (a duplicate taken while pytest's capture is suspended).
