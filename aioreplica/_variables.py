@@ -962,16 +962,19 @@ class Variable(NDArrayOperatorsMixin):
             array = np.asarray(value)
         if array.dtype == object:
             big = _int_beyond_int64(value)
-            if big is not None:  # beyond uint64 too: NumPy keeps it as an object
+            if big is not None and self._dtype.kind in "fc":
+                array = np.asarray(value, dtype=self._dtype)  # an int into a float: taken
+            elif big is not None:  # beyond uint64 too: NumPy keeps it as an object
                 raise ValueError(
                     f"cannot write {big} to variable {self._name!r} of dtype "
                     f"{self._dtype}{where}: it fits no NumPy integer dtype, nor this one; "
                     "nothing was written"
                 )
-            raise TypeError(
-                f"cannot write {value!r:.60} to variable {self._name!r} of dtype "
-                f"{self._dtype}{where}: it is no array of numbers {_OBJECTS}"
-            )
+            else:
+                raise TypeError(
+                    f"cannot write {value!r:.60} to variable {self._name!r} of dtype "
+                    f"{self._dtype}{where}: it is no array of numbers {_OBJECTS}"
+                )
         if isinstance(value, int) and not isinstance(value, bool) and self._dtype.kind in "bu":
             array = self._python_int(value, array, where)
         if array.dtype.kind == "b" and self._dtype.kind != "b":
@@ -2022,8 +2025,8 @@ async def _check_every_worker_computed(
 def _call(variable: Variable, what: str) -> contextlib.AbstractAsyncContextManager[None]:
     """Across workers, a write of ``variable`` as one call (``ReductionEngine.call``), held
     before the variable's turn: a first sync and the write's collective never interleave
-    with another task's call. In one process, a write in a replica needs no checkpoint of its
-    own (its merge round is one): it enters nothing."""
+    with another task's call. In one process, a write in a replica enters nothing: inside a
+    replica no call is a checkpoint (a merge round needs every replica)."""
     engine = variable._engine
     cluster = engine.cluster if engine is not None else None
     if cluster is None and context_state.get().replica is not None:
@@ -2475,14 +2478,11 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
                 f"{type(value).__name__} {value!r:.60}: {exc}"
             ) from None
         if array.dtype == object:  # not an array the caller made of objects: say why
-            big = _int_beyond_int64(value)
-            if big is not None:  # beyond uint64 too: NumPy keeps it as an object
-                held = "no NumPy integer dtype" if target is None else f"dtype {target}"
-                raise ValueError(
-                    f"variable {name!r}: the initial value {big} fits {held} (int64 holds "
-                    f"{INT64_MIN} to {INT64_MAX}, uint64 0 to {2**64 - 1}); pass it as a "
-                    "float if an approximation will do"
-                )
+            if target is not None and target.kind in "fc" and _int_beyond_int64(value):
+                # an int beyond 64 bits into a float or complex dtype, as any int goes
+                with contextlib.suppress(TypeError, ValueError, OverflowError):
+                    return np.array(value, dtype=target)
+            _check_big_ints(value, target, name)
             raise TypeError(
                 f"variable {name!r}: the initial value has dtype object; variables hold numeric "
                 f"or bool arrays, and {value!r:.60} is no array of numbers {_OBJECTS}"
@@ -2494,11 +2494,31 @@ def _initial_array(value: Any, dtype: Any, name: str) -> Any:
             _check_initial_cast(array, target, name, own_dtype=own)
             array = array.astype(target)
     if array.dtype.kind not in "biufc":
+        if array.dtype == object:  # an array of objects the caller made: big ints, say
+            _check_big_ints(array, target, name)
         raise TypeError(
             f"variable {name!r}: the initial value has dtype {array.dtype}; variables hold "
             "numeric or bool arrays"
         )
     return array
+
+
+def _check_big_ints(value: Any, target: np.dtype[Any] | None, name: str) -> None:
+    """Refuse an initial value holding a Python int beyond 64 bits, which NumPy keeps as an
+    object, for no ``dtype`` or an integer one (``target``).
+
+    Raises:
+        ValueError: naming the int and the dtypes that cannot hold it.
+    """
+    big = _int_beyond_int64(value)
+    if big is None:
+        return
+    held = "no NumPy integer dtype" + ("" if target is None else f", nor dtype {target}")
+    raise ValueError(
+        f"variable {name!r}: the initial value {big} fits {held} (int64 holds {INT64_MIN} to "
+        f"{INT64_MAX}, uint64 0 to {2**64 - 1}); pass it as a float if an approximation "
+        "will do"
+    )
 
 
 def _check_python_ints(value: Any, array: np.ndarray[Any, Any], name: str) -> None:
@@ -2543,11 +2563,13 @@ def _is_python_int(value: Any) -> bool:
 
 
 def _int_beyond_int64(value: Any) -> int | None:
-    """The first Python int outside int64 in ``value`` (an int, or nested lists and tuples),
-    or ``None``."""
+    """The first Python int outside int64 in ``value`` (an int, nested lists and tuples, or
+    a NumPy array of objects), or ``None``."""
     if _is_python_int(value):
         return None if INT64_MIN <= value <= INT64_MAX else value
-    if isinstance(value, _SEQUENCES):
+    if isinstance(value, np.ndarray) and value.dtype == object:
+        value = value.flat
+    if isinstance(value, (*_SEQUENCES, np.flatiter)):
         for item in value:
             found = _int_beyond_int64(item)
             if found is not None:

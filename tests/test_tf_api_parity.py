@@ -241,6 +241,30 @@ class TestTFKeywordNames:
         result = await strategy.run(lambda x: x * 2, args=(3,), kwargs=None, options=None)
         assert strategy.experimental_local_results(result) == (6, 6)
 
+    @pytest.mark.parametrize("positional", [False, True])
+    async def test_run_refuses_other_options(self, positional: bool) -> None:
+        """``RunOptions`` (how TF compiles a step) have no counterpart: anything but ``None``
+        is a ``TypeError`` saying so, before any replica runs; the strategy goes on."""
+        strategy = MirroredStrategy(["cpu:0", "cpu:1"])
+        ran: list[int] = []
+
+        def step() -> int:
+            ran.append(1)
+            return 1
+
+        options: Any = object()
+        call = (
+            strategy.run(step, (), None, options)
+            if positional
+            else strategy.run(step, options=options)
+        )
+        with pytest.raises(
+            TypeError, match=r"^run\(\) takes options=None only, got object <object object at"
+        ):
+            await call
+        assert ran == []
+        assert strategy.experimental_local_results(await strategy.run(step)) == (1, 1)
+
     async def test_broadcast_to_takes_tensor_keyword(self) -> None:
         """TF: ``StrategyExtended.broadcast_to(self, tensor, destinations)``."""
         strategy = MirroredStrategy(["cpu:0", "cpu:1"])

@@ -158,6 +158,59 @@ class TestLargePythonInts:
         assert Variable([2**63, 0.5], dtype="float64", name="c").numpy().tolist() == [2**63, 0.5]
 
 
+class TestIntsBeyond64Bits:
+    """A Python int no NumPy integer holds (beyond uint64, below int64) stays a Python object
+    in NumPy: a ValueError naming it, except into a float or complex dtype, which takes it
+    as every int."""
+
+    @pytest.mark.parametrize(
+        ("initial", "dtype", "held"),
+        [
+            (2**70, None, "no NumPy integer dtype"),
+            ([1, 2**70], None, "no NumPy integer dtype"),
+            (np.array(2**70), None, "no NumPy integer dtype"),
+            (-(2**63) - 1, None, "no NumPy integer dtype"),
+            (2**70, "int8", "no NumPy integer dtype, nor dtype int8"),
+            (2**64, "uint64", "no NumPy integer dtype, nor dtype uint64"),
+        ],
+    )
+    def test_refused_at_creation(self, initial: Any, dtype: str | None, held: str) -> None:
+        big = next(x for x in np.ravel(np.array(initial, dtype=object)) if abs(x) > 2**63)
+        with pytest.raises(
+            ValueError,
+            match=rf"^variable 'c': the initial value {big} fits {held} \(int64 holds "
+            r"-9223372036854775808 to 9223372036854775807, uint64 0 to 18446744073709551615\); "
+            r"pass it as a float if an approximation will do$",
+        ):
+            Variable(initial, dtype=dtype, name="c")
+
+    @pytest.mark.parametrize("dtype", ["float64", "float32", "complex128"])
+    def test_a_float_or_complex_dtype_takes_it(self, dtype: str) -> None:
+        v = Variable([1, 2**70], dtype=dtype, name="c")
+        assert v.dtype == np.dtype(dtype)
+        assert v.numpy().tolist() == np.array([1.0, 2.0**70], dtype=dtype).tolist()
+
+    @pytest.mark.parametrize("value", [2**70, np.array(2**70), [2**70, 1]])
+    async def test_a_write_to_an_integer_variable_is_refused(self, value: Any) -> None:
+        v = Variable(np.zeros(2, np.uint64), name="u")
+        with pytest.raises(
+            ValueError,
+            match=r"^cannot write 1180591620717411303424 to variable 'u' of dtype uint64: it fits "
+            r"no NumPy integer dtype, nor this one; nothing was written$",
+        ):
+            await v.assign(value)
+        assert copies(v) == [[0, 0]]
+
+    @pytest.mark.parametrize("op", OPS)
+    async def test_a_write_to_a_float_variable_takes_it(self, op: str) -> None:
+        strategy = MirroredStrategy(host_devices(2))
+        with strategy.scope():
+            v = Variable(np.zeros(2), name="f")
+        await write(v, op)(2**70)
+        want = -(2.0**70) if op == "assign_sub" else 2.0**70
+        assert copies(v) == [[want, want]] * 2
+
+
 class TestRaggedValues:
     @pytest.mark.parametrize("op", OPS)
     async def test_a_ragged_list_names_the_variable(self, op: str) -> None:

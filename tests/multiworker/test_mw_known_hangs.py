@@ -1135,3 +1135,60 @@ async def test_one_more_global_batch_on_one_worker(make_strategy: MakeStrategy) 
     # As documented for a worker one batch short: the third step sees only worker 1's half of
     # batch 3 (rows 40-47: 348 of its 632), worker 0's replicas get zero rows.
     assert [o[:2] for o in outcomes] == [("ok", "[120.0, 376.0, 348.0]")] * 2, outcomes
+
+
+# -- an exception inside a blocking cross-worker read, between its waits -------------------------
+
+
+class Boom(Exception):
+    """What the proxied communicator raises where a read posts its reduction."""
+
+
+class _FailingPost:
+    """The strategy's communicator, whose ``Iallreduce`` raises ``Boom`` (an MPI error, or a
+    signal handler's exception, where the read posts its reduction)."""
+
+    def __init__(self, comm: Any) -> None:
+        self._comm = comm
+
+    def Iallreduce(self, *args: Any, **kwargs: Any) -> Any:
+        raise Boom("posting failed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+
+async def test_an_exception_between_the_waits_of_a_blocking_read_fails_the_worker(
+    make_strategy: MakeStrategy,
+) -> None:
+    """Worker 1's blocking read of a sync-on-read variable raises between its waits (its
+    records exchanged, its reduction not posted): worker 1 raises that exception and counts
+    as failed, so worker 0, waiting in the read's reduction, raises a ReplicaSyncError naming
+    it within seconds instead of waiting out its sync_timeout; worker 1's next call is
+    refused."""
+    strategy = make_strategy(1, sync_timeout=8.0)
+    with strategy.scope():
+        v = Variable(1.0, synchronization="on_read", aggregation="sum", name="s")
+    assert float(v.numpy()) == 2.0  # synced, and read once on every worker
+    workers = strategy._workers  # the communicator a read posts on
+    real = workers._comm
+    if RANK == 1:
+        workers._comm = _FailingPost(real)
+
+    async def read() -> float:
+        return float(v.numpy())
+
+    try:
+        got = await outcome(read)
+    finally:
+        workers._comm = real
+    seen = allgather(got)
+    assert seen[1][:2] == ("Boom", "posting failed"), seen
+    assert seen[0][0] == "ReplicaSyncError", seen
+    assert seen[0][1].startswith(
+        "worker 1 failed: its reading sync-on-read variable 's' (float64 ()) was interrupted by "
+        "Boom"
+    ), seen
+    assert seen[0][2] < 4, seen
+    after = allgather(await outcome(read))
+    assert after[1][0] == "ClusterBroken", after

@@ -118,6 +118,12 @@ CASES: dict[str, tuple[Callable[[Any, Variable, Variable], Callable[[], Any]], s
         "RuntimeError: assign() of variable 'v', created in the scope of {strategy}, was "
         "called in the scope of",
     ),
+    "run with options": (
+        lambda s, v, foreign: (
+            lambda: s.run(lambda: 1, options=object() if RANK == REFUSING else None)
+        ),
+        "TypeError: run() takes options=None only, got object",
+    ),
 }
 
 
