@@ -891,9 +891,9 @@ class Workers:
         return completed, failure
 
     def _wait_here(self, request: Any, what: str) -> None:
-        """``_wait`` on this thread, for a synchronous caller (no event loop to give way to):
-        the side channel, the timeout and the back-off are the same, and an exception that
-        interrupts it (Ctrl-C) counts as this worker failing, as a cancellation of ``_wait``.
+        """``_wait`` on this thread, for a synchronous caller (``blocking``, which tells the
+        peers when an exception interrupts it): the side channel, the timeout and the back-off
+        are the same.
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
@@ -901,13 +901,7 @@ class Workers:
         timeout = self._timeout()
         deadline = None if timeout is None else time.monotonic() + timeout
         never = threading.Event()  # nobody gives up a synchronous wait from elsewhere
-        try:
-            outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never)
-        except BaseException as exc:  # interrupted: Ctrl-C, a signal handler's exception
-            # As a cancelled ``_wait``: this worker fails (MPI cannot cancel the request).
-            if self._primary:
-                self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
-            raise
+        outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never)
         self._settle(*outcome, what, timeout)
 
     def _next_pause(
@@ -1398,12 +1392,15 @@ class Workers:
 
         For synchronous reads that must be collective (a sync-on-read variable's global value,
         a new variable's first read). ``what`` names the read, with the dtype and shape it
-        moves: the workers compare it first.
+        moves: the workers compare it first. An exception that interrupts it (Ctrl-C, a signal
+        handler's) counts as this worker failing, as a cancelled async wait does.
 
         Raises:
             RuntimeError: another collective is in progress on this worker, or another task's
                 call or ``run()`` (await it first).
             ClusterBroken: the cluster is broken.
+            ReplicaSyncError: a peer failed, or the timeout in force passed.
+            WorkersDisagree: the workers made another read, or another collective.
         """
         self.check(what)
         self._check_in_step(what)
@@ -1415,21 +1412,22 @@ class Workers:
         failure = self._peer_failure(what)
         if failure is not None:
             raise self._raised(failure)
-        if self._idup is not None:
-            self._wait_here(self._idup, self._idup_what)
-            self._idup_done()
-        self._in_step = self.in_step
-        self._arrive()
-        header = _header_in_full(what)
         try:
+            if self._idup is not None:
+                self._wait_here(self._idup, self._idup_what)
+                self._idup_done()
+            self._in_step = self.in_step
+            self._arrive()
+            header = _header_in_full(what)
             if not self._exchanged(what, header):
                 self._wait_here(self._exchange_request, what)
                 self._check_agreed(what, header)
             return fn(self._comm, lambda request: self._wait_here(request, what))
         except (WorkersDisagree, ReplicaSyncError):
             raise  # every worker raises it alike, or a peer's failure: nothing to tell
-        except BaseException as exc:  # interrupted between two waits (Ctrl-C), or MPI failed
-            # As in ``_wait_here``: this worker fails, and its peers are told (once).
+        except BaseException as exc:  # interrupted (Ctrl-C, a signal handler's exception), or
+            # MPI failed: as a cancelled ``_wait``, this worker fails (MPI cannot cancel a
+            # request), and its peers are told.
             if self._primary:
                 self.announce(f"its {what} was interrupted by {type(exc).__name__}")
             raise
