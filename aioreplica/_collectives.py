@@ -288,7 +288,7 @@ class ReductionEngine:
             reducing = self._reduce_leaves(op, leaves, opts)
             if _trace.recorder is not None:
                 reducing = self._traced(reducing, "reduce_scatter", op, leaves)
-            with self._timeout(opts), _called("reduce_scatter"):
+            with self._timeout(opts), _reductions_named("reduce_scatter"):
                 results = await reducing
         size, first, chunks = self.size, self.first_replica, self.num_replicas
         scattered = [
@@ -970,7 +970,7 @@ _reduction_of: contextvars.ContextVar[str] = contextvars.ContextVar("_reduction_
 
 
 @contextlib.contextmanager
-def _called(what: str) -> Iterator[None]:
+def _reductions_named(what: str) -> Iterator[None]:
     """Name the cross-worker all-reduces made in the block ``what`` in their errors and
     timeouts: the user's call (a ``reduce_scatter``), not ``all_reduce``."""
     token = reductions_called.set(what)
