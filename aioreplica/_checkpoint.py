@@ -153,6 +153,7 @@ from ._optimizers import (
     slots_to_restore,
 )
 from ._variables import (
+    AcrossWorkers,
     Aggregate,
     SyncOnReadVariable,
     Variable,
@@ -470,6 +471,7 @@ class Checkpoint:
         if workers.pending:
             await sync_variables(workers)
         snap = self._snapshot(caller)
+        await snap.read_across_workers()
         await _gather_places(workers, snap)
         return snap
 
@@ -484,8 +486,8 @@ class Checkpoint:
         variable_paths = {id(v): p for p, v in leaves if isinstance(v, Variable)}
         for obj_path, obj in leaves:
             if isinstance(obj, Variable):
-                # Only a NONE variable's refusal is wrapped: across workers the read may also
-                # raise a WorkersDisagree (a ValueError too), which reaches the caller as such.
+                # Only a NONE variable's refusal is wrapped (across workers, a sync-on-read
+                # variable is read later: ``_Snapshot.read_across_workers``).
                 none = (
                     isinstance(obj, SyncOnReadVariable)
                     and obj.aggregation is VariableAggregation.NONE
@@ -1763,15 +1765,24 @@ class _Snapshot:
 
     def __init__(self) -> None:
         self.entries: list[dict[str, Any]] = []
-        # (member, value, device), the value an array, an Aggregate or a number
+        # (member, value, device), the value an array, an Aggregate, an AcrossWorkers until
+        # ``read_across_workers``, or a number
         self.pending: list[tuple[str, Any, Any]] = []
 
     def add(self, value: Any, device: Any = None) -> str:
-        """Keep ``value`` (an array on ``device``, a sync-on-read variable's ``Aggregate``,
-        or a number) for the file; its member."""
+        """Keep ``value`` (an array on ``device``, a sync-on-read variable's ``Aggregate`` or
+        ``AcrossWorkers``, or a number) for the file; its member."""
         member = f"a{len(self.pending)}"
         self.pending.append((member, value, device))
         return member
+
+    async def read_across_workers(self) -> None:
+        """Read the sync-on-read variables of several workers (``AcrossWorkers``) over every
+        worker, in the snapshot's order, which is the same on every worker: a collective
+        each."""
+        for k, (member, value, _) in enumerate(self.pending):
+            if isinstance(value, AcrossWorkers):
+                self.pending[k] = (member, await value.read(), None)
 
     async def write(self, path: str, place: Callable[[str], str] | None = None) -> str:
         """Write the snapshot to ``path`` atomically, in a worker thread; return the path
@@ -1790,6 +1801,7 @@ class _Snapshot:
     async def _write(self, path: str, place: Callable[[str], str] | None) -> str:
         arrays = []
         for member, value, device in self.pending:
+            assert not isinstance(value, AcrossWorkers), "read_across_workers() first"
             if device is None:
                 arrays.append((member, np.asarray(value)))
             elif isinstance(value, Aggregate):  # combined now, off the event loop's thread

@@ -1432,6 +1432,25 @@ class Workers:
                 self.announce(f"its {what} was interrupted by {type(exc).__name__}")
             raise
 
+    async def read(self, what: str, post: Callable[[Any], Any], nbytes: int) -> None:
+        """``blocking``'s twin for async code, for a read whose data moves in one request: the
+        workers compare ``what``, then ``post(communicator)`` makes the non-blocking MPI call
+        (of ``nbytes``), awaited as every collective's data is: the side channel tested, the
+        timeout kept, a cancelled wait this worker's failure, told to the peers.
+
+        Raises:
+            RuntimeError: another task's ``run()`` is in progress on this worker.
+            ClusterBroken: the cluster is broken.
+            ReplicaSyncError: a peer failed, or the timeout in force passed.
+            WorkersDisagree: the workers made another read, or another collective.
+        """
+        await self._begin(what)
+        try:
+            await self._exchange(what, _header_in_full(what))
+            await self._move(functools.partial(post, self._comm), what, nbytes)
+        finally:
+            self._end()
+
     def duplicate(self, name: str) -> Workers:
         """A cluster of the same workers on a new duplicate communicator, for an independent
         stream of collectives (``name``: what it is for, such as ``"a dataset pass"``).

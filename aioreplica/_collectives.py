@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple, NoReturn, SupportsInde
 import numpy as np
 
 from . import _trace, _tree
-from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind, host_array
+from ._backends import HOST_BACKEND, HOST_INLINE_BYTES, array_kind
 from ._cluster import call_of, reductions_called
 from ._errors import INT64_MAX, INT64_MIN, as_integer, checked_integer, replica_list
 from ._options import DEFAULT_PACK_BYTES, ReduceOp
@@ -874,11 +874,7 @@ class ReductionEngine:
         """A writeable, contiguous host copy of a value on local replica ``replica``'s device
         (a result on the first, by default), once the device's work that made it is done
         (without blocking the event loop)."""
-        if self.backend is HOST_BACKEND:
-            return np.array(value, copy=True, order="C")
-        device = self.devices[replica]
-        await device.synchronize()
-        return np.array(host_array(value, device), order="C", copy=True)
+        return await self.backend.to_host(value, self.devices[replica])
 
     async def _placed(self, value: np.ndarray[Any, Any]) -> list[Any]:
         """A host array on every replica's device (host replicas share it, read-only)."""

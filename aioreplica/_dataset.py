@@ -1865,7 +1865,7 @@ def _zero_rows(element: Any, where: str) -> Any:
     zeros = []
     for leaf in leaves:
         first = leaf.values[0] if isinstance(leaf, PerReplica) else leaf
-        array = host_array(first) if hasattr(first, "shape") else np.asarray(first)
+        array = first if hasattr(first, "shape") else np.asarray(first)
         if not array.ndim:
             raise TypeError(
                 f"distribute_datasets_from_function: the dataset ran out {where}, and its "
@@ -1873,7 +1873,8 @@ def _zero_rows(element: Any, where: str) -> Any:
                 "replicas left without data cannot get empty batches; give every replica an "
                 "element in every round, or batch the elements"
             )
-        zeros.append(_empty_rows(array))
+        # No rows to copy: a GPU array's empty slice comes to the host with no wait for it.
+        zeros.append(host_array(_empty_rows(array)))
     return treedef.unflatten(zeros)
 
 

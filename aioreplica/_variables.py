@@ -64,6 +64,7 @@ from ._writes import (
     compute_update,
     frozen,
     share_writer,
+    to_host,
     writer,
 )
 
@@ -75,6 +76,7 @@ if TYPE_CHECKING:
     from ._collectives import ReductionEngine
 
 __all__ = [
+    "AcrossWorkers",
     "Aggregate",
     "MirroredVariable",
     "SyncOnReadVariable",
@@ -1293,27 +1295,53 @@ class SyncOnReadVariable(Variable):
         if self._unsynced:
             sync_variables_now(self._engine)
         copies, devices = self._copies, self._devices
-        mpi = workers.mpi
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
             value = np.array(host_array(copies[0], devices[0]), order="C", copy=True)
-
-            def read(comm: Any, wait: Callable[[Any], None]) -> None:
-                wait(comm.Ibcast([raw_bytes(value), mpi.BYTE], 0))
-
         else:
             local = devices[0].backend.reduce_to_first("sum", copies, devices)
             # MPI sums numbers in this machine's byte order only: the sum is made in it, and
-            # given back in the variable's dtype below.
+            # given back in the variable's dtype by ``_aggregated``.
             value = in_native_order(np.array(host_array(local, devices[0]), copy=True))
+        what, post = self._over_workers(value, workers)
+        workers.blocking(what, lambda comm, wait: wait(post(comm)))
+        return frozen(devices[0].asarray(self._aggregated(value)))
 
-            def read(comm: Any, wait: Callable[[Any], None]) -> None:
-                wait(comm.Iallreduce(mpi.IN_PLACE, value, mpi.SUM))
-                if self._aggregation is _Agg.MEAN:
-                    np.divide(value, self._engine.num_replicas, out=value)  # type: ignore[union-attr]
+    async def _read_over_workers(
+        self, copies: tuple[Any, ...], workers: Workers
+    ) -> np.ndarray[Any, Any]:
+        """``_read_all_workers`` of ``copies`` (this worker's, as a snapshot took them) on the
+        host, without blocking the event loop: the copies combine where their device computes,
+        come to the host through ``to_host``, and the workers' read is awaited."""
+        device = self._devices[0]
+        if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
+            value = await device.backend.to_host(copies[0], device)
+        else:
+            nbytes = sum([getattr(copy, "nbytes", 0) for copy in copies])
+            reduce = device.backend.reduce_to_first
+            local = await device.compute(nbytes, reduce, "sum", copies, self._devices)
+            value = in_native_order(await device.backend.to_host(local, device))
+        what, post = self._over_workers(value, workers)
+        await workers.read(what, post, value.nbytes)
+        return self._aggregated(value)
 
+    def _over_workers(
+        self, value: np.ndarray[Any, Any], workers: Workers
+    ) -> tuple[str, Callable[[Any], Any]]:
+        """What every worker's read of this variable names (the workers compare it), and its
+        MPI call on ``value``, this worker's part on the host, where the result lands: the
+        chief's first copy for ``ONLY_FIRST_REPLICA``, else the sum over the workers."""
+        mpi = workers.mpi
         what = f"reading sync-on-read variable {self._name!r} ({value.dtype.name} {value.shape})"
-        workers.blocking(what, read)
-        return frozen(devices[0].asarray(value.astype(self._dtype, copy=False)))
+        if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
+            return what, lambda comm: comm.Ibcast([raw_bytes(value), mpi.BYTE], 0)
+        return what, lambda comm: comm.Iallreduce(mpi.IN_PLACE, value, mpi.SUM)
+
+    def _aggregated(self, value: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        """The read over the workers (``value``, as ``_over_workers``'s call left it) in the
+        variable's dtype: the mean divides the sum by every worker's replicas."""
+        if self._aggregation is _Agg.MEAN:
+            np.divide(value, self._engine.num_replicas, out=value)  # type: ignore[union-attr]
+        return value.astype(self._dtype, copy=False)
 
     async def _write(self, op: str, value: Any) -> Variable:
         replica = context_state.get().replica
@@ -1365,10 +1393,11 @@ async def sync_variables(workers: Workers) -> None:
     while pending:
         variable = pending[0]  # pending until synced: a refused broadcast leaves it to retry
         copy, device = variable._copies[0], variable._devices[0]
-        await device.synchronize()
+        # (a host copy goes as it is: the broadcast copies it)
+        host = await device.backend.to_host(copy, device) if is_cupy_array(copy) else copy
         made = f"{variable_label(variable)} {_kind(variable)}"
         try:
-            value = await workers.broadcast(host_array(copy, device), 0, made)
+            value = await workers.broadcast(host, 0, made)
         except WorkersDisagree as exc:
             _note_unsynced(exc, pending)
             raise
@@ -1534,21 +1563,21 @@ def snapshot(variable: Variable) -> tuple[Any, Device]:
     variables taken in one go are consistent with each other, whatever runs afterwards. A
     ``SUM`` or ``MEAN`` sync-on-read variable's copies in one process are kept as they are, an
     ``Aggregate`` that the caller combines later (``Aggregate.value``): combining large copies
-    here would hold the event loop.
+    here would hold the event loop. Across workers, a sync-on-read variable's copies are kept
+    as ``AcrossWorkers``, which the caller reads over the workers later
+    (``AcrossWorkers.read``, a collective): that read, now, would hold the event loop until
+    every worker's part had come.
 
     Raises:
-        ValueError: a sync-on-read variable with aggregation ``NONE``; across workers, the
-            workers disagree on a sync-on-read variable's read (``WorkersDisagree``).
+        ValueError: a sync-on-read variable with aggregation ``NONE``.
     """
     engine = variable._engine
-    if (
-        isinstance(variable, SyncOnReadVariable)
-        and variable._aggregation in (_Agg.SUM, _Agg.MEAN)
-        and len(variable._copies) > 1
-        and (engine is None or engine.cluster is None)  # across workers: a collective, now
-    ):
-        op = "mean" if variable._aggregation is _Agg.MEAN else "sum"
-        return Aggregate(op, variable._copies, variable._devices), variable._devices[0]
+    if isinstance(variable, SyncOnReadVariable) and variable._aggregation is not _Agg.NONE:
+        if engine is not None and engine.cluster is not None:
+            return AcrossWorkers(variable, engine.cluster), variable._devices[0]
+        if variable._aggregation is not _Agg.ONLY_FIRST_REPLICA and len(variable._copies) > 1:
+            op = "mean" if variable._aggregation is _Agg.MEAN else "sum"
+            return Aggregate(op, variable._copies, variable._devices), variable._devices[0]
     return variable._read_cross_replica(), variable._devices[0]
 
 
@@ -1575,21 +1604,40 @@ class Aggregate:
         )
 
 
+@final
+class AcrossWorkers:
+    """A sync-on-read variable of several workers as ``snapshot`` took it: this worker's
+    copies then, which ``read`` aggregates over every worker."""
+
+    __slots__ = ("copies", "variable", "workers")
+
+    def __init__(self, variable: SyncOnReadVariable, workers: Workers) -> None:
+        self.variable = variable
+        # A variable still to take the chief's values has not been used since it was made:
+        # ``read`` syncs it first and reads those.
+        self.copies = None if variable._unsynced else variable._copies
+        self.workers = workers
+
+    async def read(self) -> np.ndarray[Any, Any]:
+        """The aggregate over every worker, on the host: a collective, which every worker
+        makes in the same order, awaited without holding the event loop."""
+        variable, copies = self.variable, self.copies
+        if copies is None:
+            await _sync_first(variable)
+            copies = variable._copies
+        return await variable._read_over_workers(copies, self.workers)
+
+
 async def host_value(variable: Variable) -> np.ndarray[Any, Any]:
     """``variable``'s value as a cross-replica read gives it, on the host, read without a
-    host sync on the event loop's thread: a GPU's copy comes in a worker thread."""
+    host sync on the event loop's thread: a GPU's copy comes in a worker thread, a read over
+    the workers is awaited."""
     value, device = snapshot(variable)
+    if isinstance(value, AcrossWorkers):
+        return await value.read()
     if isinstance(value, Aggregate):
         value = await value.value()
-    return np.asarray(await _on_host(value, device))
-
-
-async def _on_host(value: Any, device: Device) -> Any:
-    """``value`` on the host: a GPU array copied in a worker thread, where the copy waits for
-    its GPU, which the event loop's thread must not (invariant 4); anything else as it is."""
-    if is_cupy_array(value):
-        return await anyio.to_thread.run_sync(host_array, value, device)
-    return value
+    return await to_host(value, device)
 
 
 def slot_variable(variable: Variable, name: str, *, initial_value: float = 0.0) -> Variable:
@@ -1777,7 +1825,7 @@ async def _holds(device: Device, nbytes: int, test: Callable[..., Any], *arrays:
     work that reads ``nbytes`` (``device.compute``: small host work inline, the rest on the
     device's worker thread, a GPU's on its stream) and read without a host sync on the event
     loop's thread (invariant 4): a GPU's answer is copied to the host in a worker thread."""
-    return bool(await _on_host(await device.compute(nbytes, test, *arrays), device))
+    return bool(await to_host(await device.compute(nbytes, test, *arrays), device))
 
 
 def _equal(first: Any, other: Any) -> Any:
@@ -1834,7 +1882,7 @@ async def _array_text(array: Any, device: Device) -> str:
     """``array``'s values as a list, or elided in the middle when that is long:
     ``[0., 0., ..., 0., 0.]``. NumPy formats the elided text from the corners alone; a GPU
     array is copied to the host in a worker thread first."""
-    array = await _on_host(array, device)
+    array = await to_host(array, device)
     if array.size <= _LISTED:
         shown = repr(array.tolist())
         if len(shown) <= 40:

@@ -31,6 +31,7 @@ import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any, Final, Protocol, final
 
+import anyio.to_thread
 import numpy as np
 
 from . import _loops, _tree
@@ -270,11 +271,16 @@ async def compute_update(
 
 
 async def to_host(array: Any, device: Device) -> np.ndarray[Any, Any]:
-    """``array`` as a NumPy array; a GPU array is copied once its device's work is done."""
+    """``array`` as a NumPy array; a GPU array is copied in a worker thread, where the copy
+    waits for the work that made it, which the event loop's thread must not (invariant 4).
+
+    For a checkpoint's values and other reads outside the collectives: into ordinary memory,
+    which the program gets back, where the backend's page-locked staging (``to_host`` of the
+    ``ArrayBackend``, for the collectives' transient copies) would keep a whole model pinned.
+    """
     if not is_cupy_array(array):
         return np.asarray(array)
-    await device.synchronize()  # so the copy below finds the work done and blocks no longer
-    return host_array(array, device)
+    return await anyio.to_thread.run_sync(host_array, array, device)
 
 
 def writer(op: str) -> Callable[[Any, Any], Any]:

@@ -196,11 +196,21 @@ def test_run_sh_runs_end_to_end_without_git_inside_its_limit(tmp_path: Path) -> 
         match = re.fullmatch(r"(\S+) exit=(\d+) seconds=(\d+)", line)
         assert match is not None, line
         steps[match[1]] = (int(match[2]), int(match[3]))
-    assert set(steps) == {"check_gpu", "bench_collectives", "bench_scheduler"}
+    # Quick: no bench_multiworker. The workers' check runs under the virtualenv's mpiexec.
+    assert set(steps) == {
+        "check_gpu",
+        "check_gpu_multiworker",
+        "test_cupy_gpu",
+        "bench_collectives",
+        "bench_scheduler",
+    }
     assert all(status == 0 for status, _ in steps.values()), steps
     log = (out / "check_gpu.log").read_text()
     assert summary(log)[1] == 0
     assert "SKIP" not in log
+    workers = (out / "check_gpu_multiworker.log").read_text()
+    assert re.search(r"^all workers: \d+ passed, 0 failed, 0 skipped", workers, re.MULTILINE)
+    assert " passed" in (out / "test_cupy_gpu.log").read_text()
     assert "git: unknown (not a git checkout)" in (out / "environment.txt").read_text()
     for name in ("bench_collectives.json", "bench_scheduler.json"):
         assert (out / name).stat().st_size > 0

@@ -8,6 +8,8 @@ order fails it (``tests/simulated_gpus.py``). The values are checked too.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import anyio
@@ -252,4 +254,40 @@ class TestRunArguments:
         assert [(gpu, y.get().tolist()) for gpu, y in results] == [
             (0, [2.0, 2.0]),
             (1, [1.0, 1.0]),
+        ]
+
+
+# -- input on GPUs -----------------------------------------------------------------------------
+
+
+class TestGpuInput:
+    async def test_a_replica_past_its_datasets_end_gets_zero_rows_with_no_host_sync(
+        self, cp: Any
+    ) -> None:
+        """A PER_REPLICA dataset of GPU batches that ends first: its replica gets zero-row
+        batches on its GPU shaped like the last one, made with no copy of that batch to the
+        host, so nothing on the loop's thread waits for a GPU (``cupyx.allow_synchronize(False)``
+        around the pass refuses any ``get()`` that copies)."""
+        import cupyx
+
+        strategy = aioreplica.MirroredStrategy(["gpu:0", "gpu:1"])
+
+        def dataset_fn(context: aioreplica.InputContext) -> list[Any]:
+            r = context.input_pipeline_id
+            with cp.cuda.Device(r):
+                return [cp.full((2, 3), 10 * r + i, cp.float32) for i in range(2 if r else 1)]
+
+        options = aioreplica.InputOptions(experimental_replication_mode="per_replica")
+        with contextlib.ExitStack() as disallowed:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # allow_synchronize warns that it is deprecated
+                disallowed.enter_context(cupyx.allow_synchronize(False))
+            elements = [
+                strategy.experimental_local_results(element)
+                async for element in strategy.distribute_datasets_from_function(dataset_fn, options)
+            ]
+        got = [[(type(p).__module__, p.shape, p.dtype.name) for p in e] for e in elements]
+        assert got == [
+            [("cupy", (2, 3), "float32"), ("cupy", (2, 3), "float32")],
+            [("cupy", (0, 3), "float32"), ("cupy", (2, 3), "float32")],
         ]

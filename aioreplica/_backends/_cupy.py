@@ -56,9 +56,13 @@ import warnings
 from typing import TYPE_CHECKING, Any, Final, TypeVar, final
 
 import anyio.lowlevel
+import anyio.to_thread
 import cupy
+import cupyx
+import numpy as np
 
 from .. import _loops, _trace
+from ._arrays import host_array
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -71,6 +75,8 @@ __all__ = ["CUPY_BACKEND", "CudaDevice", "CupyBackend", "cuda_device", "visible_
 T = TypeVar("T")
 
 _runtime: Any = cupy.cuda.runtime
+#: ``cudaErrorMemoryAllocation`` (CuPy's Python module does not name it).
+_CUDA_ERROR_MEMORY_ALLOCATION: Final = 2
 _get_device: Callable[[], int] = _runtime.getDevice
 _set_device: Callable[[int], None] = _runtime.setDevice
 _get_current_stream: Callable[..., Any] = cupy.cuda.get_current_stream
@@ -642,6 +648,56 @@ class CupyBackend:
                 nccl.groupEnd()
         return plan.fan_out(outputs)
 
+    async def to_host(self, value: Any, device: Device) -> np.ndarray[Any, Any]:
+        """A new, writeable, C-contiguous NumPy copy of ``value``, copied on ``device``'s
+        stream after the work queued there before, and awaited without blocking the event loop.
+
+        The copy goes into page-locked host memory (``cupyx.empty_pinned``), so CUDA makes it
+        asynchronously: it is queued on the stream and awaited as ``synchronize`` awaits (a
+        stream callback), with no host synchronization on the loop thread (``ndarray.get``
+        would block the thread for the whole copy). Where no page-locked memory is left, the
+        copy goes into ordinary memory in a worker thread instead, as CuPy falls back for its
+        own transfers. An array on another GPU is first copied to ``device``'s GPU, as
+        ``CudaDevice.asarray`` copies it; host data is copied as it is.
+
+        CuPy's pool keeps the page-locked blocks for reuse: for the transient copies of the
+        collectives, not for copies as large as a model that stay (a checkpoint's).
+
+        Raises:
+            TypeError: ``value`` is a CuPy array and ``device`` no GPU device.
+            cupy.cuda.runtime.CUDARuntimeError: the stream's work failed on the device.
+
+        Example:
+            >>> a = cuda_device(0)
+            >>> anyio.run(CUPY_BACKEND.to_host, a.asarray([[1, 2], [3, 4]]).T, a)
+            array([[1, 3],
+                   [2, 4]])
+        """
+        if not isinstance(value, cupy.ndarray):
+            return np.array(value, copy=True, order="C")
+        index, stream = _placed(device, 0)
+        _forget_finished_copies()
+        source = device.asarray(value)  # on another GPU: copied to this one, on this stream
+        with _Active(index, stream):
+            source = _contiguous(source)
+            try:
+                host: np.ndarray[Any, Any] = cupyx.empty_pinned(value.shape, value.dtype)
+            except _runtime.CUDARuntimeError as exc:
+                if exc.status != _CUDA_ERROR_MEMORY_ALLOCATION:
+                    raise
+                return await anyio.to_thread.run_sync(host_array, source, device)
+            if host.nbytes:
+                source.data.copy_to_host_async(host.ctypes.data, host.nbytes, stream)
+            copied = stream.record(_event())
+        try:
+            await device.synchronize()
+        except BaseException:
+            # Abandoned (cancelled, or the device failed): the copy may still be writing into
+            # the buffer, which must not go back to the pinned pool before it has finished.
+            _abandoned_copies.append((copied, host))
+            raise
+        return host
+
     def reduce_to_first(self, op: str, inputs: Sequence[Any], devices: Sequence[Device]) -> Any:
         """``op`` (``"sum"`` or ``"mean"``) over the inputs, into a new array on the first
         device's GPU, queued on its stream now (synchronous: nothing is awaited).
@@ -783,6 +839,15 @@ def _stream_callback(stream: Any, status: int, waiter: _Waiter) -> None:
     # and let the waiting task build the exception.
     waiter.status = status
     waiter.result.set(status, None)
+
+
+#: ``(event, buffer)`` of device-to-host copies whose wait was abandoned: each buffer stays
+#: referenced until its copy has finished.
+_abandoned_copies: list[tuple[Any, Any]] = []
+
+
+def _forget_finished_copies() -> None:
+    _abandoned_copies[:] = [(event, host) for event, host in _abandoned_copies if not event.done]
 
 
 def _event() -> Any:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from types import ModuleType
 
+    import numpy as np
+
 __all__ = ["ArrayBackend", "Device"]
 
 T = TypeVar("T")
@@ -129,3 +131,7 @@ class ArrayBackend(Protocol):
 
     async def broadcast(self, value: Any, devices: Sequence[Device]) -> list[Any]:
         """Give every replica ``value`` (which lives on any device of this backend)."""
+
+    async def to_host(self, value: Any, device: Device) -> np.ndarray[Any, Any]:
+        """A new, writeable, C-contiguous NumPy copy of ``value`` (on ``device``), holding what
+        the device's work made it, copied without blocking the event loop."""

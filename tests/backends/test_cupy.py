@@ -8,11 +8,13 @@ backend through the public API on real hardware.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import subprocess
 import sys
 import textwrap
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -346,6 +348,101 @@ class TestCupyBackend:
         inputs = _to_devices(devices, [np.ones(3, dtype=np.int16)] * 2)
         with pytest.raises(TypeError, match=r"cannot reduce dtype int16.*astype\('int32'\)"):
             await cb.CUPY_BACKEND.all_reduce("sum", inputs, devices)
+
+    @pytest.mark.anyio
+    async def test_to_host_copies_after_the_streams_work_without_a_host_sync(
+        self, cb: Any, cp: Any
+    ) -> None:
+        """A new, writeable, C-contiguous NumPy array holding the value that the work queued
+        on the device's stream made (a transposed one, a 0-d one, an empty one), made with no
+        host synchronization (none is declared under ``cupyx.allow_synchronize(False)``)."""
+        import cupyx
+
+        device = cb.cuda_device(0)
+        hosts: list[np.ndarray[Any, Any]] = [
+            np.arange(12.0, dtype=np.float32).reshape(3, 4),
+            np.array(2.5),
+            np.zeros((0, 3)),
+        ]
+        for host in hosts:
+            value = device.asarray(host)
+            doubled = await device.run(lambda v=value: (v * 2).T)  # queued on the stream
+            with contextlib.ExitStack() as disallowed:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # allow_synchronize warns it is deprecated
+                    disallowed.enter_context(cupyx.allow_synchronize(False))
+                got = await cb.CUPY_BACKEND.to_host(doubled, device)
+            assert type(got) is np.ndarray
+            assert (got.shape, got.dtype) == (host.shape[::-1], host.dtype)
+            assert got.flags.c_contiguous
+            assert got.flags.writeable
+            np.testing.assert_array_equal(got, (host * 2).T)
+
+    @pytest.mark.anyio
+    async def test_to_host_of_another_gpus_array_or_host_data(self, cb: Any, cp: Any) -> None:
+        """An array on another GPU is copied (through ``device``'s GPU); host data is copied."""
+        device = cb.cuda_device(0)
+        if cb.visible_device_count() >= 2:
+            other = cb.cuda_device(1).asarray(np.arange(5, dtype=np.int64))
+            got = await cb.CUPY_BACKEND.to_host(other, device)
+            np.testing.assert_array_equal(got, np.arange(5))
+        source = np.arange(4)[::-1]
+        got = await cb.CUPY_BACKEND.to_host(source, device)
+        np.testing.assert_array_equal(got, [3, 2, 1, 0])
+        assert got.flags.c_contiguous
+        assert not np.shares_memory(got, source)
+
+    @pytest.mark.anyio
+    async def test_to_host_refuses_a_host_device(self, cb: Any, cp: Any) -> None:
+        from aioreplica._backends import HostDevice
+
+        with pytest.raises(TypeError, match=r"GPU devices.*HostDevice"):
+            await cb.CUPY_BACKEND.to_host(cb.cuda_device(0).asarray([1.0]), HostDevice(0))
+
+    @pytest.mark.anyio
+    async def test_to_host_abandoned_keeps_its_buffer_until_the_copy_is_done(
+        self, cb: Any, cp: Any
+    ) -> None:
+        """A cancelled wait leaves the copy running on the GPU: its buffer must not go back to
+        the pinned pool before the copy ends, so it is kept until a later call finds it
+        done."""
+        import anyio
+
+        device = cb.cuda_device(0)
+        value = device.asarray(np.ones(64, np.float32))
+        cb._abandoned_copies.clear()
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await cb.CUPY_BACKEND.to_host(value, device)
+        [(event, buffer)] = cb._abandoned_copies
+        assert buffer.shape == (64,)
+        sim = getattr(cp, "_sim", None)
+        if sim is not None:  # the copy still runs (the GPU answers "not yet"): kept
+            sim.world().busy_queries = 1
+            cb._forget_finished_copies()
+            assert cb._abandoned_copies == [(event, buffer)]
+        await device.synchronize()
+        assert event.done
+        await cb.CUPY_BACKEND.to_host(value, device)
+        assert cb._abandoned_copies == []
+
+    @pytest.mark.anyio
+    async def test_to_host_without_page_locked_memory_copies_in_a_thread(
+        self, cb: Any, cp: Any, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """No page-locked memory left (CUDA's out-of-memory from ``cupyx.empty_pinned``):
+        the copy goes into ordinary memory, in a worker thread, after the stream's work."""
+        import cupyx
+
+        def exhausted(*args: Any, **kwargs: Any) -> Any:
+            raise cp.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
+
+        device = cb.cuda_device(0)
+        value = await device.run(lambda: device.asarray(np.arange(6.0)).reshape(2, 3).T * 2)
+        monkeypatch.setattr(cupyx, "empty_pinned", exhausted)
+        got = await cb.CUPY_BACKEND.to_host(value, device)
+        np.testing.assert_array_equal(got, np.arange(6.0).reshape(2, 3).T * 2)
+        assert got.flags.c_contiguous
 
     def test_visible_device_count_counts_the_gpus(self, cb: Any, cp: Any) -> None:
         """The count is CuPy's device count."""

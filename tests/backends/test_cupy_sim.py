@@ -416,6 +416,89 @@ class TestGet:
         np.testing.assert_array_equal(x.get(), [0.0, 1.0, 2.0, 3.0])
 
 
+class TestCopyToHostAsync:
+    """``MemoryPointer.copy_to_host_async`` into ``cupyx.empty_pinned`` memory, as CUDA copies
+    into page-locked memory: queued on a stream, no host synchronization."""
+
+    @pytest.mark.parametrize("learn", ["synchronize", "done", "callback"])
+    def test_the_bytes_land_once_the_host_learns_the_copy_is_done(
+        self, cp: Any, learn: str
+    ) -> None:
+        """Until then they read ``0xFF`` (NaN here), as a read too early may on a GPU."""
+        import cupyx
+
+        s = cp.cuda.Stream()
+        with s:
+            x = cp.arange(4.0)
+        out = cupyx.empty_pinned((4,), np.float64)
+        x.data.copy_to_host_async(out.ctypes.data, out.nbytes, s)
+        assert np.isnan(out).all()
+        if learn == "synchronize":
+            s.synchronize()
+        elif learn == "done":
+            assert s.record().done
+        else:
+            called = threading.Event()
+            s.add_callback(lambda stream, status, arg: arg.set(), called)
+            assert called.wait(CALLBACK_WAIT)
+        np.testing.assert_array_equal(out, [0.0, 1.0, 2.0, 3.0])
+
+    def test_it_declares_no_synchronization(self, cp: Any) -> None:
+        """``cupyx.allow_synchronize(False)`` lets it through (it does not block the host)."""
+        import cupyx
+
+        s = cp.cuda.Stream()
+        with s:
+            x = cp.arange(3, dtype=cp.int32)
+        out = cupyx.empty_pinned((3,), np.int32)
+        with contextlib.ExitStack() as disallowed:
+            with pytest.warns(UserWarning, match=r"^cupyx\.allow_synchronize will be removed"):
+                disallowed.enter_context(cupyx.allow_synchronize(False))
+            x.data.copy_to_host_async(out.ctypes.data, out.nbytes, s)
+        s.synchronize()
+        np.testing.assert_array_equal(out, [0, 1, 2])
+
+    def test_into_ordinary_memory_it_lands_at_once(self, cp: Any) -> None:
+        """CUDA copies into pageable memory synchronously."""
+        s = cp.cuda.Stream()
+        with s:
+            x = cp.arange(3.0)
+        out = np.zeros(3)
+        x.data.copy_to_host_async(out.ctypes.data, out.nbytes, s)
+        np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
+
+    def test_a_copy_into_memory_dropped_before_it_lands_is_recorded(self, cp: Any) -> None:
+        """The page-locked buffer went back (to CuPy's pool, which may hand it out again)
+        while the copy still ran: recorded, not written into freed memory."""
+        import cupyx
+
+        s = cp.cuda.Stream()
+        with s:
+            x = cp.arange(4.0)
+        out = cupyx.empty_pinned((4,), np.float64)
+        address = out.ctypes.data
+        x.data.copy_to_host_async(address, out.nbytes, s)
+        del out
+        s.synchronize()
+        assert races(cp) == [
+            f"a device-to-host copy into page-locked memory at {address:#x} finished after "
+            "the memory was dropped"
+        ]
+
+    def test_a_copy_on_a_stream_not_ordered_after_the_write_races(self, cp: Any) -> None:
+        a, b = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+        with a:
+            x = cp.arange(4.0)
+        out = np.empty(4)
+        with pytest.raises(cp._sim.RaceError) as excinfo:
+            x.data.copy_to_host_async(out.ctypes.data, out.nbytes, b)
+        assert re.search(
+            r"read by device-to-host copy \(copy_to_host_async\) .* is not ordered after the "
+            r"write by arange",
+            race_raised(cp, excinfo),
+        )
+
+
 class TestStreamStacks:
     def test_with_a_stream_of_another_device_raises(self, cp: Any) -> None:
         with cp.cuda.Device(1):

@@ -8,6 +8,8 @@ the library swallowed. Expected values come from NumPy over the global data.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any
 
 import numpy as np
@@ -192,3 +194,46 @@ async def test_writes_outside_run_take_the_chiefs_value_on_gpus(cp: Any) -> None
         allgather([c.tobytes() for c in copies])
         == [[np.full(3, 2.0, np.float32).tobytes()] * LOCAL] * WORKERS
     )
+
+
+async def test_cross_worker_work_never_synchronizes_the_host(cp: Any) -> None:
+    """Invariant 4 across workers: staging through the host copies device to host
+    asynchronously, awaited through the stream, never with a host synchronization on the loop
+    thread. Under ``cupyx.allow_synchronize(False)`` (what CuPy raises ``DeviceSynchronized``
+    under), variables' first sync, every collective, an optimizer step, sync-on-read writes and
+    a checkpoint save all run, and give the global values."""
+    import cupyx
+
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["gpu:0", "gpu:1"])
+    rows = _rows()
+    with strategy.scope():
+        w = aioreplica.Variable(np.full(5, float(RANK + 1), np.float32), name="w")
+        seen = aioreplica.Variable(0.0, synchronization="on_read", aggregation="sum")
+    optimizer = aioreplica.optimizers.SGD(0.5)
+
+    async def step() -> Any:
+        ctx = replica_context()
+        x = ctx.device.asarray(rows[ctx.replica_id_in_sync_group])
+        total = await ctx.all_reduce("sum", x)
+        gathered = await ctx.all_gather(x[:2])
+        sent = await ctx.broadcast(x, source_replica=GLOBAL - 1)
+        await optimizer.apply_gradients([(x, w)])
+        await seen.assign_add(1.0)
+        return total, gathered, sent
+
+    with shared_directory() as directory, contextlib.ExitStack() as disallowed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # allow_synchronize warns that it is deprecated
+            disallowed.enter_context(cupyx.allow_synchronize(False))
+        result = await strategy.run(step)
+        path = await aioreplica.Checkpoint(w=w, seen=seen).save(f"{directory}/gpu.npz")
+        with np.load(path) as saved:
+            values = {k: saved[k] for k in saved.files if k != "manifest.json"}
+    for total, gathered, sent in each_replica(strategy, result):
+        np.testing.assert_allclose(cp.asnumpy(total), rows.sum(axis=0), rtol=1e-6)
+        np.testing.assert_array_equal(cp.asnumpy(gathered), np.concatenate([r[:2] for r in rows]))
+        np.testing.assert_array_equal(cp.asnumpy(sent), rows[GLOBAL - 1])
+    expected = np.ones(5, np.float32) - 0.5 * rows.sum(axis=0)  # from the chief's 1.0
+    np.testing.assert_allclose(w.numpy(), expected, rtol=1e-6)
+    assert sorted(float(v) for v in values.values() if v.ndim == 0) == [float(GLOBAL)]
+    assert any(np.allclose(v, expected, rtol=1e-6) for v in values.values() if v.ndim == 1)

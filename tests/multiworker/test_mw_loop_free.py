@@ -12,6 +12,7 @@ never completes (or fails) while the others wait for it.
 
 from __future__ import annotations
 
+import functools
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +23,17 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from aioreplica import PerReplica, ReplicaSyncError
+from aioreplica import Checkpoint, PerReplica, ReplicaSyncError, Variable
 from aioreplica.testing import replica_context
-from multiworker.mwtools import RANK, WORKERS, WORLD, allgather, each_replica, global_ids
+from multiworker.mwtools import (
+    RANK,
+    WORKERS,
+    WORLD,
+    allgather,
+    each_replica,
+    global_ids,
+    shared_directory,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -79,6 +88,7 @@ class Watched:
         self.left = threading.Event()
         self.peers_posted = 0
         self.held: list[tuple[str, tuple[Any, ...]]] = []
+        self.released = False
         self.workers._comm = self
         self.workers._left = _LeftBehind(self)
 
@@ -115,10 +125,12 @@ class Watched:
         return self._posted("Ibcast", *args)
 
     def release(self) -> None:
-        """Post the collectives held back, and wait for them (the peers' complete too)."""
+        """Post the collectives held back, and wait for them (the peers' complete too): the
+        requests held back complete then."""
         self.workers._comm = self.comm
         for name, args in self.held:
             getattr(self.comm, name)(*args).Wait()
+        self.released = True
 
 
 class _LeftBehind(list[Any]):
@@ -147,6 +159,8 @@ class _Request:
         if not watched.events or watched.events[-1] != event:  # one entry for a run of tests
             watched.events.append(event)
         if self.request is None:
+            if watched.released:
+                return True
             if not watched.heard_from_peers():
                 return False
             watched.tested.set()
@@ -333,3 +347,60 @@ async def test_a_large_wait_starts_while_the_programs_threads_are_all_taken(
     finally:
         limiter.total_tokens = tokens
     np.testing.assert_array_equal(result, np.full(LARGE, float(WORKERS), np.float32))
+
+
+#: The tag of worker 0's message telling worker 1 that worker 0's loop ran during its save.
+RAN = 78
+
+
+async def test_a_checkpoint_reads_a_sync_on_read_variable_without_holding_the_loop(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A checkpoint save reads a sync-on-read variable over the workers as an awaited
+    collective. Worker 1 holds its part of the read back until worker 0 tells it, from a task
+    of its own, that its loop ran while its save waited for that part: a read that held worker
+    0's loop would never tell, and its save would time out instead."""
+    strategy = make_strategy(2, sync_timeout=10.0)
+    with strategy.scope():
+        seen = Variable(0.0, synchronization="on_read", aggregation="sum")
+
+    async def step() -> None:
+        await seen.assign_add(1.0)
+
+    await strategy.run(step)
+    checkpoint = Checkpoint(seen=seen)
+    watched = Watched(strategy, holder=1)
+    posted = anyio.Event()
+    post = watched._posted
+
+    def posted_and_told(name: str, *args: Any) -> _Request:
+        request = post(name, *args)
+        posted.set()
+        return request
+
+    watched._posted = posted_and_told  # type: ignore[method-assign]
+    events: list[str] = []
+
+    async def tell_worker_1() -> None:
+        await posted.wait()
+        events.append("the loop ran while the save waited for worker 1's part")
+        WORLD.send(None, 1, RAN)
+
+    async def let_go_once_told() -> None:
+        await anyio.to_thread.run_sync(watched.tested.wait, 10.0)
+        await anyio.to_thread.run_sync(functools.partial(WORLD.recv, source=0, tag=RAN))
+        events.append("let its part go")
+        watched.release()
+
+    with shared_directory() as directory:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(tell_worker_1 if RANK == 0 else let_go_once_told)
+            path = await checkpoint.save(f"{directory}/seen.npz")
+            events.append("saved")
+        with np.load(path) as saved:
+            totals = [float(saved[k]) for k in saved.files if k != "manifest.json"]
+    assert allgather(events) == [
+        ["the loop ran while the save waited for worker 1's part", "saved"],
+        ["let its part go", "saved"],
+    ]
+    assert totals == [2.0 * WORKERS]  # every replica's 1.0

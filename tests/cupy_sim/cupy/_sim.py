@@ -30,6 +30,7 @@ history, so a read on another stream that was not ordered before the reuse is a 
 from __future__ import annotations
 
 import bisect
+import ctypes
 import os
 import sys
 import threading
@@ -192,6 +193,11 @@ class World:
         #: callbacks get it, synchronizing calls raise it, ``done`` stays False, as in CUDA
         self.fail_status = 0
         self.callback_thread = _CallbackThread()
+        #: device-to-host copies into page-locked memory not yet known to be done:
+        #: (stream agent id, tick, the destination array, its address, the bytes)
+        self.host_copies: list[tuple[int, int, Any, int, bytes]] = []
+        #: the arrays ``cupyx.empty_pinned`` made, by address (weakly: they may be dropped)
+        self.pinned_arrays: dict[int, Any] = {}
 
     def next_agent_id(self) -> int:
         self._agents += 1
@@ -214,6 +220,41 @@ class World:
 
     # -- launching ------------------------------------------------------------------------
 
+    def pinned(self, array: np.ndarray[Any, Any]) -> None:
+        """Remember ``array`` as page-locked memory (``cupyx.empty_pinned``), until dropped."""
+        address = array.ctypes.data
+        self.pinned_arrays[address] = weakref.ref(array)
+        weakref.finalize(array, self.pinned_arrays.pop, address, None)
+
+    def copy_to_host_later(self, agent: Agent, tick: int, address: int, data: Any) -> None:
+        """A copy of ``data`` to host ``address``, launched at ``tick`` of ``agent``. Into
+        page-locked memory it is asynchronous: the host bytes read ``0xFF`` until the host
+        learns that tick is done. Into other memory CUDA copies synchronously: at once."""
+        ref = self.pinned_arrays.get(address)
+        if ref is None or ref() is None:
+            ctypes.memmove(address, bytes(data), len(data))
+            return
+        ctypes.memset(address, 0xFF, len(data))
+        self.host_copies.append((agent.id, tick, ref, address, bytes(data)))
+
+    def host_learned(self) -> None:
+        """Land the host copies that the host clock now covers (call under the lock, after
+        joining a clock into the host's). A copy whose destination was dropped before it
+        landed is a ``SimulationError``: on a GPU it writes memory that the pool may have
+        handed out again."""
+        waiting = []
+        for agent, tick, ref, address, data in self.host_copies:
+            if self.host.clock.get(agent, 0) < tick:
+                waiting.append((agent, tick, ref, address, data))
+            elif ref() is None:
+                self.races.append(
+                    f"a device-to-host copy into page-locked memory at {address:#x} finished "
+                    "after the memory was dropped"
+                )
+            else:
+                ctypes.memmove(address, data, len(data))
+        self.host_copies = waiting
+
     def query(self, clock: dict[int, int]) -> bool:
         """``Stream.done`` / ``Event.done``: never raise (CuPy checks no status); a "yes" is
         the host learning that the work ``clock`` covers is done."""
@@ -225,6 +266,7 @@ class World:
                 return False
             self.host.clock.join(clock)
             self.host.tick()
+            self.host_learned()
             return True
 
     def launch(self, agent: Agent) -> int:
@@ -260,6 +302,7 @@ class World:
         with self.lock:
             self.host.clock.join(clock)
             self.host.tick()
+            self.host_learned()
 
     def device_sync(self, device: int, what: str) -> None:
         """The host waited for all work launched so far on GPU ``device``, on every stream."""

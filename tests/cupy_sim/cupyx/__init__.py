@@ -1,9 +1,12 @@
-"""``cupyx``: only ``allow_synchronize`` and ``DeviceSynchronized`` (``cupyx/_runtime.py``)."""
+"""``cupyx``: ``allow_synchronize`` and ``DeviceSynchronized`` (``cupyx/_runtime.py``), and
+``empty_pinned`` (``cupyx/_pinned_array.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -33,3 +36,14 @@ def allow_synchronize(allow: bool) -> Iterator[None]:
         yield
     finally:
         thread.allow_synchronize = previous
+
+
+def empty_pinned(shape: Any, dtype: Any = float, order: str = "C") -> np.ndarray[Any, Any]:
+    """A NumPy array in "page-locked" host memory: plain host memory here, which
+    ``MemoryPointer.copy_to_host_async`` fills asynchronously."""
+    from cupy import _sim
+
+    world = _sim.world()
+    result: np.ndarray[Any, Any] = np.empty(shape, dtype=dtype, order=order)  # type: ignore[call-overload]
+    world.pinned(result)
+    return result

@@ -81,6 +81,24 @@ class MemoryPointer:
     def device(self) -> Device:
         return Device(self.device_id)
 
+    def copy_to_host_async(self, mem: Any, size: int, stream: Stream | None = None) -> None:
+        """Queue a copy of ``size`` bytes from here to host address ``mem`` on ``stream`` (the
+        current one by default), as CUDA copies into page-locked memory: asynchronously. The
+        host bytes read ``0xFF`` until the host learns the copy has finished (a synchronize, a
+        stream callback, a ``done`` that said ``True``), so code that reads them earlier reads
+        garbage, as it may on a GPU."""
+        world = _sim.world()
+        if stream is None:
+            stream = get_current_stream()
+        address = int(getattr(mem, "value", mem) or 0)
+        with world.lock:
+            block = world.block_at(self.ptr, size, "copy_to_host_async")
+            agent = world.null[block.device] if stream.ptr == 0 else stream.agent
+            tick = world.launch(agent)
+            world.access(block, agent, tick, False, "device-to-host copy (copy_to_host_async)")
+            start = self.ptr - block.ptr
+            world.copy_to_host_later(agent, tick, address, block.buffer[start : start + size])
+
 
 class Stream:
     """``cupy.cuda.Stream``: made on the current device; blocking unless ``non_blocking``."""
@@ -193,6 +211,7 @@ class Stream:
         def run() -> None:
             with world.lock:
                 world.host.clock.join(clock)
+                world.host_learned()
             call()
 
         world.callback_thread.call(run)

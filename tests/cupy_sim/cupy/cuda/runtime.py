@@ -8,6 +8,7 @@ from .. import _sim
 
 _ERRORS = {
     1: "cudaErrorInvalidValue: invalid argument",
+    2: "cudaErrorMemoryAllocation: out of memory",
     101: "cudaErrorInvalidDevice: invalid device ordinal",
     700: "cudaErrorIllegalAddress: an illegal memory access was encountered",
 }
