@@ -471,7 +471,7 @@ class Checkpoint:
         if workers.pending:
             await sync_variables(workers)
         snap = self._snapshot(caller)
-        await snap.read_across_workers()
+        await snap.read_across_workers(workers, caller)
         await _gather_places(workers, snap)
         return snap
 
@@ -1776,13 +1776,18 @@ class _Snapshot:
         self.pending.append((member, value, device))
         return member
 
-    async def read_across_workers(self) -> None:
+    async def read_across_workers(self, workers: Workers, caller: str) -> None:
         """Read the sync-on-read variables of several workers (``AcrossWorkers``) over every
         worker, in the snapshot's order, which is the same on every worker: a collective
-        each."""
+        each. Those of ``workers`` (the strategy whose call the save holds) are awaited;
+        those of another strategy are read first, with blocking calls, before any await, as
+        the snapshot itself was taken (``caller``: the save, which the reads' names say)."""
+        for k, (member, value, _) in enumerate(self.pending):
+            if isinstance(value, AcrossWorkers) and value.workers is not workers:
+                self.pending[k] = (member, value.read_now(caller), None)
         for k, (member, value, _) in enumerate(self.pending):
             if isinstance(value, AcrossWorkers):
-                self.pending[k] = (member, await value.read(), None)
+                self.pending[k] = (member, await value.read(caller), None)
 
     async def write(self, path: str, place: Callable[[str], str] | None = None) -> str:
         """Write the snapshot to ``path`` atomically, in a worker thread; return the path

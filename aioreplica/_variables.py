@@ -1292,6 +1292,11 @@ class SyncOnReadVariable(Variable):
     def _read_all_workers(self, workers: Workers) -> Any:
         """The aggregate over every worker's copies (a collective every worker makes):
         ``ONLY_FIRST_REPLICA`` is the chief's first copy."""
+        return frozen(self._devices[0].asarray(self._host_over_workers(workers)))
+
+    def _host_over_workers(self, workers: Workers, caller: str = "") -> np.ndarray[Any, Any]:
+        """``_read_all_workers`` on the host, with blocking MPI calls (a synchronous read;
+        ``caller``: what reads it, which the read's name says)."""
         if self._unsynced:
             sync_variables_now(self._engine)
         copies, devices = self._copies, self._devices
@@ -1302,16 +1307,16 @@ class SyncOnReadVariable(Variable):
             # MPI sums numbers in this machine's byte order only: the sum is made in it, and
             # given back in the variable's dtype by ``_aggregated``.
             value = in_native_order(np.array(host_array(local, devices[0]), copy=True))
-        what, post = self._over_workers(value, workers)
+        what, post = self._over_workers(value, workers, caller)
         workers.blocking(what, lambda comm, wait: wait(post(comm)))
-        return frozen(devices[0].asarray(self._aggregated(value)))
+        return self._aggregated(value)
 
     async def _read_over_workers(
-        self, copies: tuple[Any, ...], workers: Workers
+        self, copies: tuple[Any, ...], workers: Workers, caller: str = ""
     ) -> np.ndarray[Any, Any]:
-        """``_read_all_workers`` of ``copies`` (this worker's, as a snapshot took them) on the
-        host, without blocking the event loop: the copies combine where their device computes,
-        come to the host through ``to_host``, and the workers' read is awaited."""
+        """``_host_over_workers`` of ``copies`` (this worker's, as a snapshot took them),
+        without blocking the event loop: the copies combine where their device computes, come
+        to the host through ``to_host``, and the workers' read is awaited."""
         device = self._devices[0]
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
             value = await device.backend.to_host(copies[0], device)
@@ -1320,18 +1325,21 @@ class SyncOnReadVariable(Variable):
             reduce = device.backend.reduce_to_first
             local = await device.compute(nbytes, reduce, "sum", copies, self._devices)
             value = in_native_order(await device.backend.to_host(local, device))
-        what, post = self._over_workers(value, workers)
+        what, post = self._over_workers(value, workers, caller)
         await workers.read(what, post, value.nbytes)
         return self._aggregated(value)
 
     def _over_workers(
-        self, value: np.ndarray[Any, Any], workers: Workers
+        self, value: np.ndarray[Any, Any], workers: Workers, caller: str
     ) -> tuple[str, Callable[[Any], Any]]:
-        """What every worker's read of this variable names (the workers compare it), and its
-        MPI call on ``value``, this worker's part on the host, where the result lands: the
-        chief's first copy for ``ONLY_FIRST_REPLICA``, else the sum over the workers."""
+        """What every worker's read of this variable names (the workers compare it; with what
+        reads it, ``caller``, if given), and its MPI call on ``value``, this worker's part on
+        the host, where the result lands: the chief's first copy for ``ONLY_FIRST_REPLICA``,
+        else the sum over the workers."""
         mpi = workers.mpi
         what = f"reading sync-on-read variable {self._name!r} ({value.dtype.name} {value.shape})"
+        if caller:
+            what = f"{what} for {caller}"
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA:
             return what, lambda comm: comm.Ibcast([raw_bytes(value), mpi.BYTE], 0)
         return what, lambda comm: comm.Iallreduce(mpi.IN_PLACE, value, mpi.SUM)
@@ -1613,19 +1621,21 @@ class AcrossWorkers:
 
     def __init__(self, variable: SyncOnReadVariable, workers: Workers) -> None:
         self.variable = variable
-        # A variable still to take the chief's values has not been used since it was made:
-        # ``read`` syncs it first and reads those.
-        self.copies = None if variable._unsynced else variable._copies
+        self.copies = variable._copies
         self.workers = workers
 
-    async def read(self) -> np.ndarray[Any, Any]:
+    async def read(self, caller: str = "") -> np.ndarray[Any, Any]:
         """The aggregate over every worker, on the host: a collective, which every worker
-        makes in the same order, awaited without holding the event loop."""
-        variable, copies = self.variable, self.copies
-        if copies is None:
-            await _sync_first(variable)
-            copies = variable._copies
-        return await variable._read_over_workers(copies, self.workers)
+        makes in the same order, awaited without holding the event loop (``caller``: what
+        reads it, which the read's name says). The variable has taken the chief's values."""
+        assert not self.variable._unsynced, "sync_variables() first"
+        return await self.variable._read_over_workers(self.copies, self.workers, caller)
+
+    def read_now(self, caller: str) -> np.ndarray[Any, Any]:
+        """``read`` with blocking MPI calls, now, of the copies the variable holds now (a new
+        variable first takes the chief's values): for a variable of another strategy than
+        the one whose call the caller holds, whose turn it cannot await."""
+        return self.variable._host_over_workers(self.workers, caller)
 
 
 async def host_value(variable: Variable) -> np.ndarray[Any, Any]:

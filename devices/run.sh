@@ -19,7 +19,7 @@
 # the mpiexec beside the Python, else one on PATH. Without any, those steps are left out (the
 # summary says so).
 #
-# Time. Each step has its own limit, so a hanging step cannot starve the others:
+# Time. Each step has its own limit, so one hanging step cannot starve the others:
 #   check_gpu              240 s  (the smoke test's 10 s, at most 3 layouts of 60 s each on one
 #                                  loop, asyncio: 190 s, plus 50 s to import CuPy and compile)
 #   check_gpu_multiworker  150 s  (2 workers, 2 layouts of at most 60 s each)
@@ -28,10 +28,11 @@
 #   bench_scheduler         60 s  (--quick: under a minute)
 #   bench_multiworker       90 s  (the 8-byte step only, 2 workers: about 45 s)
 #   sum                    750 s
-# The whole script stops after AIOREPLICA_RUN_TIMEOUT seconds (default 540: every step runs far
-# inside its limit on a GPU machine, and a hang still leaves the summary of the steps before),
-# so it writes its summary unless a step overruns its own limit. A step that runs out of time
-# exits 124.
+# The whole script stops after AIOREPLICA_RUN_TIMEOUT seconds (default 540, less than the sum:
+# what one call of a GPU machine may take; there the whole run takes about two minutes). One
+# step that hangs to its limit still leaves time for the others and the summary; several that
+# do can use up the whole run, which then ends with exit status 124, the summary holding the
+# steps that ended. A step that runs out of its own time exits 124.
 #
 # AIOREPLICA_RUN_QUICK=1 shortens every step, to try the script itself (against the CPU stand-in
 # of CuPy, PYTHONPATH=tests/cupy_sim, it then takes seconds): check_gpu --quick (16 x 16
@@ -41,7 +42,7 @@
 #
 # Exit status: the GPU checks' when one failed (1: a check failed, 2: no CuPy or no CUDA
 # device, 124: timed out); else 3 when the backend's tests or a benchmark failed or timed out;
-# else 0.
+# else 0; 124 when the whole run ran out of time.
 set -uo pipefail
 
 if [[ -z "${AIOREPLICA_RUN_UNDER_TIMEOUT:-}" ]]; then

@@ -678,17 +678,20 @@ class CupyBackend:
         index, stream = _placed(device, 0)
         _forget_finished_copies()
         source = device.asarray(value)  # on another GPU: copied to this one, on this stream
-        with _Active(index, stream):
+        with _Active(index, stream):  # (no await inside: other tasks run between awaits)
             source = _contiguous(source)
             try:
-                host: np.ndarray[Any, Any] = cupyx.empty_pinned(value.shape, value.dtype)
+                host: np.ndarray[Any, Any] | None = cupyx.empty_pinned(value.shape, value.dtype)
             except _runtime.CUDARuntimeError as exc:
                 if exc.status != _CUDA_ERROR_MEMORY_ALLOCATION:
                     raise
-                return await anyio.to_thread.run_sync(host_array, source, device)
-            if host.nbytes:
-                source.data.copy_to_host_async(host.ctypes.data, host.nbytes, stream)
-            copied = stream.record(_event())
+                host = None
+            if host is not None:
+                if host.nbytes:
+                    source.data.copy_to_host_async(host.ctypes.data, host.nbytes, stream)
+                copied = stream.record(_event())
+        if host is None:  # no page-locked memory left
+            return await anyio.to_thread.run_sync(host_array, source, device)
         try:
             await device.synchronize()
         except BaseException:

@@ -14,6 +14,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -195,12 +196,16 @@ class TestCudaDevice:
 
     @pytest.mark.anyio
     async def test_synchronize_waits_for_queued_work(self, cb: Any, cp: Any) -> None:
-        """After ``await synchronize()`` everything queued on the stream has finished."""
+        """After ``await synchronize()`` everything queued on the stream before has finished.
+        (The stream itself may still be busy for a moment with the callback that woke the
+        wait: CUDA's callback holds the stream until it returns.)"""
         device = cb.cuda_device(0)
         x = device.asarray(np.ones((1024, 1024), dtype=np.float32))
         results = [await device.run(cp.matmul, x, x) for _ in range(8)]
+        with cp.cuda.Device(0):
+            queued = device.stream.record()
         await device.synchronize()
-        assert device.stream.done
+        assert queued.done
         assert results[-1].get()[0, 0] == 1024.0
 
     @pytest.mark.anyio
@@ -431,18 +436,43 @@ class TestCupyBackend:
         self, cb: Any, cp: Any, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         """No page-locked memory left (CUDA's out-of-memory from ``cupyx.empty_pinned``):
-        the copy goes into ordinary memory, in a worker thread, after the stream's work."""
+        the copy goes into ordinary memory, in a worker thread, after the stream's work. While
+        the thread copies, the loop's other tasks see their own device and stream current, not
+        the copying device's."""
+        import anyio
         import cupyx
 
         def exhausted(*args: Any, **kwargs: Any) -> Any:
             raise cp.cuda.runtime.CUDARuntimeError(2)  # cudaErrorMemoryAllocation
 
-        device = cb.cuda_device(0)
+        copying, copied = threading.Event(), threading.Event()
+        host_array = cb.host_array
+
+        def held_copy(array: Any, owner: Any) -> Any:
+            copying.set()
+            assert copied.wait(10)
+            return host_array(array, owner)
+
+        device = cb.cuda_device(cb.visible_device_count() - 1)
         value = await device.run(lambda: device.asarray(np.arange(6.0)).reshape(2, 3).T * 2)
         monkeypatch.setattr(cupyx, "empty_pinned", exhausted)
-        got = await cb.CUPY_BACKEND.to_host(value, device)
-        np.testing.assert_array_equal(got, np.arange(6.0).reshape(2, 3).T * 2)
-        assert got.flags.c_contiguous
+        monkeypatch.setattr(cb, "host_array", held_copy)
+        before = _state(cp)
+        seen: list[tuple[int, Any]] = []
+        got: list[Any] = []
+
+        async def copy() -> None:
+            got.append(await cb.CUPY_BACKEND.to_host(value, device))
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(copy)
+            await anyio.to_thread.run_sync(copying.wait, 10.0)
+            seen.append(_state(cp))  # the loop's state while the thread copies
+            copied.set()
+        assert seen == [before]
+        assert _state(cp) == before
+        np.testing.assert_array_equal(got[0], np.arange(6.0).reshape(2, 3).T * 2)
+        assert got[0].flags.c_contiguous
 
     def test_visible_device_count_counts_the_gpus(self, cb: Any, cp: Any) -> None:
         """The count is CuPy's device count."""

@@ -458,14 +458,18 @@ class TestCopyToHostAsync:
         s.synchronize()
         np.testing.assert_array_equal(out, [0, 1, 2])
 
-    def test_into_ordinary_memory_it_lands_at_once(self, cp: Any) -> None:
-        """CUDA copies into pageable memory synchronously."""
-        s = cp.cuda.Stream()
-        with s:
+    def test_into_ordinary_memory_the_host_waits_for_it(self, cp: Any) -> None:
+        """CUDA copies into pageable memory synchronously: the bytes are there when the call
+        returns, and the host has waited for the stream (work launched on another stream
+        afterwards is ordered after the copy's stream)."""
+        a, b = cp.cuda.Stream(), cp.cuda.Stream()
+        with a:
             x = cp.arange(3.0)
         out = np.zeros(3)
-        x.data.copy_to_host_async(out.ctypes.data, out.nbytes, s)
+        x.data.copy_to_host_async(out.ctypes.data, out.nbytes, a)
         np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
+        with b:
+            x.fill(0)  # no race: the host waited for a
 
     def test_a_copy_into_memory_dropped_before_it_lands_is_recorded(self, cp: Any) -> None:
         """The page-locked buffer went back (to CuPy's pool, which may hand it out again)

@@ -728,3 +728,30 @@ async def test_the_workers_gather_bytes_of_any_length(make_strategy: MakeStrateg
     mine = b"" if RANK == 0 else b"place of worker %d" % RANK
     gathered = await workers.allgather_bytes(mine, what="a test")
     assert gathered == [b"" if w == 0 else b"place of worker %d" % w for w in range(WORKERS)]
+
+
+async def test_a_checkpoint_of_two_strategies_reads_each_ones_sync_on_read_variables(
+    make_strategy: MakeStrategy,
+) -> None:
+    """A checkpoint holding sync-on-read variables of two multi-worker strategies: the save
+    holds the first one's call and awaits the reads over its workers; the other's variable it
+    reads at once, before any await, with blocking calls (new, it first takes the chief's
+    value). The file holds each variable's value over every worker."""
+    first, second = make_strategy(1), make_strategy(2)
+    with first.scope():
+        total = Variable(0.0, synchronization="on_read", aggregation="sum", name="total")
+    with second.scope():  # never used yet: still to take the chief's value
+        chief = Variable(
+            float(RANK + 5), synchronization="on_read", aggregation="only_first_replica"
+        )
+
+    async def step() -> None:
+        await total.assign(1.0)
+
+    await first.run(step)
+    with shared_directory() as directory:
+        path = await Checkpoint(total=total, chief=chief).save(f"{directory}/two.npz")
+        with np.load(path) as saved:
+            values = sorted(float(saved[k]) for k in saved.files if k != "manifest.json")
+    assert values == sorted([float(WORKERS), 5.0])
+    assert float(chief) == 5.0

@@ -229,10 +229,12 @@ class World:
     def copy_to_host_later(self, agent: Agent, tick: int, address: int, data: Any) -> None:
         """A copy of ``data`` to host ``address``, launched at ``tick`` of ``agent``. Into
         page-locked memory it is asynchronous: the host bytes read ``0xFF`` until the host
-        learns that tick is done. Into other memory CUDA copies synchronously: at once."""
+        learns that tick is done. Into other memory CUDA copies synchronously: the host waits
+        for the stream to reach the copy, then has the bytes."""
         ref = self.pinned_arrays.get(address)
         if ref is None or ref() is None:
             ctypes.memmove(address, bytes(data), len(data))
+            self.host_sync(Clock(agent.clock), "copy_to_host_async into pageable memory")
             return
         ctypes.memset(address, 0xFF, len(data))
         self.host_copies.append((agent.id, tick, ref, address, bytes(data)))
