@@ -1337,7 +1337,10 @@ class SyncOnReadVariable(Variable):
         the host, where the result lands: the chief's first copy for ``ONLY_FIRST_REPLICA``,
         else the sum over the workers."""
         mpi = workers.mpi
-        what = f"reading sync-on-read variable {self._name!r} ({value.dtype.name} {value.shape})"
+        # By its number too: two variables of one name and shape read in another order on
+        # each worker must not pair.
+        shown = f"{_identity(self)} ({value.dtype.name} {value.shape})"
+        what = f"reading sync-on-read variable {shown}"
         if caller:
             what = f"{what} for {caller}"
         if self._aggregation is _Agg.ONLY_FIRST_REPLICA:

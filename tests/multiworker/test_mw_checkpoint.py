@@ -620,6 +620,7 @@ async def test_a_save_whose_folder_is_a_file_names_it_on_every_worker(
     with shared_directory() as directory:
         folder = os.path.join(directory, "run")
         manager = CheckpointManager(model.checkpoint(), folder)
+        WORLD.Barrier()  # every worker's manager is made (it refuses a file) before the file is
         if RANK == 0:
             await anyio.Path(folder).write_bytes(b"")
         WORLD.Barrier()

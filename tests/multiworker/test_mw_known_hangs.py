@@ -1186,8 +1186,8 @@ async def test_an_exception_between_the_waits_of_a_blocking_read_fails_the_worke
     assert seen[1][:2] == ("Boom", "posting failed"), seen
     assert seen[0][0] == "ReplicaSyncError", seen
     assert seen[0][1].startswith(
-        "worker 1 failed: its reading sync-on-read variable 's' (float64 ()) was interrupted by "
-        "Boom"
+        "worker 1 failed: its reading sync-on-read variable #0 's' (float64 ()) was interrupted "
+        "by Boom"
     ), seen
     assert seen[0][2] < 4, seen
     after = allgather(await outcome(read))

@@ -982,3 +982,30 @@ async def test_variables_of_another_kind_on_a_worker_are_refused(
         await use()
     assert all(s in str(caught.value) for s in shown), str(caught.value)
     assert len({m.split(":", 1)[1] for m in allgather(str(caught.value))}) == 1
+
+
+async def test_two_sync_on_read_variables_of_one_name_read_in_another_order_disagree(
+    make_strategy: MakeStrategy,
+) -> None:
+    """Two sync-on-read variables of the same name, dtype and shape, read in cross-replica
+    context in another order on each worker: the reads name each variable by its number
+    too, so the workers disagree, on every worker alike, instead of summing one's copies with
+    the other's."""
+    strategy = make_strategy(1)
+    with strategy.scope():
+        first = Variable(0.0, synchronization="on_read", aggregation="sum", name="m")
+        second = Variable(0.0, synchronization="on_read", aggregation="sum", name="m")
+
+    async def step() -> None:
+        await first.assign(1.0)
+        await second.assign(100.0)
+
+    await strategy.run(step)
+    order = (first, second) if RANK == 0 else (second, first)
+    try:
+        read = float(order[0])
+    except ValueError as exc:
+        outcome = (type(exc).__name__, "#" in str(exc) and "'m'" in str(exc))
+    else:
+        outcome = ("read", read)
+    assert allgather(outcome) == [("WorkersDisagree", True)] * WORKERS
