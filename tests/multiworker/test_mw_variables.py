@@ -1002,6 +1002,7 @@ async def test_two_sync_on_read_variables_of_one_name_read_in_another_order_disa
 
     await strategy.run(step)
     order = (first, second) if RANK == 0 else (second, first)
+    outcome: tuple[str, object]
     try:
         read = float(order[0])
     except ValueError as exc:
