@@ -529,8 +529,9 @@ class HostBackend:
         return [self._pool.publish(out)] * len(devices)
 
     async def to_host(self, value: Any, device: Device) -> np.ndarray[Any, Any]:
-        """A new, writeable, C-contiguous copy of ``value``: a large one made on ``device``'s
-        worker, so the event loop goes on meanwhile.
+        """A new, writeable, C-contiguous copy of ``value``, made where ``device.compute``
+        puts work of its size: a large one on ``device``'s worker, so the event loop goes on
+        meanwhile.
 
         Example:
             >>> anyio.run(HOST_BACKEND.to_host, np.arange(3)[::-1], HostDevice(0))
@@ -538,10 +539,7 @@ class HostBackend:
         """
         source = np.asarray(value)
         out = np.empty(source.shape, source.dtype)
-        if out.nbytes < INLINE_BYTES:
-            np.copyto(out, source)
-        else:
-            await _submit(device, np.copyto, out, source)
+        await device.compute(out.nbytes, np.copyto, out, source)
         return out
 
 

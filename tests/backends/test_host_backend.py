@@ -90,3 +90,30 @@ class TestAllReduce:
             expected = functools.reduce(UFUNCS[op], inputs)
         np.testing.assert_array_equal(results[0], expected)
         assert results[0].shape == (2, 5)
+
+
+class TestToHost:
+    @pytest.mark.parametrize("shape", [(3, 4), (2048, 1024)], ids=["small", "8 MiB"])
+    async def test_a_new_contiguous_copy_made_where_the_device_computes(
+        self, shape: tuple[int, ...]
+    ) -> None:
+        """The copy goes through ``device.compute`` with its size (inline when small, on the
+        device's worker when large), and is a new, writeable, C-contiguous array."""
+        device = host_device(0)
+        sizes: list[int] = []
+
+        class Watched:
+            backend = HOST_BACKEND
+
+            async def compute(self, nbytes: int, fn: Any, *args: Any) -> Any:
+                sizes.append(nbytes)
+                return await device.compute(nbytes, fn, *args)
+
+        value = np.arange(np.prod(shape), dtype=np.float32).reshape(shape[::-1]).T
+        value.flags.writeable = False
+        got = await HOST_BACKEND.to_host(value, Watched())  # type: ignore[arg-type]
+        assert sizes == [value.nbytes]
+        np.testing.assert_array_equal(got, value)
+        assert got.flags.c_contiguous
+        assert got.flags.writeable
+        assert not np.shares_memory(got, value)
