@@ -348,6 +348,9 @@ _START_OFFSET: Final = 4096 + 64
 _HUGE_PAGES: Final = hasattr(mmap, "MADV_HUGEPAGE") and hasattr(mmap, "MAP_PRIVATE")
 
 
+#: What ``BufferPool.take`` takes as a 1-d shape.
+_INTEGERS: Final = (int, np.integer)
+
 #: A buffer's memory: its owner (the array ``np.empty`` made, or a mapping of its own) and
 #: where the buffer starts in it, in bytes (0 in an array).
 _Memory: TypeAlias = "tuple[npt.NDArray[Any] | mmap.mmap, int]"
@@ -531,13 +534,15 @@ class BufferPool:
             >>> pool.take((2, 3), "float64").shape
             (2, 3)
         """
-        key_shape = (int(shape),) if isinstance(shape, int | np.integer) else tuple(map(int, shape))
-        if any(d < 0 for d in key_shape):
+        # Every step's small outputs come here, and the pool keeps none of them: each check
+        # is the cheapest that does it (a generic one costs more than the array).
+        key_shape = (int(shape),) if isinstance(shape, _INTEGERS) else tuple(map(int, shape))
+        if key_shape and min(key_shape) < 0:
             raise ValueError(f"negative dimensions are not allowed, got shape {key_shape}")
-        dt = np.dtype(dtype)
+        dt = dtype if isinstance(dtype, np.dtype) else np.dtype(dtype)
         nbytes = math.prod(key_shape) * dt.itemsize
         if nbytes < self._min_bytes or nbytes > self._max_bytes:
-            buffer = empty_buffer(key_shape, dt)
+            buffer = np.empty(key_shape, dt) if nbytes < HUGE_BYTES else empty_buffer(key_shape, dt)
             with self._lock:
                 self._taken += 1
                 self._allocated += 1

@@ -472,8 +472,8 @@ class HostBackend:
     async def all_reduce(
         self, op: str, inputs: Sequence[Any], devices: Sequence[Device]
     ) -> list[Any]:
-        first = inputs[0]
-        out = self._pool.take(np.shape(first), np.asarray(first).dtype)
+        first = np.asarray(inputs[0])
+        out = self._pool.take(first.shape, first.dtype)
         if out.nbytes * len(inputs) < INLINE_BYTES:
             reduce_small(op, inputs, out)  # the ufuncs take any layout
             return [self._pool.publish(out)] * len(inputs)
