@@ -258,8 +258,10 @@ class ReductionEngine:
             mine: np.ndarray[Any, Any] | None = None  # another worker's: ignored ...
             if sending:
                 mine = await self._staged(leaf.arrays[local], local)
-            elif matching:  # ... unless it must have the root's shape and dtype (compared)
-                mine = await self._staged(leaf.arrays[0])
+            elif matching:  # ... but for its shape and dtype, which the workers compare: an
+                # array of those, whose data nobody reads (no copy off its device, which waits
+                # for the device's work, and none of a broadcast view to write, say)
+                mine = np.empty(leaf.arrays[0].shape, leaf.arrays[0].dtype)
             value = await self.cluster.broadcast(mine, root, where, matching)
             results.append(await self._placed(value))
         return results

@@ -14,6 +14,7 @@ import pytest
 
 import aioreplica
 from aioreplica import MirroredVariable, PerReplica, SyncOnReadVariable, Variable
+from aioreplica._backends import HOST_BACKEND
 from aioreplica.optimizers import SGD, Adam, Optimizer
 from aioreplica.testing import replica_context, replica_id
 from multiworker.mwtools import (
@@ -165,6 +166,36 @@ async def test_a_cross_replica_write_takes_the_chiefs_value(
     chiefs = (np.arange(3) + 10.0).astype(np.float32)
     np.testing.assert_array_equal(v.numpy(), after(start, chiefs))  # the global read
     assert_same_on_every_worker(*v.values)
+
+
+@pytest.mark.parametrize("local", [1, 2])
+async def test_a_cross_replica_write_copies_the_chiefs_value_alone(
+    make_strategy: MakeStrategy, monkeypatch: pytest.MonkeyPatch, local: int
+) -> None:
+    """A write outside run() moves the chief's value; the other workers give their value's
+    shape and dtype alone, which the workers compare, and copy nothing off their replicas'
+    devices (a write of a large variable would copy it on every worker for nothing)."""
+    strategy = make_strategy(local)
+    shape = (256, 1024)  # 1 MiB of float32: it follows the records
+    with strategy.scope():
+        v = Variable(np.zeros(shape, np.float32), name="v")
+    await strategy.run(lambda: None)
+    copied: list[tuple[int, ...]] = []
+    to_host = HOST_BACKEND.to_host
+
+    async def recording(value: Any, device: Any) -> Array:
+        copied.append(tuple(value.shape))
+        return await to_host(value, device)
+
+    monkeypatch.setattr(HOST_BACKEND, "to_host", recording)
+    await v.assign(np.full(shape, RANK + 1.0, np.float32))
+    assert copied == ([shape] if RANK == 0 else [])
+    assert_copies_equal(v, np.ones(shape))
+    with pytest.raises(ValueError, match=r"refusing its arguments|shape") as caught:
+        await v.assign(np.ones((2, 2) if RANK == WORKERS - 1 else shape, np.float32))
+    if RANK != WORKERS - 1:
+        assert f"worker {WORKERS - 1}: " in str(caught.value)
+    assert_copies_equal(v, np.ones(shape))
 
 
 #: Cross-replica writes with bad arguments (``bad``), and their errors.
