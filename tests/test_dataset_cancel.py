@@ -307,6 +307,38 @@ def test_a_loader_that_never_returns_does_not_keep_the_process_alive(
     )
 
 
+async def test_an_iterator_collected_in_a_reference_cycle_closes_its_dataset(
+    strays: list[str],
+) -> None:
+    """An iterator that goes as garbage in a reference cycle (a cancelled ``run_steps`` leaves
+    one in its traceback's frames) stops its prefetch task, which closes the dataset as it
+    ends: on asyncio, which holds a task only weakly, the task must not go with the
+    iterator, pending, leaving the dataset open."""
+    closed, buffered = threading.Event(), threading.Event()
+
+    def generator() -> Iterator[np.ndarray[Any, Any]]:
+        try:
+            for i in range(20):
+                if i == 3:  # one taken, two in the buffer, the next pulled
+                    buffered.set()
+                yield np.full(2, float(i))
+        finally:
+            closed.set()
+
+    dist = MirroredStrategy(host_devices(2)).distribute_dataset(generator(), prefetch=2)
+    with bounded():
+        iterator = aiter(dist)
+        await iterator.get_next()
+        assert await anyio.to_thread.run_sync(buffered.wait, BLOCK_S / 2)
+        await anyio.wait_all_tasks_blocked()  # the prefetch task waits for room
+        cycle: list[Any] = [iterator]
+        cycle.append(cycle)
+        del iterator, cycle
+        gc.collect()
+        assert await anyio.to_thread.run_sync(closed.wait, BLOCK_S / 2)
+    assert settled_strays(strays) == []
+
+
 class TestNeverReEntered:
     async def test_later_waits_take_the_running_pull(self, strays: list[str]) -> None:
         """After a given-up wait (prefetch=0), the next wait takes the pull still running, and

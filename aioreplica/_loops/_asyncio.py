@@ -306,10 +306,17 @@ class _ThreadResult:
 
 @final
 class _Background:
+    """A task of its own, held until it is done: asyncio keeps only a weak reference to a
+    task, and the owner's may go with the owner (a dataset iterator collected as part of a
+    reference cycle cancels its task on the way out), which must not take the task with it
+    before the task has run its cancellation."""
+
     __slots__ = ("_task",)
 
     def __init__(self, loop: asyncio.AbstractEventLoop, fn: Callable[[], Awaitable[None]]) -> None:
         self._task = loop.create_task(_call(fn))
+        _running.add(self._task)
+        self._task.add_done_callback(_running.discard)
 
     @property
     def done(self) -> bool:
@@ -324,6 +331,10 @@ class _Background:
 
 async def _call(fn: Callable[[], Awaitable[None]]) -> None:
     await fn()
+
+
+#: The background tasks not yet done (``_Background``).
+_running: set[asyncio.Task[None]] = set()
 
 
 # -- the adapter ----------------------------------------------------------------------------
