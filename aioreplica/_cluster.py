@@ -41,10 +41,14 @@ traffic on it is never disturbed:
   communicator, where each worker keeps a receive posted; every wait tests it alongside its
   collective, so peers learn of the failure while they wait, and raise ``ReplicaSyncError``
   naming the failing worker. With a timeout in force, each worker also tells its peers which
-  collective it has reached, on which communicator (one 24-byte send per peer; a dataset
+  collective it has reached, on which communicator (one 32-byte send per peer; a dataset
   pass's duplicate counts its start as collective 0), so a worker that gives up waiting can
-  name exactly the late workers; without a timeout nothing more is sent. Those messages go on
-  a duplicate of the user's communicator that all strategies over it share (``_Arrivals``).
+  name exactly the late workers; without a timeout nothing more is sent. A worker whose
+  dataset pass ends before the workers agreed on its end (a ``break``, a cancellation) tells
+  its peers where it left that pass's duplicate, so a peer waiting there for a collective it
+  will never make raises instead of waiting for ever (the pass ends; nothing breaks). Those
+  messages go on a duplicate of the user's communicator that all strategies over it share
+  (``_Arrivals``).
 
 MPI cannot cancel a collective: after any cross-worker failure (a peer's, a timeout, a
 cancelled wait) the collectives' communicator may hold a request that will never complete, so
@@ -107,6 +111,7 @@ __all__ = [
 #: Tags of the side channel.
 _NOTICE: Final = 1
 _ARRIVAL: Final = 2
+_LEFT: Final = 3
 #: Room for one failure notice (JSON, UTF-8); longer messages are cut.
 _NOTICE_BYTES: Final = 4096
 #: How long a wait polls with zero sleeps before it backs off (seconds), plus the time its
@@ -430,6 +435,8 @@ class Workers:
         "_side",
         "_single",
         "_stream",
+        "_stream_name",
+        "_told_left",
         "_turn",
         "_word_sent",
         "default_timeout",
@@ -488,6 +495,8 @@ class Workers:
         self._primary = True
         self._sequence = 0  # collectives started on this communicator
         self._stream = 0  # which of the side channel's communicators this is (0: the first)
+        self._stream_name = "the strategy's collectives"  # what it is for (``duplicate``)
+        self._told_left = False  # it told the peers it left this stream (``tell_left``)
         self._side.members[0] = self
         #: The timeout of a wait when the call sets none (the strategy's ``sync_timeout``).
         self.default_timeout: float | None = None
@@ -726,6 +735,10 @@ class Workers:
                         return
                 polls += 1
                 if polls & 15 == 0 or pause:  # now and then: the side channel, the clock
+                    if _untold:  # a pass dropped here: a peer may be waiting in it
+                        _tell_untold()
+                    if not self._primary and await self._peer_left_stream(what, test):
+                        return
                     failure = self._peer_failure(what)
                     if failure is not None:
                         # A peer whose program ended, or that failed once past this
@@ -739,10 +752,11 @@ class Workers:
                     pause = self._next_pause(what, started, timeout, busy, pause)
         except BaseException as exc:  # a peer's failure, a timeout, or cancelled meanwhile
             self._left.append(request)
-            if self._primary and not isinstance(exc, ReplicaSyncError):
-                self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
-            # A dataset pass left early: its duplicate is abandoned with the request (the
-            # peers, leaving at the same point, complete theirs); nothing else is affected.
+            if self._primary:
+                if not isinstance(exc, ReplicaSyncError):
+                    self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
+            else:  # a dataset pass left here: its duplicate is abandoned with the request,
+                self.tell_left(inside=True)  # and nothing else is affected
             raise
 
     async def _move(self, post: Callable[[], Any], what: str, nbytes: int) -> None:
@@ -797,6 +811,8 @@ class Workers:
             stop.set()
             if self._primary:
                 self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
+            else:
+                self.tell_left(inside=True)
             raise
         self._settle(completed, failure, what, timeout)
 
@@ -949,8 +965,66 @@ class Workers:
     def _tell_arrival(self) -> None:
         side = self._side
         side.arrivals.read()  # keeps the peers' messages from piling up
-        arrival = np.array([side.identity, self._stream, self._sequence], np.int64)
+        arrival = np.array([side.identity, self._stream, self._sequence, 0], np.int64)
         side.send_all(arrival, _ARRIVAL, side.arrivals.comm)
+
+    def tell_left(self, inside: bool = False) -> None:
+        """Tell the peers, once, that this worker left this duplicate's stream of collectives
+        before the workers agreed on its end (a dataset pass ended early on this worker: a
+        ``break``, a cancellation), and where: the last collective it began, and whether it
+        left that one's wait (``inside``) before it completed. A peer waiting in one it will
+        not make then raises (``_peer_left_stream``) instead of waiting for ever."""
+        if self._told_left:
+            return
+        self._told_left = True
+        side = self._side
+        left = np.array([side.identity, self._stream, self._sequence, inside], np.int64)
+        side.send_all(left, _LEFT, side.arrivals.comm)
+
+    def tell_left_if_dropped(self, owner: object, ended: list[bool]) -> weakref.finalize[..., Any]:
+        """Have ``tell_left`` called once ``owner`` (a dataset pass) is collected unless
+        ``ended[0]`` (the workers agreed on its end) by then: at the next wait or collective
+        point on the loop's thread, never in the finalizer (any thread, any moment). For a
+        pass that nothing closes (a ``break`` out of it with no prefetching)."""
+        return weakref.finalize(owner, _tell_when_dropped, self, ended)
+
+    async def _peer_left_stream(self, what: str, test: Callable[[], bool]) -> bool:
+        """In a wait on a duplicate (``test``: its request's), whether the collective completed
+        after all; ``False`` while no peer has left this stream, or one left after it made
+        its part of this collective.
+
+        Raises:
+            ReplicaSyncError: a peer left this stream before it made its part of the
+                collective waited for (or left its wait and it did not complete soon after),
+                naming the peer; the stream ends here, and nothing else is affected.
+        """
+        side = self._side
+        side.arrivals.read()
+        left = side.left.get(self._stream)
+        if not left:
+            return False
+        stopped = [
+            (worker, sequence, inside)
+            for worker, (sequence, inside) in left.items()
+            if sequence < self._sequence or (sequence == self._sequence and inside)
+        ]
+        if not stopped:
+            return False  # they made their part of this one: it completes
+        if all(sequence == self._sequence for _, sequence, _ in stopped) and (
+            await _finishes_soon(test)
+        ):
+            return True  # their part was on its way when they left
+        workers = [worker for worker, _, _ in stopped]
+        named = worker_list(workers)
+        raise ReplicaSyncError(
+            f"{named} left {self._stream_name} (its iteration "
+            f"ended early there: a break, a cancellation or an error) while worker "
+            f"{self.worker_index} waits in {what}, which {named} will not make: every worker "
+            "must take as many elements from a distributed dataset as the others, or stop at "
+            "the same point. This pass ends here; the strategy goes on working",
+            merge_number=None,
+            workers=tuple(workers),
+        )
 
     # -- calls --------------------------------------------------------------------------
 
@@ -1012,6 +1086,13 @@ class Workers:
         takes a peer's early data in as unexpected messages (measured: a 64 MiB reduction ran
         1.4x slower). A failure announced meanwhile is found by the wait.
         """
+        if self._told_left:
+            raise RuntimeError(
+                f"{what} was refused: worker {self.worker_index} left {self._stream_name} (a "
+                "wait in it ended early: cancelled, or another worker left it), whose "
+                "collectives cannot go on across workers (MPI cannot cancel the one it left): "
+                "start a new pass with aiter(), on every worker"
+            )
         single = False
         if (current_step.get() is not self.step or self.step is None) and not self.in_call:
             await self._enter_call(what)
@@ -1466,6 +1547,7 @@ class Workers:
         failure or ``sync_timeout`` ends the wait, not in MPI.
         """
         _free_retired()
+        self._side.arrivals.read()  # what earlier passes' peers said of them, read at last
         twin = object.__new__(Workers)
         for slot in Workers.__slots__[1:]:  # all but ``__weakref__``
             setattr(twin, slot, getattr(self, slot))
@@ -1486,6 +1568,8 @@ class Workers:
         self._side.streams += 1
         self._side.limiter.total_tokens = self._side.streams + 1
         twin._stream = self._side.streams  # the same on every worker: made in the same order
+        twin._stream_name = name
+        twin._told_left = False
         self._side.members[twin._stream] = twin
         if self._timeout() is not None:
             twin._tell_arrival()  # collective 0: its start, which its first collective awaits
@@ -1504,6 +1588,11 @@ class Workers:
         self._idup = None
         self._records()
 
+    @property
+    def is_open(self) -> bool:
+        """Whether this cluster's communicator is still in use (not ``close``d)."""
+        return self._release.alive
+
     def close(self) -> None:
         """Give this cluster's collectives' communicator back (not the shared side channel).
 
@@ -1516,6 +1605,7 @@ class Workers:
         self._release()
         if not self._primary:
             self._side.reached.pop(self._stream, None)
+            self._side.left.pop(self._stream, None)
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -1759,6 +1849,9 @@ class _SideChannel:
         #: made), the last collective each peer said it reached: -1 before the peer said
         #: anything of a duplicate, 0 when it started it.
         self.reached: dict[int, list[int]] = {0: [0] * workers}
+        #: Per duplicate, the peers that left it early (``Workers.tell_left``): the last
+        #: collective each began there, and whether it left that one's wait.
+        self.left: dict[int, dict[int, tuple[int, bool]]] = {}
         self.streams = 0  # duplicates made
         #: Frees the communicator once nothing uses this side channel (a strategy, its
         #: variables and its dataset passes all gone), or at exit, before MPI finalizes.
@@ -1823,6 +1916,15 @@ class _SideChannel:
         reached = self.reached.setdefault(stream, [-1] * self.workers)
         reached[source] = max(reached[source], sequence)
 
+    def stream_left(self, source: int, stream: int, sequence: int, inside: bool) -> None:
+        """Peer ``source`` left duplicate ``stream`` early, after beginning its collective
+        ``sequence`` (``inside``: and leaving that one's wait). Kept for a duplicate this
+        worker still uses, or has yet to make (the peer may leave a pass before a slower
+        worker starts it; duplicates are numbered alike on every worker)."""
+        member = self.members.get(stream)
+        if (member is not None and member.is_open) or stream > self.streams:
+            self.left.setdefault(stream, {})[source] = (sequence, inside)
+
 
 @final
 class _Arrivals:
@@ -1848,7 +1950,7 @@ class _Arrivals:
         )
         self.joined = 0  # side channels made over it
         self._status = mpi.Status()
-        self._box = np.zeros(3, np.int64)  # identity, stream, sequence
+        self._box = np.zeros(4, np.int64)  # identity, stream, sequence, left inside it
 
     @staticmethod
     def of(mpi: Any, communicator: Any) -> _Arrivals:
@@ -1871,14 +1973,19 @@ class _Arrivals:
         return identity
 
     def read(self) -> None:
-        """Take in every arrival message that has come, each to its side channel."""
+        """Take in every message that has come (arrivals, and passes left early), each to its
+        side channel."""
         status, box = self._status, self._box
-        while self.comm.Iprobe(self.mpi.ANY_SOURCE, _ARRIVAL, status):
-            source = status.Get_source()
-            self.comm.Recv(box, source, _ARRIVAL)
-            identity, stream, sequence = box.tolist()
+        while self.comm.Iprobe(self.mpi.ANY_SOURCE, self.mpi.ANY_TAG, status):
+            source, tag = status.Get_source(), status.Get_tag()
+            self.comm.Recv(box, source, tag)
+            identity, stream, sequence, inside = box.tolist()
             channel = self.channels.get(identity)
-            if channel is not None:
+            if channel is None:
+                continue
+            if tag == _LEFT:
+                channel.stream_left(source, stream, sequence, bool(inside))
+            else:
                 channel.arrived(source, stream, sequence)
 
 
@@ -1990,10 +2097,27 @@ def _retire(mpi: Any, comm: Any, **state: Any) -> None:
 def _free_retired() -> None:
     """Free the communicators given back since the last call (at a collective point: a new
     strategy, a new dataset pass, the exit), and drop the unanswered agreements to start that
-    the other workers have met since (a request that completed goes back to MPI once tested)."""
+    the other workers have met since (a request that completed goes back to MPI once tested);
+    tell the peers of the passes dropped early meanwhile."""
+    _tell_untold()
     while _retired:
         _retired.pop()()
     _unanswered[:] = [kept for kept in _unanswered if not kept[0].Test()]
+
+
+#: The duplicates of dataset passes dropped before the workers agreed on their end, whose
+#: peers are still to be told (``Workers.tell_left_if_dropped``), appended by finalizers.
+_untold: list[Workers] = []
+
+
+def _tell_when_dropped(workers: Workers, ended: list[bool]) -> None:
+    if not ended[0]:
+        _untold.append(workers)
+
+
+def _tell_untold() -> None:
+    while _untold:
+        _untold.pop().tell_left()
 
 
 def _free(
@@ -2059,6 +2183,7 @@ def _withdraw_at_exit() -> None:
         for _, done in waits:
             done.wait(max(0.0, deadline - time.monotonic()))
         deadline = time.monotonic() + 1.0  # for every channel's notices together
+        _untold.clear()  # passes dropped early: the notice that the program ended says more
         for channel in channels:
             with contextlib.suppress(Exception):
                 channel.leave(deadline)

@@ -1248,6 +1248,12 @@ class _Puller:
         #: which the workers compare: each takes its slices of its own copy of the batch.
         self._batches = 0
         self._fingerprint = 0
+        #: Across workers, whether they agreed that the pass has ended (none has data left,
+        #: or one's dataset raised): else a worker that closes or drops it first tells the
+        #: others, which may be waiting in its next agreement.
+        self._ended = [workers is None]
+        if workers is not None:
+            workers.tell_left_if_dropped(self, self._ended)
         #: What the dataset raised, for the consumer to raise (with prefetching).
         self.error: BaseException | None = None
         #: Whether the iterator stopped its prefetch task: a cancellation not asked for came
@@ -1319,6 +1325,7 @@ class _Puller:
                 marks = await workers.allgather_rows(
                     np.array([[_RAISED, 0]], np.int64), what=_NEXT_BATCH
                 )
+                self._ended[0] = True
                 await self._end_for_a_failure(marks, exc)  # this worker's error is still the one
             raise
         if self.closed:  # and so is the pass's communicator: no agreement on this element
@@ -1326,9 +1333,11 @@ class _Puller:
         mark = np.array([[element is not _END, self._fingerprint]], np.int64)
         marks = await workers.allgather_rows(mark, what=_NEXT_BATCH)
         if (marks[:, 0] == _RAISED).any():
+            self._ended[0] = True
             await self._end_for_a_failure(marks, None)
         have = marks[:, 0].astype(bool)
         if not have.any():
+            self._ended[0] = True
             return _END
         if not self._per_replica:
             self._check_same_batch(marks[have, 1], np.flatnonzero(have))
@@ -1537,6 +1546,8 @@ class _Puller:
         end of the pass; free a pass's communicator."""
         self.closed = True
         if self._workers is not None:
+            if not self._ended[0]:  # left early here: a peer may wait in it for this worker
+                self._workers.tell_left()
             self._workers.close()
         if self._async is not None:
             source, self._async = self._async, None

@@ -551,17 +551,19 @@ async def test_run_during_the_agreement_to_start_run_steps_is_refused(
     assert each_replica(strategy, results[0]) == [2, 2]
 
 
-async def test_a_worker_leaving_a_pass_early_is_named_in_the_passs_agreement(
+async def test_a_worker_that_stops_pulling_is_named_in_the_passs_agreement(
     make_strategy: MakeStrategy,
 ) -> None:
-    """Worker 1 breaks out of a pass after its first batch while worker 0 goes on (no
-    prefetching, so worker 1 makes no agreement ahead): worker 0's wait under
-    ``sync_timeout`` names the pass's agreement on its next batch, not a collective the
-    program never made, and worker 1 as the late worker."""
+    """Worker 1 takes its first batch of a pass and stops pulling, its iterator still open,
+    while worker 0 goes on (no prefetching, so worker 1 makes no agreement ahead): worker 0's
+    wait under ``sync_timeout`` names the pass's agreement on its next batch, not a
+    collective the program never made, and worker 1 as the late worker."""
     strategy = make_strategy(1, sync_timeout=0.5)
     outcome: Any = "done"
+    iterator = aiter(strategy.distribute_dataset(batched(np.arange(8.0), 2), prefetch=0))
     try:
-        async for batch in strategy.distribute_dataset(batched(np.arange(8.0), 2), prefetch=0):
+        while True:
+            batch = await iterator.get_next()
             await strategy.run(lambda x: x, args=(batch,))
             if RANK == 1:
                 break
@@ -575,3 +577,103 @@ async def test_a_worker_leaving_a_pass_early_is_named_in_the_passs_agreement(
         ),
         "done",
     ]
+    await iterator.aclose()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("how", ["break", "cancel"])
+async def test_a_worker_leaving_a_pass_early_ends_it_on_the_others(
+    make_strategy: MakeStrategy, how: str, prefetch: int
+) -> None:
+    """Worker 1 leaves a pass after its second batch (a ``break``, or its next wait
+    cancelled) while worker 0 goes on, with no ``sync_timeout``: worker 0's pass raises
+    ReplicaSyncError naming worker 1 at its first agreement on a batch that worker 1 did not
+    make, instead of waiting for it for ever; nothing breaks, and both workers go on with
+    ``run()`` and a new pass."""
+    strategy = make_strategy(2)
+    batches = [np.full((4, 2), float(i)) for i in range(12)]
+    taken = 0
+    outcome: Any = "left"
+    with anyio.fail_after(20):
+        if RANK == 1:
+            with anyio.CancelScope() as scope:
+                async for _ in strategy.distribute_dataset(batches, prefetch=prefetch):
+                    taken += 1
+                    if taken == 2:
+                        if how == "break":
+                            break
+                        scope.cancel()  # the wait for the next batch is given up
+        else:
+            try:
+                async for _ in strategy.distribute_dataset(batches, prefetch=prefetch):
+                    taken += 1
+            except aioreplica.ReplicaSyncError as exc:
+                outcome = (str(exc).split(" (")[0], exc.workers)
+        # (A pass that nothing closed, dropped after a ``break``, is told of at worker 1's
+        # next wait for the others: this run()'s.)
+        assert each_replica(strategy, await strategy.run(lambda: 1)) == [1, 1]
+        everyone = allgather((taken, outcome))
+        # Worker 0 takes the batches whose agreement worker 1 made (its prefetching's too).
+        assert everyone[1] == (2, "left")
+        assert 2 <= everyone[0][0] <= 3 + prefetch
+        assert everyone[0][1] == ("worker 1 left a dataset pass", (1,))
+        again = [element async for element in strategy.distribute_dataset(batches[:2])]
+        assert len(again) == 2
+
+
+async def test_a_pass_whose_wait_was_given_up_is_refused_there_and_ends_on_the_others(
+    make_strategy: MakeStrategy,
+) -> None:
+    """With no prefetching, worker 1 gives up a wait for its next batch (a timeout) while
+    worker 0 is held up: that pass cannot go on across workers (the agreement it left cannot
+    be cancelled), so its next wait raises RuntimeError saying to start a new pass, instead
+    of an MPI error or a pairing with the wrong agreement; worker 0's pass raises
+    ReplicaSyncError naming worker 1 within a batch; both go on with ``run()``."""
+    strategy = make_strategy(1)
+    iterator = aiter(strategy.distribute_dataset(batched(np.arange(16.0), 2), prefetch=0))
+    outcome: Any = None
+    with anyio.fail_after(20):
+        await iterator.get_next()
+        if RANK == 1:
+            with anyio.move_on_after(0.3) as timeout:
+                await iterator.get_next()  # worker 0 is in the barrier below meanwhile
+            with pytest.raises(RuntimeError, match=r"left a dataset pass.*start a new pass"):
+                await iterator.get_next()
+            outcome = timeout.cancelled_caught
+            WORLD.Barrier()
+        else:
+            WORLD.Barrier()  # (blocks this worker's loop: worker 1 gives up meanwhile)
+            taken = 0
+            try:
+                while True:
+                    await iterator.get_next()
+                    taken += 1
+            except aioreplica.ReplicaSyncError as exc:
+                outcome = (taken <= 1, str(exc).split(" (")[0], exc.workers)
+        assert allgather(outcome) == [(True, "worker 1 left a dataset pass", (1,)), True]
+        assert each_replica(strategy, await strategy.run(lambda: 1)) == [1]
+
+
+async def test_a_pass_left_before_a_slower_worker_starts_it_ends_there_too(
+    make_strategy: MakeStrategy,
+) -> None:
+    """Worker 1 starts a pass and leaves it before its first batch, before worker 0 has even
+    started it: worker 0 keeps what worker 1 said of a pass it has yet to make, and its pass
+    raises ReplicaSyncError naming worker 1 instead of waiting for ever."""
+    strategy = make_strategy(1)
+    dataset = strategy.distribute_dataset(batched(np.arange(8.0), 2))
+    outcome: Any = "left"
+    with anyio.fail_after(20):
+        if RANK == 1:
+            async with aiter(dataset):
+                pass  # leaves before its first batch
+            WORLD.Barrier()
+        else:
+            WORLD.Barrier()  # worker 1 has left the pass before this worker starts it
+            try:
+                async for _ in dataset:
+                    pass
+            except aioreplica.ReplicaSyncError as exc:
+                outcome = (str(exc).split(" (")[0], exc.workers)
+        assert allgather(outcome) == [("worker 1 left a dataset pass", (1,)), "left"]
+        assert each_replica(strategy, await strategy.run(lambda: 1)) == [1]
