@@ -2145,7 +2145,8 @@ def _free(
     if mpi.Is_finalized():
         return
     with contextlib.suppress(Exception):
-        if made is not None and not made.Test():
+        if made is not None and not made.Test():  # MPI writes the new handle into ``comm``
+            _kept.append((comm, (made, *persistent), left))
             return
         with contextlib.nullcontext() if testing is None else testing:
             if receive and receive[0] is not None:
@@ -2160,6 +2161,14 @@ def _free(
                 settled = False
         if settled:
             comm.Free()
+        else:  # requests that may still complete hold their buffers: kept with them, for good
+            _kept.append((comm, persistent, left))
+
+
+#: What ``_free`` keeps: a communicator still being made, or whose requests may still
+#: complete, with those requests (each holds its buffer): collected, mpi4py would give their
+#: memory back, and MPI would later write into it (the new communicator's handle, a record).
+_kept: list[tuple[Any, Sequence[Any], Sequence[Any]]] = []
 
 
 #: The side channels not yet freed, to withdraw at exit.

@@ -273,3 +273,31 @@ def test_without_mpi4py_the_error_says_what_to_install() -> None:
     )
     assert "pip install 'aioreplica[mpi]'" in out.stdout
     assert "mpiexec -n N" in out.stdout
+
+
+@pytest.mark.parametrize("what", ["a receive under way", "a communicator being made"])
+def test_a_communicator_given_back_unsettled_keeps_its_requests_and_buffers(what: str) -> None:
+    """``_free`` keeps a communicator whose request may still complete, and that request
+    with it: mpi4py lets go of a request's buffer when the request object goes, and MPI would
+    later write the message (or the new communicator's handle) into memory given back."""
+    mpi = _cluster.import_mpi()
+    buffer = np.zeros(8, np.uint8)
+    if what == "a receive under way":
+        comm = mpi.COMM_SELF.Dup()
+        request = comm.Recv_init(buffer, 0, 99)  # nobody sends it
+        request.Start()
+        _cluster._free(mpi, comm, persistent=[request])
+    else:
+        comm = mpi.COMM_SELF.Dup()
+        request = comm.Irecv(buffer, 0, 98)  # stands in for an Idup that has not completed
+        _cluster._free(mpi, comm, made=request)
+    held = sys.getrefcount(buffer)
+    kept = _cluster._kept[-1]
+    del request
+    assert sys.getrefcount(buffer) == held  # the kept request still holds the buffer
+    assert kept[0] is comm
+    _cluster._kept.remove(kept)
+    for request in kept[1]:  # (this test's own: withdrawn, so that MPI can finalize)
+        request.Cancel()
+        request.Wait()
+    comm.Free()
