@@ -484,7 +484,10 @@ class Workers:
         self._idup: Any = None
         self._idup_what = ""
         self._persistent: list[Any] = []  # the records' requests, freed with the communicator
-        self._left: list[Any] = []  # requests whose waits were left before they completed
+        #: Requests whose waits were left before they completed, each with what posted it:
+        #: mpi4py's non-blocking collectives do not hold their buffers, which MPI may yet
+        #: write (``_move``'s ``post`` does).
+        self._left: list[tuple[Any, object]] = []
         self._records()
         side = communicator.Dup()
         arrivals = _Arrivals.of(mpi, communicator)
@@ -708,8 +711,9 @@ class Workers:
 
     # -- waiting --------------------------------------------------------------------------
 
-    async def _wait(self, request: Any, what: str, nbytes: int = 0) -> None:
-        """Poll ``request`` until it completes, testing the side channel alongside.
+    async def _wait(self, request: Any, what: str, nbytes: int = 0, post: object = None) -> None:
+        """Poll ``request`` until it completes, testing the side channel alongside. ``post``
+        (``_move``'s) holds the request's buffers, kept with it if the wait is left early.
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed (naming the late
@@ -751,7 +755,7 @@ class Workers:
                         raise self._raised(failure)
                     pause = self._next_pause(what, started, timeout, busy, pause)
         except BaseException as exc:  # a peer's failure, a timeout, or cancelled meanwhile
-            self._left.append(request)
+            self._left.append((request, post))
             if self._primary:
                 if not isinstance(exc, ReplicaSyncError):
                     self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
@@ -771,7 +775,7 @@ class Workers:
         if nbytes >= _ASIDE_BYTES and self._side.threaded:
             await self._wait_aside(post, what, nbytes)
         else:
-            await self._wait(post(), what, nbytes)
+            await self._wait(post(), what, nbytes, post)
 
     async def _wait_aside(self, post: Callable[[], Any], what: str, nbytes: int) -> None:
         """``_wait`` for the data of a large collective (``nbytes``), posted (``post()``) and
@@ -868,14 +872,15 @@ class Workers:
         deadline: float | None,
         busy: float,
         stop: threading.Event,
+        held: object = None,
     ) -> tuple[bool, ReplicaSyncError | None]:
         """Post the request (``post()``), then test it and the side channel, backing off after
         ``busy`` seconds, until it completes, a peer's failure comes, ``deadline``
         (``time.monotonic()``) passes or ``stop`` is set; whether it completed, and the peer's
         failure, if one came (neither: the timeout passed, or the waiter gave up), for
         ``_settle``. A request left incomplete goes to ``_left``, once nothing tests it any
-        more. The wait of a synchronous caller (``_wait_here``) and of a thread
-        (``_tested_aside``)."""
+        more, with ``post`` and ``held``, which hold its buffers. The wait of a synchronous
+        caller (``_wait_here``) and of a thread (``_tested_aside``)."""
         request = None
         try:
             request = post()
@@ -900,16 +905,16 @@ class Workers:
                     stop.wait(pause)
         except BaseException:  # an MPI error: raised on the loop
             if request is not None:
-                self._left.append(request)
+                self._left.append((request, (post, held)))
             raise
         if not completed:
-            self._left.append(request)
+            self._left.append((request, (post, held)))
         return completed, failure
 
-    def _wait_here(self, request: Any, what: str) -> None:
+    def _wait_here(self, request: Any, what: str, held: object = None) -> None:
         """``_wait`` on this thread, for a synchronous caller (``blocking``, which tells the
         peers when an exception interrupts it): the side channel, the timeout and the back-off
-        are the same.
+        are the same; ``held`` holds the request's buffers, kept with it if the wait is left.
 
         Raises:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
@@ -917,7 +922,7 @@ class Workers:
         timeout = self._timeout()
         deadline = None if timeout is None else time.monotonic() + timeout
         never = threading.Event()  # nobody gives up a synchronous wait from elsewhere
-        outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never)
+        outcome = self._tested_here(lambda: request, what, deadline, _BUSY_SECONDS, never, held)
         self._settle(*outcome, what, timeout)
 
     def _next_pause(
@@ -1466,10 +1471,11 @@ class Workers:
         finally:
             self._end()
 
-    def blocking(self, what: str, fn: Callable[[Any, Callable[[Any], None]], Any]) -> Any:
+    def blocking(self, what: str, fn: Callable[[Any, Callable[[Any, object], None]], Any]) -> Any:
         """Run ``fn(communicator, wait)`` in turn, now, on this thread: it makes the same
-        non-blocking MPI calls on every worker and ``wait``s for each request, which tests the
-        side channel and keeps the timeout as the async collectives do.
+        non-blocking MPI calls on every worker and ``wait(request, held)``s for each request,
+        which tests the side channel and keeps the timeout as the async collectives do
+        (``held``: what holds the request's buffers, kept with it if the wait is left).
 
         For synchronous reads that must be collective (a sync-on-read variable's global value,
         a new variable's first read). ``what`` names the read, with the dtype and shape it
@@ -1503,7 +1509,7 @@ class Workers:
             if not self._exchanged(what, header):
                 self._wait_here(self._exchange_request, what)
                 self._check_agreed(what, header)
-            return fn(self._comm, lambda request: self._wait_here(request, what))
+            return fn(self._comm, lambda request, held: self._wait_here(request, what, held))
         except (WorkersDisagree, ReplicaSyncError):
             raise  # every worker raises it alike, or a peer's failure: nothing to tell
         except BaseException as exc:  # interrupted (Ctrl-C, a signal handler's exception), or
@@ -2136,11 +2142,11 @@ def _free(
 
     ``comm`` is kept (never freed) where messages may still be on their way to it, which MPI
     would hand to the next communicator given its context: once its workers fell out of step
-    (``failure``, the side channel's) or while a request it ``left`` (a wait left early) or
-    a persistent one is still under way. A communicator whose making (``made``, its ``Idup``)
-    has not completed, because a worker never made it, is kept too: it cannot be freed
-    before it exists. ``testing`` is held while the receive is withdrawn: a wait on a thread
-    may test it.
+    (``failure``, the side channel's) or while a request it ``left`` (a wait left early: each
+    with what holds its buffers) or a persistent one is still under way. A communicator whose
+    making (``made``, its ``Idup``) has not completed, because a worker never made it, is
+    kept too: it cannot be freed before it exists. ``testing`` is held while the receive is
+    withdrawn: a wait on a thread may test it.
     """
     if mpi.Is_finalized():
         return
@@ -2153,7 +2159,7 @@ def _free(
                 request, receive[0] = receive[0], None
                 request.Cancel()
                 request.Wait()
-        settled = failure[0] is None and all(request.Test() for request in left)
+        settled = failure[0] is None and all(request.Test() for request, _ in left)
         for request in persistent:
             if request.Test():  # inactive
                 request.Free()
@@ -2375,14 +2381,17 @@ def _agree_to_start(
     request = communicator.Iallgather(mine, every)
     started = time.monotonic()
     pause = 0.0
-    while not _spin(request.Test):
-        waited = time.monotonic() - started
-        if timeout is not None and waited > timeout:
-            _unanswered.append((request, mine, every))
-            raise TimeoutError(f"no agreement to start within {timeout:g} s")
-        pause = _backed_off(waited, _BUSY_SECONDS, pause)
-        if pause:
-            time.sleep(pause)
+    try:
+        while not _spin(request.Test):
+            waited = time.monotonic() - started
+            if timeout is not None and waited > timeout:
+                raise TimeoutError(f"no agreement to start within {timeout:g} s")
+            pause = _backed_off(waited, _BUSY_SECONDS, pause)
+            if pause:
+                time.sleep(pause)
+    except BaseException:  # (Ctrl-C too) the request may still complete, into these buffers
+        _unanswered.append((request, mine, every))
+        raise
     starts = [(int(row[:8].view("<i8")[0]), int(row[8:16].view("<i8")[0])) for row in every]
     failed = [
         (w, bytes(row[16:]).rstrip(b"\0").decode(errors="replace"))

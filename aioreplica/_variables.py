@@ -1308,7 +1308,7 @@ class SyncOnReadVariable(Variable):
             # given back in the variable's dtype by ``_aggregated``.
             value = in_native_order(np.array(host_array(local, devices[0]), copy=True))
         what, post = self._over_workers(value, workers, caller)
-        workers.blocking(what, lambda comm, wait: wait(post(comm)))
+        workers.blocking(what, lambda comm, wait: wait(post(comm), post))
         return self._aggregated(value)
 
     async def _read_over_workers(
@@ -1469,12 +1469,12 @@ def sync_variables_now(engine: ReductionEngine | None) -> None:
     pending = workers.pending
     comm_byte = workers.mpi.BYTE
 
-    def broadcast(comm: Any, wait: Callable[[Any], None]) -> None:
+    def broadcast(comm: Any, wait: Callable[[Any, object], None]) -> None:
         for variable in pending:
             copy = host_array(variable._copies[0], variable._devices[0])
             value = np.array(copy, order="C", copy=True)
             # As bytes: MPI refuses typed data in another byte order than this machine's.
-            wait(comm.Ibcast([raw_bytes(value), comm_byte], 0))
+            wait(comm.Ibcast([raw_bytes(value), comm_byte], 0), value)
             _start_from(variable, value)
 
     # What every worker's variables are, so that workers disagreeing refuse before any data.

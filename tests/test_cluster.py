@@ -4,8 +4,11 @@ behaves as ``MirroredStrategy`` does. Two workers: tests/multiworker, under mpie
 
 from __future__ import annotations
 
+import functools
+import gc
 import subprocess
 import sys
+import weakref
 from typing import Any
 
 import anyio
@@ -301,3 +304,40 @@ def test_a_communicator_given_back_unsettled_keeps_its_requests_and_buffers(what
         request.Cancel()
         request.Wait()
     comm.Free()
+
+
+class _NeverCompletes:
+    """A request that stays under way, as a collective does while a peer is late."""
+
+    def Test(self) -> bool:  # mpi4py's name
+        return False
+
+
+@pytest.mark.anyio
+async def test_a_wait_left_early_keeps_the_buffers_its_request_writes() -> None:
+    """mpi4py's non-blocking collectives (``Iallreduce``, ``Iallgatherv``) do not hold their
+    buffers: a wait left before its request completed (a dataset pass given up) keeps what
+    posted it, with those buffers, for as long as it keeps the request; freed, MPI would
+    write the peers' data into memory given back (a heap corrupted in later MPI calls)."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])
+    workers = strategy._workers.duplicate("a test's pass")
+    await workers._await_idup()
+    buffer = np.zeros(8)
+    written = weakref.ref(buffer)
+    post = functools.partial(lambda out: _NeverCompletes(), buffer)
+    with anyio.move_on_after(0.05) as scope:
+        await workers._move(post, "a test's collective", buffer.nbytes)
+    assert scope.cancelled_caught
+    del buffer, post
+    gc.collect()
+    assert written() is not None  # held with the request, in the duplicate's ``_left``
+    left = workers._left
+    workers.close()
+    _cluster._free_retired()  # the request may still complete: kept, with its buffer
+    (kept,) = [kept for kept in _cluster._kept if kept[2] is left]
+    _cluster._kept.remove(kept)
+    del workers, left
+    gc.collect()
+    assert written() is not None
+    assert [type(request) for request, _ in kept[2]] == [_NeverCompletes]
+    kept[0].Free()  # (this test's own: nothing can write into it)
