@@ -968,10 +968,15 @@ class Workers:
             self._tell_arrival()  # (``_timeout()``, read in place: every collective comes here)
 
     def _tell_arrival(self) -> None:
+        self._side.arrivals.read()  # keeps the peers' messages from piling up
+        self._tell(_ARRIVAL)
+
+    def _tell(self, tag: int, inside: bool = False) -> None:
+        """Tell the peers, on the ``_Arrivals`` communicator, where this worker is in this
+        duplicate's stream of collectives: ``tag`` says what happened there."""
         side = self._side
-        side.arrivals.read()  # keeps the peers' messages from piling up
-        arrival = np.array([side.identity, self._stream, self._sequence, 0], np.int64)
-        side.send_all(arrival, _ARRIVAL, side.arrivals.comm)
+        message = np.array([side.identity, self._stream, self._sequence, inside], np.int64)
+        side.send_all(message, tag, side.arrivals.comm)
 
     def tell_left(self, inside: bool = False) -> None:
         """Tell the peers, once, that this worker left this duplicate's stream of collectives
@@ -982,9 +987,7 @@ class Workers:
         if self._told_left:
             return
         self._told_left = True
-        side = self._side
-        left = np.array([side.identity, self._stream, self._sequence, inside], np.int64)
-        side.send_all(left, _LEFT, side.arrivals.comm)
+        self._tell(_LEFT, inside)
 
     def tell_left_if_dropped(self, owner: object, ended: list[bool]) -> weakref.finalize[..., Any]:
         """Have ``tell_left`` called once ``owner`` (a dataset pass) is collected unless
@@ -1022,8 +1025,8 @@ class Workers:
         workers = [worker for worker, _, _ in stopped]
         named = worker_list(workers)
         raise ReplicaSyncError(
-            f"{named} left {self._stream_name} (its iteration "
-            f"ended early there: a break, a cancellation or an error) while worker "
+            f"{named} left {self._stream_name} (its iteration ended early there: a break, a "
+            f"close before the end, a cancellation or an error) while worker "
             f"{self.worker_index} waits in {what}, which {named} will not make: every worker "
             "must take as many elements from a distributed dataset as the others, or stop at "
             "the same point. This pass ends here; the strategy goes on working",
