@@ -484,9 +484,9 @@ class Workers:
         self._idup: Any = None
         self._idup_what = ""
         self._persistent: list[Any] = []  # the records' requests, freed with the communicator
-        #: Requests whose waits were left before they completed, each with what posted it:
-        #: mpi4py's non-blocking collectives do not hold their buffers, which MPI may yet
-        #: write (``_move``'s ``post`` does).
+        #: Requests whose waits were left before they completed, each with what holds its
+        #: buffers (``_move``'s ``post``): mpi4py's non-blocking collectives do not hold them,
+        #: and MPI may yet write into them.
         self._left: list[tuple[Any, object]] = []
         self._records()
         side = communicator.Dup()
@@ -973,7 +973,7 @@ class Workers:
 
     def _tell(self, tag: int, inside: bool = False) -> None:
         """Tell the peers, on the ``_Arrivals`` communicator, where this worker is in this
-        duplicate's stream of collectives: ``tag`` says what happened there."""
+        cluster's stream of collectives: ``tag`` says what happened there."""
         side = self._side
         message = np.array([side.identity, self._stream, self._sequence, inside], np.int64)
         side.send_all(message, tag, side.arrivals.comm)
