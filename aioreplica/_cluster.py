@@ -349,16 +349,18 @@ class _Call:
         workers = self.workers
         if workers.in_step or workers.in_call:
             return  # within the run() or the call in progress: its collectives go ahead
-        if workers.broken:
-            return  # no more collectives: each says so, and what is this worker's own goes on
-        await workers._enter_call(self.what)  # cancelled while waiting: it made no collective
-        self.holding = True
+        if not workers.broken:  # else no more collectives: each says so, naming this call,
+            # and what is this worker's own goes on
+            await workers._enter_call(self.what)  # cancelled while waiting: made no collective
+            self.holding = True
         self._reset = current_call.set(self)
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self._reset is not None:
             current_call.reset(self._reset)
             self._reset = None
+            if not self.holding:
+                return
             self.holding = False
             self.workers.let_go()
             stopped = exc_info[1]
@@ -599,6 +601,9 @@ class Workers:
             self._side.deferred = None
             raise deferred
         if self.failure is not None:
+            call = current_call.get()
+            if call is not None and call.workers is self:  # the user's call, not its parts
+                what = call.what
             raise ClusterBroken(
                 f"{what} was refused: the workers fell out of step ({self.failure}); MPI cannot "
                 "cancel a collective, so this MultiWorkerMirroredStrategy makes no more "

@@ -9,7 +9,7 @@ import gc
 import subprocess
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -19,6 +19,9 @@ import aioreplica
 from aioreplica import _cluster
 from aioreplica._backends import _numpy
 from aioreplica.testing import replica_context
+
+if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -341,3 +344,31 @@ async def test_a_wait_left_early_keeps_the_buffers_its_request_writes() -> None:
     assert written() is not None
     assert [type(request) for request, _ in kept[2]] == [_NeverCompletes]
     kept[0].Free()  # (this test's own: nothing can write into it)
+
+
+@pytest.mark.anyio
+async def test_a_call_refused_after_a_failure_is_named_as_the_user_made_it() -> None:
+    """Once the workers fell out of step, each cross-worker call is refused with
+    ``ClusterBroken`` naming the call made (``strategy.reduce``), not the collective inside it
+    (its ``all_reduce``)."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0", "cpu:1"])
+    strategy._workers._side.failure = "worker 1 failed: ValueError: boom"
+    value = np.ones(2)
+    calls: dict[str, Callable[[], Awaitable[Any]]] = {
+        "strategy.reduce": lambda: strategy.reduce(aioreplica.ReduceOp.SUM, value, axis=None),
+        "strategy.gather": lambda: strategy.gather(value, axis=0),
+        "extended.reduce_to": lambda: strategy.extended.reduce_to(
+            aioreplica.ReduceOp.SUM, value, value
+        ),
+        "extended.batch_reduce_to": lambda: strategy.extended.batch_reduce_to(
+            aioreplica.ReduceOp.SUM, [(value, value)]
+        ),
+        "run()": lambda: strategy.run(lambda: 1),
+    }
+    refused: list[str] = []
+    for call in calls.values():
+        with pytest.raises(aioreplica.ClusterBroken) as info:
+            await call()
+        refused.append(str(info.value).split(" was refused: ")[0])
+        assert "(worker 1 failed: ValueError: boom)" in str(info.value)
+    assert refused == list(calls)
