@@ -345,6 +345,11 @@ class _Call:
         #: it (in a task group outside) takes turns again once the call has ended.
         self.holding = False
 
+    @property
+    def in_progress(self) -> bool:
+        """Whether this call has begun and not ended (a task it started may outlive it)."""
+        return self._reset is not None
+
     async def __aenter__(self) -> None:
         workers = self.workers
         if workers.in_step or workers.in_call:
@@ -602,8 +607,8 @@ class Workers:
             raise deferred
         if self.failure is not None:
             call = current_call.get()
-            if call is not None and call.workers is self:  # the user's call, not its parts
-                what = call.what
+            if call is not None and call.workers is self and call.in_progress:
+                what = call.what  # the user's call, not its parts
             raise ClusterBroken(
                 f"{what} was refused: the workers fell out of step ({self.failure}); MPI cannot "
                 "cancel a collective, so this MultiWorkerMirroredStrategy makes no more "

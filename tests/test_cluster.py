@@ -5,10 +5,8 @@ behaves as ``MirroredStrategy`` does. Two workers: tests/multiworker, under mpie
 from __future__ import annotations
 
 import functools
-import gc
 import subprocess
 import sys
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -326,24 +324,33 @@ async def test_a_wait_left_early_keeps_the_buffers_its_request_writes() -> None:
     workers = strategy._workers.duplicate("a test's pass")
     await workers._await_idup()
     buffer = np.zeros(8)
-    written = weakref.ref(buffer)
     post = functools.partial(lambda out: _NeverCompletes(), buffer)
     with anyio.move_on_after(0.05) as scope:
         await workers._move(post, "a test's collective", buffer.nbytes)
     assert scope.cancelled_caught
-    del buffer, post
-    gc.collect()
-    assert written() is not None  # held with the request, in the duplicate's ``_left``
+    ((request, held),) = workers._left
+    assert (type(request), held) == (_NeverCompletes, post)  # with the request, its buffers
     left = workers._left
     workers.close()
     _cluster._free_retired()  # the request may still complete: kept, with its buffer
     (kept,) = [kept for kept in _cluster._kept if kept[2] is left]
     _cluster._kept.remove(kept)
-    del workers, left
-    gc.collect()
-    assert written() is not None
-    assert [type(request) for request, _ in kept[2]] == [_NeverCompletes]
+    assert kept[2] == [(request, post)]
     kept[0].Free()  # (this test's own: nothing can write into it)
+
+
+@pytest.mark.anyio
+async def test_a_synchronous_wait_left_early_keeps_what_holds_its_buffers() -> None:
+    """The same for a synchronous read's wait (``blocking``): its request is kept with what
+    the caller said holds its buffers when the wait ends before the request completes."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])
+    workers = strategy._workers
+    buffer = np.zeros(8)
+    with workers.timeout(0.05), pytest.raises(aioreplica.ReplicaSyncError):
+        workers.blocking("a test's read", lambda comm, wait: wait(_NeverCompletes(), buffer))
+    ((request, (_, held)),) = workers._left
+    assert type(request) is _NeverCompletes
+    assert held is buffer
 
 
 @pytest.mark.anyio
@@ -372,3 +379,26 @@ async def test_a_call_refused_after_a_failure_is_named_as_the_user_made_it() -> 
         refused.append(str(info.value).split(" was refused: ")[0])
         assert "(worker 1 failed: ValueError: boom)" in str(info.value)
     assert refused == list(calls)
+
+
+@pytest.mark.anyio
+async def test_a_task_that_outlives_its_call_is_refused_under_its_own_name() -> None:
+    """A task started in a call (into a task group outside it) that runs on once the call
+    has ended is refused naming what it called, not the call that started it."""
+    strategy = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])
+    workers = strategy._workers
+    go = anyio.Event()
+    refused: list[str] = []
+
+    async def later() -> None:
+        await go.wait()
+        with pytest.raises(aioreplica.ClusterBroken) as info:
+            await strategy.run(lambda: 1)
+        refused.append(str(info.value).split(" was refused: ")[0])
+
+    async with anyio.create_task_group() as group:
+        async with workers.call("Checkpoint.save"):
+            group.start_soon(later)
+        workers._side.failure = "worker 1 failed: ValueError: boom"
+        go.set()
+    assert refused == ["run()"]
