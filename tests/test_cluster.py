@@ -348,9 +348,10 @@ async def test_a_synchronous_wait_left_early_keeps_what_holds_its_buffers() -> N
     buffer = np.zeros(8)
     with workers.timeout(0.05), pytest.raises(aioreplica.ReplicaSyncError):
         workers.blocking("a test's read", lambda comm, wait: wait(_NeverCompletes(), buffer))
-    ((request, (_, held)),) = workers._left
+    ((request, kept),) = workers._left
     assert type(request) is _NeverCompletes
-    assert held is buffer
+    assert isinstance(kept, tuple)
+    assert kept[1] is buffer  # (``post``, ``held``)
 
 
 @pytest.mark.anyio
