@@ -766,11 +766,7 @@ class Workers:
                     pause = self._next_pause(what, started, timeout, busy, pause)
         except BaseException as exc:  # a peer's failure, a timeout, or cancelled meanwhile
             self._left.append((request, post))
-            if self._primary:
-                if not isinstance(exc, ReplicaSyncError):
-                    self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
-            else:  # a dataset pass left here: its duplicate is abandoned with the request,
-                self.tell_left(inside=True)  # and nothing else is affected
+            self._wait_left(what, exc)
             raise
 
     async def _move(self, post: Callable[[], Any], what: str, nbytes: int) -> None:
@@ -823,12 +819,19 @@ class Workers:
             )
         except BaseException as exc:  # cancelled meanwhile, or MPI raised on the thread
             stop.set()
-            if self._primary:
-                self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
-            else:
-                self.tell_left(inside=True)
+            self._wait_left(what, exc)
             raise
         self._settle(completed, failure, what, timeout)
+
+    def _wait_left(self, what: str, exc: BaseException) -> None:
+        """A wait in ``what`` ended by ``exc`` before its request completed. On the strategy's
+        own communicator this worker failed, and its peers are told (unless ``exc`` is a
+        peer's failure, or the timeout, which ``_timed_out`` announced); a dataset pass's
+        duplicate is abandoned with the request, and nothing else is affected."""
+        if not self._primary:
+            self.tell_left(inside=True)
+        elif not isinstance(exc, ReplicaSyncError):
+            self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
 
     def _settle(
         self,
