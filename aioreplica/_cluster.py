@@ -606,14 +606,20 @@ class Workers:
             self._side.deferred = None
             raise deferred
         if self.failure is not None:
-            call = current_call.get()
-            if call is not None and call.workers is self and call.in_progress:
-                what = call.what  # the user's call, not its parts
+            refused = self._call_named(what)
             raise ClusterBroken(
-                f"{what} was refused: the workers fell out of step ({self.failure}); MPI cannot "
+                f"{refused} was refused: the workers fell out of step ({self.failure}); MPI cannot "
                 "cancel a collective, so this MultiWorkerMirroredStrategy makes no more "
                 "cross-worker calls: end the job (or handle the failure and start a new one)"
             )
+
+    def _call_named(self, what: str) -> str:
+        """``what`` as the user knows it: the call in progress it is part of (a
+        ``strategy.reduce``, not its ``all_reduce``), else ``what`` itself."""
+        call = current_call.get()
+        if call is not None and call.workers is self and call.in_progress:
+            return call.what
+        return what
 
     def announce(
         self, reason: str, replicas: tuple[int, ...] = (), late: tuple[int, ...] = ()
@@ -831,7 +837,18 @@ class Workers:
         if not self._primary:
             self.tell_left(inside=True)
         elif not isinstance(exc, ReplicaSyncError):
-            self.announce(f"its wait in {what} was interrupted by {type(exc).__name__}")
+            self._announce_interrupted(what, exc, waiting=True)
+
+    def _announce_interrupted(self, what: str, exc: BaseException, *, waiting: bool) -> None:
+        """Tell the peers this worker failed: ``exc`` interrupted ``what`` (its wait in it, if
+        ``waiting``), named as the user's call it is part of, if any, so that the peers'
+        error names the call made (a ``Checkpoint.save``, not its ``broadcast``)."""
+        called = self._call_named(what)
+        interrupted = f"was interrupted by {type(exc).__name__}"
+        if called != what:
+            self.announce(f"its {called} {interrupted} in {what}")
+        else:
+            self.announce(f"its {'wait in ' if waiting else ''}{what} {interrupted}")
 
     def _settle(
         self,
@@ -1532,7 +1549,7 @@ class Workers:
             # MPI failed: as a cancelled ``_wait``, this worker fails (MPI cannot cancel a
             # request), and its peers are told.
             if self._primary:
-                self.announce(f"its {what} was interrupted by {type(exc).__name__}")
+                self._announce_interrupted(what, exc, waiting=False)
             raise
 
     async def read(self, what: str, post: Callable[[Any], Any], nbytes: int) -> None:

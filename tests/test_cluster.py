@@ -355,6 +355,50 @@ async def test_a_synchronous_wait_left_early_keeps_what_holds_its_buffers() -> N
 
 
 @pytest.mark.anyio
+async def test_a_call_interrupted_while_waiting_is_announced_as_the_user_made_it() -> None:
+    """A worker interrupted while waiting in a collective of a call tells its peers which call
+    failed (``Checkpoint.save``) and where it waited (its ``broadcast``), however the wait
+    ended; outside any call it names the wait."""
+    told: list[str] = []
+    buffer = np.zeros(8)
+    post = functools.partial(lambda out: _NeverCompletes(), buffer)
+
+    async def in_call(workers: Any, call: str | None) -> None:
+        with anyio.move_on_after(0.05):
+            if call is None:
+                await workers._move(post, "broadcast", buffer.nbytes)
+            else:
+                async with workers.call(call):
+                    await workers._move(post, "broadcast", buffer.nbytes)
+
+    def failing(comm: object, wait: object) -> None:
+        raise RuntimeError("MPI failed")
+
+    async def read(workers: Any, call: str | None) -> None:
+        if call is None:
+            workers.blocking("read of v", failing)
+        else:
+            async with workers.call(call):
+                workers.blocking("read of v", failing)
+
+    for call in ("Checkpoint.save", None):
+        workers = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])._workers
+        await in_call(workers, call)
+        told.append(str(workers._side.failure).replace("CancelledError", "Cancelled"))
+    for call in ("Checkpoint.restore", None):
+        workers = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])._workers
+        with pytest.raises(RuntimeError, match="MPI failed"):
+            await read(workers, call)
+        told.append(str(workers._side.failure))
+    assert told == [
+        "worker 0 failed: its Checkpoint.save was interrupted by Cancelled in broadcast",
+        "worker 0 failed: its wait in broadcast was interrupted by Cancelled",
+        "worker 0 failed: its Checkpoint.restore was interrupted by RuntimeError in read of v",
+        "worker 0 failed: its read of v was interrupted by RuntimeError",
+    ]
+
+
+@pytest.mark.anyio
 async def test_a_call_refused_after_a_failure_is_named_as_the_user_made_it() -> None:
     """Once the workers fell out of step, each cross-worker call is refused with
     ``ClusterBroken`` naming the call made (``strategy.reduce``), not the collective inside it

@@ -248,8 +248,8 @@ async def test_a_peer_failing_ends_a_large_wait(make_strategy: MakeStrategy) -> 
     watched.release()
     assert allgather((outcome, watched.events)) == [
         (
-            "ReplicaSyncError naming workers (1,): worker 1 failed: its wait in all_gather "
-            "was interrupted by TransferFailed",
+            "ReplicaSyncError naming workers (1,): worker 1 failed: its strategy.gather "
+            "was interrupted by TransferFailed in all_gather",
             LEFT_ON_THREAD,
         ),
         (
@@ -305,8 +305,8 @@ async def test_a_cancelled_large_wait_stops_its_thread_and_fails_the_worker(
     watched.release()
     assert allgather((outcome, watched.events)) == [
         (
-            "ReplicaSyncError naming workers (1,): worker 1 failed: its wait in all_gather "
-            "was interrupted by Cancelled",
+            "ReplicaSyncError naming workers (1,): worker 1 failed: its strategy.gather "
+            "was interrupted by Cancelled in all_gather",
             LEFT_ON_THREAD,
         ),
         (
