@@ -408,7 +408,7 @@ class Workers:
     _record: np.ndarray[Any, Any]
     _record_bytes: memoryview
     _record_words: np.ndarray[Any, Any]
-    _header_sent: _Header | None
+    _data_sent: bytes | None
     _word_sent: int
     _gathered: np.ndarray[Any, Any]
     _gathered_words: np.ndarray[Any, Any]
@@ -423,10 +423,10 @@ class Workers:
         "_calls",
         "_checksums",
         "_comm",
+        "_data_sent",
         "_exchange_request",
         "_gathered",
         "_gathered_words",
-        "_header_sent",
         "_idup",
         "_idup_what",
         "_in_step",
@@ -1673,7 +1673,7 @@ class Workers:
         self._record = self._gathered[self.worker_index]  # sent from where it is gathered
         self._record_bytes = self._record.data
         self._record_words = self._record.view("<i8")
-        self._header_sent = None
+        self._data_sent = None
         self._word_sent = 0
         self._plans = {}
         # The records' exchange, made once (persistent requests: the buffers never change,
@@ -1715,12 +1715,13 @@ class Workers:
         # The checksum's word says too whether the collective belongs to a run()'s step:
         # workers that differ there are out of step (``_disagree``).
         in_step = self._in_step  # (``_begin``'s)
-        word = header.checksum | _IN_STEP if in_step else header.checksum
-        if header is not self._header_sent or word != self._word_sent:
-            # (the record keeps a header until another comes)
-            self._record_bytes[: len(header.data)] = header.data
-            self._record_words[0] = word
-            self._header_sent = header
+        if in_step:
+            word, data = header.checksum | _IN_STEP, header.in_step
+        else:
+            word, data = header.checksum, header.data
+        if data is not self._data_sent:  # (the record keeps a header until another comes)
+            self._record_bytes[: len(data)] = data
+            self._data_sent = data
             self._word_sent = word
         if not self._exchange_request.started():
             return False
@@ -2250,6 +2251,14 @@ class _Header(NamedTuple):
     # that carries no data (``_header_in_full``), the whole record.
     data: bytes
     words: str
+    #: ``data`` as a collective of a ``run()``'s step sends it: ``_IN_STEP`` in its word.
+    in_step: bytes
+
+
+def _header(checksum: int, data: bytes, words: str) -> _Header:
+    """The header of ``data`` (its record's start, ``checksum`` in its first word)."""
+    stepped = (checksum | _IN_STEP).to_bytes(8, "little") + data[8:]
+    return _Header(checksum, data, words, stepped)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -2259,7 +2268,7 @@ def _header_of(words: str) -> _Header:
     text = words.encode()
     checksum = zlib.crc32(text)
     header = checksum.to_bytes(8, "little") + text[: _HEADER_BYTES - 8]
-    return _Header(checksum, header.ljust(_HEADER_BYTES, b"\0"), words)
+    return _header(checksum, header.ljust(_HEADER_BYTES, b"\0"), words)
 
 
 @functools.lru_cache(maxsize=256)
@@ -2273,7 +2282,7 @@ def _header_in_full(words: str) -> _Header:
         return _header_of(words)
     checksum = zlib.crc32(text) | _CONTINUED
     record = checksum.to_bytes(8, "little") + text[: _RECORD_BYTES - 8]
-    return _Header(checksum, record.ljust(_RECORD_BYTES, b"\0"), words)
+    return _header(checksum, record.ljust(_RECORD_BYTES, b"\0"), words)
 
 
 def _words_of(record: np.ndarray[Any, Any]) -> str:
@@ -2297,12 +2306,15 @@ def _named(detail: str) -> str:
 def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray[Any, Any]) -> None:
     """``out`` = the parts combined by ``ufunc`` in their order (workers', or a worker's
     replicas': the same everywhere, and as the host backend reduces)."""
-    if len(parts) == 1:
-        np.copyto(out, parts[0])
-        return
-    ufunc(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        ufunc(out, part, out=out)
+    count = len(parts)
+    if count == 2:  # (two workers, or two replicas: the common case, at once)
+        ufunc(parts[0], parts[1], out=out)
+    elif count == 1:
+        out[...] = parts[0]
+    else:
+        ufunc(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            ufunc(out, part, out=out)
 
 
 def _disagreement(what: str, gathered: np.ndarray[Any, Any], apart: str = "") -> WorkersDisagree:
