@@ -616,10 +616,14 @@ class Workers:
     def _call_named(self, what: str) -> str:
         """``what`` as the user knows it: the call in progress it is part of (a
         ``strategy.reduce``, not its ``all_reduce``), else ``what`` itself."""
+        return self._call_in_progress() or what
+
+    def _call_in_progress(self) -> str | None:
+        """The name of this task's call in progress on this cluster, if any."""
         call = current_call.get()
         if call is not None and call.workers is self and call.in_progress:
             return call.what
-        return what
+        return None
 
     def announce(
         self, reason: str, replicas: tuple[int, ...] = (), late: tuple[int, ...] = ()
@@ -841,14 +845,16 @@ class Workers:
 
     def _announce_interrupted(self, what: str, exc: BaseException, *, waiting: bool) -> None:
         """Tell the peers this worker failed: ``exc`` interrupted ``what`` (its wait in it, if
-        ``waiting``), named as the user's call it is part of, if any, so that the peers'
-        error names the call made (a ``Checkpoint.save``, not its ``broadcast``)."""
-        called = self._call_named(what)
+        ``waiting``). Within a call, the peers' error names the call made, as when the call
+        is stopped between its waits (a ``Checkpoint.save``, and its ``broadcast``)."""
         interrupted = f"was interrupted by {type(exc).__name__}"
-        if called != what:
-            self.announce(f"its {called} {interrupted} in {what}")
-        else:
+        call = self._call_in_progress()
+        if call is None:
             self.announce(f"its {'wait in ' if waiting else ''}{what} {interrupted}")
+        elif call == what:  # (the call's own agreement)
+            self.announce(f"its {call} {interrupted}")
+        else:
+            self.announce(f"its {call} {interrupted} in {what}")
 
     def _settle(
         self,
@@ -2310,7 +2316,7 @@ def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray
     if count == 2:  # (two workers, or two replicas: the common case, at once)
         ufunc(parts[0], parts[1], out=out)
     elif count == 1:
-        out[...] = parts[0]
+        np.copyto(out, parts[0])
     else:
         ufunc(parts[0], parts[1], out=out)
         for part in parts[2:]:

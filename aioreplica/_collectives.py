@@ -838,7 +838,7 @@ class ReductionEngine:
                 # once more); several, reduced where the cluster sends them from, on the loop's
                 # thread as the backend reduces so few bytes (no output of their own first).
                 out = HOST_BACKEND.output(first.shape, first.dtype)
-                send = first if len(inputs) == 1 else inputs  # (arrays: combined as they are)
+                send = first if len(inputs) == 1 else inputs  # (combined as they are)
                 await self.cluster.allreduce(_local_op(op), send, out, _layout(op, _where(path)))
                 if op == "mean":
                     np.divide(out, self.num_replicas, out=out)

@@ -357,19 +357,19 @@ async def test_a_synchronous_wait_left_early_keeps_what_holds_its_buffers() -> N
 @pytest.mark.anyio
 async def test_a_call_interrupted_while_waiting_is_announced_as_the_user_made_it() -> None:
     """A worker interrupted while waiting in a collective of a call tells its peers which call
-    failed (``Checkpoint.save``) and where it waited (its ``broadcast``), however the wait
-    ended; outside any call it names the wait."""
+    failed (``Checkpoint.save``) and where it waited (its ``broadcast``, unless in the call's
+    own agreement), however the wait ended; outside any call it names the wait."""
     told: list[str] = []
     buffer = np.zeros(8)
     post = functools.partial(lambda out: _NeverCompletes(), buffer)
 
-    async def in_call(workers: Any, call: str | None) -> None:
+    async def in_call(workers: Any, call: str | None, what: str = "broadcast") -> None:
         with anyio.move_on_after(0.05):
             if call is None:
-                await workers._move(post, "broadcast", buffer.nbytes)
+                await workers._move(post, what, buffer.nbytes)
             else:
                 async with workers.call(call):
-                    await workers._move(post, "broadcast", buffer.nbytes)
+                    await workers._move(post, what, buffer.nbytes)
 
     def failing(comm: object, wait: object) -> None:
         raise RuntimeError("MPI failed")
@@ -381,9 +381,9 @@ async def test_a_call_interrupted_while_waiting_is_announced_as_the_user_made_it
             async with workers.call(call):
                 workers.blocking("read of v", failing)
 
-    for call in ("Checkpoint.save", None):
+    for call, what in (("Checkpoint.save", "broadcast"), (None, "broadcast"), ("save", "save")):
         workers = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])._workers
-        await in_call(workers, call)
+        await in_call(workers, call, what)
         told.append(str(workers._side.failure).replace("CancelledError", "Cancelled"))
     for call in ("Checkpoint.restore", None):
         workers = aioreplica.MultiWorkerMirroredStrategy(["cpu:0"])._workers
@@ -393,6 +393,7 @@ async def test_a_call_interrupted_while_waiting_is_announced_as_the_user_made_it
     assert told == [
         "worker 0 failed: its Checkpoint.save was interrupted by Cancelled in broadcast",
         "worker 0 failed: its wait in broadcast was interrupted by Cancelled",
+        "worker 0 failed: its save was interrupted by Cancelled",  # (the call's own agreement)
         "worker 0 failed: its Checkpoint.restore was interrupted by RuntimeError in read of v",
         "worker 0 failed: its read of v was interrupted by RuntimeError",
     ]

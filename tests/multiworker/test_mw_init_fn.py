@@ -123,7 +123,7 @@ async def test_a_manager_save_cancelled_on_one_worker_names_its_call(
     make_strategy: MakeStrategy, interval: int | None
 ) -> None:
     """The last worker's save is cancelled while it waits for the others: the others'
-    ReplicaSyncError names it and says its wait in ``CheckpointManager.save`` was interrupted."""
+    ReplicaSyncError names it and says its ``CheckpointManager.save`` was interrupted."""
     strategy = make_strategy(1)
     with strategy.scope():
         w = Variable(np.zeros(3), name="w")
@@ -147,7 +147,7 @@ async def test_a_manager_save_cancelled_on_one_worker_names_its_call(
             with anyio.fail_after(10), pytest.raises(ReplicaSyncError) as caught:
                 await manager.save()
             assert caught.value.workers == (FAILING,)
-            shown = f"worker {FAILING} failed: its wait in CheckpointManager.save was interrupted"
+            shown = f"worker {FAILING} failed: its CheckpointManager.save was interrupted"
             assert shown in str(caught.value)
         WORLD.Barrier()
 
