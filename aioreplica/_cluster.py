@@ -1241,7 +1241,12 @@ class Workers:
             await self._begin(what)
         try:
             if isinstance(send, list):  # straight into the record, or into ``out``
-                _combine(plan.ufunc, send, plan.slot if plan.parts else out)
+                try:
+                    _combine(plan.ufunc, send, plan.slot if plan.parts else out)
+                except Exception as error:  # (an overflow where NumPy's errstate or warnings
+                    # filter raise): the others meet a refusal in place of this record, in step
+                    await self._refuse_begun(what, error)
+                    raise
                 send = None
             elif plan.parts:
                 plan.slot[...] = out if send is None else send
@@ -1463,14 +1468,20 @@ class Workers:
             or not isinstance(error, (TypeError, ValueError, RuntimeError))
         ):
             return
-        header = _header_in_full(f"{what} refusing its arguments: {error_line(error)}")
         await self._begin(what)
         try:
-            await self._exchange(what, header)
-        except WorkersDisagree:
-            pass  # the others raise it; this worker raises its own error
+            await self._refuse_begun(what, error)
         finally:
             self._end()
+
+    async def _refuse_begun(self, what: str, error: BaseException) -> None:
+        """``refuse_in_step`` within the collective ``what`` begun (the turn taken), for any
+        ``error`` this worker met before its record went out."""
+        refusing = f"{self._call_named(what)} refusing its arguments: {error_line(error)}"
+        try:
+            await self._exchange(what, _header_in_full(refusing))
+        except WorkersDisagree:
+            pass  # the others raise it; this worker raises its own error
         self.refused = error
 
     async def barrier(self, what: str, detail: str = "") -> None:

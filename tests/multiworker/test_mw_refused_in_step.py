@@ -1,18 +1,21 @@
 """Cross-replica calls refused on one worker only, before any collective: an update given a
-bad ``group`` or another strategy's variable, and calls made in another strategy's scope.
+bad ``group`` or another strategy's variable, and calls made in another strategy's scope; and
+a worker whose own combine of its replicas raises before its record goes out.
 The refusing worker raises its own error, every other worker a ``WorkersDisagree`` naming it;
 nothing is written anywhere, and the workers stay in step.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+import anyio
 import numpy as np
 import pytest
 
 import aioreplica
 from aioreplica import MirroredStrategy, PerReplica
+from aioreplica.testing import replica_context
 from multiworker.mwtools import RANK, WORKERS, allgather, assert_in_step
 
 if TYPE_CHECKING:
@@ -156,3 +159,47 @@ async def test_a_call_refused_on_one_worker_raises_on_every_worker(
         await assert_in_step(strategy)
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("where", ["strategy.reduce", "run()"])
+async def test_a_worker_whose_own_combine_raises_refuses_in_step(
+    make_strategy: MakeStrategy, where: str
+) -> None:
+    """The last worker's combine of its own replicas raises before its record goes out (an
+    overflow where its NumPy errstate raises, as under warnings turned into errors): it
+    raises that error, every other worker at once a WorkersDisagree naming it and the error
+    (not a wait for a record that never comes, nor a failure breaking the strategy), and the
+    workers stay in step."""
+    strategy = make_strategy(2)
+    huge = strategy.experimental_distribute_values_from_function(
+        lambda context: np.full(2, 1e30, np.float32)
+    )
+    overflow: Literal["raise", "ignore"] = "raise" if RANK == REFUSING else "ignore"
+
+    async def step(x: Any) -> Any:
+        with np.errstate(over=overflow):
+            return await replica_context().all_reduce("prod", x)
+
+    async def reduce() -> Any:
+        with np.errstate(over=overflow):
+            return await strategy.reduce("prod", huge, axis=None)
+
+    with anyio.fail_after(20):
+        try:
+            if where == "run()":
+                await strategy.run(step, args=(huge,))
+            else:
+                await reduce()
+        except (FloatingPointError, aioreplica.WorkersDisagree) as exc:
+            message = f"{type(exc).__name__}: {exc}"
+        else:
+            message = "returned"
+    named = "strategy.reduce" if where == "strategy.reduce" else "all_reduce"
+    if RANK == REFUSING:
+        assert message == "FloatingPointError: overflow encountered in multiply", message
+    else:
+        assert message.startswith("WorkersDisagree: "), message
+        assert f"worker {REFUSING} refused what it was given" in message, message
+        refusal = f"{named} refusing its arguments: FloatingPointError: overflow encountered"
+        assert refusal in message, message
+    await assert_in_step(strategy)
