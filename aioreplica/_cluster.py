@@ -1245,7 +1245,7 @@ class Workers:
                     _combine(plan.ufunc, send, plan.slot if plan.parts else out)
                 except Exception as error:  # (an overflow where NumPy's errstate or warnings
                     # filter raise): the others meet a refusal in place of this record, in step
-                    await self._refuse_begun(what, error)
+                    await self._refuse_begun(self._call_named(what), error)
                     raise
                 send = None
             elif plan.parts:
@@ -1477,11 +1477,9 @@ class Workers:
     async def _refuse_begun(self, what: str, error: BaseException) -> None:
         """``refuse_in_step`` within the collective ``what`` begun (the turn taken), for any
         ``error`` this worker met before its record went out."""
-        refusing = f"{self._call_named(what)} refusing its arguments: {error_line(error)}"
-        try:
-            await self._exchange(what, _header_in_full(refusing))
-        except WorkersDisagree:
-            pass  # the others raise it; this worker raises its own error
+        header = _header_in_full(f"{what} refusing its arguments: {error_line(error)}")
+        with contextlib.suppress(WorkersDisagree):  # the others raise it; this worker its own
+            await self._exchange(what, header)
         self.refused = error
 
     async def barrier(self, what: str, detail: str = "") -> None:
