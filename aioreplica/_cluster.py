@@ -1462,11 +1462,24 @@ class Workers:
             ReplicaSyncError: a peer failed, or the timeout in force passed.
             ClusterBroken: the cluster broke while this worker waited for its turn.
         """
-        if (
-            self.broken
-            or isinstance(error, WorkersDisagree)
-            or not isinstance(error, (TypeError, ValueError, RuntimeError))
-        ):
+        if isinstance(error, (TypeError, ValueError, RuntimeError)):
+            await self._refuse(what, error)
+
+    async def refuse_own_part(self, what: str, error: BaseException) -> None:
+        """``refuse_in_step`` for any ``error`` raised by this worker's own part of ``what``
+        before its collective (its replicas' sum, where an overflow raises under NumPy's
+        ``errstate``), named as the call in progress, if any: the others raise
+        ``WorkersDisagree`` naming this worker at once, rather than wait for a collective it
+        will not make.
+
+        Raises:
+            ReplicaSyncError: as ``refuse_in_step``.
+            ClusterBroken: as ``refuse_in_step``.
+        """
+        await self._refuse(self._call_named(what), error)
+
+    async def _refuse(self, what: str, error: BaseException) -> None:
+        if self.broken or isinstance(error, WorkersDisagree):
             return
         await self._begin(what)
         try:

@@ -57,7 +57,7 @@ from ._options import DEFAULT_PACK_BYTES, ReduceOp
 from ._values import DistributedValues, Mirrored, regroup
 
 if TYPE_CHECKING:
-    from collections.abc import Coroutine, Iterator, Sequence
+    from collections.abc import Awaitable, Coroutine, Iterator, Sequence
 
     from ._backends import ArrayBackend, Device
     from ._cluster import Workers
@@ -813,7 +813,9 @@ class ReductionEngine:
         """
         if self.cluster is None:
             return await self.backend.all_reduce_packed(op, leaves, self.devices)
-        local = await self.backend.all_reduce_packed(_local_op(op), leaves, self.devices)
+        local = await self._own_part(
+            self.backend.all_reduce_packed(_local_op(op), leaves, self.devices)
+        )
         shapes = [str(arrays[0].shape) for arrays in leaves]
         if any(paths):  # the workers compare where each leaf is in the value, too
             shapes = [f"{_where(path)} {shape}" for path, shape in zip(paths, shapes, strict=True)]
@@ -843,8 +845,21 @@ class ReductionEngine:
                 if op == "mean":
                     np.divide(out, self.num_replicas, out=out)
                 return [HOST_BACKEND.publish(out)] * self.size
-        local = await self.backend.all_reduce(_local_op(op), inputs, self.devices)
+        local = await self._own_part(self.backend.all_reduce(_local_op(op), inputs, self.devices))
         return await self._across_workers(op, local, _where(path))
+
+    async def _own_part(self, local: Awaitable[T]) -> T:
+        """``local``, this worker's own part of a cross-worker reduction, made before its
+        collective: an error there (an overflow where NumPy's ``errstate`` raises) is refused
+        in step (``Workers.refuse_own_part``), so the other workers raise ``WorkersDisagree``
+        naming this worker instead of waiting for its collective."""
+        try:
+            return await local
+        except Exception as error:
+            assert self.cluster is not None
+            with contextlib.suppress(RuntimeError):  # ReplicaSyncError, ClusterBroken (``refuse``)
+                await self.cluster.refuse_own_part(reductions_called.get(), error)
+            raise
 
     async def _across_workers(self, op: str, local: list[Any], layout: str = "") -> list[Any]:
         """The cross-worker step: this worker's reduction (``local``, one result per replica,
@@ -915,12 +930,18 @@ class ReductionEngine:
                 f"reduce: every replica's value at {_tree.describe_path(leaf.path)} is empty "
                 f"along {shown}, so {op.name} has nothing to reduce"
             )
-        partials = [
-            await device.compute(
-                component.nbytes, _partial_reduction, device.xp, inner, component, axes
-            )
-            for device, component in zip(self.devices, leaf.arrays, strict=True)
-        ]
+
+        async def reduced_within() -> list[Any]:
+            return [
+                await device.compute(
+                    component.nbytes, _partial_reduction, device.xp, inner, component, axes
+                )
+                for device, component in zip(self.devices, leaf.arrays, strict=True)
+            ]
+
+        partials = await (
+            reduced_within() if self.cluster is None else self._own_part(reduced_within())
+        )
         # Across replicas through the backend, which orders the devices' streams.
         result = (await self._reduce_arrays(inner, partials, leaf.path))[0]
         if op is ReduceOp.MEAN:

@@ -7,7 +7,7 @@ nothing is written anywhere, and the workers stay in step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
@@ -161,45 +161,54 @@ async def test_a_call_refused_on_one_worker_raises_on_every_worker(
         other.close()
 
 
-@pytest.mark.parametrize("where", ["strategy.reduce", "run()"])
+#: Per place where a worker combines its own replicas' values before its collective: the
+#: call, and the start of what the refusing worker raises.
+OWN_PARTS: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
+    "strategy.reduce": (
+        lambda s, huge: s.reduce("prod", huge, axis=None),
+        "overflow encountered in multiply",
+    ),
+    "strategy.reduce of a structure": (
+        lambda s, huge: s.reduce("prod", {"a": huge, "b": huge}, axis=None),
+        "overflow encountered in multiply",
+    ),
+    "strategy.reduce along axis 0": (
+        lambda s, huge: s.reduce("sum", huge, axis=0),
+        "overflow encountered in reduce",
+    ),
+    "run()": (
+        lambda s, huge: s.run(lambda x: replica_context().all_reduce("prod", x), args=(huge,)),
+        "overflow encountered in multiply",
+    ),
+}
+
+
+@pytest.mark.parametrize("where", list(OWN_PARTS))
 async def test_a_worker_whose_own_combine_raises_refuses_in_step(
     make_strategy: MakeStrategy, where: str
 ) -> None:
-    """The last worker's combine of its own replicas raises before its record goes out (an
+    """The last worker's combine of its own replicas raises before its collective (an
     overflow where its NumPy errstate raises, as under warnings turned into errors): it
     raises that error, every other worker at once a WorkersDisagree naming it and the error
-    (not a wait for a record that never comes, nor a failure breaking the strategy), and the
-    workers stay in step."""
+    (not a wait for a collective that never comes, nor a failure breaking the strategy), and
+    the workers stay in step."""
     strategy = make_strategy(2)
     huge = strategy.experimental_distribute_values_from_function(
-        lambda context: np.full(2, 1e30, np.float32)
+        lambda context: np.full((2, 2), 3e38, np.float32)
     )
-    overflow: Literal["raise", "ignore"] = "raise" if RANK == REFUSING else "ignore"
-
-    async def step(x: Any) -> Any:
-        with np.errstate(over=overflow):
-            return await replica_context().all_reduce("prod", x)
-
-    async def reduce() -> Any:
-        with np.errstate(over=overflow):
-            return await strategy.reduce("prod", huge, axis=None)
-
-    with anyio.fail_after(20):
+    call, error = OWN_PARTS[where]
+    with anyio.fail_after(20), np.errstate(over="raise" if RANK == REFUSING else "ignore"):
         try:
-            if where == "run()":
-                await strategy.run(step, args=(huge,))
-            else:
-                await reduce()
+            await call(strategy, huge)
         except (FloatingPointError, aioreplica.WorkersDisagree) as exc:
             message = f"{type(exc).__name__}: {exc}"
         else:
             message = "returned"
-    named = "strategy.reduce" if where == "strategy.reduce" else "all_reduce"
+    named = "all_reduce" if where == "run()" else "strategy.reduce"
     if RANK == REFUSING:
-        assert message == "FloatingPointError: overflow encountered in multiply", message
+        assert message == f"FloatingPointError: {error}", message
     else:
         assert message.startswith("WorkersDisagree: "), message
         assert f"worker {REFUSING} refused what it was given" in message, message
-        refusal = f"{named} refusing its arguments: FloatingPointError: overflow encountered"
-        assert refusal in message, message
+        assert f"{named} refusing its arguments: FloatingPointError: {error}" in message, message
     await assert_in_step(strategy)
