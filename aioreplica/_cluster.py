@@ -1245,7 +1245,9 @@ class Workers:
                     _combine(plan.ufunc, send, plan.slot if plan.parts else out)
                 except Exception as error:  # (an overflow where NumPy's errstate or warnings
                     # filter raise): the others meet a refusal in place of this record, in step
-                    await self._refuse_begun(self._call_named(what), error)
+                    with contextlib.suppress(RuntimeError):  # (a peer's failure meanwhile:
+                        # the next call says so, as ``ReductionEngine.refuse`` has it)
+                        await self._refuse_begun(self._call_named(what), error)
                     raise
                 send = None
             elif plan.parts:
@@ -1479,8 +1481,8 @@ class Workers:
         await self._refuse(self._call_named(what), error)
 
     async def _refuse(self, what: str, error: BaseException) -> None:
-        if self.broken or isinstance(error, WorkersDisagree):
-            return
+        if self.broken or error is self.refused or isinstance(error, WorkersDisagree):
+            return  # (refused in step already: where this worker's own part raised it)
         await self._begin(what)
         try:
             await self._refuse_begun(what, error)

@@ -183,32 +183,45 @@ OWN_PARTS: dict[str, tuple[Callable[[Any, Any], Awaitable[Any]], str]] = {
 }
 
 
+def _value_error(kind: str, flag: int) -> None:
+    raise ValueError(f"{kind} in this worker's own values")
+
+
+@pytest.mark.parametrize("raised", ["FloatingPointError", "ValueError"])
 @pytest.mark.parametrize("where", list(OWN_PARTS))
 async def test_a_worker_whose_own_combine_raises_refuses_in_step(
-    make_strategy: MakeStrategy, where: str
+    make_strategy: MakeStrategy, where: str, raised: str
 ) -> None:
     """The last worker's combine of its own replicas raises before its collective (an
     overflow where its NumPy errstate raises, as under warnings turned into errors): it
     raises that error, every other worker at once a WorkersDisagree naming it and the error
     (not a wait for a collective that never comes, nor a failure breaking the strategy), and
-    the workers stay in step."""
+    the workers stay in step: once, also for an error that its call refuses in step itself
+    (a ValueError, from the errstate's own callback)."""
     strategy = make_strategy(2)
     huge = strategy.experimental_distribute_values_from_function(
         lambda context: np.full((2, 2), 3e38, np.float32)
     )
     call, error = OWN_PARTS[where]
-    with anyio.fail_after(20), np.errstate(over="raise" if RANK == REFUSING else "ignore"):
+    if raised == "ValueError":
+        error = "overflow in this worker's own values"
+        errstate = np.errstate(over="call", call=_value_error)
+    else:
+        errstate = np.errstate(over="raise")
+    if RANK != REFUSING:
+        errstate = np.errstate(over="ignore")
+    with anyio.fail_after(20), errstate:
         try:
             await call(strategy, huge)
-        except (FloatingPointError, aioreplica.WorkersDisagree) as exc:
+        except (FloatingPointError, ValueError) as exc:
             message = f"{type(exc).__name__}: {exc}"
         else:
             message = "returned"
     named = "all_reduce" if where == "run()" else "strategy.reduce"
     if RANK == REFUSING:
-        assert message == f"FloatingPointError: {error}", message
+        assert message == f"{raised}: {error}", message
     else:
         assert message.startswith("WorkersDisagree: "), message
         assert f"worker {REFUSING} refused what it was given" in message, message
-        assert f"{named} refusing its arguments: FloatingPointError: {error}" in message, message
+        assert f"{named} refusing its arguments: {raised}: {error}" in message, message
     await assert_in_step(strategy)
