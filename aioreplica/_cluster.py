@@ -2336,13 +2336,11 @@ def _named(detail: str) -> str:
 def _combine(ufunc: np.ufunc, parts: list[np.ndarray[Any, Any]], out: np.ndarray[Any, Any]) -> None:
     """``out`` = the parts combined by ``ufunc`` in their order (workers', or a worker's
     replicas': the same everywhere, and as the host backend reduces)."""
-    count = len(parts)
-    if count == 2:  # (two workers, or two replicas: the common case, at once)
-        ufunc(parts[0], parts[1], out=out)
-    elif count == 1:
+    if len(parts) == 1:
         np.copyto(out, parts[0])
-    else:
-        ufunc(parts[0], parts[1], out=out)
+        return
+    ufunc(parts[0], parts[1], out=out)
+    if len(parts) > 2:  # (two, the common case, make no slice of the rest)
         for part in parts[2:]:
             ufunc(out, part, out=out)
 
